@@ -1,0 +1,274 @@
+//! Records the kernel side writes and the maps both sides share. Plain `#[repr(C)]` data, no logic
+//! beyond the ioctl-number arithmetic both sides must agree on.
+#![no_std]
+
+/// Bytes of an escape's params struct the kernel copies (NVOS32, the largest traced, is 184).
+pub const PARAMS_MAX: usize = 192;
+/// Bytes of an RM_ALLOC class params struct the kernel copies (NV_MEMORY_ALLOCATION_PARAMS is 128).
+pub const CLASS_PARAMS_MAX: usize = 128;
+/// Bytes of an opened path the kernel looks at ("/dev/nvidia-uvm-tools" is 21).
+pub const PATH_MAX: usize = 32;
+
+/// What a file descriptor is, as the kernel map records it.
+pub mod device {
+    /// Asked userspace, no answer yet: ioctls are sent flagged, userspace decides.
+    pub const PENDING: u8 = 0;
+    pub const CTL: u8 = 1;
+    pub const GPU: u8 = 2;
+    pub const UVM: u8 = 3;
+    /// Userspace answered: not an NVIDIA device file. Its ioctls cost one lookup and are never sent.
+    pub const NOT_NVIDIA: u8 = 0xff;
+}
+
+/// Record kinds, first field of every ring buffer record.
+pub mod kind {
+    pub const IOCTL: u32 = 1;
+    pub const OPEN: u32 = 2;
+    pub const CLOSE: u32 = 3;
+    pub const DUP: u32 = 4;
+    pub const CLOSE_RANGE: u32 = 5;
+    pub const FORK: u32 = 6;
+    pub const EXEC: u32 = 7;
+    pub const EXIT: u32 = 8;
+    pub const SET_CLOEXEC: u32 = 9;
+}
+
+/// `IoctlRecord::flags` bits.
+pub mod ioctl_flag {
+    /// First NVIDIA-looking ioctl on a fd the kernel did not know: a question for userspace.
+    pub const QUESTION: u8 = 1;
+    /// The fd's question is not answered yet: userspace keeps the record only if the answer is NVIDIA.
+    pub const PENDING: u8 = 2;
+    /// Reading the params struct from user memory failed.
+    pub const PARAMS_FAULT: u8 = 4;
+    /// Reading the RM_ALLOC class params from user memory failed.
+    pub const CLASS_FAULT: u8 = 8;
+    /// The command came wrapped in NV_ESC_IOCTL_XFER_CMD; `escape_cmd` is the inner one.
+    pub const XFER: u8 = 16;
+}
+
+/// Counters in the STATS per-CPU array.
+pub mod stat {
+    /// Records the ring buffer had no room for.
+    pub const LOST: u32 = 0;
+    pub const QUESTIONS: u32 = 1;
+    pub const COUNT: u32 = 2;
+}
+
+/// `Config` array index 0.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Config {
+    /// Trace every process, not only those in TRACED.
+    pub trace_all: u32,
+    pub _pad: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct Header {
+    pub kind: u32,
+    pub tgid: u32,
+    pub tid: u32,
+    pub _pad: u32,
+    /// CLOCK_MONOTONIC (bpf_ktime_get_ns).
+    pub ts_ns: u64,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct IoctlRecord {
+    pub header: Header,
+    pub fd: i32,
+    /// The request as the process passed it.
+    pub cmd: u32,
+    pub arg: u64,
+    /// ioctl()'s return value.
+    pub ret: i64,
+    /// The command the params belong to: `cmd`, or the XFER wrapper's inner escape re-encoded
+    /// as `_IOWR('F', nr, size)` so one decoder serves both.
+    pub escape_cmd: u32,
+    pub params_len: u32,
+    pub class_len: u32,
+    pub device: u8,
+    pub flags: u8,
+    pub _pad: [u8; 2],
+    /// For RM escapes the struct as the driver left it; for UVM the head window then the tail window.
+    pub params: [u8; PARAMS_MAX],
+    /// For RM_ALLOC the class params behind `pAllocParms`, sized by class.
+    pub class_params: [u8; CLASS_PARAMS_MAX],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct OpenRecord {
+    pub header: Header,
+    pub fd: i32,
+    pub flags: i32,
+    pub device: u8,
+    pub _pad: [u8; 7],
+    pub path: [u8; PATH_MAX],
+}
+
+/// CLOSE (`a` = fd), DUP (`a` = old fd, `b` = new fd, `c` = O_CLOEXEC or 0), CLOSE_RANGE (`a`..=`b`,
+/// `c` = flags), FORK (`a` = child pid), EXIT (`a` = exit code), SET_CLOEXEC (`a` = fd, `b` = 0/1).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct FdRecord {
+    pub header: Header,
+    pub a: i64,
+    pub b: i64,
+    pub c: i64,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct ExecRecord {
+    pub header: Header,
+    pub filename: [u8; 64],
+}
+
+/// Key of the FDS map: one open file descriptor of one process.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct FdKey {
+    pub tgid: u32,
+    pub fd: u32,
+}
+
+/// For a UVM command (the bare number is the map key): which bytes of its params struct to copy.
+/// UVM commands carry no size, and the offsets move between driver versions, so userspace writes
+/// them for the running driver before attaching. A command absent from the map is not traced.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct UvmWindow {
+    pub head_len: u32,
+    pub tail_offset: u32,
+    pub tail_len: u32,
+    pub _pad: u32,
+}
+
+pub const IOC_NRBITS: u32 = 8;
+pub const IOC_TYPEBITS: u32 = 8;
+pub const IOC_SIZEBITS: u32 = 14;
+pub const IOC_NRSHIFT: u32 = 0;
+pub const IOC_TYPESHIFT: u32 = IOC_NRSHIFT + IOC_NRBITS;
+pub const IOC_SIZESHIFT: u32 = IOC_TYPESHIFT + IOC_TYPEBITS;
+pub const IOC_DIRSHIFT: u32 = IOC_SIZESHIFT + IOC_SIZEBITS;
+pub const IOC_READ_WRITE: u32 = 3;
+/// The RM ioctl type byte, 'F'.
+pub const NV_IOCTL_MAGIC: u32 = b'F' as u32;
+
+#[inline(always)]
+pub const fn ioc_nr(cmd: u32) -> u32 {
+    (cmd >> IOC_NRSHIFT) & ((1 << IOC_NRBITS) - 1)
+}
+#[inline(always)]
+pub const fn ioc_type(cmd: u32) -> u32 {
+    (cmd >> IOC_TYPESHIFT) & ((1 << IOC_TYPEBITS) - 1)
+}
+#[inline(always)]
+pub const fn ioc_size(cmd: u32) -> u32 {
+    (cmd >> IOC_SIZESHIFT) & ((1 << IOC_SIZEBITS) - 1)
+}
+#[inline(always)]
+pub const fn ioc_dir(cmd: u32) -> u32 {
+    cmd >> IOC_DIRSHIFT
+}
+/// `_IOWR('F', nr, size)`, the form of every RM escape.
+#[inline(always)]
+pub const fn rm_cmd(nr: u32, size: u32) -> u32 {
+    (IOC_READ_WRITE << IOC_DIRSHIFT) | (size << IOC_SIZESHIFT) | (NV_IOCTL_MAGIC << IOC_TYPESHIFT) | nr
+}
+
+/// The RM escapes gputrace follows (nr), all memory-relevant.
+pub mod escape {
+    pub const RM_ALLOC_MEMORY: u32 = 0x27;
+    pub const RM_FREE: u32 = 0x29;
+    pub const RM_ALLOC: u32 = 0x2b;
+    pub const RM_DUP_OBJECT: u32 = 0x34;
+    pub const RM_VID_HEAP_CONTROL: u32 = 0x4a;
+    pub const REGISTER_FD: u32 = 0xc9;
+    pub const IOCTL_XFER_CMD: u32 = 0xd3;
+}
+
+/// Whether an RM escape number with this params size is one gputrace follows. The sizes are every
+/// size the driver accepts for that escape in any version (NVOS64 was 40 bytes before 535).
+#[inline(always)]
+pub const fn rm_escape_traced(nr: u32, size: u32) -> bool {
+    match nr {
+        escape::RM_ALLOC_MEMORY => size == 56,
+        escape::RM_FREE => size == 16,
+        escape::RM_ALLOC => size == 32 || size == 40 || size == 48,
+        escape::RM_DUP_OBJECT => size == 28,
+        escape::RM_VID_HEAP_CONTROL => size == 184,
+        escape::REGISTER_FD => size == 4,
+        _ => false,
+    }
+}
+
+/// An RM command word worth following: `_IOWR('F', nr, size)` of a traced escape, or the XFER wrapper.
+#[inline(always)]
+pub const fn rm_command_traced(cmd: u32) -> bool {
+    if ioc_type(cmd) != NV_IOCTL_MAGIC || ioc_dir(cmd) != IOC_READ_WRITE {
+        return false;
+    }
+    let nr = ioc_nr(cmd);
+    let size = ioc_size(cmd);
+    (nr == escape::IOCTL_XFER_CMD && size == 16) || rm_escape_traced(nr, size)
+}
+
+/// The UVM commands gputrace follows: CREATE_EXTERNAL_RANGE, MAP_EXTERNAL_ALLOCATION, FREE and
+/// ALLOC_SEMAPHORE_POOL. Arithmetic, so an unknown fd's ioctl is judged without a map lookup.
+pub mod uvm {
+    pub const MAP_EXTERNAL_ALLOCATION: u32 = 33;
+    pub const FREE: u32 = 34;
+    pub const ALLOC_SEMAPHORE_POOL: u32 = 68;
+    pub const CREATE_EXTERNAL_RANGE: u32 = 73;
+}
+
+#[inline(always)]
+pub const fn uvm_command_traced(cmd: u32) -> bool {
+    matches!(
+        cmd,
+        uvm::MAP_EXTERNAL_ALLOCATION | uvm::FREE | uvm::ALLOC_SEMAPHORE_POOL | uvm::CREATE_EXTERNAL_RANGE
+    )
+}
+
+/// nv_ioctl_xfer_t: `cmd@0 size@4 ptr@8`. The inner size limit is NV_ABSOLUTE_MAX_IOCTL_SIZE.
+pub const XFER_SIZE: usize = 16;
+
+#[cfg(feature = "user")]
+mod pod {
+    use super::*;
+    unsafe impl aya::Pod for FdKey {}
+    unsafe impl aya::Pod for UvmWindow {}
+    unsafe impl aya::Pod for Config {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn command_words_match_the_verified_table() {
+        assert_eq!(rm_cmd(escape::RM_ALLOC, 48), 0xc030462b);
+        assert_eq!(rm_cmd(escape::RM_ALLOC, 32), 0xc020462b);
+        assert_eq!(rm_cmd(escape::RM_VID_HEAP_CONTROL, 184), 0xc0b8464a);
+        assert_eq!(rm_cmd(escape::RM_ALLOC_MEMORY, 56), 0xc0384627);
+        assert_eq!(rm_cmd(escape::RM_FREE, 16), 0xc0104629);
+        assert_eq!(rm_cmd(escape::RM_DUP_OBJECT, 28), 0xc01c4634);
+        assert_eq!(rm_cmd(escape::IOCTL_XFER_CMD, 16), 0xc01046d3);
+    }
+
+    #[test]
+    fn only_traced_escapes_look_like_nvidia() {
+        assert!(rm_command_traced(0xc030462b));
+        assert!(rm_command_traced(0xc01046d3));
+        // RM_CONTROL is not memory-relevant; a wrong size is rejected by the driver itself.
+        assert!(!rm_command_traced(0xc020462a));
+        assert!(!rm_command_traced(rm_cmd(escape::RM_FREE, 24)));
+        // TCGETS
+        assert!(!rm_command_traced(0x5401));
+    }
+}

@@ -1,0 +1,405 @@
+//! Bytes to typed events. Two steps: a ring buffer record becomes a [`Raw`] (length-checked, no
+//! unsafe reads past the end), then an ioctl's params become an [`Event`] for the driver's
+//! [`Layout`]. Bad input is an error value, never a panic.
+
+use std::mem::size_of;
+
+use thiserror::Error;
+use tracer_common::{
+    device, escape, ioc_nr, ioc_size, ioctl_flag, kind, uvm, ExecRecord, FdRecord, Header, IoctlRecord, OpenRecord,
+};
+
+use crate::abi::{class, offsets as o, Layout};
+use crate::event::{Alloc, Device, Event, Memory, Via};
+
+#[derive(Debug, Error, PartialEq)]
+pub enum DecodeError {
+    #[error("record of {0} bytes is shorter than its header")]
+    Short(usize),
+    #[error("record kind {kind} needs {need} bytes, got {got}")]
+    Truncated { kind: u32, need: usize, got: usize },
+    #[error("unknown record kind {0}")]
+    UnknownKind(u32),
+}
+
+/// An ioctl as the kernel side captured it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RawIoctl {
+    pub fd: i32,
+    pub cmd: u32,
+    pub escape_cmd: u32,
+    pub ret: i64,
+    /// Known device, or None while the kernel's question about this fd is unanswered.
+    pub device: Option<Device>,
+    pub flags: u8,
+    pub params: Vec<u8>,
+    pub class_params: Vec<u8>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum RawKind {
+    Ioctl(RawIoctl),
+    Open { fd: i32, flags: i32, device: Option<Device>, path: String },
+    Close { fd: i32 },
+    Dup { old_fd: i32, new_fd: i32, cloexec: bool },
+    CloseRange { first: u32, last: u32, flags: u32 },
+    SetCloexec { fd: i32, cloexec: bool },
+    Fork { child: u32 },
+    Exec { filename: String },
+    Exit,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Raw {
+    pub ts: u64,
+    pub pid: u32,
+    pub tid: u32,
+    pub kind: RawKind,
+}
+
+pub fn device_from_kernel(state: u8) -> Option<Device> {
+    match state {
+        device::CTL => Some(Device::Ctl),
+        device::GPU => Some(Device::Gpu),
+        device::UVM => Some(Device::Uvm),
+        _ => None,
+    }
+}
+
+fn read<T: Copy>(bytes: &[u8], kind: u32) -> Result<T, DecodeError> {
+    if bytes.len() < size_of::<T>() {
+        return Err(DecodeError::Truncated { kind, need: size_of::<T>(), got: bytes.len() });
+    }
+    // SAFETY: the length is checked and T is a plain #[repr(C)] record of integers and arrays.
+    Ok(unsafe { std::ptr::read_unaligned(bytes.as_ptr() as *const T) })
+}
+
+fn c_string(bytes: &[u8]) -> String {
+    let end = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
+    String::from_utf8_lossy(&bytes[..end]).into_owned()
+}
+
+/// Parses one ring buffer record.
+pub fn parse_record(bytes: &[u8]) -> Result<Raw, DecodeError> {
+    if bytes.len() < size_of::<Header>() {
+        return Err(DecodeError::Short(bytes.len()));
+    }
+    let header: Header = read(bytes, 0)?;
+    let k = header.kind;
+    let fd_record = || read::<FdRecord>(bytes, k);
+    let raw_kind = match k {
+        kind::IOCTL => {
+            let r: IoctlRecord = read(bytes, k)?;
+            let params_len = (r.params_len as usize).min(r.params.len());
+            let class_len = (r.class_len as usize).min(r.class_params.len());
+            RawKind::Ioctl(RawIoctl {
+                fd: r.fd,
+                cmd: r.cmd,
+                escape_cmd: r.escape_cmd,
+                ret: r.ret,
+                device: device_from_kernel(r.device),
+                flags: r.flags,
+                params: r.params[..params_len].to_vec(),
+                class_params: r.class_params[..class_len].to_vec(),
+            })
+        }
+        kind::OPEN => {
+            let r: OpenRecord = read(bytes, k)?;
+            RawKind::Open { fd: r.fd, flags: r.flags, device: device_from_kernel(r.device), path: c_string(&r.path) }
+        }
+        kind::CLOSE => RawKind::Close { fd: fd_record()?.a as i32 },
+        kind::DUP => {
+            let r = fd_record()?;
+            RawKind::Dup { old_fd: r.a as i32, new_fd: r.b as i32, cloexec: r.c != 0 }
+        }
+        kind::CLOSE_RANGE => {
+            let r = fd_record()?;
+            RawKind::CloseRange { first: r.a as u32, last: r.b as u32, flags: r.c as u32 }
+        }
+        kind::SET_CLOEXEC => {
+            let r = fd_record()?;
+            RawKind::SetCloexec { fd: r.a as i32, cloexec: r.b != 0 }
+        }
+        kind::FORK => RawKind::Fork { child: fd_record()?.a as u32 },
+        kind::EXEC => {
+            let r: ExecRecord = read(bytes, k)?;
+            RawKind::Exec { filename: c_string(&r.filename) }
+        }
+        kind::EXIT => RawKind::Exit,
+        other => return Err(DecodeError::UnknownKind(other)),
+    };
+    Ok(Raw { ts: header.ts_ns, pid: header.tgid, tid: header.tid, kind: raw_kind })
+}
+
+/// Little-endian field reader over a params struct that may be shorter than expected.
+struct Fields<'a>(&'a [u8]);
+
+impl Fields<'_> {
+    fn u32(&self, at: usize) -> Option<u32> {
+        self.0.get(at..at + 4).map(|b| u32::from_le_bytes(b.try_into().unwrap()))
+    }
+    fn u64(&self, at: usize) -> Option<u64> {
+        self.0.get(at..at + 8).map(|b| u64::from_le_bytes(b.try_into().unwrap()))
+    }
+}
+
+fn undecodable(raw: &RawIoctl, reason: impl Into<String>) -> Event {
+    Event::Undecodable { fd: raw.fd, cmd: raw.escape_cmd, reason: reason.into() }
+}
+
+/// The errno when ioctl() itself failed: the driver never ran, the struct holds what the caller wrote.
+fn errno(raw: &RawIoctl) -> Option<i32> {
+    (raw.ret < 0).then_some((-raw.ret) as i32)
+}
+
+/// Decodes one ioctl on a known NVIDIA device. Returns None for escapes that carry nothing for the
+/// model (a failed REGISTER_FD, say).
+pub fn decode_ioctl(layout: &Layout, raw: &RawIoctl) -> Option<Event> {
+    if raw.flags & ioctl_flag::PARAMS_FAULT != 0 {
+        return Some(undecodable(raw, "reading the params from the process's memory failed"));
+    }
+    let p = Fields(&raw.params);
+    let nr = ioc_nr(raw.escape_cmd);
+    let size = ioc_size(raw.escape_cmd);
+    let needed = match (raw.device, raw.cmd) {
+        (Some(Device::Uvm), uvm::CREATE_EXTERNAL_RANGE) => 24,
+        (Some(Device::Uvm), uvm::MAP_EXTERNAL_ALLOCATION) => 40,
+        (Some(Device::Uvm), uvm::ALLOC_SEMAPHORE_POOL) => 28,
+        (Some(Device::Uvm), uvm::FREE) => layout.uvm_free_size as usize,
+        (Some(Device::Uvm), _) => 0,
+        _ => match nr {
+            escape::RM_ALLOC => size.max(32) as usize,
+            escape::RM_FREE => 16,
+            escape::RM_VID_HEAP_CONTROL => 184,
+            escape::RM_ALLOC_MEMORY => 56,
+            escape::RM_DUP_OBJECT => 28,
+            escape::REGISTER_FD => 4,
+            _ => 0,
+        },
+    };
+    if raw.params.len() < needed {
+        return Some(undecodable(raw, format!("params are {} bytes, the layout needs {needed}", raw.params.len())));
+    }
+    if raw.device == Some(Device::Uvm) {
+        return decode_uvm(layout, raw, &p);
+    }
+    match nr {
+        escape::RM_ALLOC => decode_rm_alloc(layout, raw, &p, size),
+        escape::RM_FREE => Some(Event::Free {
+            fd: raw.fd,
+            via: Via::RmFree,
+            client: p.u32(o::FREE_ROOT)?,
+            parent: p.u32(o::FREE_PARENT)?,
+            object: p.u32(o::FREE_OLD)?,
+            status: status_or_errno(raw, p.u32(o::FREE_STATUS)?),
+        }),
+        escape::RM_VID_HEAP_CONTROL => decode_vid_heap(raw, &p),
+        escape::RM_ALLOC_MEMORY => decode_alloc_memory(raw, &p),
+        escape::RM_DUP_OBJECT => Some(Event::DupObject {
+            fd: raw.fd,
+            client: p.u32(o::DUP_CLIENT)?,
+            parent: p.u32(o::DUP_PARENT)?,
+            object: p.u32(o::DUP_OBJECT)?,
+            src_client: p.u32(o::DUP_CLIENT_SRC)?,
+            src_object: p.u32(o::DUP_OBJECT_SRC)?,
+            status: status_or_errno(raw, p.u32(o::DUP_STATUS)?),
+        }),
+        escape::REGISTER_FD => {
+            if raw.ret != 0 {
+                return None;
+            }
+            Some(Event::RegisterFd { fd: raw.fd, ctl_fd: p.u32(o::REGISTER_FD_CTL)? as i32 })
+        }
+        _ => Some(undecodable(raw, "not an escape gputrace follows")),
+    }
+}
+
+/// A failed ioctl() never reached RM, so its status field is whatever the caller left; report the
+/// errno instead as a generic failure.
+fn status_or_errno(raw: &RawIoctl, status: u32) -> u32 {
+    if raw.ret < 0 {
+        crate::abi::status::GENERIC_FAILURE
+    } else {
+        status
+    }
+}
+
+fn decode_rm_alloc(layout: &Layout, raw: &RawIoctl, p: &Fields, size: u32) -> Option<Event> {
+    let status_at = if size == 32 {
+        layout.nvos21_status
+    } else if size == 48 {
+        40
+    } else {
+        layout.nvos64_status
+    };
+    let via = if size == 32 { Via::RmAllocNvos21 } else { Via::RmAllocNvos64 };
+    let client = p.u32(o::ALLOC_ROOT)?;
+    let parent = p.u32(o::ALLOC_PARENT)?;
+    let object = p.u32(o::ALLOC_NEW)?;
+    let hclass = p.u32(o::ALLOC_CLASS)?;
+    let status = status_or_errno(raw, p.u32(status_at)?);
+    let memory = match hclass {
+        class::LOCAL_USER | class::LOCAL_PHYSICAL => Memory::Video,
+        class::SYSTEM | class::OS_DESCRIPTOR => Memory::System,
+        class::NV50_MEMORY_VIRTUAL | class::MEMORY_VIRTUAL | class::MEMORY_FABRIC | class::MULTICAST_FABRIC => {
+            Memory::Virtual
+        }
+        _ => {
+            // A new client's handle is hObjectNew; it is its own root.
+            let client = if class::is_client(hclass) { object } else { client };
+            return Some(Event::Object { fd: raw.fd, client, parent, object, class: hclass, status });
+        }
+    };
+    let c = Fields(&raw.class_params);
+    let bytes = match hclass {
+        class::LOCAL_USER | class::SYSTEM | class::NV50_MEMORY_VIRTUAL => c.u64(o::MEM_SIZE),
+        class::MEMORY_VIRTUAL => c.u64(o::VIRT_LIMIT).map(|l| l.wrapping_add(1)),
+        class::OS_DESCRIPTOR => c.u64(o::OS_DESC_LIMIT).map(|l| l.wrapping_add(1)),
+        class::LOCAL_PHYSICAL => c.u64(o::PHYS_SIZE),
+        class::MEMORY_FABRIC => c.u64(o::FABRIC_SIZE),
+        _ => None,
+    };
+    let Some(bytes) = bytes else {
+        let why = if raw.flags & ioctl_flag::CLASS_FAULT != 0 {
+            "reading the class params behind pAllocParms failed"
+        } else {
+            "the class params behind pAllocParms were not captured"
+        };
+        return Some(undecodable(raw, format!("RM_ALLOC of class {hclass:#x}: {why}")));
+    };
+    Some(Event::Alloc(Alloc {
+        fd: raw.fd,
+        via,
+        memory,
+        bytes,
+        status,
+        client,
+        parent,
+        object,
+        class: hclass,
+        base: None,
+        errno: errno(raw),
+    }))
+}
+
+/// VID_HEAP_CONTROL: RM turns ALLOC_SIZE into an RM_ALLOC of NV50_MEMORY_VIRTUAL (flags VIRTUAL),
+/// LOCAL_USER (attr LOCATION VIDMEM) or SYSTEM (anything else).
+fn decode_vid_heap(raw: &RawIoctl, p: &Fields) -> Option<Event> {
+    let function = p.u32(o::VID_FUNCTION)?;
+    let client = p.u32(o::VID_ROOT)?;
+    let parent = p.u32(o::VID_PARENT)?;
+    let object = p.u32(o::VID_HMEMORY)?;
+    let status = status_or_errno(raw, p.u32(o::VID_STATUS)?);
+    match function {
+        o::VID_FUNCTION_ALLOC_SIZE => {
+            let flags = p.u32(o::VID_FLAGS)?;
+            let attr = p.u32(o::VID_ATTR)?;
+            let (memory, class) = if flags & o::VID_ALLOC_FLAGS_VIRTUAL != 0 {
+                (Memory::Virtual, class::NV50_MEMORY_VIRTUAL)
+            } else if (attr >> o::ATTR_LOCATION_SHIFT) & 3 == o::ATTR_LOCATION_VIDMEM {
+                (Memory::Video, class::LOCAL_USER)
+            } else {
+                (Memory::System, class::SYSTEM)
+            };
+            Some(Event::Alloc(Alloc {
+                fd: raw.fd,
+                via: Via::VidHeapControl,
+                memory,
+                bytes: p.u64(o::VID_SIZE)?,
+                status,
+                client,
+                parent,
+                object,
+                class,
+                base: None,
+                errno: errno(raw),
+            }))
+        }
+        o::VID_FUNCTION_FREE => {
+            Some(Event::Free { fd: raw.fd, via: Via::VidHeapControl, client, parent, object, status })
+        }
+        // INFO and the rest change nothing.
+        _ => None,
+    }
+}
+
+fn decode_alloc_memory(raw: &RawIoctl, p: &Fields) -> Option<Event> {
+    let hclass = p.u32(o::NVOS02_CLASS)?;
+    let flags = p.u32(o::NVOS02_FLAGS)?;
+    let memory = match hclass {
+        class::LOCAL_USER | class::LOCAL_PRIVILEGED => Memory::Video,
+        class::SYSTEM | class::OS_DESCRIPTOR
+            if (flags >> o::NVOS02_LOCATION_SHIFT) & 0xf == o::NVOS02_LOCATION_VIDMEM =>
+        {
+            Memory::Video
+        }
+        _ => Memory::System,
+    };
+    Some(Event::Alloc(Alloc {
+        fd: raw.fd,
+        via: Via::RmAllocMemory,
+        memory,
+        bytes: p.u64(o::NVOS02_LIMIT)?.wrapping_add(1),
+        status: status_or_errno(raw, p.u32(o::NVOS02_STATUS)?),
+        client: p.u32(o::NVOS02_ROOT)?,
+        parent: p.u32(o::NVOS02_PARENT)?,
+        object: p.u32(o::NVOS02_NEW)?,
+        class: hclass,
+        base: None,
+        errno: errno(raw),
+    }))
+}
+
+/// UVM params arrive as the head window followed by the 16-byte tail window (see
+/// `Layout::uvm_windows`).
+fn decode_uvm(layout: &Layout, raw: &RawIoctl, p: &Fields) -> Option<Event> {
+    let uvm_alloc = |via, memory, base: u64, length: u64, status: u32| {
+        Event::Alloc(Alloc {
+            fd: raw.fd,
+            via,
+            memory,
+            bytes: length,
+            status: status_or_errno(raw, status),
+            client: 0,
+            parent: 0,
+            object: 0,
+            class: 0,
+            base: Some(base),
+            errno: errno(raw),
+        })
+    };
+    let base = p.u64(o::UVM_BASE)?;
+    match raw.cmd {
+        uvm::CREATE_EXTERNAL_RANGE => Some(uvm_alloc(
+            Via::UvmCreateExternalRange,
+            Memory::Virtual,
+            base,
+            p.u64(o::UVM_LENGTH)?,
+            p.u32(o::UVM_CREATE_RANGE_STATUS)?,
+        )),
+        uvm::ALLOC_SEMAPHORE_POOL => {
+            // head 16 bytes (base, length), then gpuAttributesCount(8) rmStatus(4) pad(4)
+            Some(uvm_alloc(Via::UvmAllocSemaphorePool, Memory::System, base, p.u64(o::UVM_LENGTH)?, p.u32(16 + 8)?))
+        }
+        uvm::MAP_EXTERNAL_ALLOCATION => {
+            // head 24 bytes (base, length, offset), then rmCtrlFd hClient hMemory rmStatus
+            Some(Event::UvmMap {
+                fd: raw.fd,
+                base,
+                length: p.u64(o::UVM_LENGTH)?,
+                offset: p.u64(o::UVM_OFFSET)?,
+                client: p.u32(24 + 4)?,
+                memory: p.u32(24 + 8)?,
+                status: status_or_errno(raw, p.u32(24 + 12)?),
+            })
+        }
+        uvm::FREE => {
+            let status_at = layout.uvm_free_size as usize - 8;
+            Some(Event::UvmFree { fd: raw.fd, base, status: status_or_errno(raw, p.u32(status_at)?) })
+        }
+        _ => Some(undecodable(raw, "not a UVM command gputrace follows")),
+    }
+}
+
+#[cfg(test)]
+mod tests;

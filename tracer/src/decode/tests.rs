@@ -1,0 +1,278 @@
+use tracer_common::{rm_cmd, CLASS_PARAMS_MAX, PARAMS_MAX};
+
+use super::*;
+use crate::abi::{status, DriverVersion};
+
+fn layout(major: u32, minor: u32, patch: u32) -> Layout {
+    Layout::for_version(DriverVersion::new(major, minor, patch))
+}
+
+/// A params struct of `size` bytes with fields written at their verified offsets.
+struct Buf(Vec<u8>);
+impl Buf {
+    fn new(size: usize) -> Self {
+        Buf(vec![0; size])
+    }
+    fn u32(mut self, at: usize, v: u32) -> Self {
+        self.0[at..at + 4].copy_from_slice(&v.to_le_bytes());
+        self
+    }
+    fn u64(mut self, at: usize, v: u64) -> Self {
+        self.0[at..at + 8].copy_from_slice(&v.to_le_bytes());
+        self
+    }
+}
+
+fn rm(nr: u32, params: Buf, class_params: Vec<u8>) -> RawIoctl {
+    let size = params.0.len() as u32;
+    RawIoctl {
+        fd: 7,
+        cmd: rm_cmd(nr, size),
+        escape_cmd: rm_cmd(nr, size),
+        ret: 0,
+        device: Some(Device::Ctl),
+        flags: 0,
+        params: params.0,
+        class_params,
+    }
+}
+
+fn uvm_raw(cmd: u32, params: Buf) -> RawIoctl {
+    RawIoctl { fd: 9, cmd, escape_cmd: cmd, ret: 0, device: Some(Device::Uvm), flags: 0, params: params.0, class_params: vec![] }
+}
+
+fn memory_params(layout: &Layout, bytes: u64) -> Vec<u8> {
+    Buf::new(layout.memory_params_size as usize).u64(64, bytes).0
+}
+
+fn alloc(event: Option<Event>) -> Alloc {
+    match event {
+        Some(Event::Alloc(a)) => a,
+        other => panic!("expected an allocation, got {other:?}"),
+    }
+}
+
+/// NVOS21 for each branch: status @24 before 535, @28 from 535 on.
+#[test]
+fn rm_alloc_nvos21_status_moves_at_535() {
+    for (l, status_at) in [(layout(515, 65, 1), 24), (layout(525, 60, 13), 24), (layout(535, 104, 5), 28), (layout(580, 95, 5), 28)] {
+        let params = Buf::new(32).u32(0, 0xc1d00001).u32(4, 0xbeef0001).u32(8, 0xcafe0001).u32(12, 0x40).u32(status_at, status::NO_MEMORY);
+        let a = alloc(decode_ioctl(&l, &rm(escape::RM_ALLOC, params, memory_params(&l, 20 << 20))));
+        assert_eq!(a.via, Via::RmAllocNvos21);
+        assert_eq!((a.client, a.parent, a.object, a.class), (0xc1d00001, 0xbeef0001, 0xcafe0001, 0x40));
+        assert_eq!(a.memory, Memory::Video);
+        assert_eq!(a.bytes, 20 << 20);
+        assert_eq!(a.status, status::NO_MEMORY, "status for {l:?}");
+        assert!(!a.succeeded());
+    }
+}
+
+/// NVOS64: 40 bytes with status @32 (515) or @36 (525); 48 bytes with status @40 from 535.
+#[test]
+fn rm_alloc_nvos64_every_variant() {
+    for (l, size, status_at) in [(layout(515, 65, 1), 40, 32), (layout(525, 60, 13), 40, 36), (layout(535, 104, 5), 48, 40), (layout(595, 45, 4), 48, 40)] {
+        let params = Buf::new(size).u32(0, 1).u32(4, 2).u32(8, 3).u32(12, 0x3e).u32(status_at, 0);
+        let a = alloc(decode_ioctl(&l, &rm(escape::RM_ALLOC, params, memory_params(&l, 4096))));
+        assert_eq!(a.via, Via::RmAllocNvos64);
+        assert_eq!(a.memory, Memory::System);
+        assert_eq!(a.bytes, 4096);
+        assert!(a.succeeded());
+    }
+}
+
+#[test]
+fn rm_alloc_sizes_every_memory_class() {
+    let l = layout(580, 95, 5);
+    let cases: [(u32, Vec<u8>, Memory, u64); 6] = [
+        (0x50a0, memory_params(&l, 1 << 30), Memory::Virtual, 1 << 30),
+        (0x70, Buf::new(24).u64(8, 0x1ffffffffffff).0, Memory::Virtual, 0x2000000000000),
+        (0x71, Buf::new(40).u64(24, 65535).0, Memory::System, 65536),
+        (0xc2, Buf::new(24).u64(0, 2 << 20).0, Memory::Video, 2 << 20),
+        (0xf8, Buf::new(48).u64(8, 512 << 20).0, Memory::Virtual, 512 << 20),
+        (0x40, memory_params(&l, 7), Memory::Video, 7),
+    ];
+    for (hclass, class_params, memory, bytes) in cases {
+        let params = Buf::new(48).u32(12, hclass);
+        let a = alloc(decode_ioctl(&l, &rm(escape::RM_ALLOC, params, class_params)));
+        assert_eq!((a.class, a.memory, a.bytes), (hclass, memory, bytes), "class {hclass:#x}");
+    }
+}
+
+#[test]
+fn rm_alloc_of_a_client_is_an_object_rooted_at_itself() {
+    let l = layout(580, 95, 5);
+    let params = Buf::new(32).u32(0, 0).u32(4, 0).u32(8, 0xc1d00042).u32(12, 0x41);
+    assert_eq!(
+        decode_ioctl(&l, &rm(escape::RM_ALLOC, params, vec![])),
+        Some(Event::Object { fd: 7, client: 0xc1d00042, parent: 0, object: 0xc1d00042, class: 0x41, status: 0 })
+    );
+}
+
+#[test]
+fn rm_alloc_without_class_params_says_why() {
+    let l = layout(580, 95, 5);
+    let mut raw = rm(escape::RM_ALLOC, Buf::new(48).u32(12, 0x40), vec![]);
+    raw.flags = ioctl_flag::CLASS_FAULT;
+    match decode_ioctl(&l, &raw) {
+        Some(Event::Undecodable { reason, .. }) => assert!(reason.contains("pAllocParms failed"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn vid_heap_control_alloc_size_by_location_and_flags() {
+    let l = layout(525, 60, 13);
+    let base = || Buf::new(184).u32(0, 0xc1d0).u32(4, 0xde71).u32(8, 2).u32(20, 0).u32(44, 0xabc).u64(88, 3 << 30);
+    let video = alloc(decode_ioctl(&l, &rm(escape::RM_VID_HEAP_CONTROL, base().u32(56, 0), vec![])));
+    assert_eq!((video.memory, video.bytes, video.object, video.client), (Memory::Video, 3 << 30, 0xabc, 0xc1d0));
+    let pci = alloc(decode_ioctl(&l, &rm(escape::RM_VID_HEAP_CONTROL, base().u32(56, 1 << 25), vec![])));
+    assert_eq!(pci.memory, Memory::System);
+    let virt = alloc(decode_ioctl(&l, &rm(escape::RM_VID_HEAP_CONTROL, base().u32(52, 0x80000), vec![])));
+    assert_eq!(virt.memory, Memory::Virtual);
+    let failed = alloc(decode_ioctl(&l, &rm(escape::RM_VID_HEAP_CONTROL, base().u32(20, status::NO_MEMORY), vec![])));
+    assert_eq!(failed.status, status::NO_MEMORY);
+}
+
+#[test]
+fn vid_heap_control_free_and_info() {
+    let l = layout(580, 95, 5);
+    let free = Buf::new(184).u32(0, 1).u32(4, 2).u32(8, 3).u32(44, 0xabc);
+    assert_eq!(
+        decode_ioctl(&l, &rm(escape::RM_VID_HEAP_CONTROL, free, vec![])),
+        Some(Event::Free { fd: 7, via: Via::VidHeapControl, client: 1, parent: 2, object: 0xabc, status: 0 })
+    );
+    assert_eq!(decode_ioctl(&l, &rm(escape::RM_VID_HEAP_CONTROL, Buf::new(184).u32(8, 5), vec![])), None);
+}
+
+#[test]
+fn rm_alloc_memory_is_limit_plus_one() {
+    let l = layout(580, 95, 5);
+    let params = Buf::new(56).u32(0, 1).u32(4, 2).u32(8, 3).u32(12, 0x71).u64(24, 0x7f0000000000).u64(32, (64 << 20) - 1).u32(40, 0).u32(48, 5);
+    let a = alloc(decode_ioctl(&l, &rm(escape::RM_ALLOC_MEMORY, params, vec![])));
+    assert_eq!((a.via, a.memory, a.bytes, a.object), (Via::RmAllocMemory, Memory::System, 64 << 20, 3));
+}
+
+#[test]
+fn rm_free_and_dup() {
+    let l = layout(580, 95, 5);
+    let free = Buf::new(16).u32(0, 0xc1d0).u32(4, 0xc1d0).u32(8, 0xc1d0).u32(12, 0);
+    assert_eq!(
+        decode_ioctl(&l, &rm(escape::RM_FREE, free, vec![])),
+        Some(Event::Free { fd: 7, via: Via::RmFree, client: 0xc1d0, parent: 0xc1d0, object: 0xc1d0, status: 0 })
+    );
+    let dup = Buf::new(28).u32(0, 10).u32(4, 11).u32(8, 12).u32(12, 20).u32(16, 21).u32(24, 0);
+    assert_eq!(
+        decode_ioctl(&l, &rm(escape::RM_DUP_OBJECT, dup, vec![])),
+        Some(Event::DupObject { fd: 7, client: 10, parent: 11, object: 12, src_client: 20, src_object: 21, status: 0 })
+    );
+}
+
+#[test]
+fn failed_ioctl_reports_errno_not_the_stale_status() {
+    let l = layout(580, 95, 5);
+    let mut raw = rm(escape::RM_ALLOC, Buf::new(48).u32(12, 0x40), memory_params(&l, 4096));
+    raw.ret = -14;
+    let a = alloc(decode_ioctl(&l, &raw));
+    assert_eq!(a.errno, Some(14));
+    assert_eq!(a.status, status::GENERIC_FAILURE);
+    assert!(!a.succeeded());
+}
+
+#[test]
+fn uvm_commands_for_both_free_layouts() {
+    for (l, free_size) in [(layout(580, 95, 5), 24), (layout(590, 44, 1), 16)] {
+        let range = Buf::new(24).u64(0, 0x7000_0000_0000).u64(8, 1 << 30).u32(16, 0);
+        let a = alloc(decode_ioctl(&l, &uvm_raw(uvm::CREATE_EXTERNAL_RANGE, range)));
+        assert_eq!((a.memory, a.bytes, a.base), (Memory::Virtual, 1 << 30, Some(0x7000_0000_0000)));
+
+        // head (base, length, offset) + tail (rmCtrlFd, hClient, hMemory, rmStatus)
+        let map = Buf::new(40).u64(0, 0x7000_0000_0000).u64(8, 1 << 30).u64(16, 0).u32(24, 3).u32(28, 0xc1d0).u32(32, 0xabc).u32(36, 0);
+        assert_eq!(
+            decode_ioctl(&l, &uvm_raw(uvm::MAP_EXTERNAL_ALLOCATION, map)),
+            Some(Event::UvmMap { fd: 9, base: 0x7000_0000_0000, length: 1 << 30, offset: 0, client: 0xc1d0, memory: 0xabc, status: 0 })
+        );
+
+        let pool = Buf::new(32).u64(0, 0x7100_0000_0000).u64(8, 2 << 20).u64(16, 1).u32(24, status::NO_MEMORY);
+        let a = alloc(decode_ioctl(&l, &uvm_raw(uvm::ALLOC_SEMAPHORE_POOL, pool)));
+        assert_eq!((a.via, a.memory, a.bytes, a.status), (Via::UvmAllocSemaphorePool, Memory::System, 2 << 20, status::NO_MEMORY));
+
+        let free = Buf::new(free_size).u64(0, 0x7000_0000_0000).u32(free_size - 8, 0);
+        assert_eq!(decode_ioctl(&l, &uvm_raw(uvm::FREE, free)), Some(Event::UvmFree { fd: 9, base: 0x7000_0000_0000, status: 0 }));
+    }
+}
+
+#[test]
+fn short_params_are_undecodable_not_a_panic() {
+    let l = layout(580, 95, 5);
+    for nr in [escape::RM_ALLOC, escape::RM_FREE, escape::RM_VID_HEAP_CONTROL, escape::RM_ALLOC_MEMORY, escape::RM_DUP_OBJECT] {
+        let mut raw = rm(nr, Buf::new(48), vec![]);
+        raw.params.truncate(3);
+        assert!(matches!(decode_ioctl(&l, &raw), Some(Event::Undecodable { .. })), "escape {nr:#x}");
+    }
+    let mut raw = uvm_raw(uvm::FREE, Buf::new(24));
+    raw.params.truncate(4);
+    assert!(matches!(decode_ioctl(&l, &raw), Some(Event::Undecodable { .. })));
+}
+
+fn ioctl_record_bytes(escape_cmd: u32, flags: u8, params: &[u8]) -> Vec<u8> {
+    let mut r = IoctlRecord {
+        header: Header { kind: kind::IOCTL, tgid: 100, tid: 101, _pad: 0, ts_ns: 5_000 },
+        fd: 4,
+        cmd: rm_cmd(escape::IOCTL_XFER_CMD, 16),
+        arg: 0x7fff0000,
+        ret: 0,
+        escape_cmd,
+        params_len: params.len() as u32,
+        class_len: 0,
+        device: device::CTL,
+        flags,
+        _pad: [0; 2],
+        params: [0; PARAMS_MAX],
+        class_params: [0; CLASS_PARAMS_MAX],
+    };
+    r.params[..params.len()].copy_from_slice(params);
+    let bytes = unsafe { std::slice::from_raw_parts(&r as *const IoctlRecord as *const u8, size_of::<IoctlRecord>()) };
+    bytes.to_vec()
+}
+
+/// The kernel unwraps NV_ESC_IOCTL_XFER_CMD and re-encodes the inner escape; decoding then goes
+/// through the same path as a direct call.
+#[test]
+fn xfer_wrapped_free_decodes_like_a_direct_one() {
+    let free = Buf::new(16).u32(0, 1).u32(4, 2).u32(8, 3).0;
+    let bytes = ioctl_record_bytes(rm_cmd(escape::RM_FREE, 16), ioctl_flag::XFER, &free);
+    let raw = parse_record(&bytes).unwrap();
+    assert_eq!((raw.ts, raw.pid, raw.tid), (5_000, 100, 101));
+    let RawKind::Ioctl(ioctl) = raw.kind else { panic!() };
+    assert_eq!(
+        decode_ioctl(&layout(580, 95, 5), &ioctl),
+        Some(Event::Free { fd: 4, via: Via::RmFree, client: 1, parent: 2, object: 3, status: 0 })
+    );
+}
+
+#[test]
+fn truncated_and_unknown_records_are_errors() {
+    let bytes = ioctl_record_bytes(rm_cmd(escape::RM_FREE, 16), 0, &[0; 16]);
+    assert!(matches!(parse_record(&bytes[..100]), Err(DecodeError::Truncated { .. })));
+    assert_eq!(parse_record(&bytes[..3]), Err(DecodeError::Short(3)));
+    let mut unknown = bytes.clone();
+    unknown[0] = 99;
+    assert_eq!(parse_record(&unknown), Err(DecodeError::UnknownKind(99)));
+}
+
+#[test]
+fn params_fault_is_reported() {
+    let mut raw = rm(escape::RM_FREE, Buf::new(16), vec![]);
+    raw.flags = ioctl_flag::PARAMS_FAULT;
+    assert!(matches!(decode_ioctl(&layout(580, 95, 5), &raw), Some(Event::Undecodable { .. })));
+}
+
+proptest::proptest! {
+    /// Any bytes, any command: decoding returns, never panics.
+    #[test]
+    fn arbitrary_input_never_panics(cmd in proptest::prelude::any::<u32>(), params in proptest::collection::vec(0u8..=255, 0..200), uvm in proptest::bool::ANY) {
+        let raw = RawIoctl { fd: 1, cmd, escape_cmd: cmd, ret: 0, device: Some(if uvm { Device::Uvm } else { Device::Ctl }), flags: 0, params: params.clone(), class_params: params.clone() };
+        let _ = decode_ioctl(&layout(580, 95, 5), &raw);
+        let _ = parse_record(&params);
+    }
+}

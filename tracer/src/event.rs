@@ -1,0 +1,158 @@
+//! Typed events: what decode produces, what the trace stores (one per record) and what the model
+//! consumes. Nothing here knows about BPF records or byte offsets.
+
+use serde::{Deserialize, Serialize};
+
+/// One event, where and when it happened. `ts` is CLOCK_MONOTONIC in nanoseconds, the clock of
+/// bpf_ktime_get_ns; the trace header maps it to wall-clock time.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Record {
+    pub ts: u64,
+    pub pid: u32,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub tid: u32,
+    #[serde(flatten)]
+    pub event: Event,
+    /// The params bytes as the kernel copied them, hex, when recorded with `--raw`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub raw: Option<String>,
+}
+
+fn is_zero(v: &u32) -> bool {
+    *v == 0
+}
+fn is_false(v: &bool) -> bool {
+    !*v
+}
+
+/// Which NVIDIA device file an fd refers to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Device {
+    /// /dev/nvidiactl: RM clients live on its open files.
+    Ctl,
+    /// /dev/nvidiaN.
+    Gpu,
+    /// /dev/nvidia-uvm: one VA space per open file.
+    Uvm,
+}
+
+/// What an allocation holds. Virtual address space is never counted as physical memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Memory {
+    Video,
+    System,
+    Virtual,
+}
+
+impl Memory {
+    pub const ALL: [Memory; 3] = [Memory::Video, Memory::System, Memory::Virtual];
+    pub fn name(self) -> &'static str {
+        match self {
+            Memory::Video => "video",
+            Memory::System => "system",
+            Memory::Virtual => "virtual",
+        }
+    }
+}
+
+/// The driver call an allocation came through.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Via {
+    /// NV_ESC_RM_ALLOC with the 32-byte NVOS21.
+    RmAllocNvos21,
+    /// NV_ESC_RM_ALLOC with NVOS64 (48 bytes; 40 before 535).
+    RmAllocNvos64,
+    /// NV_ESC_RM_VID_HEAP_CONTROL, ALLOC_SIZE or FREE.
+    VidHeapControl,
+    /// NV_ESC_RM_ALLOC_MEMORY (NVOS02) on /dev/nvidiaN.
+    RmAllocMemory,
+    /// NV_ESC_RM_FREE.
+    RmFree,
+    UvmCreateExternalRange,
+    UvmAllocSemaphorePool,
+    UvmFree,
+}
+
+/// How the process was first seen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Seen {
+    /// Started by `gputrace record -- CMD`.
+    Launched,
+    /// Already running when tracing began (`--pid`, `--all`).
+    Running,
+    /// Forked by a traced process.
+    Forked,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "ev", rename_all = "snake_case")]
+pub enum Event {
+    /// A process enters the trace. `command` is its argv (empty when it exited before it was read).
+    Process { ppid: u32, seen: Seen, command: Vec<String> },
+    Exec { command: Vec<String> },
+    /// The whole process is gone; its file descriptors with it. `code` when the recorder reaped it.
+    Exit {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        code: Option<i32>,
+    },
+    /// An NVIDIA device file opened while tracing. `file` names the open file description.
+    Open { fd: i32, file: u64, device: Device, #[serde(default, skip_serializing_if = "is_false")] cloexec: bool },
+    /// An NVIDIA fd learned another way: the /proc scan at start, or the kernel's question about a
+    /// fd it had not seen opened (inherited, received over a socket). `file` is the description it
+    /// shares, when gputrace already knew it.
+    FdFound { fd: i32, file: u64, device: Device },
+    Dup { old_fd: i32, new_fd: i32, #[serde(default, skip_serializing_if = "is_false")] cloexec: bool },
+    Close { fd: i32 },
+    /// close_range(first, last): closes, or with `cloexec_only` marks close-on-exec.
+    CloseRange { first: u32, last: u32, #[serde(default, skip_serializing_if = "is_false")] cloexec_only: bool },
+    SetCloexec { fd: i32, cloexec: bool },
+    /// An RM object that is not memory: a client, device, VA space, channel group...
+    Object { fd: i32, client: u32, parent: u32, object: u32, class: u32, status: u32 },
+    /// Memory, or address space, requested from the driver; `status` != 0 means it failed.
+    Alloc(Alloc),
+    /// NV_ESC_RM_FREE (the handle and everything under it) or VID_HEAP_CONTROL FREE.
+    Free { fd: i32, via: Via, client: u32, parent: u32, object: u32, status: u32 },
+    /// RM_DUP_OBJECT: a second handle to the same memory, not new memory.
+    DupObject { fd: i32, client: u32, parent: u32, object: u32, src_client: u32, src_object: u32, status: u32 },
+    /// REGISTER_FD: /dev/nvidiaN fd `fd` joined the ctl fd `ctl_fd`.
+    RegisterFd { fd: i32, ctl_fd: i32 },
+    /// UVM_MAP_EXTERNAL_ALLOCATION: RM memory mapped into a UVM range; not new memory.
+    UvmMap { fd: i32, base: u64, length: u64, offset: u64, client: u32, memory: u32, status: u32 },
+    /// UVM_FREE: destroys the UVM range that starts at `base`.
+    UvmFree { fd: i32, base: u64, status: u32 },
+    /// A driver call gputrace follows but could not read (user memory fault, unknown size).
+    Undecodable { fd: i32, cmd: u32, reason: String },
+    /// Records the kernel side dropped since the last such event (ring buffer full).
+    Lost { records: u64 },
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Alloc {
+    pub fd: i32,
+    pub via: Via,
+    pub memory: Memory,
+    pub bytes: u64,
+    /// NV_STATUS (RM) or rmStatus (UVM). Non-zero: the driver refused.
+    pub status: u32,
+    /// RM identity (0 for UVM ranges).
+    pub client: u32,
+    pub parent: u32,
+    pub object: u32,
+    pub class: u32,
+    /// UVM ranges: the range's base address.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base: Option<u64>,
+    /// ioctl() itself failed with this errno (the driver never looked at the request).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub errno: Option<i32>,
+}
+
+impl Alloc {
+    pub fn succeeded(&self) -> bool {
+        self.status == 0 && self.errno.is_none()
+    }
+}

@@ -1,0 +1,7 @@
+//! gputrace: follows every NVIDIA GPU memory allocation and free through the driver's ioctls.
+//!
+//! Data flows one way: kernel records -> [`decode`] -> [`event`]s -> [`trace`] file -> [`model`]
+//! -> summaries and reports.
+pub mod abi;
+pub mod decode;
+pub mod event;
