@@ -47,6 +47,14 @@ pub mod ioctl_flag {
     pub const XFER: u8 = 16;
 }
 
+/// Values of the TRACED map.
+pub mod traced {
+    pub const YES: u8 = 1;
+    /// A new child of a traced process whose inherited NVIDIA fds userspace has not yet copied
+    /// into FDS: its closes of fds the kernel does not know are sent, so none is missed.
+    pub const INHERITING: u8 = 2;
+}
+
 /// Counters in the STATS per-CPU array.
 pub mod stat {
     /// Records the ring buffer had no room for.
@@ -110,7 +118,7 @@ pub struct OpenRecord {
     pub path: [u8; PATH_MAX],
 }
 
-/// CLOSE (`a` = fd), DUP (`a` = old fd, `b` = new fd, `c` = O_CLOEXEC or 0), CLOSE_RANGE (`a`..=`b`,
+/// CLOSE (`a` = fd, `b` = 1 when the kernel did not know the fd), DUP (`a` = old fd, `b` = new fd, `c` = O_CLOEXEC or 0), CLOSE_RANGE (`a`..=`b`,
 /// `c` = flags), FORK (`a` = child pid), EXIT (`a` = exit code), SET_CLOEXEC (`a` = fd, `b` = 0/1).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]

@@ -18,7 +18,7 @@ use aya_ebpf::{
 };
 use tracer_common::{
     device, escape, ioc_nr, ioc_size, ioctl_flag, kind, rm_cmd, rm_command_traced, rm_escape_traced,
-    stat, uvm_command_traced, Config, ExecRecord, FdKey, FdRecord, Header, IoctlRecord, OpenRecord,
+    stat, traced, uvm_command_traced, Config, ExecRecord, FdKey, FdRecord, Header, IoctlRecord, OpenRecord,
     UvmWindow, CLASS_PARAMS_MAX, PARAMS_MAX, PATH_MAX, XFER_SIZE,
 };
 
@@ -27,7 +27,7 @@ static EVENTS: RingBuf = RingBuf::with_byte_size(16 << 20, 0);
 /// What each (process, fd) is; absent means never seen.
 #[map]
 static FDS: HashMap<FdKey, u8> = HashMap::with_max_entries(1 << 16, 0);
-/// Processes being traced (tgid), unless Config::trace_all.
+/// Processes being traced (tgid → `traced::*`), unless Config::trace_all.
 #[map]
 static TRACED: HashMap<u32, u8> = HashMap::with_max_entries(1 << 15, 0);
 #[map]
@@ -87,7 +87,7 @@ fn bump(index: u32) {
 }
 
 #[inline(always)]
-fn traced(tgid: u32) -> bool {
+fn is_traced(tgid: u32) -> bool {
     if let Some(config) = CONFIG.get(0) {
         if config.trace_all != 0 {
             return true;
@@ -171,7 +171,7 @@ pub fn ioctl_enter(ctx: TracePointContext) -> u32 {
             (state, 0)
         }
         None => {
-            if !looks_nvidia(cmd) || !traced(tgid) {
+            if !looks_nvidia(cmd) || !is_traced(tgid) {
                 return 0;
             }
             // Inherited, dup'ed before tracing or received over a socket: ask once.
@@ -322,7 +322,7 @@ fn classify(path: &[u8; PATH_MAX]) -> Option<u8> {
 
 fn open_enter(ctx: &TracePointContext, path_offset: usize, flags_offset: usize) -> u32 {
     let pid_tgid = bpf_get_current_pid_tgid();
-    if !traced((pid_tgid >> 32) as u32) {
+    if !is_traced((pid_tgid >> 32) as u32) {
         return 0;
     }
     let filename: u64 = arg(ctx, path_offset);
@@ -374,14 +374,22 @@ pub fn open_exit(ctx: TracePointContext) -> u32 {
     0
 }
 
-/// Forgets what `fd` was; tells userspace when it was an NVIDIA file (a reference dropped).
+/// Forgets what `fd` was; tells userspace when it was an NVIDIA file (a reference dropped), or
+/// when it may be one inherited by a child whose fds userspace has not copied yet.
 #[inline(always)]
 fn forget_fd(tgid: u32, fd: u32) {
     let key = FdKey { tgid, fd };
-    if let Some(&state) = unsafe { FDS.get(&key) } {
-        let _ = FDS.remove(&key);
-        if is_nvidia(state) {
-            send_fd_record(kind::CLOSE, fd as i64, 0, 0);
+    match unsafe { FDS.get(&key) } {
+        Some(&state) => {
+            let _ = FDS.remove(&key);
+            if is_nvidia(state) {
+                send_fd_record(kind::CLOSE, fd as i64, 0, 0);
+            }
+        }
+        None => {
+            if unsafe { TRACED.get(&tgid) } == Some(&traced::INHERITING) {
+                send_fd_record(kind::CLOSE, fd as i64, 1, 0);
+            }
         }
     }
 }
@@ -471,7 +479,7 @@ pub fn dup_exit(ctx: TracePointContext) -> u32 {
 /// The range may be huge (3..~0), so userspace, which mirrors FDS, does the forgetting.
 #[tracepoint]
 pub fn close_range_enter(ctx: TracePointContext) -> u32 {
-    if !traced((bpf_get_current_pid_tgid() >> 32) as u32) {
+    if !is_traced((bpf_get_current_pid_tgid() >> 32) as u32) {
         return 0;
     }
     let first: u64 = arg(&ctx, 16);
@@ -491,18 +499,18 @@ pub fn task_newtask(ctx: TracePointContext) -> u32 {
         return 0;
     }
     let parent = (bpf_get_current_pid_tgid() >> 32) as u32;
-    if !traced(parent) {
+    if !is_traced(parent) {
         return 0;
     }
     let child: i32 = arg(&ctx, 8);
-    let _ = TRACED.insert(&(child as u32), &1, 0);
+    let _ = TRACED.insert(&(child as u32), &traced::INHERITING, 0);
     send_fd_record(kind::FORK, child as i64, 0, 0);
     0
 }
 
 #[tracepoint]
 pub fn process_exec(ctx: TracePointContext) -> u32 {
-    if !traced((bpf_get_current_pid_tgid() >> 32) as u32) {
+    if !is_traced((bpf_get_current_pid_tgid() >> 32) as u32) {
         return 0;
     }
     let Some(mut entry) = EVENTS.reserve::<ExecRecord>(0) else {
@@ -526,7 +534,7 @@ pub fn process_exit(ctx: TracePointContext) -> u32 {
         return 0;
     }
     let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
-    if !traced(tgid) {
+    if !is_traced(tgid) {
         return 0;
     }
     let _ = TRACED.remove(&tgid);

@@ -5,3 +5,8 @@
 pub mod abi;
 pub mod decode;
 pub mod event;
+pub mod model;
+pub mod trace;
+pub mod probe;
+pub mod files;
+pub mod pipeline;

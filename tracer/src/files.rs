@@ -1,0 +1,431 @@
+//! Which NVIDIA file each traced fd refers to, decided at record time, when /proc and kcmp(2) can
+//! still be asked. It answers the kernel's questions about fds it did not see opened, gives each
+//! open file description an identity (so a dup, a fork or a descriptor received over a socket is
+//! known to share it), and mirrors the kernel's fd map so it can clean up what the kernel cannot
+//! iterate (close_range, exec, exit).
+//!
+//! Every change to the kernel map is returned as a [`KernelUpdate`], so this logic runs in tests
+//! without root.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use tracer_common::device;
+
+use crate::event::{Device, Event, Seen};
+
+/// What a resolver knows about running processes (the real one reads /proc and calls kcmp).
+pub trait Resolver {
+    /// The path an open fd refers to, None when the process or fd is gone.
+    fn fd_path(&self, pid: u32, fd: i32) -> Option<PathBuf>;
+    /// Whether two fds refer to the same open file description.
+    fn same_file(&self, a: (u32, i32), b: (u32, i32)) -> bool;
+    fn command(&self, pid: u32) -> Option<Vec<String>>;
+    fn parent(&self, pid: u32) -> Option<u32>;
+    /// The fds a running process has open now.
+    fn open_fds(&self, pid: u32) -> Vec<i32>;
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KernelUpdate {
+    SetFd { pid: u32, fd: i32, state: u8 },
+    ForgetFd { pid: u32, fd: i32 },
+    /// The child's inherited fds are copied: it is an ordinary traced process now.
+    Traced { pid: u32 },
+}
+
+/// The NVIDIA device a path names: /dev/nvidiactl, /dev/nvidia-uvm, /dev/nvidia<N>.
+pub fn device_of_path(path: &str) -> Option<Device> {
+    let rest = path.strip_prefix("/dev/nvidia")?;
+    match rest {
+        "ctl" => Some(Device::Ctl),
+        "-uvm" => Some(Device::Uvm),
+        digits if !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) => Some(Device::Gpu),
+        _ => None,
+    }
+}
+
+fn kernel_state(device: Device) -> u8 {
+    match device {
+        Device::Ctl => device::CTL,
+        Device::Gpu => device::GPU,
+        Device::Uvm => device::UVM,
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Answer {
+    Nvidia { device: Device, file: u64, cloexec: bool },
+    NotNvidia,
+}
+
+pub struct FileTable<R: Resolver> {
+    resolver: R,
+    fds: HashMap<(u32, i32), Answer>,
+    next_file: u64,
+    pub questions_answered: u64,
+    /// ioctls sent while their fd's question was open, dropped because it was not NVIDIA.
+    pub pending_dropped: u64,
+}
+
+const CLOSE_RANGE_CLOEXEC: u32 = 4;
+
+impl<R: Resolver> FileTable<R> {
+    pub fn new(resolver: R) -> Self {
+        FileTable { resolver, fds: HashMap::new(), next_file: 1, questions_answered: 0, pending_dropped: 0 }
+    }
+
+    pub fn resolver(&self) -> &R {
+        &self.resolver
+    }
+
+    fn new_file(&mut self) -> u64 {
+        let id = self.next_file;
+        self.next_file += 1;
+        id
+    }
+
+    pub fn device(&self, pid: u32, fd: i32) -> Option<Device> {
+        match self.fds.get(&(pid, fd)) {
+            Some(Answer::Nvidia { device, .. }) => Some(*device),
+            _ => None,
+        }
+    }
+
+    pub fn opened(&mut self, pid: u32, fd: i32, device: Device, cloexec: bool) -> Event {
+        let file = self.new_file();
+        self.fds.insert((pid, fd), Answer::Nvidia { device, file, cloexec });
+        Event::Open { fd, file, device, cloexec }
+    }
+
+    pub fn closed(&mut self, pid: u32, fd: i32, updates: &mut Vec<KernelUpdate>) -> Option<Event> {
+        match self.fds.remove(&(pid, fd)) {
+            Some(Answer::Nvidia { .. }) => {
+                updates.push(KernelUpdate::ForgetFd { pid, fd });
+                Some(Event::Close { fd })
+            }
+            Some(Answer::NotNvidia) | None => None,
+        }
+    }
+
+    pub fn duplicated(&mut self, pid: u32, old_fd: i32, new_fd: i32, cloexec: bool) -> Option<Event> {
+        let Some(Answer::Nvidia { device, file, .. }) = self.fds.get(&(pid, old_fd)).copied() else {
+            return None;
+        };
+        self.fds.insert((pid, new_fd), Answer::Nvidia { device, file, cloexec });
+        Some(Event::Dup { old_fd, new_fd, cloexec })
+    }
+
+    pub fn set_cloexec(&mut self, pid: u32, fd: i32, value: bool) -> Option<Event> {
+        match self.fds.get_mut(&(pid, fd)) {
+            Some(Answer::Nvidia { cloexec, .. }) => {
+                *cloexec = value;
+                Some(Event::SetCloexec { fd, cloexec: value })
+            }
+            _ => None,
+        }
+    }
+
+    fn fds_of(&self, pid: u32) -> Vec<i32> {
+        self.fds.keys().filter(|(p, _)| *p == pid).map(|(_, fd)| *fd).collect()
+    }
+
+    pub fn close_range(&mut self, pid: u32, first: u32, last: u32, flags: u32, updates: &mut Vec<KernelUpdate>) -> Event {
+        let cloexec_only = flags & CLOSE_RANGE_CLOEXEC != 0;
+        for fd in self.fds_of(pid) {
+            if fd < 0 || !(first..=last).contains(&(fd as u32)) {
+                continue;
+            }
+            if cloexec_only {
+                if let Some(Answer::Nvidia { cloexec, .. }) = self.fds.get_mut(&(pid, fd)) {
+                    *cloexec = true;
+                }
+            } else {
+                self.fds.remove(&(pid, fd));
+                updates.push(KernelUpdate::ForgetFd { pid, fd });
+            }
+        }
+        Event::CloseRange { first, last, cloexec_only }
+    }
+
+    /// fork copies the fd table: the child's kernel entries are the parent's NVIDIA ones.
+    pub fn forked(&mut self, parent: u32, child: u32, updates: &mut Vec<KernelUpdate>) -> Event {
+        let inherited: Vec<(i32, Answer)> =
+            self.fds.iter().filter(|((p, _), a)| *p == parent && **a != Answer::NotNvidia).map(|((_, fd), a)| (*fd, *a)).collect();
+        for (fd, answer) in inherited {
+            self.fds.insert((child, fd), answer);
+            if let Answer::Nvidia { device, .. } = answer {
+                updates.push(KernelUpdate::SetFd { pid: child, fd, state: kernel_state(device) });
+            }
+        }
+        updates.push(KernelUpdate::Traced { pid: child });
+        let command = self.resolver.command(child).or_else(|| self.resolver.command(parent)).unwrap_or_default();
+        Event::Process { ppid: parent, seen: Seen::Forked, command }
+    }
+
+    /// exec closes close-on-exec fds and drops the kernel's negative answers (asked again if used).
+    pub fn exec(&mut self, pid: u32, filename: &str, updates: &mut Vec<KernelUpdate>) -> Event {
+        for fd in self.fds_of(pid) {
+            let keep = matches!(self.fds.get(&(pid, fd)), Some(Answer::Nvidia { cloexec: false, .. }));
+            if !keep {
+                self.fds.remove(&(pid, fd));
+                updates.push(KernelUpdate::ForgetFd { pid, fd });
+            }
+        }
+        let command = self.resolver.command(pid).unwrap_or_else(|| vec![filename.to_string()]);
+        Event::Exec { command }
+    }
+
+    pub fn exited(&mut self, pid: u32, updates: &mut Vec<KernelUpdate>) {
+        for fd in self.fds_of(pid) {
+            self.fds.remove(&(pid, fd));
+            updates.push(KernelUpdate::ForgetFd { pid, fd });
+        }
+    }
+
+    /// The answer to the kernel's question about (pid, fd), from the mirror or from /proc.
+    /// Returns the device (None: not NVIDIA, or the fd is gone) and the FdFound event to record
+    /// when gputrace learned of this NVIDIA fd only now.
+    pub fn answer(&mut self, pid: u32, fd: i32, updates: &mut Vec<KernelUpdate>) -> (Option<Device>, Option<Event>) {
+        if let Some(answer) = self.fds.get(&(pid, fd)).copied() {
+            return match answer {
+                Answer::Nvidia { device, .. } => {
+                    updates.push(KernelUpdate::SetFd { pid, fd, state: kernel_state(device) });
+                    (Some(device), None)
+                }
+                Answer::NotNvidia => {
+                    updates.push(KernelUpdate::SetFd { pid, fd, state: device::NOT_NVIDIA });
+                    (None, None)
+                }
+            };
+        }
+        self.questions_answered += 1;
+        // A fd already gone leaves nothing to answer; the kernel dropped its entry on close.
+        let Some(path) = self.resolver.fd_path(pid, fd) else {
+            return (None, None);
+        };
+        match path.to_str().and_then(device_of_path) {
+            None => {
+                self.fds.insert((pid, fd), Answer::NotNvidia);
+                updates.push(KernelUpdate::SetFd { pid, fd, state: device::NOT_NVIDIA });
+                (None, None)
+            }
+            Some(device) => {
+                let event = self.found(pid, fd, device);
+                updates.push(KernelUpdate::SetFd { pid, fd, state: kernel_state(device) });
+                (Some(device), Some(event))
+            }
+        }
+    }
+
+    /// An NVIDIA fd met without its open: names the open file description it shares, if known.
+    fn found(&mut self, pid: u32, fd: i32, device: Device) -> Event {
+        let known = self.fds.iter().find_map(|(&(p, f), a)| match a {
+            Answer::Nvidia { device: d, file, .. } if *d == device && self.resolver.same_file((pid, fd), (p, f)) => Some(*file),
+            _ => None,
+        });
+        let file = known.unwrap_or_else(|| self.new_file());
+        self.fds.insert((pid, fd), Answer::Nvidia { device, file, cloexec: false });
+        Event::FdFound { fd, file, device }
+    }
+
+    /// A process already running when tracing began: its command and the NVIDIA fds it holds.
+    pub fn scan(&mut self, pid: u32, updates: &mut Vec<KernelUpdate>) -> Vec<Event> {
+        let command = self.resolver.command(pid).unwrap_or_default();
+        let ppid = self.resolver.parent(pid).unwrap_or(0);
+        let mut events = vec![Event::Process { ppid, seen: Seen::Running, command }];
+        for fd in self.resolver.open_fds(pid) {
+            let Some(device) = self.resolver.fd_path(pid, fd).and_then(|p| p.to_str().and_then(device_of_path)) else {
+                continue;
+            };
+            events.push(self.found(pid, fd, device));
+            updates.push(KernelUpdate::SetFd { pid, fd, state: kernel_state(device) });
+        }
+        events
+    }
+}
+
+/// The real resolver: /proc and kcmp(2).
+pub struct ProcResolver;
+
+impl Resolver for ProcResolver {
+    fn fd_path(&self, pid: u32, fd: i32) -> Option<PathBuf> {
+        std::fs::read_link(format!("/proc/{pid}/fd/{fd}")).ok()
+    }
+
+    fn same_file(&self, a: (u32, i32), b: (u32, i32)) -> bool {
+        const KCMP_FILE: libc::c_long = 0;
+        // SAFETY: kcmp only compares; invalid pids or fds return an error.
+        let rc = unsafe { libc::syscall(libc::SYS_kcmp, a.0 as libc::pid_t, b.0 as libc::pid_t, KCMP_FILE, a.1 as libc::c_long, b.1 as libc::c_long) };
+        rc == 0
+    }
+
+    fn command(&self, pid: u32) -> Option<Vec<String>> {
+        let raw = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+        let args: Vec<String> = raw.split(|&b| b == 0).filter(|a| !a.is_empty()).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
+        (!args.is_empty()).then_some(args)
+    }
+
+    fn parent(&self, pid: u32) -> Option<u32> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        // The command name may hold spaces and parentheses: the fields start after the last ')'.
+        stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()
+    }
+
+    fn open_fds(&self, pid: u32) -> Vec<i32> {
+        let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fd")) else { return Vec::new() };
+        dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Fds as a test sets them up: (pid, fd) -> (path, open file description id).
+    #[derive(Default)]
+    struct FakeProc {
+        fds: HashMap<(u32, i32), (String, u32)>,
+    }
+
+    impl Resolver for FakeProc {
+        fn fd_path(&self, pid: u32, fd: i32) -> Option<PathBuf> {
+            self.fds.get(&(pid, fd)).map(|(p, _)| PathBuf::from(p))
+        }
+        fn same_file(&self, a: (u32, i32), b: (u32, i32)) -> bool {
+            matches!((self.fds.get(&a), self.fds.get(&b)), (Some(x), Some(y)) if x.1 == y.1)
+        }
+        fn command(&self, pid: u32) -> Option<Vec<String>> {
+            Some(vec![format!("cmd{pid}")])
+        }
+        fn parent(&self, _pid: u32) -> Option<u32> {
+            Some(1)
+        }
+        fn open_fds(&self, pid: u32) -> Vec<i32> {
+            let mut fds: Vec<i32> = self.fds.keys().filter(|(p, _)| *p == pid).map(|(_, fd)| *fd).collect();
+            fds.sort();
+            fds
+        }
+    }
+
+    fn table(fds: &[((u32, i32), &str, u32)]) -> FileTable<FakeProc> {
+        let mut proc = FakeProc::default();
+        for (key, path, description) in fds {
+            proc.fds.insert(*key, (path.to_string(), *description));
+        }
+        FileTable::new(proc)
+    }
+
+    #[test]
+    fn paths_that_are_nvidia_devices() {
+        assert_eq!(device_of_path("/dev/nvidiactl"), Some(Device::Ctl));
+        assert_eq!(device_of_path("/dev/nvidia-uvm"), Some(Device::Uvm));
+        assert_eq!(device_of_path("/dev/nvidia0"), Some(Device::Gpu));
+        assert_eq!(device_of_path("/dev/nvidia17"), Some(Device::Gpu));
+        for other in ["/dev/nvidia-uvm-tools", "/dev/nvidia-modeset", "/dev/nvidia", "/dev/null", "socket:[123]", "/dev/nvidia0x"] {
+            assert_eq!(device_of_path(other), None, "{other}");
+        }
+    }
+
+    #[test]
+    fn a_question_is_answered_once_from_proc_then_from_the_mirror() {
+        let mut t = table(&[((10, 5), "socket:[99]", 1), ((10, 6), "/dev/nvidiactl", 2)]);
+        let mut updates = vec![];
+        assert_eq!(t.answer(10, 5, &mut updates), (None, None));
+        assert_eq!(updates, vec![KernelUpdate::SetFd { pid: 10, fd: 5, state: device::NOT_NVIDIA }]);
+        let (device, event) = t.answer(10, 6, &mut updates);
+        assert_eq!(device, Some(Device::Ctl));
+        assert!(matches!(event, Some(Event::FdFound { fd: 6, device: Device::Ctl, .. })));
+        assert_eq!(t.questions_answered, 2);
+        // Pending ioctls that arrive after the answer are settled from the mirror.
+        assert_eq!(t.answer(10, 5, &mut updates).0, None);
+        assert_eq!(t.answer(10, 6, &mut updates), (Some(Device::Ctl), None));
+        assert_eq!(t.questions_answered, 2);
+    }
+
+    #[test]
+    fn a_gone_fd_gets_no_answer_that_could_go_stale() {
+        let mut t = table(&[]);
+        let mut updates = vec![];
+        assert_eq!(t.answer(10, 5, &mut updates), (None, None));
+        assert!(updates.is_empty());
+    }
+
+    #[test]
+    fn a_received_fd_is_known_to_share_the_senders_file() {
+        // Process 20 got fd 9 over a socket: same open file description (2) as 10's fd 6.
+        let mut t = table(&[((10, 6), "/dev/nvidiactl", 2), ((20, 9), "/dev/nvidiactl", 2), ((20, 4), "/dev/nvidiactl", 3)]);
+        let Event::Open { file, .. } = t.opened(10, 6, Device::Ctl, false) else { panic!() };
+        let mut updates = vec![];
+        let (_, found) = t.answer(20, 9, &mut updates);
+        assert_eq!(found, Some(Event::FdFound { fd: 9, file, device: Device::Ctl }));
+        let (_, other) = t.answer(20, 4, &mut updates);
+        assert!(matches!(other, Some(Event::FdFound { file: f, .. }) if f != file), "a different description is a different file");
+    }
+
+    #[test]
+    fn fork_copies_nvidia_fds_into_the_childs_kernel_entries() {
+        let mut t = table(&[]);
+        t.opened(10, 6, Device::Ctl, false);
+        t.opened(10, 7, Device::Uvm, true);
+        let mut updates = vec![];
+        t.answer(10, 3, &mut updates); // not NVIDIA (gone): nothing copied for it
+        updates.clear();
+        let event = t.forked(10, 11, &mut updates);
+        assert!(matches!(event, Event::Process { ppid: 10, seen: Seen::Forked, .. }));
+        assert!(updates.contains(&KernelUpdate::SetFd { pid: 11, fd: 6, state: device::CTL }));
+        assert!(updates.contains(&KernelUpdate::SetFd { pid: 11, fd: 7, state: device::UVM }));
+        assert_eq!(updates.last(), Some(&KernelUpdate::Traced { pid: 11 }));
+        // The child's close of an inherited fd is an NVIDIA close.
+        assert_eq!(t.closed(11, 6, &mut updates), Some(Event::Close { fd: 6 }));
+        assert_eq!(t.closed(11, 6, &mut updates), None);
+    }
+
+    #[test]
+    fn exec_keeps_only_nvidia_fds_without_close_on_exec() {
+        let mut t = table(&[((10, 5), "socket:[1]", 1)]);
+        t.opened(10, 6, Device::Ctl, false);
+        t.opened(10, 7, Device::Uvm, true);
+        let mut updates = vec![];
+        t.answer(10, 5, &mut updates);
+        updates.clear();
+        t.exec(10, "/bin/next", &mut updates);
+        assert!(updates.contains(&KernelUpdate::ForgetFd { pid: 10, fd: 5 }));
+        assert!(updates.contains(&KernelUpdate::ForgetFd { pid: 10, fd: 7 }));
+        assert!(!updates.contains(&KernelUpdate::ForgetFd { pid: 10, fd: 6 }));
+        assert_eq!(t.device(10, 6), Some(Device::Ctl));
+    }
+
+    #[test]
+    fn close_range_forgets_or_marks() {
+        let mut t = table(&[]);
+        t.opened(10, 3, Device::Ctl, false);
+        t.opened(10, 40, Device::Uvm, false);
+        let mut updates = vec![];
+        t.close_range(10, 3, u32::MAX, CLOSE_RANGE_CLOEXEC, &mut updates);
+        assert!(updates.is_empty());
+        t.exec(10, "x", &mut updates);
+        assert_eq!(t.device(10, 3), None, "marked close-on-exec by close_range");
+        let mut t = table(&[]);
+        t.opened(10, 3, Device::Ctl, false);
+        t.opened(10, 40, Device::Uvm, false);
+        updates.clear();
+        t.close_range(10, 10, 100, 0, &mut updates);
+        assert_eq!(updates, vec![KernelUpdate::ForgetFd { pid: 10, fd: 40 }]);
+        assert_eq!(t.device(10, 3), Some(Device::Ctl));
+    }
+
+    #[test]
+    fn scan_finds_the_nvidia_fds_of_a_running_process() {
+        let mut t = table(&[((10, 3), "/dev/nvidiactl", 1), ((10, 4), "/dev/null", 2), ((10, 5), "/dev/nvidia0", 3), ((10, 6), "/dev/nvidiactl", 1)]);
+        let mut updates = vec![];
+        let events = t.scan(10, &mut updates);
+        assert!(matches!(&events[0], Event::Process { seen: Seen::Running, .. }));
+        let found: Vec<(i32, u64)> = events.iter().filter_map(|e| match e { Event::FdFound { fd, file, .. } => Some((*fd, *file)), _ => None }).collect();
+        assert_eq!(found.len(), 3);
+        let file_of = |fd| found.iter().find(|(f, _)| *f == fd).unwrap().1;
+        assert_eq!(file_of(3), file_of(6), "fds 3 and 6 share one description");
+        assert_ne!(file_of(3), file_of(5));
+        assert_eq!(updates.len(), 3);
+    }
+}

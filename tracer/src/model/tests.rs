@@ -1,0 +1,238 @@
+use super::*;
+use crate::event::{Alloc, Device, Event, Memory, Record, Seen, Via};
+
+const CLIENT: u32 = 0xc1d0_0001;
+const DEVICE: u32 = 0xde00_0001;
+const GIB: u64 = 1 << 30;
+
+fn rec(ts: u64, pid: u32, event: Event) -> Record {
+    Record { ts, pid, tid: pid, event, raw: None }
+}
+
+fn process(ts: u64, pid: u32, ppid: u32, seen: Seen) -> Record {
+    rec(ts, pid, Event::Process { ppid, seen, command: vec![format!("proc{pid}")] })
+}
+
+fn open(ts: u64, pid: u32, fd: i32, file: u64, device: Device, cloexec: bool) -> Record {
+    rec(ts, pid, Event::Open { fd, file, device, cloexec })
+}
+
+fn object(ts: u64, pid: u32, fd: i32, parent: u32, object: u32, class: u32) -> Record {
+    let client = if class == 0x41 { object } else { CLIENT };
+    rec(ts, pid, Event::Object { fd, client, parent, object, class, status: 0 })
+}
+
+fn alloc(ts: u64, pid: u32, fd: i32, parent: u32, object: u32, bytes: u64, status: u32) -> Record {
+    rec(
+        ts,
+        pid,
+        Event::Alloc(Alloc {
+            fd,
+            via: Via::RmAllocNvos64,
+            memory: Memory::Video,
+            bytes,
+            status,
+            client: CLIENT,
+            parent,
+            object,
+            class: 0x40,
+            base: None,
+            errno: None,
+        }),
+    )
+}
+
+fn free(ts: u64, pid: u32, object: u32) -> Record {
+    rec(ts, pid, Event::Free { fd: 3, via: Via::RmFree, client: CLIENT, parent: 0, object, status: 0 })
+}
+
+/// A process with an nvidiactl file (fd 3, file 1), a client and a device.
+fn setup(pid: u32, cloexec: bool) -> Vec<Record> {
+    vec![
+        process(1, pid, 1, Seen::Launched),
+        open(2, pid, 3, 1, Device::Ctl, cloexec),
+        object(3, pid, 3, 0, CLIENT, 0x41),
+        object(4, pid, 3, CLIENT, DEVICE, 0x80),
+    ]
+}
+
+fn freed(model: &Model, object: u32) -> Option<(u64, FreedBy)> {
+    model.allocations.iter().find(|a| a.object == object).unwrap().freed
+}
+
+#[test]
+fn explicit_free_and_peak() {
+    let mut t = setup(10, false);
+    t.push(alloc(10, 10, 3, DEVICE, 0xa, 2 * GIB, 0));
+    t.push(alloc(11, 10, 3, DEVICE, 0xb, GIB, 0));
+    t.push(free(12, 10, 0xa));
+    t.push(alloc(13, 10, 3, DEVICE, 0xc, GIB, 0));
+    let m = Model::from_records(&t);
+    let u = &m.processes[&10].usage;
+    assert_eq!(u.live[&Memory::Video], 2 * GIB);
+    assert_eq!(u.allocated[&Memory::Video], 4 * GIB);
+    assert_eq!(u.freed[&Memory::Video], 2 * GIB);
+    assert_eq!(u.peak_physical, 3 * GIB);
+    assert_eq!(u.allocations, 3);
+    assert_eq!(freed(&m, 0xa), Some((12, FreedBy::Explicit)));
+}
+
+#[test]
+fn freeing_the_device_frees_its_subtree_and_freeing_the_client_frees_all() {
+    let mut t = setup(10, false);
+    t.push(object(5, 10, 3, DEVICE, 0x5000, 0x2080));
+    t.push(alloc(10, 10, 3, 0x5000, 0xa, GIB, 0));
+    t.push(alloc(11, 10, 3, DEVICE, 0xb, GIB, 0));
+    t.push(free(12, 10, 0x5000));
+    let m = Model::from_records(&t);
+    assert_eq!(freed(&m, 0xa), Some((12, FreedBy::Subtree)));
+    assert_eq!(freed(&m, 0xb), None);
+
+    t.push(free(13, 10, CLIENT));
+    let m = Model::from_records(&t);
+    assert_eq!(freed(&m, 0xb), Some((13, FreedBy::Subtree)));
+    assert_eq!(m.live(Memory::Video), 0);
+}
+
+#[test]
+fn a_dup_keeps_memory_alive_until_its_last_handle() {
+    let mut t = setup(10, false);
+    t.push(alloc(10, 10, 3, DEVICE, 0xa, GIB, 0));
+    t.push(rec(11, 10, Event::DupObject { fd: 3, client: CLIENT, parent: DEVICE, object: 0xd, src_client: CLIENT, src_object: 0xa, status: 0 }));
+    t.push(free(12, 10, 0xa));
+    let m = Model::from_records(&t);
+    assert_eq!(freed(&m, 0xa), None, "the dup still refers to it");
+    assert_eq!(m.live(Memory::Video), GIB);
+    t.push(free(13, 10, 0xd));
+    let m = Model::from_records(&t);
+    assert_eq!(freed(&m, 0xa), Some((13, FreedBy::Explicit)));
+    assert_eq!(m.allocations.len(), 1, "a dup is not new memory");
+}
+
+#[test]
+fn a_forked_child_keeps_the_file_and_its_memory_alive_after_the_parent_exits() {
+    let mut t = setup(10, false);
+    t.push(alloc(10, 10, 3, DEVICE, 0xa, 8 * GIB, 0));
+    t.push(process(11, 20, 10, Seen::Forked));
+    t.push(rec(12, 10, Event::Exit { code: Some(0) }));
+    let m = Model::from_records(&t);
+    assert_eq!(freed(&m, 0xa), None);
+    assert_eq!(m.holders(1), vec![20]);
+    assert_eq!(m.processes[&10].usage.physical_live(), 8 * GIB, "memory stays with the process that allocated it");
+    t.push(rec(20, 20, Event::Exit { code: None }));
+    let m = Model::from_records(&t);
+    assert_eq!(freed(&m, 0xa), Some((20, FreedBy::FileRelease)));
+    assert_eq!(m.files[&1].released, Some(20));
+}
+
+#[test]
+fn exec_closes_only_close_on_exec_files() {
+    for (cloexec, expect) in [(true, Some((20, FreedBy::FileRelease))), (false, None)] {
+        let mut t = setup(10, cloexec);
+        t.push(alloc(10, 10, 3, DEVICE, 0xa, GIB, 0));
+        t.push(rec(20, 10, Event::Exec { command: vec!["next".into()] }));
+        assert_eq!(freed(&Model::from_records(&t), 0xa), expect, "cloexec={cloexec}");
+    }
+}
+
+#[test]
+fn set_cloexec_and_close_range_are_followed() {
+    let mut t = setup(10, false);
+    t.push(alloc(10, 10, 3, DEVICE, 0xa, GIB, 0));
+    t.push(rec(11, 10, Event::SetCloexec { fd: 3, cloexec: true }));
+    t.push(rec(12, 10, Event::Exec { command: vec![] }));
+    assert_eq!(freed(&Model::from_records(&t), 0xa), Some((12, FreedBy::FileRelease)));
+
+    let mut t = setup(10, false);
+    t.push(alloc(10, 10, 3, DEVICE, 0xa, GIB, 0));
+    t.push(rec(11, 10, Event::CloseRange { first: 3, last: u32::MAX, cloexec_only: true }));
+    assert_eq!(freed(&Model::from_records(&t), 0xa), None);
+    t.push(rec(12, 10, Event::CloseRange { first: 0, last: 2, cloexec_only: false }));
+    assert_eq!(freed(&Model::from_records(&t), 0xa), None);
+    t.push(rec(13, 10, Event::CloseRange { first: 3, last: 3, cloexec_only: false }));
+    assert_eq!(freed(&Model::from_records(&t), 0xa), Some((13, FreedBy::FileRelease)));
+}
+
+#[test]
+fn dup_and_dup2_over_an_open_fd_move_references() {
+    let mut t = setup(10, false);
+    t.push(alloc(10, 10, 3, DEVICE, 0xa, GIB, 0));
+    t.push(rec(11, 10, Event::Dup { old_fd: 3, new_fd: 7, cloexec: false }));
+    t.push(rec(12, 10, Event::Close { fd: 3 }));
+    assert_eq!(freed(&Model::from_records(&t), 0xa), None, "fd 7 still refers to the file");
+    // A second file dup2'ed onto fd 7 drops the first file's last reference.
+    t.push(open(13, 10, 8, 2, Device::Ctl, false));
+    t.push(rec(14, 10, Event::Dup { old_fd: 8, new_fd: 7, cloexec: false }));
+    assert_eq!(freed(&Model::from_records(&t), 0xa), Some((14, FreedBy::FileRelease)));
+}
+
+#[test]
+fn uvm_ranges_end_by_uvm_free_or_file_release() {
+    let range = |ts, base| {
+        rec(ts, 10, Event::Alloc(Alloc {
+            fd: 5, via: Via::UvmCreateExternalRange, memory: Memory::Virtual, bytes: GIB, status: 0,
+            client: 0, parent: 0, object: 0, class: 0, base: Some(base), errno: None,
+        }))
+    };
+    let mut t = vec![process(1, 10, 1, Seen::Launched), open(2, 10, 5, 9, Device::Uvm, false), range(3, 0x1000), range(4, 0x2000)];
+    t.push(rec(5, 10, Event::UvmFree { fd: 5, base: 0x1000, status: 0 }));
+    t.push(rec(6, 10, Event::Close { fd: 5 }));
+    let m = Model::from_records(&t);
+    assert_eq!(m.allocations[0].freed, Some((5, FreedBy::Explicit)));
+    assert_eq!(m.allocations[1].freed, Some((6, FreedBy::FileRelease)));
+    assert_eq!(m.live(Memory::Virtual), 0);
+    assert_eq!(m.live(Memory::Video), 0, "address space is never physical memory");
+}
+
+#[test]
+fn failed_allocations_are_kept_and_not_live() {
+    let mut t = setup(10, false);
+    t.push(alloc(10, 10, 3, DEVICE, 0xa, 100 * GIB, 0x51));
+    let m = Model::from_records(&t);
+    assert_eq!(m.failures.len(), 1);
+    assert_eq!(m.failures[0].bytes, 100 * GIB);
+    assert_eq!(m.processes[&10].usage.failed, 1);
+    assert_eq!(m.live(Memory::Video), 0);
+}
+
+#[test]
+fn memory_of_a_client_made_before_tracing_still_ends_with_its_file() {
+    // Traced with --pid: the fd was found by the /proc scan, the client was never seen created.
+    let t = vec![
+        process(1, 10, 1, Seen::Running),
+        rec(2, 10, Event::FdFound { fd: 3, file: 4, device: Device::Ctl }),
+        alloc(3, 10, 3, DEVICE, 0xa, GIB, 0),
+        rec(4, 10, Event::Exit { code: None }),
+    ];
+    let m = Model::from_records(&t);
+    assert_eq!(freed(&m, 0xa), Some((4, FreedBy::FileRelease)));
+}
+
+proptest::proptest! {
+    /// Whatever the order, the books balance: live = allocated - freed, never negative.
+    #[test]
+    fn books_balance(ops in proptest::collection::vec((0u8..8, 0u32..6, 1u64..1000), 0..200)) {
+        let mut t = setup(10, false);
+        t.push(process(5, 20, 10, Seen::Forked));
+        for (i, (op, h, bytes)) in ops.into_iter().enumerate() {
+            let ts = 10 + i as u64;
+            let pid = if h % 2 == 0 { 10 } else { 20 };
+            t.push(match op {
+                0 | 1 | 2 => alloc(ts, pid, 3, if h < 3 { DEVICE } else { 0x100 + h }, 0x1000 + h, bytes, 0),
+                3 => free(ts, pid, 0x1000 + h),
+                4 => object(ts, pid, 3, DEVICE, 0x100 + h, 0x2080),
+                5 => rec(ts, pid, Event::DupObject { fd: 3, client: CLIENT, parent: DEVICE, object: 0x2000 + h, src_client: CLIENT, src_object: 0x1000 + h, status: 0 }),
+                6 => rec(ts, pid, Event::Close { fd: 3 }),
+                _ => free(ts, pid, 0x100 + h),
+            });
+        }
+        let m = Model::from_records(&t);
+        for p in m.processes.values() {
+            let u = &p.usage;
+            let get = |map: &std::collections::BTreeMap<Memory, u64>| map.get(&Memory::Video).copied().unwrap_or(0);
+            proptest::prop_assert_eq!(get(&u.live), get(&u.allocated) - get(&u.freed));
+        }
+        let live: u64 = m.live_allocations().map(|a| a.bytes).sum();
+        proptest::prop_assert_eq!(live, m.live(Memory::Video));
+    }
+}

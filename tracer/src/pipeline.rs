@@ -1,0 +1,92 @@
+//! Raw kernel records to trace records: decode each ioctl for the driver's layout and give every
+//! fd its file (see [`crate::files`]). The only place where the two meet.
+
+use tracer_common::ioctl_flag;
+
+use crate::abi::Layout;
+use crate::decode::{decode_ioctl, Raw, RawIoctl, RawKind};
+use crate::event::{Event, Record};
+use crate::files::{FileTable, KernelUpdate, Resolver};
+
+const O_CLOEXEC: i32 = 0o2000000;
+
+pub struct Pipeline<R: Resolver> {
+    layout: Layout,
+    pub files: FileTable<R>,
+    /// Keep the params bytes of each ioctl in its record (`record --raw`).
+    raw: bool,
+}
+
+impl<R: Resolver> Pipeline<R> {
+    pub fn new(layout: Layout, resolver: R, raw: bool) -> Self {
+        Pipeline { layout, files: FileTable::new(resolver), raw }
+    }
+
+    pub fn handle(&mut self, raw: Raw, out: &mut Vec<Record>, updates: &mut Vec<KernelUpdate>) {
+        let Raw { ts, pid, tid, kind } = raw;
+        let mut push = |pid: u32, event: Event, raw_bytes: Option<String>| out.push(Record { ts, pid, tid, event, raw: raw_bytes });
+        match kind {
+            RawKind::Ioctl(ioctl) => {
+                let device = match ioctl.device {
+                    Some(device) => Some(device),
+                    None => {
+                        let (device, found) = self.files.answer(pid, ioctl.fd, updates);
+                        if let Some(found) = found {
+                            push(pid, found, None);
+                        }
+                        if device.is_none() && ioctl.flags & ioctl_flag::PENDING != 0 {
+                            self.files.pending_dropped += 1;
+                        }
+                        device
+                    }
+                };
+                let Some(device) = device else { return };
+                let ioctl = RawIoctl { device: Some(device), ..ioctl };
+                if let Some(event) = decode_ioctl(&self.layout, &ioctl) {
+                    let bytes = self.raw.then(|| hex(&ioctl.params, &ioctl.class_params));
+                    push(pid, event, bytes);
+                }
+            }
+            RawKind::Open { fd, flags, device: Some(device), .. } => {
+                push(pid, self.files.opened(pid, fd, device, flags & O_CLOEXEC != 0), None)
+            }
+            RawKind::Open { device: None, .. } => {}
+            RawKind::Close { fd } => {
+                if let Some(event) = self.files.closed(pid, fd, updates) {
+                    push(pid, event, None);
+                }
+            }
+            RawKind::Dup { old_fd, new_fd, cloexec } => {
+                if let Some(event) = self.files.duplicated(pid, old_fd, new_fd, cloexec) {
+                    push(pid, event, None);
+                }
+            }
+            RawKind::CloseRange { first, last, flags } => push(pid, self.files.close_range(pid, first, last, flags, updates), None),
+            RawKind::SetCloexec { fd, cloexec } => {
+                if let Some(event) = self.files.set_cloexec(pid, fd, cloexec) {
+                    push(pid, event, None);
+                }
+            }
+            RawKind::Fork { child } => push(child, self.files.forked(pid, child, updates), None),
+            RawKind::Exec { filename } => push(pid, self.files.exec(pid, &filename, updates), None),
+            RawKind::Exit => {
+                self.files.exited(pid, updates);
+                push(pid, Event::Exit { code: None }, None);
+            }
+        }
+    }
+}
+
+fn hex(params: &[u8], class_params: &[u8]) -> String {
+    let mut s = String::with_capacity(2 * (params.len() + class_params.len()) + 1);
+    for b in params {
+        s.push_str(&format!("{b:02x}"));
+    }
+    if !class_params.is_empty() {
+        s.push('|');
+        for b in class_params {
+            s.push_str(&format!("{b:02x}"));
+        }
+    }
+    s
+}
