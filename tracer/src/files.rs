@@ -149,7 +149,7 @@ impl<R: Resolver> FileTable<R> {
     }
 
     /// fork copies the fd table: the child's kernel entries are the parent's NVIDIA ones.
-    pub fn forked(&mut self, parent: u32, child: u32, updates: &mut Vec<KernelUpdate>) -> Event {
+    pub fn forked(&mut self, parent: u32, child: u32, seen: Seen, updates: &mut Vec<KernelUpdate>) -> Event {
         let inherited: Vec<(i32, Answer)> =
             self.fds.iter().filter(|((p, _), a)| *p == parent && **a != Answer::NotNvidia).map(|((_, fd), a)| (*fd, *a)).collect();
         for (fd, answer) in inherited {
@@ -160,7 +160,7 @@ impl<R: Resolver> FileTable<R> {
         }
         updates.push(KernelUpdate::Traced { pid: child });
         let command = self.resolver.command(child).or_else(|| self.resolver.command(parent)).unwrap_or_default();
-        Event::Process { ppid: parent, seen: Seen::Forked, command }
+        Event::Process { ppid: parent, seen, command }
     }
 
     /// exec closes close-on-exec fds and drops the kernel's negative answers (asked again if used).
@@ -371,7 +371,7 @@ mod tests {
         let mut updates = vec![];
         t.answer(10, 3, &mut updates); // not NVIDIA (gone): nothing copied for it
         updates.clear();
-        let event = t.forked(10, 11, &mut updates);
+        let event = t.forked(10, 11, Seen::Forked, &mut updates);
         assert!(matches!(event, Event::Process { ppid: 10, seen: Seen::Forked, .. }));
         assert!(updates.contains(&KernelUpdate::SetFd { pid: 11, fd: 6, state: device::CTL }));
         assert!(updates.contains(&KernelUpdate::SetFd { pid: 11, fd: 7, state: device::UVM }));

@@ -10,3 +10,6 @@ pub mod trace;
 pub mod probe;
 pub mod files;
 pub mod pipeline;
+pub mod gpus;
+pub mod summary;
+pub mod record;

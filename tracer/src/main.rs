@@ -1,8 +1,101 @@
-fn main() {
-    gputrace::probe::preflight().unwrap();
-    let layout = gputrace::abi::Layout::for_version(gputrace::abi::DriverVersion::new(580, 95, 5));
-    match gputrace::probe::Probe::load(&layout, false) {
-        Ok(p) => println!("loaded; counters {:?}", p.counters()),
-        Err(e) => println!("ERR {e}"),
+//! The `gputrace` command line. Thin: each subcommand is a library call.
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use gputrace::model::Model;
+use gputrace::summary::{Loss, Summary};
+use gputrace::trace::Reader;
+
+#[derive(Parser)]
+#[command(name = "gputrace", version, about = "Trace NVIDIA GPU memory through the driver's ioctls, and tell which kind of CUDA out-of-memory it was")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run a command (or attach to running processes) and record every GPU memory allocation and free.
+    Record {
+        /// Where to write the trace [default: gputrace-YYYYmmdd-HHMMSS.trace]
+        #[arg(short, long)]
+        output: Option<PathBuf>,
+        /// Trace a running process and its children (repeatable; combines with a command)
+        #[arg(long = "pid", value_name = "PID")]
+        pids: Vec<u32>,
+        /// Trace every process on the host
+        #[arg(long)]
+        all: bool,
+        /// Decode with this driver's layouts instead of the running driver's (e.g. 535.104.05)
+        #[arg(long, value_name = "VERSION")]
+        driver_version: Option<String>,
+        /// Keep each ioctl's raw params bytes in the trace, for debugging the decoder
+        #[arg(long)]
+        raw: bool,
+        /// Print the summary as JSON on stdout
+        #[arg(long)]
+        json: bool,
+        /// The command to run and trace, after `--`
+        #[arg(last = true, value_name = "CMD")]
+        command: Vec<String>,
+    },
+    /// Summarise a recorded trace: per process what it allocated, freed, peaked at and still holds.
+    Report {
+        trace: PathBuf,
+        /// Print the report as JSON
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn report(path: PathBuf, json: bool) -> anyhow::Result<()> {
+    let mut reader = Reader::open(&path)?;
+    let mut model = Model::new();
+    let mut events = 0;
+    for record in reader.by_ref() {
+        model.apply(&record?);
+        events += 1;
+    }
+    let damage = &reader.damage;
+    let loss = Loss {
+        lost_records: model.lost_records,
+        undecodable: model.undecodable,
+        damaged_lines: damage.bad_lines.len() as u64 + damage.torn_tail as u64,
+        torn_tail: damage.torn_tail,
+    };
+    let summary = Summary::new(&model, path.display().to_string(), events, loss);
+    if json {
+        println!("{}", serde_json::to_string_pretty(&summary)?);
+    } else {
+        print!("{}", summary.text());
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Record { output, pids, all, driver_version, raw, json, command } => {
+            let opts = gputrace::record::Options {
+                output,
+                pids,
+                all,
+                driver_version,
+                raw,
+                json,
+                command,
+                invocation: std::env::args().collect(),
+            };
+            gputrace::record::run(opts).map(|outcome| ExitCode::from(outcome.exit_code.clamp(0, 255) as u8))
+        }
+        Command::Report { trace, json } => report(trace, json).map(|()| ExitCode::SUCCESS),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("gputrace: error: {e:#}");
+            ExitCode::from(2)
+        }
     }
 }

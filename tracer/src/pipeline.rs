@@ -5,7 +5,7 @@ use tracer_common::ioctl_flag;
 
 use crate::abi::Layout;
 use crate::decode::{decode_ioctl, Raw, RawIoctl, RawKind};
-use crate::event::{Event, Record};
+use crate::event::{Event, Record, Seen};
 use crate::files::{FileTable, KernelUpdate, Resolver};
 
 const O_CLOEXEC: i32 = 0o2000000;
@@ -15,11 +15,13 @@ pub struct Pipeline<R: Resolver> {
     pub files: FileTable<R>,
     /// Keep the params bytes of each ioctl in its record (`record --raw`).
     raw: bool,
+    /// The recorder's own pid: a process it forks is the command it launched.
+    launcher: Option<u32>,
 }
 
 impl<R: Resolver> Pipeline<R> {
-    pub fn new(layout: Layout, resolver: R, raw: bool) -> Self {
-        Pipeline { layout, files: FileTable::new(resolver), raw }
+    pub fn new(layout: Layout, resolver: R, raw: bool, launcher: Option<u32>) -> Self {
+        Pipeline { layout, files: FileTable::new(resolver), raw, launcher }
     }
 
     pub fn handle(&mut self, raw: Raw, out: &mut Vec<Record>, updates: &mut Vec<KernelUpdate>) {
@@ -67,7 +69,10 @@ impl<R: Resolver> Pipeline<R> {
                     push(pid, event, None);
                 }
             }
-            RawKind::Fork { child } => push(child, self.files.forked(pid, child, updates), None),
+            RawKind::Fork { child } => {
+                let seen = if Some(pid) == self.launcher { Seen::Launched } else { Seen::Forked };
+                push(child, self.files.forked(pid, child, seen, updates), None)
+            }
             RawKind::Exec { filename } => push(pid, self.files.exec(pid, &filename, updates), None),
             RawKind::Exit => {
                 self.files.exited(pid, updates);

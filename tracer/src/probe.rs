@@ -177,6 +177,10 @@ impl Probe {
         self.traced.insert(pid, 1, 0).map_err(map_err("TRACED"))
     }
 
+    pub fn untrace_pid(&mut self, pid: u32) {
+        let _ = self.traced.remove(&pid);
+    }
+
     /// Records what a fd is (the answer to a question, a /proc scan result).
     pub fn set_fd(&mut self, pid: u32, fd: i32, state: u8) -> Result<(), ProbeError> {
         self.fds.insert(FdKey { tgid: pid, fd: fd as u32 }, state, 0).map_err(map_err("FDS"))

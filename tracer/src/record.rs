@@ -1,0 +1,403 @@
+//! `gputrace record`: run a command (or attach to running processes), trace the NVIDIA driver
+//! calls of it and its descendants, write the trace as it goes, and summarise at the end.
+
+use std::io::{IsTerminal, Write as _};
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context as _, Result};
+use aya::maps::{MapData, RingBuf};
+use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
+use tokio::signal::unix::{signal, SignalKind};
+
+use crate::abi::{DriverVersion, Layout, NEWEST_KNOWN, OLDEST_KNOWN};
+use crate::decode::parse_record;
+use crate::event::{Event, Record};
+use crate::files::{KernelUpdate, ProcResolver, Resolver};
+use crate::model::Model;
+use crate::pipeline::Pipeline;
+use crate::probe::{self, Probe};
+use crate::summary::{bytes, Loss, Summary};
+use crate::trace::{Header, Writer, FORMAT, VERSION};
+
+pub struct Options {
+    pub output: Option<PathBuf>,
+    pub pids: Vec<u32>,
+    pub all: bool,
+    pub driver_version: Option<String>,
+    pub raw: bool,
+    pub json: bool,
+    pub command: Vec<String>,
+    /// The gputrace command line, kept in the trace header.
+    pub invocation: Vec<String>,
+}
+
+/// The launched command's exit status, as a shell would report it.
+pub struct Outcome {
+    pub exit_code: i32,
+}
+
+pub fn run(opts: Options) -> Result<Outcome> {
+    if opts.command.is_empty() && opts.pids.is_empty() && !opts.all {
+        bail!("nothing to trace: give a command (`gputrace record -- CMD ARGS...`), --pid PID, or --all");
+    }
+    if let Some(program) = opts.command.first() {
+        find_program(program)?;
+    }
+    for &pid in &opts.pids {
+        if !Path::new(&format!("/proc/{pid}")).exists() {
+            bail!("no process has pid {pid}: check it with `ps -p {pid}`");
+        }
+    }
+    probe::preflight()?;
+    let (version, source) = driver_version(opts.driver_version.as_deref())?;
+    let layout = layout_for(version);
+
+    let snapshot = crate::gpus::snapshot();
+    let (wall, mono) = clocks();
+    let header = Header {
+        format: FORMAT.into(),
+        version: VERSION,
+        tracer_version: env!("CARGO_PKG_VERSION").into(),
+        host: read_trimmed("/proc/sys/kernel/hostname"),
+        kernel: read_trimmed("/proc/sys/kernel/osrelease"),
+        driver_version: version.map(|v| v.to_string()),
+        driver_version_source: source,
+        wall_clock_start_ns: wall,
+        monotonic_start_ns: mono,
+        gpus: snapshot.gpus,
+        prior_use: snapshot.prior_use,
+        nvml: snapshot.note,
+        command: opts.invocation.clone(),
+        raw: opts.raw,
+    };
+    let path = opts.output.clone().unwrap_or_else(default_output);
+    let writer = Writer::create(&path, &header)?;
+    give_to_invoking_user(&path);
+
+    let mut probe = Probe::load(&layout, opts.all)?;
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().context("starting the event loop")?;
+    let mut session = Session {
+        pipeline: Pipeline::new(layout, ProcResolver, opts.raw, Some(std::process::id())),
+        model: Model::new(),
+        writer,
+        out: Vec::new(),
+        updates: Vec::new(),
+        lost_seen: 0,
+        decode_errors: 0,
+    };
+    let exit_code = runtime.block_on(session.trace(&mut probe, &opts))?;
+
+    let counters = probe.counters();
+    session.writer.flush()?;
+    let loss = Loss {
+        lost_records: session.model.lost_records,
+        undecodable: session.model.undecodable + session.decode_errors,
+        damaged_lines: 0,
+        torn_tail: false,
+    };
+    let summary = Summary::new(&session.model, path.display().to_string(), session.writer.records, loss);
+    if opts.json {
+        println!("{}", serde_json::to_string_pretty(&summary)?);
+    } else {
+        eprint!("{}", summary.text());
+        if counters.questions > 0 {
+            eprintln!(
+                "{} fds were met without their open and asked about once each; {} of their ioctls were not NVIDIA and dropped.",
+                counters.questions, session.pipeline.files.pending_dropped
+            );
+        }
+    }
+    Ok(Outcome { exit_code })
+}
+
+struct Session {
+    pipeline: Pipeline<ProcResolver>,
+    model: Model,
+    writer: Writer,
+    out: Vec<Record>,
+    updates: Vec<KernelUpdate>,
+    lost_seen: u64,
+    /// Ring buffer records that did not parse (a mismatched kernel object).
+    decode_errors: u64,
+}
+
+impl Session {
+    fn emit(&mut self, record: Record) -> Result<()> {
+        self.model.apply(&record);
+        self.writer.write(&record)?;
+        Ok(())
+    }
+
+    fn emit_now(&mut self, pid: u32, event: Event) -> Result<()> {
+        let (_, ts) = clocks();
+        self.emit(Record { ts, pid, tid: 0, event, raw: None })
+    }
+
+    fn apply_updates(&mut self, probe: &mut Probe) -> Result<()> {
+        for update in self.updates.drain(..) {
+            match update {
+                KernelUpdate::SetFd { pid, fd, state } => probe.set_fd(pid, fd, state)?,
+                KernelUpdate::ForgetFd { pid, fd } => probe.forget_fd(pid, fd),
+                KernelUpdate::Traced { pid } => probe.trace_pid(pid)?,
+            }
+        }
+        Ok(())
+    }
+
+    fn drain(&mut self, ring: &mut RingBuf<MapData>, probe: &mut Probe) -> Result<()> {
+        while let Some(item) = ring.next() {
+            match parse_record(&item) {
+                Ok(raw) => self.pipeline.handle(raw, &mut self.out, &mut self.updates),
+                Err(_) => self.decode_errors += 1,
+            }
+            drop(item);
+            let records = std::mem::take(&mut self.out);
+            for record in records {
+                self.emit(record)?;
+            }
+            // Answers go to the kernel at once so the next ioctl on that fd is settled there.
+            self.apply_updates(probe)?;
+        }
+        Ok(())
+    }
+
+    fn check_lost(&mut self, probe: &Probe) -> Result<()> {
+        let lost = probe.counters().lost;
+        if lost > self.lost_seen {
+            let records = lost - self.lost_seen;
+            self.lost_seen = lost;
+            self.emit_now(0, Event::Lost { records })?;
+        }
+        Ok(())
+    }
+
+    async fn trace(&mut self, probe: &mut Probe, opts: &Options) -> Result<i32> {
+        let ring = probe.events.take().ok_or_else(|| anyhow!("the ring buffer was already taken"))?;
+        // SAFETY: the ring buffer's fd stays open as long as the AsyncFd that owns it.
+        let mut ring = unsafe { AsyncFd::register_with_interest(ring, Interest::READABLE) }
+            .map_err(|e| anyhow!("watching the ring buffer: {}", e.into_parts().1))?;
+
+        let attach: Vec<u32> = if opts.all { all_pids() } else { with_descendants(&opts.pids) };
+        for pid in attach {
+            if !opts.all {
+                probe.trace_pid(pid)?;
+            }
+            let events = self.pipeline.files.scan(pid, &mut self.updates);
+            // With --all, only the processes that hold NVIDIA files are worth a record now.
+            if opts.all && events.len() == 1 {
+                self.updates.clear();
+                continue;
+            }
+            for event in events {
+                self.emit_now(pid, event)?;
+            }
+            self.apply_updates(probe)?;
+        }
+
+        let mut child = match opts.command.is_empty() {
+            true => None,
+            false => Some(self.launch(probe, &opts.command)?),
+        };
+
+        let mut interrupt = signal(SignalKind::interrupt()).context("handling Ctrl-C")?;
+        let mut terminate = signal(SignalKind::terminate()).context("handling SIGTERM")?;
+        let mut tick = tokio::time::interval(Duration::from_millis(100));
+        let status_line = std::io::stderr().is_terminal() && !opts.json;
+        let mut last_status = Instant::now();
+        let exit_code;
+        loop {
+            tokio::select! {
+                guard = ring.readable_mut() => {
+                    let mut guard = guard.context("waiting for kernel events")?;
+                    self.drain(guard.get_inner_mut(), probe)?;
+                    guard.clear_ready();
+                }
+                _ = tick.tick() => {
+                    self.writer.flush()?;
+                    self.check_lost(probe)?;
+                    if status_line && last_status.elapsed() >= Duration::from_millis(250) {
+                        last_status = Instant::now();
+                        self.status_line();
+                    }
+                }
+                status = async { child.as_mut().map(|(c, _)| c.wait()).unwrap().await }, if child.is_some() => {
+                    let status = status.context("waiting for the command")?;
+                    exit_code = status.code().unwrap_or_else(|| 128 + status.signal().unwrap_or(0));
+                    let (_, pid) = child.take().unwrap();
+                    // The kernel's exit record is already in the ring buffer: read it first.
+                    self.drain(ring.get_mut(), probe)?;
+                    self.emit_now(pid, Event::Exit { code: Some(exit_code) })?;
+                    break;
+                }
+                _ = interrupt.recv() => { exit_code = 130; break; }
+                _ = terminate.recv() => { exit_code = 143; break; }
+            }
+        }
+        self.drain(ring.get_mut(), probe)?;
+        self.check_lost(probe)?;
+        if status_line {
+            eprint!("\r\x1b[2K");
+        }
+        Ok(exit_code)
+    }
+
+    /// Starts the command with nothing it does missed: gputrace marks itself traced for the
+    /// moment of the fork, so the kernel's own fork hook traces the child before it can exec.
+    /// With sudo the command runs as the invoking user.
+    fn launch(&mut self, probe: &mut Probe, command: &[String]) -> Result<(tokio::process::Child, u32)> {
+        let mut cmd = tokio::process::Command::new(&command[0]);
+        cmd.args(&command[1..]);
+        if let Some((uid, gid)) = invoking_user() {
+            cmd.uid(uid).gid(gid);
+        }
+        let me = std::process::id();
+        probe.trace_pid(me)?;
+        let spawned = cmd.spawn();
+        probe.untrace_pid(me);
+        let child = spawned.with_context(|| format!("cannot run `{}`", command[0]))?;
+        let pid = child.id().ok_or_else(|| anyhow!("the command exited before it could be traced"))?;
+        Ok((child, pid))
+    }
+
+    fn status_line(&self) {
+        let mut line = format!("gputrace: {} events", self.writer.records);
+        let mut top: Vec<_> = self.model.processes.values().filter(|p| p.usage.physical_live() > 0).collect();
+        top.sort_by_key(|p| std::cmp::Reverse(p.usage.physical_live()));
+        for p in top.iter().take(3) {
+            let name = p.command.first().map(|c| c.rsplit('/').next().unwrap_or(c)).unwrap_or("?");
+            line += &format!(" · {} {}: {}", p.pid, name, bytes(p.usage.physical_live()));
+        }
+        if self.model.lost_records > 0 {
+            line += &format!(" · LOST {}", self.model.lost_records);
+        }
+        let width = terminal_width();
+        let line: String = line.chars().take(width.saturating_sub(1)).collect();
+        eprint!("\r\x1b[2K{line}");
+        let _ = std::io::stderr().flush();
+    }
+}
+
+fn terminal_width() -> usize {
+    // SAFETY: TIOCGWINSZ fills a winsize struct.
+    let mut ws: libc::winsize = unsafe { std::mem::zeroed() };
+    let ok = unsafe { libc::ioctl(2, libc::TIOCGWINSZ, &mut ws) } == 0;
+    if ok && ws.ws_col > 0 {
+        ws.ws_col as usize
+    } else {
+        100
+    }
+}
+
+/// The user behind sudo, so the command runs and the trace is owned as them.
+fn invoking_user() -> Option<(u32, u32)> {
+    let uid = std::env::var("SUDO_UID").ok()?.parse().ok()?;
+    let gid = std::env::var("SUDO_GID").ok()?.parse().ok()?;
+    Some((uid, gid))
+}
+
+fn give_to_invoking_user(path: &Path) {
+    if let Some((uid, gid)) = invoking_user() {
+        let _ = std::os::unix::fs::chown(path, Some(uid), Some(gid));
+    }
+}
+
+fn find_program(program: &str) -> Result<PathBuf> {
+    let is_executable = |p: &Path| {
+        std::fs::metadata(p).map(|m| m.is_file() && std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o111 != 0).unwrap_or(false)
+    };
+    if program.contains('/') {
+        let p = PathBuf::from(program);
+        return if is_executable(&p) { Ok(p) } else { Err(anyhow!("cannot run `{program}`: no such executable file")) };
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(program))
+        .find(|p| is_executable(p))
+        .ok_or_else(|| anyhow!("cannot run `{program}`: command not found in PATH"))
+}
+
+/// The version to decode with: --driver-version, else the running driver's, else none.
+fn driver_version(forced: Option<&str>) -> Result<(Option<DriverVersion>, String)> {
+    if let Some(text) = forced {
+        let v = DriverVersion::parse(text)
+            .ok_or_else(|| anyhow!("--driver-version {text:?} is not a driver version: give it as 580.95.05 or 580"))?;
+        return Ok((Some(v), "--driver-version".into()));
+    }
+    Ok(match DriverVersion::detect() {
+        Some((v, source)) => (Some(v), source),
+        None => (None, "none".into()),
+    })
+}
+
+fn layout_for(version: Option<DriverVersion>) -> Layout {
+    match version {
+        None => {
+            eprintln!(
+                "gputrace: warning: no NVIDIA driver found (/sys/module/nvidia/version, /proc/driver/nvidia/version): decoding with the {NEWEST_KNOWN} layouts; give --driver-version to choose"
+            );
+            Layout::for_version(NEWEST_KNOWN)
+        }
+        Some(v) => {
+            let layout = Layout::for_version(v);
+            if layout.assumed {
+                eprintln!(
+                    "gputrace: warning: driver {v} is outside the versions whose layouts were checked ({OLDEST_KNOWN}–{NEWEST_KNOWN}): fields stable across versions decode, the rest uses the nearest known layout"
+                );
+            }
+            layout
+        }
+    }
+}
+
+/// Wall clock and CLOCK_MONOTONIC in nanoseconds, read together.
+pub fn clocks() -> (u64, u64) {
+    let read = |clock| {
+        // SAFETY: clock_gettime fills a timespec.
+        let mut ts: libc::timespec = unsafe { std::mem::zeroed() };
+        unsafe { libc::clock_gettime(clock, &mut ts) };
+        ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+    };
+    (read(libc::CLOCK_REALTIME), read(libc::CLOCK_MONOTONIC))
+}
+
+fn read_trimmed(path: &str) -> String {
+    std::fs::read_to_string(path).map(|s| s.trim().to_string()).unwrap_or_default()
+}
+
+fn default_output() -> PathBuf {
+    // SAFETY: localtime_r fills a tm from a time_t.
+    let mut tm: libc::tm = unsafe { std::mem::zeroed() };
+    let now = unsafe { libc::time(std::ptr::null_mut()) };
+    unsafe { libc::localtime_r(&now, &mut tm) };
+    PathBuf::from(format!(
+        "gputrace-{:04}{:02}{:02}-{:02}{:02}{:02}.trace",
+        tm.tm_year + 1900,
+        tm.tm_mon + 1,
+        tm.tm_mday,
+        tm.tm_hour,
+        tm.tm_min,
+        tm.tm_sec
+    ))
+}
+
+fn all_pids() -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else { return Vec::new() };
+    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).filter(|&pid| pid != std::process::id()).collect()
+}
+
+/// The given pids and every process below them now.
+fn with_descendants(roots: &[u32]) -> Vec<u32> {
+    let resolver = ProcResolver;
+    let parents: Vec<(u32, u32)> = all_pids().into_iter().filter_map(|pid| Some((pid, resolver.parent(pid)?))).collect();
+    let mut out: Vec<u32> = roots.to_vec();
+    let mut i = 0;
+    while i < out.len() {
+        let parent = out[i];
+        out.extend(parents.iter().filter(|(pid, ppid)| *ppid == parent && !out.contains(pid)).map(|(pid, _)| *pid).collect::<Vec<_>>());
+        i += 1;
+    }
+    out
+}
