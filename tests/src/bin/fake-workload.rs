@@ -1,0 +1,153 @@
+//! Workloads that allocate through the fake GPU as CUDA programs do, each writing its own ground
+//! truth (`--truth FILE`, JSON lines: ts, pid, op, path, bytes, handle).
+//!
+//! - `paths`: every allocation path the decoder handles, explicit frees (one through the XFER
+//!   wrapper), a dup, and memory left for the driver to free when the process exits;
+//! - `fork-holder --hold-ms N`: allocates, forks a child that keeps the device files, and exits;
+//!   the child exits N ms later, and only then is the memory freed;
+//! - `storm --count N`: a child does N ioctls on inherited and dup'ed non-NVIDIA fds, a third of
+//!   them with NVIDIA-looking commands;
+//! - `oom --bytes B`: one allocation larger than the card.
+use std::fs::File;
+use std::io::Write;
+use std::os::fd::AsRawFd;
+use std::process::ExitCode;
+
+use fakegpu::abi::{esc, rm_cmd, uvm};
+use fakegpu::cuda::{Buffer, Gpu, Path};
+use fakegpu::parse_bytes;
+use fakegpu::truth::monotonic_ns;
+use serde_json::json;
+
+struct Truth(Option<File>);
+
+impl Truth {
+    fn note(&mut self, op: &str, path: &str, bytes: u64, handle: u32, status: u32) {
+        if let Some(f) = &mut self.0 {
+            let line = json!({"ts": monotonic_ns(), "pid": std::process::id(), "op": op, "path": path, "bytes": bytes, "handle": handle, "status": status});
+            let _ = writeln!(f, "{line}");
+        }
+    }
+
+    fn alloc(&mut self, gpu: &mut Gpu, path: Path, bytes: u64) -> Option<Buffer> {
+        let name = format!("{path:?}");
+        match gpu.alloc(path, bytes) {
+            Ok(b) => {
+                self.note("alloc", &name, bytes, b.handle, 0);
+                Some(b)
+            }
+            Err(status) => {
+                self.note("alloc", &name, bytes, 0, status);
+                None
+            }
+        }
+    }
+}
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+
+fn paths(truth: &mut Truth) -> Result<(), String> {
+    let mut gpu = Gpu::open()?;
+    let weights = truth.alloc(&mut gpu, Path::RmAlloc, 2 * GIB).ok_or("RmAlloc failed")?;
+    let scratch = truth.alloc(&mut gpu, Path::RmAllocNvos21, 64 * MIB).ok_or("RmAllocNvos21 failed")?;
+    let kv = truth.alloc(&mut gpu, Path::VidHeap, GIB).ok_or("VidHeap failed")?;
+    let pinned = truth.alloc(&mut gpu, Path::HostPinned, 256 * MIB).ok_or("HostPinned failed")?;
+    let pool = gpu.semaphore_pool(2 * MIB).map_err(|s| format!("semaphore pool: {s:#x}"))?;
+    truth.note("alloc", "SemaphorePool", 2 * MIB, 0, 0);
+    let alias = gpu.dup(&kv).map_err(|s| format!("dup: {s:#x}"))?;
+    truth.note("dup", "Dup", kv.bytes, alias, 0);
+
+    gpu.free(&scratch).map_err(|s| format!("free: {s:#x}"))?;
+    truth.note("free", "RmFree", scratch.bytes, scratch.handle, 0);
+    gpu.free_handle(pinned.handle, true).map_err(|s| format!("xfer free: {s:#x}"))?;
+    truth.note("free", "XferRmFree", pinned.bytes, pinned.handle, 0);
+    // The original handle goes; the dup keeps the memory until the client is freed at exit.
+    gpu.free_handle(kv.handle, false).map_err(|s| format!("free: {s:#x}"))?;
+    truth.note("free_handle", "RmFree", 0, kv.handle, 0);
+    gpu.free_range(pool).map_err(|s| format!("uvm free: {s:#x}"))?;
+    truth.note("free", "UvmFree", 2 * MIB, 0, 0);
+    // weights and the dup'ed kv are left for the driver to free when the files are released.
+    let _ = weights;
+    Ok(())
+}
+
+fn fork_holder(truth: &mut Truth, hold_ms: u64) -> Result<(), String> {
+    let mut gpu = Gpu::open()?;
+    truth.alloc(&mut gpu, Path::RmAlloc, 4 * GIB).ok_or("alloc failed")?;
+    // SAFETY: fork in a single-threaded program; the child only sleeps and exits.
+    match unsafe { libc::fork() } {
+        0 => {
+            std::thread::sleep(std::time::Duration::from_millis(hold_ms));
+            // SAFETY: leave without running the parent's destructors twice.
+            unsafe { libc::_exit(0) };
+        }
+        -1 => Err("fork failed".into()),
+        child => {
+            truth.note("forked", "", 0, child as u32, 0);
+            // The parent exits at once; the child still holds the files.
+            Ok(())
+        }
+    }
+}
+
+fn storm(count: u64) -> Result<(), String> {
+    let null = File::open("/dev/null").map_err(|e| e.to_string())?;
+    let (mut a, mut b) = (0, 0);
+    let mut pair = [0; 2];
+    // SAFETY: socketpair fills two fds.
+    if unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_STREAM, 0, pair.as_mut_ptr()) } == 0 {
+        (a, b) = (pair[0], pair[1]);
+    }
+    // SAFETY: fork; the child runs the ioctl loop on inherited and dup'ed fds, then exits.
+    match unsafe { libc::fork() } {
+        0 => {
+            let dup_null = unsafe { libc::dup(null.as_raw_fd()) };
+            let dup_sock = unsafe { libc::dup(a) };
+            let fds = [null.as_raw_fd(), a, b, dup_null, dup_sock];
+            let commands = [0x5401u32, rm_cmd(esc::RM_ALLOC, 48), uvm::MAP_EXTERNAL_ALLOCATION, 0x541b, rm_cmd(esc::RM_FREE, 16), 0x5413];
+            let mut buf = [0u8; 64];
+            for i in 0..count {
+                let fd = fds[(i % fds.len() as u64) as usize];
+                let cmd = commands[(i % commands.len() as u64) as usize];
+                unsafe { libc::ioctl(fd, cmd as _, buf.as_mut_ptr()) };
+            }
+            unsafe { libc::_exit(0) };
+        }
+        -1 => Err("fork failed".into()),
+        child => {
+            let mut status = 0;
+            unsafe { libc::waitpid(child, &mut status, 0) };
+            Ok(())
+        }
+    }
+}
+
+fn oom(truth: &mut Truth, bytes: u64) -> Result<(), String> {
+    let mut gpu = Gpu::open()?;
+    truth.alloc(&mut gpu, Path::RmAlloc, GIB).ok_or("first alloc failed")?;
+    match truth.alloc(&mut gpu, Path::RmAlloc, bytes) {
+        Some(_) => Err("the oversized allocation unexpectedly fit".into()),
+        None => Err("CUDA out of memory".into()),
+    }
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let value = |flag: &str| args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1)).cloned();
+    let mut truth = Truth(value("--truth").map(|p| File::create(p).expect("creating the truth file")));
+    let result = match args.first().map(String::as_str) {
+        Some("paths") => paths(&mut truth),
+        Some("fork-holder") => fork_holder(&mut truth, value("--hold-ms").and_then(|v| v.parse().ok()).unwrap_or(500)),
+        Some("storm") => storm(value("--count").and_then(|v| v.parse().ok()).unwrap_or(1_000_000)),
+        Some("oom") => oom(&mut truth, value("--bytes").and_then(|v| parse_bytes(&v)).unwrap_or(1 << 40)),
+        _ => Err("usage: fake-workload paths|fork-holder|storm|oom [--truth FILE] [--hold-ms N] [--count N] [--bytes B]".into()),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("fake-workload: {e}");
+            ExitCode::from(1)
+        }
+    }
+}

@@ -1,0 +1,555 @@
+//! The fake NVIDIA driver behind the FUSE files: RM clients and handle trees, memory that is only
+//! accounted (so an 80 GiB card and a 16 GiB model are realistic), UVM ranges, and the driver's
+//! own ground truth. Semantics follow the open kernel modules: RM_FREE frees a subtree (a client
+//! handle frees the client), freeing an unknown handle is NV_OK, dups are reference counted, and
+//! releasing an nvidiactl file frees every client created on it.
+
+use std::collections::{HashMap, HashSet};
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use crate::abi::{class, esc, get32, get64, put32, put64, status, uvm, Abi};
+use crate::fuse::{Caller, Files, IoctlReply};
+use crate::truth::{monotonic_ns, DriverLine, DriverOp, Log};
+
+pub const CTL_INODE: u64 = 2;
+pub const GPU0_INODE: u64 = 3;
+pub const UVM_INODE: u64 = 4;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Video,
+    System,
+    Virtual,
+}
+
+impl Kind {
+    fn name(self) -> String {
+        match self {
+            Kind::Video => "video",
+            Kind::System => "system",
+            Kind::Virtual => "virtual",
+        }
+        .into()
+    }
+}
+
+struct Memory {
+    client: u32,
+    object: u32,
+    kind: Kind,
+    bytes: u64,
+    handles: u32,
+}
+
+struct Object {
+    parent: u32,
+    memory: Option<u64>,
+}
+
+struct Client {
+    file: u64,
+    objects: HashMap<u32, Object>,
+}
+
+struct OpenFile {
+    inode: u64,
+    uvm_ready: bool,
+    /// UVM ranges by base: (length, memory id when the range holds memory of its own).
+    ranges: HashMap<u64, (u64, Option<u64>)>,
+}
+
+pub struct Config {
+    pub version: String,
+    pub video_capacity: u64,
+    pub system_capacity: u64,
+}
+
+pub struct Driver {
+    abi: Abi,
+    version: String,
+    video_capacity: u64,
+    system_capacity: u64,
+    used: HashMap<&'static str, u64>,
+    files: HashMap<u64, OpenFile>,
+    clients: HashMap<u32, Client>,
+    memory: HashMap<u64, Memory>,
+    next_fh: u64,
+    next_client: u32,
+    next_object: u32,
+    next_memory: u64,
+    log: Log,
+    tgids: HashMap<u32, u32>,
+    open_files: Arc<AtomicUsize>,
+}
+
+fn device_name(inode: u64) -> String {
+    match inode {
+        CTL_INODE => "ctl",
+        GPU0_INODE => "gpu",
+        _ => "uvm",
+    }
+    .into()
+}
+
+fn read_mem(tid: u32, addr: u64, len: usize) -> Option<Vec<u8>> {
+    let mut buf = vec![0u8; len];
+    let local = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: len };
+    let remote = libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: len };
+    // SAFETY: reads another process's memory into our buffer; the kernel checks the range.
+    let n = unsafe { libc::process_vm_readv(tid as libc::pid_t, &local, 1, &remote, 1, 0) };
+    (n == len as isize).then_some(buf)
+}
+
+fn write_mem(tid: u32, addr: u64, data: &[u8]) -> bool {
+    let local = libc::iovec { iov_base: data.as_ptr() as *mut libc::c_void, iov_len: data.len() };
+    let remote = libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: data.len() };
+    // SAFETY: writes our buffer into another process's memory; the kernel checks the range.
+    let n = unsafe { libc::process_vm_writev(tid as libc::pid_t, &local, 1, &remote, 1, 0) };
+    n == data.len() as isize
+}
+
+const EINVAL: i32 = -libc::EINVAL;
+const EFAULT: i32 = -libc::EFAULT;
+
+impl Driver {
+    pub fn new(config: &Config, log_path: Option<&Path>) -> std::io::Result<Driver> {
+        Ok(Driver {
+            abi: Abi::for_version(&config.version),
+            version: config.version.clone(),
+            video_capacity: config.video_capacity,
+            system_capacity: config.system_capacity,
+            used: HashMap::new(),
+            files: HashMap::new(),
+            clients: HashMap::new(),
+            memory: HashMap::new(),
+            next_fh: 1,
+            next_client: 0xc1d0_0001,
+            next_object: 0xcaf0_0001,
+            next_memory: 1,
+            log: Log::create(log_path)?,
+            tgids: HashMap::new(),
+            open_files: Arc::new(AtomicUsize::new(0)),
+        })
+    }
+
+    /// Files open now, readable from another thread: the launcher waits for it to reach zero so
+    /// the log has every release before it exits.
+    pub fn open_files_counter(&self) -> Arc<AtomicUsize> {
+        self.open_files.clone()
+    }
+
+    fn tgid(&mut self, tid: u32) -> u32 {
+        if let Some(&t) = self.tgids.get(&tid) {
+            return t;
+        }
+        let status = std::fs::read_to_string(format!("/proc/{tid}/status")).unwrap_or_default();
+        let tgid = status.lines().find_map(|l| l.strip_prefix("Tgid:")).and_then(|v| v.trim().parse().ok()).unwrap_or(tid);
+        self.tgids.insert(tid, tgid);
+        tgid
+    }
+
+    fn record(&mut self, caller: Caller, op: DriverOp) {
+        let pid = if caller.tid == 0 { 0 } else { self.tgid(caller.tid) };
+        self.log.write(&DriverLine { ts: monotonic_ns(), pid, tid: caller.tid, op });
+    }
+
+    fn capacity(&self, kind: Kind) -> u64 {
+        match kind {
+            Kind::Video => self.video_capacity,
+            Kind::System => self.system_capacity,
+            Kind::Virtual => u64::MAX,
+        }
+    }
+
+    fn used_mut(&mut self, kind: Kind) -> &mut u64 {
+        let key = match kind {
+            Kind::Video => "video",
+            Kind::System => "system",
+            Kind::Virtual => "virtual",
+        };
+        self.used.entry(key).or_default()
+    }
+
+    /// Video bytes in use now (the fake NVML's answer).
+    pub fn video_used(&self) -> u64 {
+        self.used.get("video").copied().unwrap_or(0)
+    }
+
+    fn new_object_handle(&mut self) -> u32 {
+        let h = self.next_object;
+        self.next_object += 1;
+        h
+    }
+
+    /// Allocates accounted memory; None when it does not fit.
+    fn take(&mut self, caller: Caller, client: u32, object: u32, class: u32, kind: Kind, bytes: u64, via: &str) -> Result<u64, u32> {
+        let fits = self.used_mut(kind).checked_add(bytes).is_some_and(|total| total <= self.capacity(kind));
+        let status = if fits { status::OK } else { status::NO_MEMORY };
+        self.record(caller, DriverOp::Alloc { client, object, class, kind: kind.name(), bytes, status, via: via.into() });
+        if !fits {
+            return Err(status::NO_MEMORY);
+        }
+        *self.used_mut(kind) += bytes;
+        let id = self.next_memory;
+        self.next_memory += 1;
+        self.memory.insert(id, Memory { client, object, kind, bytes, handles: 1 });
+        Ok(id)
+    }
+
+    fn drop_handle(&mut self, caller: Caller, id: u64, how: &str) {
+        let Some(m) = self.memory.get_mut(&id) else { return };
+        m.handles -= 1;
+        if m.handles > 0 {
+            return;
+        }
+        let m = self.memory.remove(&id).unwrap();
+        let used = self.used_mut(m.kind);
+        *used -= m.bytes;
+        self.record(caller, DriverOp::Free { client: m.client, object: m.object, kind: m.kind.name(), bytes: m.bytes, how: how.into() });
+    }
+
+    fn free_client(&mut self, caller: Caller, client: u32, how: &str) {
+        if let Some(c) = self.clients.remove(&client) {
+            let mut ids: Vec<u64> = c.objects.values().filter_map(|o| o.memory).collect();
+            ids.sort();
+            for id in ids {
+                self.drop_handle(caller, id, how);
+            }
+        }
+    }
+
+    fn free_subtree(&mut self, caller: Caller, client: u32, handle: u32) {
+        let Some(c) = self.clients.get_mut(&client) else { return };
+        let mut doomed = HashSet::from([handle]);
+        loop {
+            let before = doomed.len();
+            for (h, o) in &c.objects {
+                if doomed.contains(&o.parent) {
+                    doomed.insert(*h);
+                }
+            }
+            if doomed.len() == before {
+                break;
+            }
+        }
+        let mut freed: Vec<(u32, u64)> =
+            doomed.iter().filter_map(|h| c.objects.remove(h).and_then(|o| o.memory.map(|m| (*h, m)))).collect();
+        freed.sort();
+        for (h, id) in freed {
+            self.drop_handle(caller, id, if h == handle { "explicit" } else { "subtree" });
+        }
+    }
+
+    fn parent_ok(&self, client: u32, parent: u32) -> Result<(), u32> {
+        let Some(c) = self.clients.get(&client) else { return Err(status::INVALID_CLIENT) };
+        if parent == client || c.objects.contains_key(&parent) {
+            Ok(())
+        } else {
+            Err(status::INVALID_OBJECT_PARENT)
+        }
+    }
+
+    fn insert_object(&mut self, client: u32, handle: u32, parent: u32, memory: Option<u64>) {
+        if let Some(c) = self.clients.get_mut(&client) {
+            c.objects.insert(handle, Object { parent, memory });
+        }
+    }
+
+    fn class_params_size(&self, hclass: u32) -> usize {
+        match hclass {
+            class::LOCAL_USER | class::SYSTEM | class::NV50_MEMORY_VIRTUAL => self.abi.memory_params_size,
+            class::DEVICE => 56,
+            class::VASPACE => if self.abi.major >= 580 { 56 } else { 48 },
+            class::CHANNEL_GROUP => 20,
+            _ => 0,
+        }
+    }
+
+    /// RM_ALLOC, NVOS21 or NVOS64: `p` is the struct, answered in place.
+    fn rm_alloc(&mut self, caller: Caller, fh: u64, p: &mut [u8]) -> u32 {
+        let status_at = if p.len() == 32 { self.abi.nvos21_status } else { self.abi.nvos64_status };
+        let result = self.rm_alloc_inner(caller, fh, p);
+        let status = result.err().unwrap_or(status::OK);
+        put32(p, status_at, status);
+        status
+    }
+
+    fn rm_alloc_inner(&mut self, caller: Caller, fh: u64, p: &mut [u8]) -> Result<(), u32> {
+        let (root, parent, mut new, hclass, params) = (get32(p, 0), get32(p, 4), get32(p, 8), get32(p, 12), get64(p, 16));
+        if matches!(hclass, 0 | 1 | class::ROOT_CLIENT) {
+            if new == 0 {
+                new = self.next_client;
+                self.next_client += 1;
+            }
+            self.clients.insert(new, Client { file: fh, objects: HashMap::new() });
+            put32(p, 8, new);
+            return Ok(());
+        }
+        self.parent_ok(root, parent)?;
+        if new == 0 {
+            new = self.new_object_handle();
+            put32(p, 8, new);
+        }
+        let size = self.class_params_size(hclass);
+        let class_params = if size > 0 { read_mem(caller.tid, params, size).ok_or(status::INVALID_ARGUMENT)? } else { vec![] };
+        let kind = match hclass {
+            class::LOCAL_USER => Some(Kind::Video),
+            class::SYSTEM => Some(Kind::System),
+            class::NV50_MEMORY_VIRTUAL => Some(Kind::Virtual),
+            _ => None,
+        };
+        let memory = match kind {
+            Some(kind) => Some(self.take(caller, root, new, hclass, kind, get64(&class_params, 64), "rm_alloc")?),
+            None => None,
+        };
+        self.insert_object(root, new, parent, memory);
+        Ok(())
+    }
+
+    fn rm_free(&mut self, caller: Caller, p: &mut [u8]) {
+        let (root, old) = (get32(p, 0), get32(p, 8));
+        if root == old {
+            self.free_client(caller, root, "subtree");
+        } else {
+            self.free_subtree(caller, root, old);
+        }
+        // Freeing a handle that does not exist is NV_OK (RS_COMPATABILITY_MODE).
+        put32(p, 12, status::OK);
+    }
+
+    fn vid_heap(&mut self, caller: Caller, p: &mut [u8]) {
+        let (root, parent, function) = (get32(p, 0), get32(p, 4), get32(p, 8));
+        let status = match function {
+            2 => (|| {
+                self.parent_ok(root, parent)?;
+                let mut handle = get32(p, 44);
+                if handle == 0 {
+                    handle = self.new_object_handle();
+                    put32(p, 44, handle);
+                }
+                let (flags, attr, size) = (get32(p, 52), get32(p, 56), get64(p, 88));
+                let (kind, hclass) = if flags & 0x80000 != 0 {
+                    (Kind::Virtual, class::NV50_MEMORY_VIRTUAL)
+                } else if (attr >> 25) & 3 == 0 {
+                    (Kind::Video, class::LOCAL_USER)
+                } else {
+                    (Kind::System, class::SYSTEM)
+                };
+                let id = self.take(caller, root, handle, hclass, kind, size, "vid_heap_control")?;
+                self.insert_object(root, handle, parent, Some(id));
+                put64(p, 104, 0x2_0000_0000 + id * 0x1000_0000);
+                Ok(())
+            })(),
+            3 => {
+                self.free_subtree(caller, root, get32(p, 44));
+                Ok(())
+            }
+            _ => Ok(()),
+        };
+        put32(p, 20, status.err().unwrap_or(status::OK));
+    }
+
+    fn alloc_memory(&mut self, caller: Caller, p: &mut [u8]) {
+        let (root, parent, mut new, hclass, flags, limit) = (get32(p, 0), get32(p, 4), get32(p, 8), get32(p, 12), get32(p, 16), get64(p, 32));
+        let status = (|| {
+            self.parent_ok(root, parent)?;
+            if new == 0 {
+                new = self.new_object_handle();
+                put32(p, 8, new);
+            }
+            let kind = if hclass == class::LOCAL_USER || (flags >> 8) & 0xf == 2 { Kind::Video } else { Kind::System };
+            let id = self.take(caller, root, new, hclass, kind, limit + 1, "rm_alloc_memory")?;
+            self.insert_object(root, new, parent, Some(id));
+            Ok(())
+        })();
+        put32(p, 40, status.err().unwrap_or(status::OK));
+    }
+
+    fn dup(&mut self, p: &mut [u8]) {
+        let (client, parent, mut new, src_client, src_object) = (get32(p, 0), get32(p, 4), get32(p, 8), get32(p, 12), get32(p, 16));
+        let status = (|| {
+            self.parent_ok(client, parent)?;
+            let memory = self
+                .clients
+                .get(&src_client)
+                .ok_or(status::INVALID_CLIENT)?
+                .objects
+                .get(&src_object)
+                .ok_or(status::INVALID_OBJECT_HANDLE)?
+                .memory;
+            if new == 0 {
+                new = self.new_object_handle();
+                put32(p, 8, new);
+            }
+            if let Some(id) = memory {
+                self.memory.get_mut(&id).unwrap().handles += 1;
+            }
+            self.insert_object(client, new, parent, memory);
+            Ok(())
+        })();
+        put32(p, 24, status.err().unwrap_or(status::OK));
+    }
+
+    /// One RM escape on its params; the reply to return, or an errno as the real driver gives.
+    fn rm_escape(&mut self, caller: Caller, fh: u64, inode: u64, nr: u32, p: &mut [u8]) -> Result<(), i32> {
+        let on_ctl = inode == CTL_INODE;
+        match (nr, p.len()) {
+            (esc::RM_ALLOC, 32) | (esc::RM_ALLOC, 40) | (esc::RM_ALLOC, 48) if on_ctl => {
+                if p.len() != 32 && p.len() != self.abi.nvos64_size {
+                    return Err(EINVAL);
+                }
+                self.rm_alloc(caller, fh, p);
+            }
+            (esc::RM_FREE, 16) if on_ctl => self.rm_free(caller, p),
+            (esc::RM_VID_HEAP_CONTROL, 184) if on_ctl => self.vid_heap(caller, p),
+            (esc::RM_DUP_OBJECT, 28) if on_ctl => self.dup(p),
+            (esc::RM_CONTROL, 32) if on_ctl => put32(p, 28, status::OK),
+            (esc::RM_ALLOC_MEMORY, 56) if inode == GPU0_INODE => self.alloc_memory(caller, p),
+            (esc::REGISTER_FD, 4) => {}
+            (esc::CHECK_VERSION_STR, 72) => {
+                put32(p, 4, 1);
+                let v = self.version.as_bytes();
+                p[8..72].fill(0);
+                p[8..8 + v.len()].copy_from_slice(v);
+            }
+            _ => return Err(EINVAL),
+        }
+        Ok(())
+    }
+
+    fn uvm_ioctl(&mut self, caller: Caller, fh: u64, cmd: u32, arg: u64) -> i32 {
+        let size = match cmd {
+            uvm::INITIALIZE => 16,
+            uvm::MM_INITIALIZE => 8,
+            uvm::CREATE_EXTERNAL_RANGE => 24,
+            uvm::MAP_EXTERNAL_ALLOCATION => self.abi.uvm_map_external_size,
+            uvm::ALLOC_SEMAPHORE_POOL => self.abi.uvm_semaphore_pool_size,
+            uvm::FREE => self.abi.uvm_free_size,
+            _ => return EINVAL,
+        };
+        let Some(mut p) = read_mem(caller.tid, arg, size) else { return EFAULT };
+        let status_at = match cmd {
+            uvm::INITIALIZE => 8,
+            uvm::MM_INITIALIZE => 4,
+            uvm::CREATE_EXTERNAL_RANGE => 16,
+            uvm::MAP_EXTERNAL_ALLOCATION => size - 4,
+            _ => size - 8,
+        };
+        let ready = self.files.get(&fh).is_some_and(|f| f.uvm_ready);
+        let status = if cmd == uvm::INITIALIZE {
+            if let Some(f) = self.files.get_mut(&fh) {
+                f.uvm_ready = true;
+            }
+            status::OK
+        } else if !ready {
+            status::ILLEGAL_ACTION
+        } else {
+            self.uvm_command(caller, fh, cmd, &p).err().unwrap_or(status::OK)
+        };
+        put32(&mut p, status_at, status);
+        if !write_mem(caller.tid, arg, &p) {
+            return EFAULT;
+        }
+        0
+    }
+
+    fn uvm_command(&mut self, caller: Caller, fh: u64, cmd: u32, p: &[u8]) -> Result<(), u32> {
+        let (base, length) = (get64(p, 0), get64(p, 8));
+        match cmd {
+            uvm::CREATE_EXTERNAL_RANGE => {
+                let id = self.take(caller, 0, 0, 0, Kind::Virtual, length, "uvm_create_external_range")?;
+                self.add_range(fh, base, length, Some(id))
+            }
+            uvm::ALLOC_SEMAPHORE_POOL => {
+                let id = self.take(caller, 0, 0, 0, Kind::System, length, "uvm_alloc_semaphore_pool")?;
+                self.add_range(fh, base, length, Some(id))
+            }
+            uvm::MAP_EXTERNAL_ALLOCATION => {
+                let tail = p.len() - 16;
+                let (client, memory) = (get32(p, tail + 4), get32(p, tail + 8));
+                let known = self.clients.get(&client).and_then(|c| c.objects.get(&memory)).is_some_and(|o| o.memory.is_some());
+                if known {
+                    Ok(())
+                } else {
+                    Err(status::INVALID_OBJECT_HANDLE)
+                }
+            }
+            uvm::FREE => {
+                let range = self.files.get_mut(&fh).and_then(|f| f.ranges.remove(&base)).ok_or(status::INVALID_ARGUMENT)?;
+                if let Some(id) = range.1 {
+                    self.drop_handle(caller, id, "explicit");
+                }
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn add_range(&mut self, fh: u64, base: u64, length: u64, memory: Option<u64>) -> Result<(), u32> {
+        let f = self.files.get_mut(&fh).ok_or(status::INVALID_ARGUMENT)?;
+        if f.ranges.contains_key(&base) {
+            return Err(status::UVM_ADDRESS_IN_USE);
+        }
+        f.ranges.insert(base, (length, memory));
+        Ok(())
+    }
+}
+
+impl Files for Driver {
+    fn names(&self) -> &[(&'static str, u64)] {
+        &[("nvidiactl", CTL_INODE), ("nvidia0", GPU0_INODE), ("nvidia-uvm", UVM_INODE)]
+    }
+
+    fn open(&mut self, caller: Caller, inode: u64) -> u64 {
+        let fh = self.next_fh;
+        self.next_fh += 1;
+        self.files.insert(fh, OpenFile { inode, uvm_ready: false, ranges: HashMap::new() });
+        self.open_files.fetch_add(1, Ordering::SeqCst);
+        self.record(caller, DriverOp::Open { device: device_name(inode), handle: fh });
+        fh
+    }
+
+    fn ioctl(&mut self, caller: Caller, fh: u64, cmd: u32, arg: u64, input: &[u8], _out_size: u32) -> IoctlReply {
+        let Some(inode) = self.files.get(&fh).map(|f| f.inode) else { return IoctlReply { result: EINVAL, out: vec![] } };
+        if inode == UVM_INODE {
+            return IoctlReply { result: self.uvm_ioctl(caller, fh, cmd, arg), out: vec![] };
+        }
+        // The driver decodes only _IOC_NR and _IOC_SIZE.
+        let (nr, size) = (cmd & 0xff, ((cmd >> 16) & 0x3fff) as usize);
+        if input.len() != size {
+            return IoctlReply { result: EINVAL, out: vec![] };
+        }
+        let mut p = input.to_vec();
+        if nr == esc::XFER && size == 16 {
+            let (inner_nr, inner_size, ptr) = (get32(&p, 0), get32(&p, 4) as usize, get64(&p, 8));
+            let Some(mut inner) = read_mem(caller.tid, ptr, inner_size) else { return IoctlReply { result: EFAULT, out: vec![] } };
+            if let Err(errno) = self.rm_escape(caller, fh, inode, inner_nr, &mut inner) {
+                return IoctlReply { result: errno, out: vec![] };
+            }
+            let result = if write_mem(caller.tid, ptr, &inner) { 0 } else { EFAULT };
+            return IoctlReply { result, out: p };
+        }
+        match self.rm_escape(caller, fh, inode, nr, &mut p) {
+            Ok(()) => IoctlReply { result: 0, out: p },
+            Err(errno) => IoctlReply { result: errno, out: vec![] },
+        }
+    }
+
+    fn release(&mut self, caller: Caller, fh: u64) {
+        let Some(file) = self.files.remove(&fh) else { return };
+        self.open_files.fetch_sub(1, Ordering::SeqCst);
+        self.record(caller, DriverOp::Release { device: device_name(file.inode), handle: fh });
+        let mut clients: Vec<u32> = self.clients.iter().filter(|(_, c)| c.file == fh).map(|(h, _)| *h).collect();
+        clients.sort();
+        for client in clients {
+            self.free_client(caller, client, "release");
+        }
+        let mut ids: Vec<u64> = file.ranges.values().filter_map(|(_, m)| *m).collect();
+        ids.sort();
+        for id in ids {
+            self.drop_handle(caller, id, "release");
+        }
+    }
+}
