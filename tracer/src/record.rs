@@ -19,7 +19,7 @@ use crate::files::{KernelUpdate, ProcResolver, Resolver};
 use crate::model::Model;
 use crate::pipeline::Pipeline;
 use crate::probe::{self, Probe};
-use crate::summary::{bytes, Loss, Summary};
+use crate::summary::{bytes, FdFilter, Loss, Summary};
 use crate::trace::{Header, Writer, FORMAT, VERSION};
 
 pub struct Options {
@@ -98,15 +98,17 @@ pub fn run(opts: Options) -> Result<Outcome> {
         damaged_lines: 0,
         torn_tail: false,
     };
-    let summary = Summary::new(&session.model, path.display().to_string(), session.writer.records, loss);
+    let mut summary = Summary::new(&session.model, path.display().to_string(), session.writer.records, loss);
+    let filter = FdFilter { questions: counters.questions, pending_dropped: session.pipeline.files.pending_dropped };
     if opts.json {
+        summary.fd_filter = Some(filter);
         println!("{}", serde_json::to_string_pretty(&summary)?);
     } else {
         eprint!("{}", summary.text());
-        if counters.questions > 0 {
+        if filter.questions > 0 {
             eprintln!(
                 "{} fds were met without their open and asked about once each; {} of their ioctls were not NVIDIA and dropped.",
-                counters.questions, session.pipeline.files.pending_dropped
+                filter.questions, filter.pending_dropped
             );
         }
     }

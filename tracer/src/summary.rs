@@ -55,6 +55,15 @@ impl Loss {
     }
 }
 
+/// How the kernel-side fd filter behaved while recording (absent for a report of a trace file).
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct FdFilter {
+    /// Fds the kernel met without their open and asked about, once each.
+    pub questions: u64,
+    /// ioctls on such fds sent before the answer, dropped because the fd was not NVIDIA.
+    pub pending_dropped: u64,
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct Summary {
     pub schema: &'static str,
@@ -63,6 +72,8 @@ pub struct Summary {
     pub events: u64,
     pub processes: Vec<ProcessSummary>,
     pub loss: Loss,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fd_filter: Option<FdFilter>,
 }
 
 fn physical(map: &BTreeMap<Memory, u64>) -> u64 {
@@ -103,7 +114,7 @@ impl Summary {
             .map(process_summary)
             .collect();
         let duration_ns = model.first_ts.map(|f| model.last_ts - f).unwrap_or(0);
-        Summary { schema: SCHEMA, trace, duration_ns, events, processes, loss }
+        Summary { schema: SCHEMA, trace, duration_ns, events, processes, loss, fd_filter: None }
     }
 
     pub fn text(&self) -> String {

@@ -1,0 +1,295 @@
+//! End to end, as root, against the fake GPU: `gputrace record` sees every allocation and free a
+//! workload made, with the right sizes, kinds, pids and statuses, and implicit frees when the
+//! driver itself released the file. Compared with both ground truths: the driver's log and the
+//! workload's own. Skipped with a message when not root, failed when CI=true.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Mutex;
+
+use fakegpu::truth::{read_lines, DriverLine, DriverOp};
+use gputrace::event::{Event, Memory, Record};
+use gputrace::model::{FreedBy, Model};
+use gputrace::trace::Reader;
+
+/// End-to-end runs share the kernel's tracepoints and the machine: one at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn root_or_skip(name: &str) -> bool {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        return true;
+    }
+    if std::env::var("CI").as_deref() == Ok("true") {
+        panic!("{name}: the end-to-end tests need root and CI runs as root");
+    }
+    eprintln!("skipping {name}: needs root (run `sudo cargo xtask test`)");
+    false
+}
+
+fn gputrace_bin() -> PathBuf {
+    if let Ok(path) = std::env::var("GPUTRACE_BIN") {
+        return PathBuf::from(path);
+    }
+    let target = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target");
+    let found = ["release", "debug"].iter().map(|p| target.join(p).join("gputrace")).find(|p| p.exists());
+    found.expect("the gputrace binary is not built: run `cargo build --release -p tracer` (cargo xtask test does)")
+}
+
+struct Run {
+    dir: PathBuf,
+    status: i32,
+    stdout: String,
+    stderr: String,
+}
+
+impl Run {
+    fn trace(&self) -> (Vec<Record>, Model) {
+        let (_, records, damage) = Reader::read_all(&self.dir.join("run.trace")).expect("the trace reads");
+        assert!(damage.bad_lines.is_empty() && !damage.torn_tail, "damaged trace: {damage:?}");
+        let model = Model::from_records(&records);
+        (records, model)
+    }
+    fn driver(&self) -> Vec<DriverLine> {
+        read_lines(&self.dir.join("driver.jsonl")).expect("the driver log reads")
+    }
+    fn summary(&self) -> serde_json::Value {
+        serde_json::from_str(&self.stdout).unwrap_or_else(|e| panic!("record --json printed no JSON ({e}): {}\n{}", self.stdout, self.stderr))
+    }
+}
+
+/// `fakegpu run -- gputrace record --json -o DIR/run.trace -- fake-workload ARGS --truth DIR/workload.jsonl`
+fn record(name: &str, version: &str, workload: &[&str]) -> Run {
+    record_then_wait(name, version, workload, None)
+}
+
+/// The same, with the workload run by a shell that waits `wait` before exiting, so the recording
+/// outlives what the workload left running.
+fn record_then_wait(name: &str, version: &str, workload: &[&str], wait: Option<&str>) -> Run {
+    let dir = std::env::temp_dir().join(format!("gputrace-e2e-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = |f: &str| dir.join(f).to_str().unwrap().to_string();
+    let output = Command::new(env!("CARGO_BIN_EXE_fakegpu"))
+        .args(["run", "--driver-version", version, "--video", "80GiB", "--log", &path("driver.jsonl"), "--"])
+        .arg(gputrace_bin())
+        .args(["record", "--json", "-o", &path("run.trace"), "--"])
+        .args(wait.map(|seconds| ["sh".to_string(), "-c".into(), format!("\"$0\" \"$@\"; sleep {seconds}")]).into_iter().flatten())
+        .arg(env!("CARGO_BIN_EXE_fake-workload"))
+        .args(workload)
+        .args(["--truth", &path("workload.jsonl")])
+        .output()
+        .expect("running fakegpu");
+    Run {
+        dir,
+        status: output.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
+    }
+}
+
+fn kind(memory: Memory) -> &'static str {
+    memory.name()
+}
+
+/// Every allocation the driver saw, as (pid, kind, bytes, status), sorted.
+fn driver_allocs(driver: &[DriverLine]) -> Vec<(u32, String, u64, u32)> {
+    let mut v: Vec<_> = driver
+        .iter()
+        .filter_map(|l| match &l.op {
+            DriverOp::Alloc { kind, bytes, status, .. } => Some((l.pid, kind.clone(), *bytes, *status)),
+            _ => None,
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+fn traced_allocs(records: &[Record]) -> Vec<(u32, String, u64, u32)> {
+    let mut v: Vec<_> = records
+        .iter()
+        .filter_map(|r| match &r.event {
+            Event::Alloc(a) => Some((r.pid, kind(a.memory).to_string(), a.bytes, a.status)),
+            _ => None,
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+/// Frees of RM memory objects as the driver logged them: (object, how, ts).
+fn driver_frees(driver: &[DriverLine]) -> Vec<(u32, String, u64)> {
+    driver
+        .iter()
+        .filter_map(|l| match &l.op {
+            DriverOp::Free { object, how, .. } if *object != 0 => Some((*object, how.clone(), l.ts)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn release_times(driver: &[DriverLine]) -> Vec<u64> {
+    driver.iter().filter(|l| matches!(l.op, DriverOp::Release { .. })).map(|l| l.ts).collect()
+}
+
+/// gputrace's view of each RM allocation's end must match the driver's: same objects freed, the
+/// same way, and implicit frees no later than the driver's release and close to it.
+fn check_frees_match(model: &Model, driver: &[DriverLine]) {
+    let releases = release_times(driver);
+    for (object, how, ts) in driver_frees(driver) {
+        let a = model.allocations.iter().find(|a| a.object == object).unwrap_or_else(|| panic!("gputrace has no allocation {object:#x}"));
+        let (freed_ts, freed_by) = a.freed.unwrap_or_else(|| panic!("gputrace thinks {object:#x} is still live; the driver freed it ({how})"));
+        let expected = match how.as_str() {
+            "explicit" => FreedBy::Explicit,
+            "subtree" => FreedBy::Subtree,
+            _ => FreedBy::FileRelease,
+        };
+        assert_eq!(freed_by, expected, "how {object:#x} was freed");
+        if expected == FreedBy::FileRelease {
+            // The kernel drops the last reference (close, exit) just before FUSE's RELEASE reaches the driver.
+            let release = releases.iter().copied().filter(|&r| r >= freed_ts).min().expect("a release after gputrace's free");
+            assert!(release - freed_ts < 1_000_000_000, "implicit free {freed_ts} is {} ns before the driver's release", release - freed_ts);
+            assert!(ts >= freed_ts);
+        } else {
+            let skew = freed_ts.abs_diff(ts);
+            assert!(skew < 50_000_000, "explicit free of {object:#x} at {freed_ts}, driver logged {ts}");
+        }
+    }
+    let freed_by_driver: Vec<u32> = driver_frees(driver).iter().map(|f| f.0).collect();
+    for a in model.allocations.iter().filter(|a| a.object != 0) {
+        if a.freed.is_some() {
+            assert!(freed_by_driver.contains(&a.object), "gputrace freed {:#x} but the driver never did", a.object);
+        }
+    }
+}
+
+#[test]
+fn every_path_every_driver_version() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !root_or_skip("every_path_every_driver_version") {
+        return;
+    }
+    for version in fakegpu::abi::VERSIONS {
+        let run = record(&format!("paths-{version}"), version, &["paths"]);
+        assert_eq!(run.status, 0, "{version}: {}", run.stderr);
+        let (records, model) = run.trace();
+        let driver = run.driver();
+
+        let traced = traced_allocs(&records);
+        assert_eq!(traced, driver_allocs(&driver), "{version}: allocations (pid, kind, bytes, status)");
+        assert_eq!(traced.len(), 7, "{version}: 4 RM allocations, 2 UVM ranges, 1 semaphore pool");
+        let vias: std::collections::BTreeSet<String> = records
+            .iter()
+            .filter_map(|r| match &r.event {
+                Event::Alloc(a) => Some(format!("{:?}", a.via)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(vias.len(), 6, "{version}: every allocation path: {vias:?}");
+        assert!(records.iter().any(|r| matches!(r.event, Event::DupObject { status: 0, .. })), "{version}: the dup");
+        check_frees_match(&model, &driver);
+        assert_eq!(model.live(Memory::Video) + model.live(Memory::System) + model.live(Memory::Virtual), 0, "{version}: all freed at exit");
+
+        // The workload's own account: each allocation it made, with its pid and size.
+        let workload: Vec<serde_json::Value> = read_lines(&run.dir.join("workload.jsonl")).unwrap();
+        for w in workload.iter().filter(|w| w["op"] == "alloc") {
+            let (pid, bytes) = (w["pid"].as_u64().unwrap() as u32, w["bytes"].as_u64().unwrap());
+            assert!(traced.iter().any(|t| t.0 == pid && t.2 == bytes), "{version}: workload alloc {w} not traced");
+        }
+        let summary = run.summary();
+        assert_eq!(summary["loss"]["lost_records"], 0, "{version}");
+        assert_eq!(summary["loss"]["undecodable"], 0, "{version}");
+        let header = Reader::open(&run.dir.join("run.trace")).unwrap().header;
+        assert_eq!(header.driver_version.as_deref(), Some(version), "version read as a real host exposes it");
+        assert_eq!(header.driver_version_source, "/proc/driver/nvidia/version");
+        std::fs::remove_dir_all(&run.dir).ok();
+    }
+}
+
+#[test]
+fn a_forked_child_keeps_the_memory_until_it_exits() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !root_or_skip("a_forked_child_keeps_the_memory_until_it_exits") {
+        return;
+    }
+    let run = record_then_wait("fork-holder", "580.95.05", &["fork-holder", "--hold-ms", "700"], Some("1.5"));
+    assert_eq!(run.status, 0, "{}", run.stderr);
+    let (records, model) = run.trace();
+    let driver = run.driver();
+    let weights = model.allocations.iter().find(|a| a.memory == Memory::Video).expect("the 4 GiB allocation");
+    assert_eq!(weights.bytes, 4 << 30);
+    let parent = weights.pid;
+    let child = model.processes.values().find(|p| p.ppid == parent).expect("the forked child").pid;
+    let parent_exit = model.processes[&parent].exited.expect("the parent exited");
+    let child_exit = model.processes[&child].exited.expect("the child exited");
+    let (freed_ts, how) = weights.freed.expect("freed when the child exited");
+    assert_eq!(how, FreedBy::FileRelease);
+    assert!(freed_ts > parent_exit + 500_000_000, "still live after the parent exited: freed {freed_ts}, parent exit {parent_exit}");
+    assert_eq!(freed_ts, child_exit, "freed at the child's exit");
+    check_frees_match(&model, &driver);
+    assert_eq!(traced_allocs(&records), driver_allocs(&driver));
+    std::fs::remove_dir_all(&run.dir).ok();
+}
+
+/// Recording ends with the command; a child it left holding the files still holds the memory at
+/// the end of the trace, and the model names it as the holder.
+#[test]
+fn memory_a_child_still_holds_when_recording_ends_is_live() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !root_or_skip("memory_a_child_still_holds_when_recording_ends_is_live") {
+        return;
+    }
+    let run = record("fork-holder-live", "580.95.05", &["fork-holder", "--hold-ms", "1500"]);
+    assert_eq!(run.status, 0, "{}", run.stderr);
+    let (_, model) = run.trace();
+    let weights = model.allocations.iter().find(|a| a.memory == Memory::Video).expect("the 4 GiB allocation");
+    assert!(weights.freed.is_none(), "the child still holds it when the recording ends");
+    let parent = weights.pid;
+    assert!(model.processes[&parent].exited.is_some());
+    let child = model.processes.values().find(|p| p.ppid == parent).expect("the forked child").pid;
+    assert_eq!(model.holders(weights.file.unwrap()), vec![child]);
+    let summary = run.summary();
+    let p = summary["processes"].as_array().unwrap().iter().find(|p| p["pid"] == parent).unwrap();
+    assert_eq!(p["bytes_live"], 4u64 << 30);
+    std::fs::remove_dir_all(&run.dir).ok();
+}
+
+#[test]
+fn a_million_ioctls_on_other_fds_cost_one_question_each_and_no_events() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !root_or_skip("a_million_ioctls_on_other_fds_cost_one_question_each_and_no_events") {
+        return;
+    }
+    let run = record("storm", "580.95.05", &["storm", "--count", "1000000"]);
+    assert_eq!(run.status, 0, "{}", run.stderr);
+    let (records, _) = run.trace();
+    let summary = run.summary();
+    // The child uses 5 fds: /dev/null, two socket ends (inherited) and a dup of two of them.
+    let questions = summary["fd_filter"]["questions"].as_u64().unwrap();
+    assert!(questions <= 5, "at most one question per fd, got {questions}");
+    assert!(questions >= 1, "the NVIDIA-looking commands on unknown fds are asked about");
+    let driver_calls = records.iter().filter(|r| matches!(r.event, Event::Alloc(_) | Event::Free { .. } | Event::Undecodable { .. } | Event::UvmMap { .. } | Event::UvmFree { .. } | Event::FdFound { .. })).count();
+    assert_eq!(driver_calls, 0, "no ioctl events for non-NVIDIA fds");
+    assert_eq!(summary["loss"]["lost_records"], 0);
+    eprintln!("storm: {questions} questions, {} pending ioctls dropped", summary["fd_filter"]["pending_dropped"]);
+    std::fs::remove_dir_all(&run.dir).ok();
+}
+
+#[test]
+fn a_failed_allocation_is_recorded_with_its_status() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !root_or_skip("a_failed_allocation_is_recorded_with_its_status") {
+        return;
+    }
+    let run = record("oom", "535.104.05", &["oom", "--bytes", "100GiB"]);
+    assert_eq!(run.status, 1, "the workload reports the OOM: {}", run.stderr);
+    let (records, model) = run.trace();
+    assert_eq!(traced_allocs(&records), driver_allocs(&run.driver()));
+    assert_eq!(model.failures.len(), 1);
+    let f = &model.failures[0];
+    assert_eq!((f.bytes, f.status, f.memory), (100 << 30, 0x51, Memory::Video));
+    let summary = run.summary();
+    let p = summary["processes"].as_array().unwrap().iter().find(|p| p["failed_allocations"] == 1).expect("the failing process");
+    assert_eq!(p["exit_code"], 1);
+    std::fs::remove_dir_all(&run.dir).ok();
+}
