@@ -102,11 +102,14 @@ pub struct Process {
 }
 
 impl Process {
+    /// The command as ps shows it: the program's name, then its arguments.
     pub fn command_line(&self) -> String {
-        if self.command.is_empty() {
-            "?".into()
-        } else {
-            self.command.join(" ")
+        match self.command.split_first() {
+            None => "?".into(),
+            Some((program, args)) => {
+                let name = program.rsplit('/').next().unwrap_or(program);
+                std::iter::once(name).chain(args.iter().map(String::as_str)).collect::<Vec<_>>().join(" ")
+            }
         }
     }
     /// NVIDIA files this process holds open now.

@@ -209,6 +209,8 @@ impl Session {
         let mut tick = tokio::time::interval(Duration::from_millis(100));
         let status_line = std::io::stderr().is_terminal() && !opts.json;
         let mut last_status = Instant::now();
+        // Attached with --pid and nothing launched: done when every attached process is gone.
+        let mut attached: Vec<u32> = if child.is_none() && !opts.all { opts.pids.clone() } else { Vec::new() };
         let exit_code;
         loop {
             tokio::select! {
@@ -220,6 +222,13 @@ impl Session {
                 _ = tick.tick() => {
                     self.writer.flush()?;
                     self.check_lost(probe)?;
+                    if !attached.is_empty() {
+                        attached.retain(|&pid| running(pid));
+                        if attached.is_empty() {
+                            exit_code = 0;
+                            break;
+                        }
+                    }
                     if status_line && last_status.elapsed() >= Duration::from_millis(250) {
                         last_status = Instant::now();
                         self.status_line();
@@ -383,6 +392,14 @@ fn default_output() -> PathBuf {
         tm.tm_min,
         tm.tm_sec
     ))
+}
+
+/// Still running: present and not a zombie waiting for a parent that may never reap it.
+fn running(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next().map(|s| s != "Z")))
+        .unwrap_or(false)
 }
 
 fn all_pids() -> Vec<u32> {

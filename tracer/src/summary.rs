@@ -64,6 +64,24 @@ pub struct FdFilter {
     pub pending_dropped: u64,
 }
 
+/// Memory still live at the end of the trace on one open file, and who keeps that file open.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Held {
+    pub bytes: u64,
+    /// Processes that allocated it.
+    pub allocated_by: Vec<u32>,
+    /// Live processes holding the file open; empty when gputrace saw no holder.
+    pub holders: Vec<Holder>,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Holder {
+    pub pid: u32,
+    pub command: String,
+    /// The holder did not allocate the memory (a forked child, a process the fd was passed to).
+    pub inherited: bool,
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct Summary {
     pub schema: &'static str,
@@ -71,6 +89,7 @@ pub struct Summary {
     pub duration_ns: u64,
     pub events: u64,
     pub processes: Vec<ProcessSummary>,
+    pub held_at_end: Vec<Held>,
     pub loss: Loss,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fd_filter: Option<FdFilter>,
@@ -114,7 +133,7 @@ impl Summary {
             .map(process_summary)
             .collect();
         let duration_ns = model.first_ts.map(|f| model.last_ts - f).unwrap_or(0);
-        Summary { schema: SCHEMA, trace, duration_ns, events, processes, loss, fd_filter: None }
+        Summary { schema: SCHEMA, trace, duration_ns, events, processes, held_at_end: held(model), loss, fd_filter: None }
     }
 
     pub fn text(&self) -> String {
@@ -149,6 +168,18 @@ impl Summary {
             }
             let _ = writeln!(out, "(bytes are video + system memory; virtual address space is in --json)");
         }
+        for h in &self.held_at_end {
+            let by: Vec<String> = h.allocated_by.iter().map(|p| p.to_string()).collect();
+            let _ = write!(out, "\nStill live at the end: {} allocated by pid {}", bytes(h.bytes), by.join(", "));
+            if h.holders.is_empty() {
+                let _ = writeln!(out, "; no live holder was seen (held outside the traced processes?)");
+            }
+            for (i, holder) in h.holders.iter().enumerate() {
+                let why = if holder.inherited { " (did not allocate it: inherited or received the file)" } else { "" };
+                let lead = if i == 0 { ", held open by" } else { "      and" };
+                let _ = writeln!(out, "{lead} pid {} `{}`{why}", holder.pid, holder.command);
+            }
+        }
         let l = &self.loss;
         if l.is_lossless() {
             let _ = writeln!(out, "Lost events: 0.");
@@ -164,6 +195,34 @@ impl Summary {
         }
         out
     }
+}
+
+/// Groups the physical memory still live by the file it lives on, with that file's holders.
+fn held(model: &Model) -> Vec<Held> {
+    let mut by_file: BTreeMap<Option<u64>, (u64, Vec<u32>)> = BTreeMap::new();
+    for a in model.live_allocations().filter(|a| a.memory != Memory::Virtual) {
+        let entry = by_file.entry(a.file).or_default();
+        entry.0 += a.bytes;
+        if !entry.1.contains(&a.pid) {
+            entry.1.push(a.pid);
+        }
+    }
+    by_file
+        .into_iter()
+        .map(|(file, (bytes, allocated_by))| {
+            let holders = file
+                .map(|f| model.holders(f))
+                .unwrap_or_default()
+                .into_iter()
+                .map(|pid| Holder {
+                    pid,
+                    command: model.processes.get(&pid).map(|p| p.command_line()).unwrap_or_else(|| "?".into()),
+                    inherited: !allocated_by.contains(&pid),
+                })
+                .collect();
+            Held { bytes, allocated_by, holders }
+        })
+        .collect()
 }
 
 /// Binary units, as people read memory sizes.

@@ -1,1 +1,189 @@
-fn main() {}
+//! Setup and build helpers: `cargo xtask setup | build | test | demo [SCENARIO]`.
+//! Each command installs and builds what it needs, so a fresh machine needs nothing else.
+//! Few dependencies, so it builds in seconds.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+use std::time::Instant;
+
+type Result<T> = std::result::Result<T, String>;
+
+const BPF_LINKER_VERSION: &str = "0.13.0";
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+fn run(cmd: &mut Command) -> Result<()> {
+    let shown = format!("{cmd:?}");
+    let status = cmd.status().map_err(|e| format!("cannot run {shown}: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("{shown} failed ({status})"))
+    }
+}
+
+fn output(cmd: &mut Command) -> Option<String> {
+    let out = cmd.output().ok()?;
+    out.status.success().then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+fn is_root() -> bool {
+    output(Command::new("id").arg("-u")).as_deref() == Some("0")
+}
+
+fn sysroot() -> Result<String> {
+    output(Command::new("rustup").args(["run", "stable", "rustc", "--print", "sysroot"]))
+        .ok_or_else(|| "rustup with a stable toolchain is needed: install it from your distribution or rustup.rs".into())
+}
+
+/// bpf-linker is usable when it runs and links the libLLVM of the toolchain's own sysroot
+/// (cargo install does not notice a changed rustc, so a stale one can linger).
+fn bpf_linker_ok(sysroot: &str) -> bool {
+    let Some(path) = output(Command::new("sh").args(["-c", "command -v bpf-linker"])) else { return false };
+    let runs = output(Command::new(&path).arg("--version")).is_some();
+    let links = output(Command::new("ldd").arg(&path)).is_some_and(|ldd| {
+        ldd.lines().any(|l| l.contains("libLLVM") && l.contains(sysroot) && !l.contains("not found"))
+    });
+    runs && links
+}
+
+/// rust-src for stable, and bpf-linker built against the toolchain's LLVM. Idempotent: a second
+/// run only checks.
+fn setup() -> Result<()> {
+    let started = Instant::now();
+    let _ = output(Command::new("rustup").args(["set", "auto-self-update", "disable"]));
+    let sysroot = sysroot()?;
+    if !Path::new(&sysroot).join("lib/rustlib/src/rust/library/core").exists() {
+        eprintln!("xtask: installing rust-src for the stable toolchain");
+        run(Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", "stable"]))?;
+    }
+    if !bpf_linker_ok(&sysroot) {
+        let version = output(Command::new("rustup").args(["run", "stable", "rustc", "-vV"])).unwrap_or_default();
+        let llvm_major = version
+            .lines()
+            .find_map(|l| l.strip_prefix("LLVM version: "))
+            .and_then(|v| v.split('.').next())
+            .ok_or("cannot read the LLVM version of rustc")?
+            .to_string();
+        let llvm_lib = std::fs::read_dir(Path::new(&sysroot).join("lib"))
+            .map_err(|e| format!("reading {sysroot}/lib: {e}"))?
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .find(|name| name.starts_with("libLLVM") && name.ends_with(".so"))
+            .ok_or_else(|| format!("no libLLVM*.so in {sysroot}/lib: this toolchain cannot build bpf-linker"))?;
+        let llvm_lib = llvm_lib.trim_start_matches("lib").trim_end_matches(".so").to_string();
+        eprintln!("xtask: building bpf-linker {BPF_LINKER_VERSION} against the toolchain's LLVM {llvm_major} (about a minute)");
+        run(Command::new("cargo")
+            .args(["+stable", "install", "bpf-linker", "--version", BPF_LINKER_VERSION, "--locked", "--force", "--no-default-features"])
+            .args(["--features", &format!("llvm-{llvm_major},no-llvm-linking")])
+            // The rpath makes it find libLLVM without LD_LIBRARY_PATH.
+            .env("RUSTFLAGS", format!("-L {sysroot}/lib -l dylib={llvm_lib} -C link-arg=-Wl,-rpath,{sysroot}/lib")))?;
+        if !bpf_linker_ok(&sysroot) {
+            return Err("bpf-linker was built but still does not load: check `ldd $(command -v bpf-linker)`".into());
+        }
+    }
+    eprintln!("xtask: setup ok ({:.1} s)", started.elapsed().as_secs_f64());
+    Ok(())
+}
+
+fn build() -> Result<()> {
+    setup()?;
+    run(Command::new("cargo").current_dir(root()).args(["build", "--quiet", "--release"]))
+}
+
+fn bin(name: &str) -> PathBuf {
+    root().join("target/release").join(name)
+}
+
+fn test() -> Result<()> {
+    build()?;
+    if !is_root() {
+        eprintln!("xtask: not root: the end-to-end tests will be skipped (run `sudo cargo xtask test` for them)");
+    }
+    run(Command::new("cargo")
+        .current_dir(root())
+        .args(["test", "--release"])
+        .env("GPUTRACE_BIN", bin("gputrace"))
+        // One at a time: the end-to-end tests share the kernel's tracepoints.
+        .args(["--", "--test-threads=1"]))
+}
+
+/// The scenarios the demo can run today, with what each shows.
+const SCENARIOS: &[(&str, &str, &[&str])] = &[
+    ("paths", "every allocation path the driver has, explicit and implicit frees", &["paths"]),
+    ("forked-child-holds", "a process exits; its forked child keeps the GPU memory alive", &["fork-holder", "--hold-ms", "800"]),
+    ("out-of-memory", "an allocation larger than the 80 GiB card fails with NV_ERR_NO_MEMORY", &["oom", "--bytes", "100GiB"]),
+];
+
+fn demo(only: Option<&str>) -> Result<()> {
+    if !is_root() {
+        return Err("the demo loads eBPF programs and mounts a fake GPU in a private namespace: run it as root (`sudo cargo xtask demo`)".into());
+    }
+    if let Some(name) = only {
+        if !SCENARIOS.iter().any(|(n, _, _)| *n == name) {
+            let names: Vec<&str> = SCENARIOS.iter().map(|(n, _, _)| *n).collect();
+            return Err(format!("no scenario {name:?}: choose one of {}", names.join(", ")));
+        }
+    }
+    build()?;
+    let dir = std::env::temp_dir().join(format!("gputrace-demo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    for (name, what, args) in SCENARIOS.iter().filter(|(n, _, _)| only.is_none_or(|o| o == *n)) {
+        let trace = dir.join(format!("{name}.trace"));
+        let mut cmd = Command::new(bin("fakegpu"));
+        cmd.args(["run", "--video", "80GiB", "--"]).arg(bin("gputrace")).arg("record").arg("-o").arg(&trace);
+        if only.is_none() {
+            cmd.arg("--json");
+        }
+        cmd.arg("--").arg(bin("fake-workload")).args(*args);
+        if only.is_some() {
+            println!("== {name}: {what}");
+            let _ = cmd.status().map_err(|e| e.to_string())?;
+            continue;
+        }
+        let out = cmd.output().map_err(|e| e.to_string())?;
+        println!("{name:<20} {what}\n{:<20} -> {}", "", verdict(&String::from_utf8_lossy(&out.stdout)));
+    }
+    if only.is_none() {
+        println!("\nTraces are in {}; `cargo xtask demo NAME` shows one in full.", dir.display());
+    }
+    Ok(())
+}
+
+/// One line from `record --json`: what gputrace saw.
+fn verdict(json: &str) -> String {
+    let Ok(summary) = serde_json::from_str::<serde_json::Value>(json) else {
+        return "gputrace printed no summary (see `cargo xtask demo NAME`)".into();
+    };
+    let processes = summary["processes"].as_array().cloned().unwrap_or_default();
+    let sum = |key: &str| processes.iter().filter_map(|p| p[key].as_u64()).sum::<u64>();
+    let peak = processes.iter().filter_map(|p| p["bytes_peak"].as_u64()).max().unwrap_or(0);
+    let gib = |b: u64| format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64);
+    format!(
+        "{} allocations, peak {}, {} still live at the end, {} failed, {} events lost",
+        sum("allocations"),
+        gib(peak),
+        gib(sum("bytes_live")),
+        sum("failed_allocations"),
+        summary["loss"]["lost_records"].as_u64().unwrap_or(0)
+    )
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = match args.first().map(String::as_str) {
+        Some("setup") => setup(),
+        Some("build") => build(),
+        Some("test") => test(),
+        Some("demo") => demo(args.get(1).map(String::as_str)),
+        _ => Err("usage: cargo xtask setup | build | test | demo [SCENARIO]".into()),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

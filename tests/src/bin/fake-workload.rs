@@ -7,7 +7,9 @@
 //!   the child exits N ms later, and only then is the memory freed;
 //! - `storm --count N`: a child does N ioctls on inherited and dup'ed non-NVIDIA fds, a third of
 //!   them with NVIDIA-looking commands;
-//! - `oom --bytes B`: one allocation larger than the card.
+//! - `oom --bytes B`: one allocation larger than the card;
+//! - `hold --ms N`: allocates 2 GiB, waits N ms (attach a recorder then), allocates 1 GiB, frees
+//!   the first, and exits holding the second.
 use std::fs::File;
 use std::io::Write;
 use std::os::fd::AsRawFd;
@@ -132,6 +134,17 @@ fn oom(truth: &mut Truth, bytes: u64) -> Result<(), String> {
     }
 }
 
+fn hold(truth: &mut Truth, ms: u64) -> Result<(), String> {
+    let mut gpu = Gpu::open()?;
+    let first = truth.alloc(&mut gpu, Path::RmAlloc, 2 * GIB).ok_or("alloc failed")?;
+    std::thread::sleep(std::time::Duration::from_millis(ms));
+    truth.alloc(&mut gpu, Path::VidHeap, GIB).ok_or("alloc failed")?;
+    gpu.free(&first).map_err(|s| format!("free: {s:#x}"))?;
+    truth.note("free", "RmFree", first.bytes, first.handle, 0);
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let value = |flag: &str| args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1)).cloned();
@@ -140,8 +153,9 @@ fn main() -> ExitCode {
         Some("paths") => paths(&mut truth),
         Some("fork-holder") => fork_holder(&mut truth, value("--hold-ms").and_then(|v| v.parse().ok()).unwrap_or(500)),
         Some("storm") => storm(value("--count").and_then(|v| v.parse().ok()).unwrap_or(1_000_000)),
+        Some("hold") => hold(&mut truth, value("--ms").and_then(|v| v.parse().ok()).unwrap_or(1000)),
         Some("oom") => oom(&mut truth, value("--bytes").and_then(|v| parse_bytes(&v)).unwrap_or(1 << 40)),
-        _ => Err("usage: fake-workload paths|fork-holder|storm|oom [--truth FILE] [--hold-ms N] [--count N] [--bytes B]".into()),
+        _ => Err("usage: fake-workload paths|fork-holder|storm|oom|hold [--truth FILE] [--hold-ms N] [--count N] [--bytes B] [--ms N]".into()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
