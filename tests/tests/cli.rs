@@ -3,6 +3,7 @@
 //! with a message otherwise, failed when CI=true).
 
 use std::os::unix::fs::MetadataExt;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Mutex;
@@ -106,23 +107,24 @@ fn ctrl_c_stops_cleanly() {
         return;
     }
     let dir = scratch("sigint");
+    // A terminal's Ctrl-C signals the whole foreground process group: the recorder and the command.
     let mut child = Command::new(gputrace())
         .args(["record", "-o"])
         .arg(dir.join("run.trace"))
         .args(["--", "sleep", "30"])
         .stderr(Stdio::piped())
+        .process_group(0)
         .spawn()
         .unwrap();
     std::thread::sleep(Duration::from_millis(800));
-    // SAFETY: signal our own child.
-    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    // SAFETY: signal the process group of our own child.
+    unsafe { libc::kill(-(child.id() as i32), libc::SIGINT) };
     let out = child.wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(130), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stderr).contains("Lost events: 0."));
     let (_, records, damage) = Reader::read_all(&dir.join("run.trace")).unwrap();
     assert!(!damage.torn_tail);
     assert!(records.iter().any(|r| matches!(r.event, Event::Exec { .. })));
-    let _ = Command::new("pkill").args(["-f", "^sleep 30$"]).status();
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -2,8 +2,9 @@
 //! Each command installs and builds what it needs, so a fresh machine needs nothing else.
 //! Few dependencies, so it builds in seconds.
 
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitCode};
+use std::process::{Command, ExitCode, Stdio};
 use std::time::Instant;
 
 type Result<T> = std::result::Result<T, String>;
@@ -96,17 +97,42 @@ fn bin(name: &str) -> PathBuf {
     root().join("target/release").join(name)
 }
 
+/// Runs every test binary, showing its output as it comes, and closes with one line that totals
+/// them all (cargo's own last line is only the last binary's, often a doc-test run of none).
 fn test() -> Result<()> {
     build()?;
     if !is_root() {
         eprintln!("xtask: not root: the end-to-end tests will be skipped (run `sudo cargo xtask test` for them)");
     }
-    run(Command::new("cargo")
+    let mut child = Command::new("cargo")
         .current_dir(root())
         .args(["test", "--release"])
         .env("GPUTRACE_BIN", bin("gputrace"))
         // One at a time: the end-to-end tests share the kernel's tracepoints.
-        .args(["--", "--test-threads=1"]))
+        .args(["--", "--test-threads=1"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot run cargo test: {e}"))?;
+    let (mut passed, mut failed, mut ignored) = (0u64, 0u64, 0u64);
+    for line in BufReader::new(child.stdout.take().expect("piped")).lines() {
+        let line = line.map_err(|e| e.to_string())?;
+        println!("{line}");
+        if let Some(rest) = line.strip_prefix("test result: ") {
+            let count = |what: &str| {
+                rest.split(';').find_map(|part| part.trim().strip_suffix(what)?.trim().rsplit(' ').next()?.parse::<u64>().ok()).unwrap_or(0)
+            };
+            passed += count("passed");
+            failed += count("failed");
+            ignored += count("ignored");
+        }
+    }
+    let status = child.wait().map_err(|e| e.to_string())?;
+    println!("tests: {passed} passed, {failed} failed, {ignored} skipped");
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("cargo test failed ({status})"))
+    }
 }
 
 /// The scenarios the demo can run today, with what each shows.
