@@ -2,38 +2,19 @@
 //! a recorder killed mid-run, and running the command as the user behind sudo. Root only (skipped
 //! with a message otherwise, failed when CI=true).
 
+mod common;
+
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::Mutex;
 use std::time::Duration;
 
 use gputrace::event::{Event, Seen};
 use gputrace::model::{FreedBy, Model};
 use gputrace::trace::Reader;
 
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn root_or_skip(name: &str) -> bool {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } == 0 {
-        return true;
-    }
-    if std::env::var("CI").as_deref() == Ok("true") {
-        panic!("{name}: the end-to-end tests need root and CI runs as root");
-    }
-    eprintln!("skipping {name}: needs root (run `sudo cargo xtask test`)");
-    false
-}
-
-fn gputrace() -> PathBuf {
-    if let Ok(path) = std::env::var("GPUTRACE_BIN") {
-        return PathBuf::from(path);
-    }
-    let target = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target");
-    ["release", "debug"].iter().map(|p| target.join(p).join("gputrace")).find(|p| p.exists()).expect("build gputrace first: cargo build --release -p tracer")
-}
+use common::{gputrace_bin, root_or_skip, serial};
 
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("gputrace-cli-{name}-{}", std::process::id()));
@@ -48,7 +29,7 @@ fn in_fake_gpu(dir: &Path, script: &str) -> std::process::Output {
         .args(["run", "--log"])
         .arg(dir.join("driver.jsonl"))
         .args(["--", "sh", "-c", script])
-        .env("G", gputrace())
+        .env("G", gputrace_bin())
         .env("W", env!("CARGO_BIN_EXE_fake-workload"))
         .env("D", dir)
         .output()
@@ -59,7 +40,7 @@ fn in_fake_gpu(dir: &Path, script: &str) -> std::process::Output {
 /// what it does from then on is followed, down to the implicit free at its exit.
 #[test]
 fn attaching_to_a_running_process() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = serial();
     if !root_or_skip("attaching_to_a_running_process") {
         return;
     }
@@ -87,7 +68,7 @@ fn attaching_to_a_running_process() {
 /// A recorder killed with SIGKILL leaves a trace that reads up to its last flush.
 #[test]
 fn a_killed_recorder_leaves_a_readable_trace() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = serial();
     if !root_or_skip("a_killed_recorder_leaves_a_readable_trace") {
         return;
     }
@@ -102,13 +83,13 @@ fn a_killed_recorder_leaves_a_readable_trace() {
 
 #[test]
 fn ctrl_c_stops_cleanly() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = serial();
     if !root_or_skip("ctrl_c_stops_cleanly") {
         return;
     }
     let dir = scratch("sigint");
     // A terminal's Ctrl-C signals the whole foreground process group: the recorder and the command.
-    let mut child = Command::new(gputrace())
+    let child = Command::new(gputrace_bin())
         .args(["record", "-o"])
         .arg(dir.join("run.trace"))
         .args(["--", "sleep", "30"])
@@ -130,17 +111,17 @@ fn ctrl_c_stops_cleanly() {
 
 #[test]
 fn errors_say_what_to_do() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = serial();
     if !root_or_skip("errors_say_what_to_do") {
         return;
     }
     let run = |args: &[&str], unprivileged: bool| {
         let mut cmd = if unprivileged {
             let mut c = Command::new("setpriv");
-            c.args(["--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all", "--"]).arg(gputrace());
+            c.args(["--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all", "--"]).arg(gputrace_bin());
             c
         } else {
-            Command::new(gputrace())
+            Command::new(gputrace_bin())
         };
         let out = cmd.args(args).current_dir(std::env::temp_dir()).output().unwrap();
         (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
@@ -162,14 +143,14 @@ fn errors_say_what_to_do() {
 /// Under sudo the command runs as the invoking user, and the trace is theirs.
 #[test]
 fn runs_the_command_as_the_user_behind_sudo() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = serial();
     if !root_or_skip("runs_the_command_as_the_user_behind_sudo") {
         return;
     }
     let dir = scratch("sudo");
     std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
     let uid_file = dir.join("uid");
-    let out = Command::new(gputrace())
+    let out = Command::new(gputrace_bin())
         .args(["record", "--", "sh", "-c"])
         .arg(format!("id -u > {}", uid_file.display()))
         .env("SUDO_UID", "65534")

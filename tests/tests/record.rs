@@ -3,38 +3,17 @@
 //! driver itself released the file. Compared with both ground truths: the driver's log and the
 //! workload's own. Skipped with a message when not root, failed when CI=true.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::PathBuf;
 use std::process::Command;
-use std::sync::Mutex;
 
 use fakegpu::truth::{read_lines, DriverLine, DriverOp};
 use gputrace::event::{Event, Memory, Record};
 use gputrace::model::{FreedBy, Model};
 use gputrace::trace::Reader;
 
-/// End-to-end runs share the kernel's tracepoints and the machine: one at a time.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn root_or_skip(name: &str) -> bool {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } == 0 {
-        return true;
-    }
-    if std::env::var("CI").as_deref() == Ok("true") {
-        panic!("{name}: the end-to-end tests need root and CI runs as root");
-    }
-    eprintln!("skipping {name}: needs root (run `sudo cargo xtask test`)");
-    false
-}
-
-fn gputrace_bin() -> PathBuf {
-    if let Ok(path) = std::env::var("GPUTRACE_BIN") {
-        return PathBuf::from(path);
-    }
-    let target = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target");
-    let found = ["release", "debug"].iter().map(|p| target.join(p).join("gputrace")).find(|p| p.exists());
-    found.expect("the gputrace binary is not built: run `cargo build --release -p tracer` (cargo xtask test does)")
-}
+use common::{gputrace_bin, root_or_skip, serial};
 
 struct Run {
     dir: PathBuf,
@@ -165,7 +144,7 @@ fn check_frees_match(model: &Model, driver: &[DriverLine]) {
 
 #[test]
 fn every_path_every_driver_version() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = serial();
     if !root_or_skip("every_path_every_driver_version") {
         return;
     }
@@ -208,7 +187,7 @@ fn every_path_every_driver_version() {
 
 #[test]
 fn a_forked_child_keeps_the_memory_until_it_exits() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = serial();
     if !root_or_skip("a_forked_child_keeps_the_memory_until_it_exits") {
         return;
     }
@@ -235,7 +214,7 @@ fn a_forked_child_keeps_the_memory_until_it_exits() {
 /// the end of the trace, and the model names it as the holder.
 #[test]
 fn memory_a_child_still_holds_when_recording_ends_is_live() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = serial();
     if !root_or_skip("memory_a_child_still_holds_when_recording_ends_is_live") {
         return;
     }
@@ -256,7 +235,7 @@ fn memory_a_child_still_holds_when_recording_ends_is_live() {
 
 #[test]
 fn a_million_ioctls_on_other_fds_cost_one_question_each_and_no_events() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = serial();
     if !root_or_skip("a_million_ioctls_on_other_fds_cost_one_question_each_and_no_events") {
         return;
     }
@@ -277,7 +256,7 @@ fn a_million_ioctls_on_other_fds_cost_one_question_each_and_no_events() {
 
 #[test]
 fn a_failed_allocation_is_recorded_with_its_status() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = serial();
     if !root_or_skip("a_failed_allocation_is_recorded_with_its_status") {
         return;
     }
