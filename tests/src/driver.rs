@@ -553,3 +553,235 @@ impl Files for Driver {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::abi::rm_cmd;
+    use crate::truth::read_lines;
+
+    const GIB: u64 = 1 << 30;
+
+    fn me() -> Caller {
+        // SAFETY: gettid has no preconditions.
+        Caller { tid: unsafe { libc::gettid() } as u32, uid: 0 }
+    }
+
+    struct Rig {
+        driver: Driver,
+        log: std::path::PathBuf,
+        abi: Abi,
+        ctl: u64,
+    }
+
+    impl Rig {
+        fn new(version: &str, video: u64) -> Rig {
+            static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+            let n = N.fetch_add(1, Ordering::SeqCst);
+            let log = std::env::temp_dir().join(format!("fakegpu-driver-test-{}-{n}.jsonl", std::process::id()));
+            let config = Config { version: version.into(), video_capacity: video, system_capacity: 4 * GIB };
+            let mut driver = Driver::new(&config, Some(&log)).unwrap();
+            let ctl = driver.open(me(), CTL_INODE);
+            Rig { driver, log, abi: Abi::for_version(version), ctl }
+        }
+
+        /// An RM escape on `fh`: returns ioctl's result and leaves the driver's answer in `p`.
+        fn rm(&mut self, fh: u64, nr: u32, p: &mut [u8]) -> i32 {
+            let input = p.to_vec();
+            let reply = self.driver.ioctl(me(), fh, rm_cmd(nr, p.len()), p.as_mut_ptr() as u64, &input, p.len() as u32);
+            if reply.result == 0 {
+                p.copy_from_slice(&reply.out);
+            }
+            reply.result
+        }
+
+        /// RM_ALLOC in the version's NVOS64 form; returns (handle, status).
+        fn alloc(&mut self, client: u32, parent: u32, hclass: u32, bytes: u64) -> (u32, u32) {
+            let mut params = vec![0u8; self.abi.memory_params_size.max(56)];
+            put64(&mut params, 64, bytes);
+            let mut p = vec![0u8; self.abi.nvos64_size];
+            put32(&mut p, 0, client);
+            put32(&mut p, 4, parent);
+            put32(&mut p, 12, hclass);
+            put64(&mut p, 16, params.as_mut_ptr() as u64);
+            assert_eq!(self.rm(self.ctl, esc::RM_ALLOC, &mut p), 0);
+            (get32(&p, 8), get32(&p, self.abi.nvos64_status))
+        }
+
+        fn client(&mut self) -> u32 {
+            let mut p = vec![0u8; 32];
+            put32(&mut p, 12, class::ROOT_CLIENT);
+            assert_eq!(self.rm(self.ctl, esc::RM_ALLOC, &mut p), 0);
+            assert_eq!(get32(&p, self.abi.nvos21_status), status::OK);
+            get32(&p, 8)
+        }
+
+        fn free(&mut self, client: u32, handle: u32) -> u32 {
+            let mut p = vec![0u8; 16];
+            put32(&mut p, 0, client);
+            put32(&mut p, 8, handle);
+            assert_eq!(self.rm(self.ctl, esc::RM_FREE, &mut p), 0);
+            get32(&p, 12)
+        }
+
+        /// The driver's own account of each freed memory object: (object, how).
+        fn frees(&self) -> Vec<(u32, String)> {
+            read_lines::<DriverLine>(&self.log)
+                .unwrap()
+                .into_iter()
+                .filter_map(|l| match l.op {
+                    DriverOp::Free { object, how, .. } => Some((object, how)),
+                    _ => None,
+                })
+                .collect()
+        }
+    }
+
+    impl Drop for Rig {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.log);
+        }
+    }
+
+    #[test]
+    fn freeing_a_device_frees_its_subtree_and_a_client_handle_frees_the_client() {
+        let mut rig = Rig::new("580.95.05", 80 * GIB);
+        let client = rig.client();
+        let (device, _) = rig.alloc(client, client, class::DEVICE, 0);
+        let (subdevice, _) = rig.alloc(client, device, class::SUBDEVICE, 0);
+        let (a, status) = rig.alloc(client, subdevice, class::LOCAL_USER, GIB);
+        assert_eq!(status, status::OK);
+        let (b, _) = rig.alloc(client, device, class::LOCAL_USER, 2 * GIB);
+        assert_eq!(rig.driver.video_used(), 3 * GIB);
+        assert_eq!(rig.free(client, subdevice), status::OK);
+        assert_eq!(rig.frees(), vec![(a, "subtree".into())]);
+        assert_eq!(rig.free(client, client), status::OK);
+        assert_eq!(rig.frees(), vec![(a, "subtree".into()), (b, "subtree".into())]);
+        assert_eq!(rig.driver.video_used(), 0);
+        // Freeing what does not exist is NV_OK, as RS_COMPATABILITY_MODE makes it.
+        assert_eq!(rig.free(client, 0xdead), status::OK);
+    }
+
+    #[test]
+    fn a_dup_holds_the_memory_until_its_last_handle() {
+        let mut rig = Rig::new("580.95.05", 80 * GIB);
+        let client = rig.client();
+        let (device, _) = rig.alloc(client, client, class::DEVICE, 0);
+        let (memory, _) = rig.alloc(client, device, class::LOCAL_USER, GIB);
+        let mut p = vec![0u8; 28];
+        put32(&mut p, 0, client);
+        put32(&mut p, 4, device);
+        put32(&mut p, 12, client);
+        put32(&mut p, 16, memory);
+        assert_eq!(rig.rm(rig.ctl, esc::RM_DUP_OBJECT, &mut p), 0);
+        assert_eq!(get32(&p, 24), status::OK);
+        let alias = get32(&p, 8);
+        rig.free(client, memory);
+        assert_eq!(rig.driver.video_used(), GIB, "the dup still holds it");
+        rig.free(client, alias);
+        assert_eq!(rig.driver.video_used(), 0);
+        assert_eq!(rig.frees(), vec![(memory, "explicit".into())]);
+    }
+
+    #[test]
+    fn releasing_the_file_frees_every_client_on_it() {
+        let mut rig = Rig::new("580.95.05", 80 * GIB);
+        let (c1, c2) = (rig.client(), rig.client());
+        let (d1, _) = rig.alloc(c1, c1, class::DEVICE, 0);
+        let (d2, _) = rig.alloc(c2, c2, class::DEVICE, 0);
+        let (m1, _) = rig.alloc(c1, d1, class::LOCAL_USER, GIB);
+        let (m2, _) = rig.alloc(c2, d2, class::SYSTEM, GIB);
+        let other = rig.driver.open(me(), CTL_INODE);
+        assert_eq!(rig.driver.open_files_counter().load(Ordering::SeqCst), 2);
+        rig.driver.release(me(), rig.ctl);
+        assert_eq!(rig.frees(), vec![(m1, "release".into()), (m2, "release".into())]);
+        assert_eq!(rig.driver.open_files_counter().load(Ordering::SeqCst), 1);
+        rig.driver.release(me(), other);
+    }
+
+    #[test]
+    fn an_allocation_past_capacity_fails_with_no_memory() {
+        let mut rig = Rig::new("580.95.05", 4 * GIB);
+        let client = rig.client();
+        let (device, _) = rig.alloc(client, client, class::DEVICE, 0);
+        assert_eq!(rig.alloc(client, device, class::LOCAL_USER, 3 * GIB).1, status::OK);
+        assert_eq!(rig.alloc(client, device, class::LOCAL_USER, 2 * GIB).1, status::NO_MEMORY);
+        assert_eq!(rig.driver.video_used(), 3 * GIB, "a failed allocation takes nothing");
+        assert_eq!(rig.alloc(client, 0xbad, class::LOCAL_USER, 1).1, status::INVALID_OBJECT_PARENT);
+        assert_eq!(rig.alloc(0xbad, 0xbad, class::LOCAL_USER, 1).1, status::INVALID_CLIENT);
+    }
+
+    /// Every presented version writes status where that version's layout has it.
+    #[test]
+    fn every_version_answers_in_its_own_layout() {
+        for version in crate::abi::VERSIONS {
+            let mut rig = Rig::new(version, 80 * GIB);
+            let abi = rig.abi;
+            let mut p = vec![0u8; 32];
+            put32(&mut p, 12, class::DEVICE);
+            put32(&mut p, 0, 0xbad);
+            assert_eq!(rig.rm(rig.ctl, esc::RM_ALLOC, &mut p), 0);
+            assert_eq!(get32(&p, abi.nvos21_status), status::INVALID_CLIENT, "{version}: NVOS21 status");
+            let client = rig.client();
+            let (device, status) = rig.alloc(client, client, class::DEVICE, 0);
+            assert_eq!(status, status::OK, "{version}");
+            assert_ne!(device, 0);
+            // An NVOS64 of the other era's size is refused as the driver refuses a size mismatch.
+            let wrong = if abi.nvos64_size == 48 { 40 } else { 48 };
+            let mut p = vec![0u8; wrong];
+            assert_eq!(rig.rm(rig.ctl, esc::RM_ALLOC, &mut p), -libc::EINVAL, "{version}");
+            let mut q = [0u8; 72];
+            assert_eq!(rig.rm(rig.ctl, esc::CHECK_VERSION_STR, &mut q), 0);
+            assert_eq!(&q[8..8 + version.len()], version.as_bytes());
+        }
+    }
+
+    #[test]
+    fn escapes_go_only_to_the_files_that_accept_them() {
+        let mut rig = Rig::new("580.95.05", 80 * GIB);
+        let mut p = vec![0u8; 56];
+        assert_eq!(rig.rm(rig.ctl, esc::RM_ALLOC_MEMORY, &mut p), -libc::EINVAL, "RM_ALLOC_MEMORY is for /dev/nvidiaN");
+        let gpu = rig.driver.open(me(), GPU0_INODE);
+        let mut free = vec![0u8; 16];
+        assert_eq!(rig.rm(gpu, esc::RM_FREE, &mut free), -libc::EINVAL, "RM_FREE is for /dev/nvidiactl");
+    }
+
+    #[test]
+    fn uvm_needs_initialize_and_follows_its_ranges() {
+        let mut rig = Rig::new("590.44.01", 80 * GIB);
+        let uvm = rig.driver.open(me(), UVM_INODE);
+        let mut call = |rig: &mut Rig, cmd: u32, p: &mut [u8]| rig.driver.ioctl(me(), uvm, cmd, p.as_mut_ptr() as u64, &[], 0).result;
+        let mut range = [0u8; 24];
+        put64(&mut range, 0, 0x7000_0000);
+        put64(&mut range, 8, GIB);
+        assert_eq!(call(&mut rig, uvm::CREATE_EXTERNAL_RANGE, &mut range), 0);
+        assert_eq!(get32(&range, 16), status::ILLEGAL_ACTION, "before UVM_INITIALIZE");
+        let mut init = [0u8; 16];
+        assert_eq!(call(&mut rig, uvm::INITIALIZE, &mut init), 0);
+        assert_eq!(call(&mut rig, uvm::CREATE_EXTERNAL_RANGE, &mut range), 0);
+        assert_eq!(get32(&range, 16), status::OK);
+        assert_eq!(call(&mut rig, uvm::CREATE_EXTERNAL_RANGE, &mut range), 0);
+        assert_eq!(get32(&range, 16), status::UVM_ADDRESS_IN_USE);
+        let mut pool = vec![0u8; rig.abi.uvm_semaphore_pool_size];
+        put64(&mut pool, 0, 0x9000_0000);
+        put64(&mut pool, 8, 1 << 20);
+        assert_eq!(call(&mut rig, uvm::ALLOC_SEMAPHORE_POOL, &mut pool), 0);
+        let status_at = pool.len() - 8;
+        assert_eq!(get32(&pool, status_at), status::OK);
+        // 590: UVM_FREE is 16 bytes, rmStatus @8.
+        let mut free = [0u8; 16];
+        put64(&mut free, 0, 0x7000_0000);
+        assert_eq!(call(&mut rig, uvm::FREE, &mut free), 0);
+        assert_eq!(get32(&free, 8), status::OK);
+        rig.driver.release(me(), uvm);
+        let kinds: Vec<String> = read_lines::<DriverLine>(&rig.log)
+            .unwrap()
+            .into_iter()
+            .filter_map(|l| match l.op {
+                DriverOp::Free { kind, how, .. } => Some(format!("{kind}/{how}")),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(kinds, vec!["virtual/explicit", "system/release"]);
+    }
+}
