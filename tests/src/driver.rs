@@ -36,6 +36,8 @@ impl Kind {
 }
 
 struct Memory {
+    /// The process that allocated it, for the fake NVML's per-process figures.
+    pid: u32,
     client: u32,
     object: u32,
     kind: Kind,
@@ -64,6 +66,8 @@ pub struct Config {
     pub version: String,
     pub video_capacity: u64,
     pub system_capacity: u64,
+    /// A unified-memory part (DGX Spark): NVML reports no device memory.
+    pub unified: bool,
 }
 
 pub struct Driver {
@@ -82,6 +86,9 @@ pub struct Driver {
     log: Log,
     tgids: HashMap<u32, u32>,
     open_files: Arc<AtomicUsize>,
+    unified: bool,
+    /// Where the fake NVML reads the device's figures.
+    state_path: Option<std::path::PathBuf>,
 }
 
 fn device_name(inode: u64) -> String {
@@ -131,7 +138,34 @@ impl Driver {
             log: Log::create(log_path)?,
             tgids: HashMap::new(),
             open_files: Arc::new(AtomicUsize::new(0)),
+            unified: config.unified,
+            state_path: None,
         })
+    }
+
+    /// Keeps the fake NVML's state file at `path` up to date from now on.
+    pub fn publish_state(&mut self, path: &Path) -> std::io::Result<()> {
+        self.state_path = Some(path.to_path_buf());
+        self.write_state()
+    }
+
+    /// Written whole to a temporary file and renamed, so a reader never sees half of it.
+    fn write_state(&self) -> std::io::Result<()> {
+        let Some(path) = &self.state_path else { return Ok(()) };
+        let mut per_pid: HashMap<u32, u64> = HashMap::new();
+        for m in self.memory.values().filter(|m| m.kind == Kind::Video) {
+            *per_pid.entry(m.pid).or_default() += m.bytes;
+        }
+        let mut processes: Vec<(u32, u64)> = per_pid.into_iter().collect();
+        processes.sort();
+        let name = if self.unified { "NVIDIA GB10" } else { "NVIDIA H100 80GB HBM3" };
+        let state = serde_json::json!({
+            "version": self.version, "name": name, "total": self.video_capacity,
+            "used": self.video_used(), "unified": self.unified, "processes": processes,
+        });
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, state.to_string())?;
+        std::fs::rename(tmp, path)
     }
 
     /// Files open now, readable from another thread: the launcher waits for it to reach zero so
@@ -194,7 +228,9 @@ impl Driver {
         *self.used_mut(kind) += bytes;
         let id = self.next_memory;
         self.next_memory += 1;
-        self.memory.insert(id, Memory { client, object, kind, bytes, handles: 1 });
+        let pid = self.tgid(caller.tid);
+        self.memory.insert(id, Memory { pid, client, object, kind, bytes, handles: 1 });
+        let _ = self.write_state();
         Ok(id)
     }
 
@@ -208,6 +244,7 @@ impl Driver {
         let used = self.used_mut(m.kind);
         *used -= m.bytes;
         self.record(caller, DriverOp::Free { client: m.client, object: m.object, kind: m.kind.name(), bytes: m.bytes, how: how.into() });
+        let _ = self.write_state();
     }
 
     fn free_client(&mut self, caller: Caller, client: u32, how: &str) {
@@ -579,7 +616,7 @@ mod tests {
             static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
             let n = N.fetch_add(1, Ordering::SeqCst);
             let log = std::env::temp_dir().join(format!("fakegpu-driver-test-{}-{n}.jsonl", std::process::id()));
-            let config = Config { version: version.into(), video_capacity: video, system_capacity: 4 * GIB };
+            let config = Config { version: version.into(), video_capacity: video, system_capacity: 4 * GIB, unified: false };
             let mut driver = Driver::new(&config, Some(&log)).unwrap();
             let ctl = driver.open(me(), CTL_INODE);
             Rig { driver, log, abi: Abi::for_version(version), ctl }

@@ -17,6 +17,9 @@ use crate::driver::{Config, Driver};
 use crate::fuse::{Files, Session};
 
 const FUSE_DIR: &str = "/dev/.fakegpu";
+/// The fake NVML's state file and library directory, in the namespace's private /dev.
+const NVML_STATE: &str = "/dev/fakegpu-state.json";
+const NVML_LIB_DIR: &str = "/dev/.fakegpu-lib";
 const DEVICE_NODES: [&str; 8] = ["null", "zero", "full", "random", "urandom", "tty", "fuse", "ptmx"];
 const DEVICE_DIRS: [&str; 2] = ["pts", "shm"];
 
@@ -111,6 +114,19 @@ fn descendants(root: u32) -> Vec<u32> {
     out
 }
 
+/// Puts the fake NVML (built beside this binary) where the command's dynamic loader looks for
+/// libnvidia-ml.so.1. None, with a warning, when it was not built.
+fn fake_nvml_dir() -> Option<String> {
+    let built = std::env::current_exe().ok()?.parent()?.join("libnvidia_ml.so");
+    if !built.exists() {
+        eprintln!("fakegpu: warning: {} is not built (cargo build --release): NVML will be unavailable", built.display());
+        return None;
+    }
+    std::fs::create_dir_all(NVML_LIB_DIR).ok()?;
+    std::os::unix::fs::symlink(&built, Path::new(NVML_LIB_DIR).join("libnvidia-ml.so.1")).ok()?;
+    Some(NVML_LIB_DIR.to_string())
+}
+
 pub struct Run {
     pub config: Config,
     pub driver_log: Option<PathBuf>,
@@ -126,6 +142,8 @@ pub fn run(run: Run) -> Result<i32> {
     std::fs::create_dir_all(FUSE_DIR)?;
     let session = Session::mount(Path::new(FUSE_DIR))?;
     let mut driver = Driver::new(&run.config, run.driver_log.as_deref()).context("opening the driver log")?;
+    driver.publish_state(Path::new(NVML_STATE)).context("writing the fake NVML's state")?;
+    let library_path = fake_nvml_dir();
     let open_files = driver.open_files_counter();
     let serving = Arc::new(AtomicBool::new(true));
     let serving_flag = serving.clone();
@@ -140,9 +158,13 @@ pub fn run(run: Run) -> Result<i32> {
     }
     driver_version_file(&run.config.version)?;
 
-    let status = Command::new(&run.command[0])
-        .args(&run.command[1..])
-        .env("FAKEGPU_DRIVER_VERSION", &run.config.version)
+    let mut command = Command::new(&run.command[0]);
+    command.args(&run.command[1..]).env("FAKEGPU_STATE", NVML_STATE);
+    if let Some(dir) = library_path {
+        let inherited = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
+        command.env("LD_LIBRARY_PATH", if inherited.is_empty() { dir } else { format!("{dir}:{inherited}") });
+    }
+    let status = command
         .spawn()
         .with_context(|| format!("cannot run `{}`", run.command[0]))
         .and_then(|mut child| child.wait().context("waiting for the command"));

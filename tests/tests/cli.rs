@@ -62,6 +62,36 @@ fn attaching_to_a_running_process() {
     assert!(records.iter().any(|r| matches!(r.event, Event::Free { .. })), "the free of memory allocated before attaching is seen");
     let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(summary["fd_filter"]["questions"], 0, "the scan told the kernel about every fd");
+    // What it held before the recorder started is known from NVML (the fake one here).
+    let header = Reader::open(&dir.join("run.trace")).unwrap().header;
+    assert_eq!(header.nvml, "ok");
+    assert_eq!(header.gpus[0].total_bytes, Some(80 << 30));
+    let prior = header.prior_use.iter().find(|p| p.pid == pid).expect("the attached process in NVML's list");
+    assert_eq!(prior.used_bytes, Some(2 << 30));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// On a unified-memory part NVML has no device memory to report; per-process figures remain.
+#[test]
+fn unified_memory_reports_no_capacity_but_still_per_process_use() {
+    let _serial = serial();
+    if !root_or_skip("unified_memory_reports_no_capacity_but_still_per_process_use") {
+        return;
+    }
+    let dir = scratch("unified");
+    let out = Command::new(env!("CARGO_BIN_EXE_fakegpu"))
+        .args(["run", "--unified", "--", "sh", "-c", r#""$W" hold --ms 1200 & sleep 0.4; exec "$G" record -o "$D/run.trace" --pid $!"#])
+        .env("G", gputrace_bin())
+        .env("W", env!("CARGO_BIN_EXE_fake-workload"))
+        .env("D", &dir)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let header = Reader::open(&dir.join("run.trace")).unwrap().header;
+    assert_eq!(header.gpus[0].name, "NVIDIA GB10");
+    assert_eq!(header.gpus[0].total_bytes, None, "unknown, not zero");
+    assert_eq!(header.prior_use.len(), 1);
+    assert_eq!(header.prior_use[0].used_bytes, Some(2 << 30));
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -1,4 +1,4 @@
-//! `fakegpu run [--driver-version V] [--video GiB] [--system GiB] [--log FILE] -- CMD ARGS...`
+//! `fakegpu run [--driver-version V] [--video GiB] [--system GiB] [--unified] [--log FILE] -- CMD ARGS...`
 //! Runs CMD with a fake NVIDIA GPU at /dev/nvidia*, in a private mount namespace (root only).
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -8,7 +8,7 @@ use fakegpu::launcher::{run, Run};
 use fakegpu::parse_bytes;
 
 fn usage() -> ExitCode {
-    eprintln!("usage: fakegpu run [--driver-version 580.95.05] [--video 80GiB] [--system 256GiB] [--log FILE] -- CMD ARGS...");
+    eprintln!("usage: fakegpu run [--driver-version 580.95.05] [--video 80GiB] [--system 256GiB] [--unified] [--log FILE] -- CMD ARGS...");
     ExitCode::from(2)
 }
 
@@ -17,10 +17,15 @@ fn main() -> ExitCode {
     if args.first().map(String::as_str) != Some("run") {
         return usage();
     }
-    let mut config = Config { version: "580.95.05".into(), video_capacity: 80 << 30, system_capacity: 256 << 30 };
+    let mut config = Config { version: "580.95.05".into(), video_capacity: 80 << 30, system_capacity: 256 << 30, unified: false };
     let mut log = None;
     let mut i = 1;
     while i < args.len() && args[i] != "--" {
+        if args[i] == "--unified" {
+            config.unified = true;
+            i += 1;
+            continue;
+        }
         let value = args.get(i + 1).cloned().unwrap_or_default();
         match args[i].as_str() {
             "--driver-version" => config.version = value,
