@@ -92,6 +92,16 @@ impl Gpu {
         Ok(gpu)
     }
 
+    /// A context built elsewhere, over device files received from another process.
+    pub fn adopt(version: &str, ctl: File, gpu0: File, uvm: File, client: u32, device: u32) -> Gpu {
+        Gpu { abi: Abi::for_version(version), ctl, gpu0, uvm, client, device, subdevice: 0, vaspace: 0, next_va: 0x7e00_0000_0000 }
+    }
+
+    /// The driver version, as CHECK_VERSION_STR reported it.
+    pub fn version_major(&self) -> u32 {
+        self.abi.major
+    }
+
     /// RM_ALLOC, NVOS21 or NVOS64 (48 bytes; 40 before 535); returns the new handle.
     fn rm_alloc(&self, nvos64: bool, root: u32, parent: u32, hclass: u32, params: &mut [u8]) -> Result<u32, Status> {
         let (size, status_at) = if nvos64 { (self.abi.nvos64_size, self.abi.nvos64_status) } else { (32, self.abi.nvos21_status) };

@@ -198,3 +198,57 @@ fn runs_the_command_as_the_user_behind_sudo() {
     assert_eq!(trace.metadata().unwrap().uid(), 65534, "owned by the invoking user");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `--all` finds a process that already held the GPU by scanning every process, and follows it.
+#[test]
+fn all_finds_every_process_holding_the_gpu() {
+    let _serial = serial();
+    if !root_or_skip("all_finds_every_process_holding_the_gpu") {
+        return;
+    }
+    let dir = scratch("all");
+    let script = r#""$W" hold --ms 1200 & W_PID=$!; sleep 0.4; "$G" record --all -o "$D/run.trace" & G_PID=$!; wait $W_PID; sleep 0.3; kill -INT $G_PID; wait $G_PID; echo "$W_PID" > "$D/pid""#;
+    let out = in_fake_gpu(&dir, script);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let pid: u32 = std::fs::read_to_string(dir.join("pid")).unwrap().trim().parse().unwrap();
+    let (_, records, _) = Reader::read_all(&dir.join("run.trace")).unwrap();
+    assert!(records.iter().any(|r| r.pid == pid && matches!(r.event, Event::Process { seen: Seen::Running, .. })));
+    assert_eq!(records.iter().filter(|r| r.pid == pid && matches!(r.event, Event::FdFound { .. })).count(), 3);
+    let model = Model::from_records(&records);
+    let later = model.allocations.iter().find(|a| a.pid == pid && a.bytes == 1 << 30).expect("its allocation after the scan");
+    assert_eq!(later.freed.map(|f| f.1), Some(FreedBy::FileRelease));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// `--raw` keeps the params bytes each event was decoded from.
+#[test]
+fn raw_keeps_the_bytes_behind_each_event() {
+    let _serial = serial();
+    if !root_or_skip("raw_keeps_the_bytes_behind_each_event") {
+        return;
+    }
+    let dir = scratch("raw");
+    let out = in_fake_gpu(&dir, r#"exec "$G" record --raw -o "$D/run.trace" -- "$W" paths"#);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let (header, records, _) = Reader::read_all(&dir.join("run.trace")).unwrap();
+    assert!(header.raw);
+    let hex = |s: &str| (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect::<Vec<u8>>();
+    let mut checked = 0;
+    for r in &records {
+        if let Event::Alloc(a) = &r.event {
+            let raw = r.raw.as_deref().expect("every ioctl event carries its bytes");
+            if a.via == gputrace::event::Via::RmAllocNvos64 {
+                let (params, class_params) = raw.split_once('|').expect("RM_ALLOC has its class params");
+                assert_eq!(hex(params).len(), 48);
+                let size = u64::from_le_bytes(hex(class_params)[64..72].try_into().unwrap());
+                assert_eq!(size, a.bytes, "NV_MEMORY_ALLOCATION_PARAMS.size@64 is the decoded size");
+                checked += 1;
+            }
+        }
+        if matches!(r.event, Event::Process { .. } | Event::Exec { .. } | Event::Open { .. } | Event::Close { .. } | Event::Exit { .. }) {
+            assert!(r.raw.is_none());
+        }
+    }
+    assert_eq!(checked, 1);
+    std::fs::remove_dir_all(&dir).ok();
+}

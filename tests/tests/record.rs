@@ -233,6 +233,34 @@ fn memory_a_child_still_holds_when_recording_ends_is_live() {
     std::fs::remove_dir_all(&run.dir).ok();
 }
 
+/// Device files passed over a unix socket: the receiver's fds are new to the kernel, asked about
+/// once, and known (kcmp) to share the sender's files, so the sender's exit frees nothing.
+#[test]
+fn files_received_over_a_socket_keep_the_senders_memory() {
+    let _serial = serial();
+    if !root_or_skip("files_received_over_a_socket_keep_the_senders_memory") {
+        return;
+    }
+    let run = record_then_wait("pass-fd", "580.95.05", &["pass-fd"], Some("1.5"));
+    assert_eq!(run.status, 0, "{}", run.stderr);
+    let (records, model) = run.trace();
+    let driver = run.driver();
+    assert_eq!(traced_allocs(&records), driver_allocs(&driver));
+    let sender_alloc = model.allocations.iter().find(|a| a.memory == Memory::Video && a.bytes == 2 << 30).unwrap();
+    let receiver_alloc = model.allocations.iter().find(|a| a.memory == Memory::Video && a.bytes == 1 << 30).unwrap();
+    assert_ne!(sender_alloc.pid, receiver_alloc.pid);
+    assert_eq!(sender_alloc.file, receiver_alloc.file, "the received fd is the sender's nvidiactl file");
+    let found = records.iter().find(|r| r.pid == receiver_alloc.pid && matches!(r.event, Event::FdFound { .. })).expect("the received fd, asked about");
+    assert!(matches!(found.event, Event::FdFound { file, .. } if Some(file) == sender_alloc.file));
+    let sender_exit = model.processes[&sender_alloc.pid].exited.unwrap();
+    let receiver_exit = model.processes[&receiver_alloc.pid].exited.unwrap();
+    let (freed_ts, how) = sender_alloc.freed.expect("freed when the receiver let go");
+    assert_eq!(how, FreedBy::FileRelease);
+    assert!(freed_ts > sender_exit + 500_000_000 && freed_ts <= receiver_exit, "freed by the receiver's last reference ({freed_ts}), not the sender's exit ({sender_exit})");
+    check_frees_match(&model, &driver);
+    std::fs::remove_dir_all(&run.dir).ok();
+}
+
 #[test]
 fn a_million_ioctls_on_other_fds_cost_one_question_each_and_no_events() {
     let _serial = serial();

@@ -72,6 +72,17 @@ pub struct Config {
     pub _pad: u32,
 }
 
+/// Where, in the running kernel, `current->files->fdt->fd[n]` is (from its BTF). All zero when
+/// unknown: the kernel side then reports no `struct file` and userspace falls back to kcmp(2).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KernelOffsets {
+    pub task_files: u32,
+    pub files_fdt: u32,
+    pub fdtable_fd: u32,
+    pub fdtable_max_fds: u32,
+}
+
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct Header {
@@ -98,6 +109,9 @@ pub struct IoctlRecord {
     pub escape_cmd: u32,
     pub params_len: u32,
     pub class_len: u32,
+    /// The `struct file *` behind the fd, for a QUESTION only (0 when unknown): names the open
+    /// file description while the fd may already be gone when userspace looks.
+    pub file: u64,
     pub device: u8,
     pub flags: u8,
     pub _pad: [u8; 2],
@@ -113,6 +127,8 @@ pub struct OpenRecord {
     pub header: Header,
     pub fd: i32,
     pub flags: i32,
+    /// The new `struct file *` (0 when unknown).
+    pub file: u64,
     pub device: u8,
     pub _pad: [u8; 7],
     pub path: [u8; PATH_MAX],
@@ -252,6 +268,7 @@ mod pod {
     unsafe impl aya::Pod for FdKey {}
     unsafe impl aya::Pod for UvmWindow {}
     unsafe impl aya::Pod for Config {}
+    unsafe impl aya::Pod for KernelOffsets {}
 }
 
 #[cfg(test)]

@@ -9,7 +9,8 @@
 use aya_ebpf::{
     bindings::BPF_NOEXIST,
     helpers::{
-        bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_kernel_str_bytes,
+        bpf_get_current_pid_tgid, bpf_get_current_task, bpf_ktime_get_ns, bpf_probe_read_kernel,
+        bpf_probe_read_kernel_str_bytes,
         bpf_probe_read_user_str_bytes, generated::bpf_probe_read_user,
     },
     macros::{map, tracepoint},
@@ -18,7 +19,7 @@ use aya_ebpf::{
 };
 use tracer_common::{
     device, escape, ioc_nr, ioc_size, ioctl_flag, kind, rm_cmd, rm_command_traced, rm_escape_traced,
-    stat, traced, uvm_command_traced, Config, ExecRecord, FdKey, FdRecord, Header, IoctlRecord, OpenRecord,
+    stat, traced, uvm_command_traced, Config, KernelOffsets, ExecRecord, FdKey, FdRecord, Header, IoctlRecord, OpenRecord,
     UvmWindow, CLASS_PARAMS_MAX, PARAMS_MAX, PATH_MAX, XFER_SIZE,
 };
 
@@ -38,12 +39,16 @@ static UVM_WINDOWS: HashMap<u32, UvmWindow> = HashMap::with_max_entries(16, 0);
 /// Per RM class, the size of its allocation params for the running driver version.
 #[map]
 static CLASS_PARAMS: HashMap<u32, u32> = HashMap::with_max_entries(64, 0);
+/// Written by userspace from the kernel's BTF before attaching.
+#[map]
+static OFFSETS: Array<KernelOffsets> = Array::with_max_entries(1, 0);
 #[map]
 static STATS: PerCpuArray<u64> = PerCpuArray::with_max_entries(stat::COUNT, 0);
 
 #[derive(Clone, Copy)]
 struct Inflight {
     arg: u64,
+    file: u64,
     fd: i32,
     cmd: u32,
     device: u8,
@@ -140,6 +145,34 @@ fn read_user(dst: *mut u8, dst_len: usize, src: u64, len: u32) -> bool {
     sized!(4 8 12 16 20 24 28 32 40 48 56 64 72 80 88 96 104 112 120 128 136 144 152 160 168 176 184 192)
 }
 
+/// `current->files->fdt->fd[fd]`: the open file description behind a fd of the current process.
+/// Only at NVIDIA opens and questions, never on the hot path. 0 when unknown.
+fn file_of(fd: u32) -> u64 {
+    let Some(o) = OFFSETS.get(0) else { return 0 };
+    if o.fdtable_fd == 0 {
+        return 0;
+    }
+    let read = |addr: u64| -> u64 { unsafe { bpf_probe_read_kernel(addr as *const u64) }.unwrap_or(0) };
+    let task = unsafe { bpf_get_current_task() };
+    let files = read(task + o.task_files as u64);
+    if files == 0 {
+        return 0;
+    }
+    let fdt = read(files + o.files_fdt as u64);
+    if fdt == 0 {
+        return 0;
+    }
+    let max_fds = unsafe { bpf_probe_read_kernel((fdt + o.fdtable_max_fds as u64) as *const u32) }.unwrap_or(0);
+    if fd >= max_fds {
+        return 0;
+    }
+    let table = read(fdt + o.fdtable_fd as u64);
+    if table == 0 {
+        return 0;
+    }
+    read(table + 8 * fd as u64)
+}
+
 // ---- ioctl ----------------------------------------------------------------------------------
 
 #[tracepoint]
@@ -182,7 +215,8 @@ pub fn ioctl_enter(ctx: TracePointContext) -> u32 {
             (device::PENDING, ioctl_flag::QUESTION)
         }
     };
-    let inflight = Inflight { arg: arg(&ctx, 32), fd: fd as i32, cmd, device: state, flags };
+    let file = if flags == ioctl_flag::QUESTION { file_of(fd as u32) } else { 0 };
+    let inflight = Inflight { arg: arg(&ctx, 32), file, fd: fd as i32, cmd, device: state, flags };
     let _ = IOCTLS.insert(&pid_tgid, &inflight, 0);
     0
 }
@@ -222,6 +256,7 @@ unsafe fn fill_ioctl(record: &mut IoctlRecord, inflight: &Inflight, ret: i64) ->
     record._pad = [0; 2];
     record.params_len = 0;
     record.class_len = 0;
+    record.file = inflight.file;
     record.escape_cmd = inflight.cmd;
     let params = record.params.as_mut_ptr();
 
@@ -364,6 +399,7 @@ pub fn open_exit(ctx: TracePointContext) -> u32 {
         header: header(kind::OPEN),
         fd: fd as i32,
         flags: opening.flags,
+        file: file_of(fd as u32),
         device: opening.device,
         _pad: [0; 7],
         path: opening.path,

@@ -32,6 +32,8 @@ pub struct RawIoctl {
     /// Known device, or None while the kernel's question about this fd is unanswered.
     pub device: Option<Device>,
     pub flags: u8,
+    /// The kernel's `struct file *` for a question (0 when unknown).
+    pub file: u64,
     pub params: Vec<u8>,
     pub class_params: Vec<u8>,
 }
@@ -39,7 +41,8 @@ pub struct RawIoctl {
 #[derive(Clone, Debug, PartialEq)]
 pub enum RawKind {
     Ioctl(RawIoctl),
-    Open { fd: i32, flags: i32, device: Option<Device>, path: String },
+    /// `file` is the kernel's `struct file *` (0 when unknown).
+    Open { fd: i32, flags: i32, device: Option<Device>, path: String, file: u64 },
     Close { fd: i32 },
     Dup { old_fd: i32, new_fd: i32, cloexec: bool },
     CloseRange { first: u32, last: u32, flags: u32 },
@@ -99,13 +102,14 @@ pub fn parse_record(bytes: &[u8]) -> Result<Raw, DecodeError> {
                 ret: r.ret,
                 device: device_from_kernel(r.device),
                 flags: r.flags,
+                file: r.file,
                 params: r.params[..params_len].to_vec(),
                 class_params: r.class_params[..class_len].to_vec(),
             })
         }
         kind::OPEN => {
             let r: OpenRecord = read(bytes, k)?;
-            RawKind::Open { fd: r.fd, flags: r.flags, device: device_from_kernel(r.device), path: c_string(&r.path) }
+            RawKind::Open { fd: r.fd, flags: r.flags, device: device_from_kernel(r.device), path: c_string(&r.path), file: r.file }
         }
         kind::CLOSE => RawKind::Close { fd: fd_record()?.a as i32 },
         kind::DUP => {

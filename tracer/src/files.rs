@@ -62,6 +62,9 @@ enum Answer {
 pub struct FileTable<R: Resolver> {
     resolver: R,
     fds: HashMap<(u32, i32), Answer>,
+    /// The kernel's `struct file *` of each file gputrace named: the identity of an open file
+    /// description, valid even after every fd the kcmp fallback could compare against is gone.
+    kernel_files: HashMap<u64, u64>,
     next_file: u64,
     pub questions_answered: u64,
     /// ioctls sent while their fd's question was open, dropped because it was not NVIDIA.
@@ -72,7 +75,7 @@ const CLOSE_RANGE_CLOEXEC: u32 = 4;
 
 impl<R: Resolver> FileTable<R> {
     pub fn new(resolver: R) -> Self {
-        FileTable { resolver, fds: HashMap::new(), next_file: 1, questions_answered: 0, pending_dropped: 0 }
+        FileTable { resolver, fds: HashMap::new(), kernel_files: HashMap::new(), next_file: 1, questions_answered: 0, pending_dropped: 0 }
     }
 
     pub fn resolver(&self) -> &R {
@@ -92,8 +95,13 @@ impl<R: Resolver> FileTable<R> {
         }
     }
 
-    pub fn opened(&mut self, pid: u32, fd: i32, device: Device, cloexec: bool) -> Event {
+    /// `kernel_file`: the kernel's `struct file *`, 0 when unknown.
+    pub fn opened(&mut self, pid: u32, fd: i32, device: Device, cloexec: bool, kernel_file: u64) -> Event {
         let file = self.new_file();
+        // A new open at an address a released file had is a new file: the mapping is replaced.
+        if kernel_file != 0 {
+            self.kernel_files.insert(kernel_file, file);
+        }
         self.fds.insert((pid, fd), Answer::Nvidia { device, file, cloexec });
         Event::Open { fd, file, device, cloexec }
     }
@@ -186,7 +194,7 @@ impl<R: Resolver> FileTable<R> {
     /// The answer to the kernel's question about (pid, fd), from the mirror or from /proc.
     /// Returns the device (None: not NVIDIA, or the fd is gone) and the FdFound event to record
     /// when gputrace learned of this NVIDIA fd only now.
-    pub fn answer(&mut self, pid: u32, fd: i32, updates: &mut Vec<KernelUpdate>) -> (Option<Device>, Option<Event>) {
+    pub fn answer(&mut self, pid: u32, fd: i32, kernel_file: u64, updates: &mut Vec<KernelUpdate>) -> (Option<Device>, Option<Event>) {
         if let Some(answer) = self.fds.get(&(pid, fd)).copied() {
             return match answer {
                 Answer::Nvidia { device, .. } => {
@@ -211,20 +219,27 @@ impl<R: Resolver> FileTable<R> {
                 (None, None)
             }
             Some(device) => {
-                let event = self.found(pid, fd, device);
+                let event = self.found(pid, fd, device, kernel_file);
                 updates.push(KernelUpdate::SetFd { pid, fd, state: kernel_state(device) });
                 (Some(device), Some(event))
             }
         }
     }
 
-    /// An NVIDIA fd met without its open: names the open file description it shares, if known.
-    fn found(&mut self, pid: u32, fd: i32, device: Device) -> Event {
-        let known = self.fds.iter().find_map(|(&(p, f), a)| match a {
-            Answer::Nvidia { device: d, file, .. } if *d == device && self.resolver.same_file((pid, fd), (p, f)) => Some(*file),
-            _ => None,
+    /// An NVIDIA fd met without its open: names the open file description it shares, if known,
+    /// by the kernel's `struct file *`, else by kcmp against the live fds of known files.
+    fn found(&mut self, pid: u32, fd: i32, device: Device, kernel_file: u64) -> Event {
+        let by_kernel = self.kernel_files.get(&kernel_file).copied().filter(|_| kernel_file != 0);
+        let known = by_kernel.or_else(|| {
+            self.fds.iter().find_map(|(&(p, f), a)| match a {
+                Answer::Nvidia { device: d, file, .. } if *d == device && self.resolver.same_file((pid, fd), (p, f)) => Some(*file),
+                _ => None,
+            })
         });
         let file = known.unwrap_or_else(|| self.new_file());
+        if kernel_file != 0 {
+            self.kernel_files.insert(kernel_file, file);
+        }
         self.fds.insert((pid, fd), Answer::Nvidia { device, file, cloexec: false });
         Event::FdFound { fd, file, device }
     }
@@ -238,7 +253,7 @@ impl<R: Resolver> FileTable<R> {
             let Some(device) = self.resolver.fd_path(pid, fd).and_then(|p| p.to_str().and_then(device_of_path)) else {
                 continue;
             };
-            events.push(self.found(pid, fd, device));
+            events.push(self.found(pid, fd, device, 0));
             updates.push(KernelUpdate::SetFd { pid, fd, state: kernel_state(device) });
         }
         events
@@ -331,15 +346,15 @@ mod tests {
     fn a_question_is_answered_once_from_proc_then_from_the_mirror() {
         let mut t = table(&[((10, 5), "socket:[99]", 1), ((10, 6), "/dev/nvidiactl", 2)]);
         let mut updates = vec![];
-        assert_eq!(t.answer(10, 5, &mut updates), (None, None));
+        assert_eq!(t.answer(10, 5, 0, &mut updates), (None, None));
         assert_eq!(updates, vec![KernelUpdate::SetFd { pid: 10, fd: 5, state: device::NOT_NVIDIA }]);
-        let (device, event) = t.answer(10, 6, &mut updates);
+        let (device, event) = t.answer(10, 6, 0, &mut updates);
         assert_eq!(device, Some(Device::Ctl));
         assert!(matches!(event, Some(Event::FdFound { fd: 6, device: Device::Ctl, .. })));
         assert_eq!(t.questions_answered, 2);
         // Pending ioctls that arrive after the answer are settled from the mirror.
-        assert_eq!(t.answer(10, 5, &mut updates).0, None);
-        assert_eq!(t.answer(10, 6, &mut updates), (Some(Device::Ctl), None));
+        assert_eq!(t.answer(10, 5, 0, &mut updates).0, None);
+        assert_eq!(t.answer(10, 6, 0, &mut updates), (Some(Device::Ctl), None));
         assert_eq!(t.questions_answered, 2);
     }
 
@@ -347,7 +362,7 @@ mod tests {
     fn a_gone_fd_gets_no_answer_that_could_go_stale() {
         let mut t = table(&[]);
         let mut updates = vec![];
-        assert_eq!(t.answer(10, 5, &mut updates), (None, None));
+        assert_eq!(t.answer(10, 5, 0, &mut updates), (None, None));
         assert!(updates.is_empty());
     }
 
@@ -355,21 +370,36 @@ mod tests {
     fn a_received_fd_is_known_to_share_the_senders_file() {
         // Process 20 got fd 9 over a socket: same open file description (2) as 10's fd 6.
         let mut t = table(&[((10, 6), "/dev/nvidiactl", 2), ((20, 9), "/dev/nvidiactl", 2), ((20, 4), "/dev/nvidiactl", 3)]);
-        let Event::Open { file, .. } = t.opened(10, 6, Device::Ctl, false) else { panic!() };
+        let Event::Open { file, .. } = t.opened(10, 6, Device::Ctl, false, 0) else { panic!() };
         let mut updates = vec![];
-        let (_, found) = t.answer(20, 9, &mut updates);
+        let (_, found) = t.answer(20, 9, 0, &mut updates);
         assert_eq!(found, Some(Event::FdFound { fd: 9, file, device: Device::Ctl }));
-        let (_, other) = t.answer(20, 4, &mut updates);
+        let (_, other) = t.answer(20, 4, 0, &mut updates);
         assert!(matches!(other, Some(Event::FdFound { file: f, .. }) if f != file), "a different description is a different file");
+    }
+
+    /// The sender may be gone before the question is answered: the kernel's `struct file *`
+    /// still names the file, where kcmp has nothing left to compare with.
+    #[test]
+    fn the_kernels_file_identity_outlives_the_sender() {
+        let mut t = table(&[((20, 9), "/dev/nvidiactl", 2)]);
+        let Event::Open { file, .. } = t.opened(10, 6, Device::Ctl, false, 0xffff_8880_1234_5600) else { panic!() };
+        let mut updates = vec![];
+        t.exited(10, &mut updates);
+        let (_, found) = t.answer(20, 9, 0xffff_8880_1234_5600, &mut updates);
+        assert_eq!(found, Some(Event::FdFound { fd: 9, file, device: Device::Ctl }));
+        // A later open that reuses the address is a different file.
+        let Event::Open { file: reopened, .. } = t.opened(30, 3, Device::Ctl, false, 0xffff_8880_1234_5600) else { panic!() };
+        assert_ne!(reopened, file);
     }
 
     #[test]
     fn fork_copies_nvidia_fds_into_the_childs_kernel_entries() {
         let mut t = table(&[]);
-        t.opened(10, 6, Device::Ctl, false);
-        t.opened(10, 7, Device::Uvm, true);
+        t.opened(10, 6, Device::Ctl, false, 0);
+        t.opened(10, 7, Device::Uvm, true, 0);
         let mut updates = vec![];
-        t.answer(10, 3, &mut updates); // not NVIDIA (gone): nothing copied for it
+        t.answer(10, 3, 0, &mut updates); // not NVIDIA (gone): nothing copied for it
         updates.clear();
         let event = t.forked(10, 11, Seen::Forked, &mut updates);
         assert!(matches!(event, Event::Process { ppid: 10, seen: Seen::Forked, .. }));
@@ -384,10 +414,10 @@ mod tests {
     #[test]
     fn exec_keeps_only_nvidia_fds_without_close_on_exec() {
         let mut t = table(&[((10, 5), "socket:[1]", 1)]);
-        t.opened(10, 6, Device::Ctl, false);
-        t.opened(10, 7, Device::Uvm, true);
+        t.opened(10, 6, Device::Ctl, false, 0);
+        t.opened(10, 7, Device::Uvm, true, 0);
         let mut updates = vec![];
-        t.answer(10, 5, &mut updates);
+        t.answer(10, 5, 0, &mut updates);
         updates.clear();
         t.exec(10, "/bin/next", &mut updates);
         assert!(updates.contains(&KernelUpdate::ForgetFd { pid: 10, fd: 5 }));
@@ -399,16 +429,16 @@ mod tests {
     #[test]
     fn close_range_forgets_or_marks() {
         let mut t = table(&[]);
-        t.opened(10, 3, Device::Ctl, false);
-        t.opened(10, 40, Device::Uvm, false);
+        t.opened(10, 3, Device::Ctl, false, 0);
+        t.opened(10, 40, Device::Uvm, false, 0);
         let mut updates = vec![];
         t.close_range(10, 3, u32::MAX, CLOSE_RANGE_CLOEXEC, &mut updates);
         assert!(updates.is_empty());
         t.exec(10, "x", &mut updates);
         assert_eq!(t.device(10, 3), None, "marked close-on-exec by close_range");
         let mut t = table(&[]);
-        t.opened(10, 3, Device::Ctl, false);
-        t.opened(10, 40, Device::Uvm, false);
+        t.opened(10, 3, Device::Ctl, false, 0);
+        t.opened(10, 40, Device::Uvm, false, 0);
         updates.clear();
         t.close_range(10, 10, 100, 0, &mut updates);
         assert_eq!(updates, vec![KernelUpdate::ForgetFd { pid: 10, fd: 40 }]);

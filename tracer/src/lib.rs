@@ -13,3 +13,4 @@ pub mod pipeline;
 pub mod gpus;
 pub mod summary;
 pub mod record;
+pub mod btf;

@@ -32,7 +32,7 @@ impl<R: Resolver> Pipeline<R> {
                 let device = match ioctl.device {
                     Some(device) => Some(device),
                     None => {
-                        let (device, found) = self.files.answer(pid, ioctl.fd, updates);
+                        let (device, found) = self.files.answer(pid, ioctl.fd, ioctl.file, updates);
                         if let Some(found) = found {
                             push(pid, found, None);
                         }
@@ -49,8 +49,8 @@ impl<R: Resolver> Pipeline<R> {
                     push(pid, event, bytes);
                 }
             }
-            RawKind::Open { fd, flags, device: Some(device), .. } => {
-                push(pid, self.files.opened(pid, fd, device, flags & O_CLOEXEC != 0), None)
+            RawKind::Open { fd, flags, device: Some(device), file, .. } => {
+                push(pid, self.files.opened(pid, fd, device, flags & O_CLOEXEC != 0, file), None)
             }
             RawKind::Open { device: None, .. } => {}
             RawKind::Close { fd } => {

@@ -7,7 +7,7 @@ use aya::maps::{Array, HashMap, MapData, PerCpuArray, RingBuf};
 use aya::programs::TracePoint;
 use aya::Ebpf;
 use thiserror::Error;
-use tracer_common::{stat, Config, FdKey, UvmWindow};
+use tracer_common::{stat, Config, FdKey, KernelOffsets, UvmWindow};
 
 use crate::abi::Layout;
 
@@ -146,6 +146,12 @@ impl Probe {
             HashMap::try_from(take(&mut ebpf, "CLASS_PARAMS")?).map_err(map_err("CLASS_PARAMS"))?;
         for (class, size) in layout.class_params_table() {
             classes.insert(class, size, 0).map_err(map_err("CLASS_PARAMS"))?;
+        }
+        let mut offsets: Array<MapData, KernelOffsets> =
+            Array::try_from(take(&mut ebpf, "OFFSETS")?).map_err(map_err("OFFSETS"))?;
+        // Without them the kernel reports no file identity and userspace falls back to kcmp(2).
+        if let Ok(found) = crate::btf::running_kernel_offsets() {
+            offsets.set(0, found, 0).map_err(map_err("OFFSETS"))?;
         }
         let fds = HashMap::try_from(take(&mut ebpf, "FDS")?).map_err(map_err("FDS"))?;
         let traced = HashMap::try_from(take(&mut ebpf, "TRACED")?).map_err(map_err("TRACED"))?;

@@ -8,6 +8,8 @@
 //! - `storm --count N`: a child does N ioctls on inherited and dup'ed non-NVIDIA fds, a third of
 //!   them with NVIDIA-looking commands;
 //! - `oom --bytes B`: one allocation larger than the card;
+//! - `pass-fd`: sends its device files over a unix socket (SCM_RIGHTS) to a process it starts,
+//!   which allocates on them; the sender exits first, the receiver keeps everything alive;
 //! - `hold --ms N`: allocates 2 GiB, waits N ms (attach a recorder then), allocates 1 GiB, frees
 //!   the first, and exits holding the second.
 use std::fs::File;
@@ -145,6 +147,99 @@ fn hold(truth: &mut Truth, ms: u64) -> Result<(), String> {
     Ok(())
 }
 
+/// SCM_RIGHTS: the fds go as ancillary data, `payload` as the message.
+fn send_fds(socket: i32, fds: &[i32], payload: &[u8]) -> Result<(), String> {
+    let space = unsafe { libc::CMSG_SPACE((fds.len() * 4) as u32) } as usize;
+    let mut control = vec![0u8; space];
+    let mut iov = libc::iovec { iov_base: payload.as_ptr() as *mut libc::c_void, iov_len: payload.len() };
+    // SAFETY: msghdr over live buffers; CMSG macros walk the control buffer sized above.
+    unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = space;
+        let cmsg = libc::CMSG_FIRSTHDR(&msg);
+        (*cmsg).cmsg_level = libc::SOL_SOCKET;
+        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+        (*cmsg).cmsg_len = libc::CMSG_LEN((fds.len() * 4) as u32) as usize;
+        std::ptr::copy_nonoverlapping(fds.as_ptr(), libc::CMSG_DATA(cmsg) as *mut i32, fds.len());
+        if libc::sendmsg(socket, &msg, 0) < 0 {
+            return Err(format!("sendmsg: {}", std::io::Error::last_os_error()));
+        }
+    }
+    Ok(())
+}
+
+fn receive_fds(socket: i32, count: usize, payload: &mut [u8]) -> Result<Vec<i32>, String> {
+    let space = unsafe { libc::CMSG_SPACE((count * 4) as u32) } as usize;
+    let mut control = vec![0u8; space];
+    let mut iov = libc::iovec { iov_base: payload.as_mut_ptr().cast(), iov_len: payload.len() };
+    // SAFETY: as in send_fds; MSG_CMSG_CLOEXEC keeps them out of anything we exec.
+    unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = space;
+        if libc::recvmsg(socket, &mut msg, libc::MSG_CMSG_CLOEXEC) < 0 {
+            return Err(format!("recvmsg: {}", std::io::Error::last_os_error()));
+        }
+        let cmsg = libc::CMSG_FIRSTHDR(&msg);
+        if cmsg.is_null() || (*cmsg).cmsg_type != libc::SCM_RIGHTS {
+            return Err("no fds arrived".into());
+        }
+        let mut fds = vec![0i32; count];
+        std::ptr::copy_nonoverlapping(libc::CMSG_DATA(cmsg) as *const i32, fds.as_mut_ptr(), count);
+        Ok(fds)
+    }
+}
+
+fn pass_fd(truth: &mut Truth) -> Result<(), String> {
+    let mut gpu = Gpu::open()?;
+    truth.alloc(&mut gpu, Path::RmAlloc, 2 * GIB).ok_or("alloc failed")?;
+    let mut pair = [0; 2];
+    // SAFETY: socketpair fills two fds; ours is close-on-exec, the receiver's end is inherited.
+    if unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0, pair.as_mut_ptr()) } != 0 {
+        return Err("socketpair failed".into());
+    }
+    unsafe { libc::fcntl(pair[1], libc::F_SETFD, 0) };
+    let me = std::env::current_exe().map_err(|e| e.to_string())?;
+    let mut args = vec!["receive".to_string(), "--socket".into(), pair[1].to_string()];
+    if let Some(path) = std::env::args().skip_while(|a| a != "--truth").nth(1) {
+        args.extend(["--truth".into(), format!("{path}.receiver")]);
+    }
+    let mut receiver = std::process::Command::new(me).args(&args).spawn().map_err(|e| e.to_string())?;
+    unsafe { libc::close(pair[1]) };
+    let mut payload = [0u8; 12];
+    payload[0..4].copy_from_slice(&gpu.client.to_le_bytes());
+    payload[4..8].copy_from_slice(&gpu.device.to_le_bytes());
+    payload[8..12].copy_from_slice(&gpu.version_major().to_le_bytes());
+    send_fds(pair[0], &[gpu.ctl.as_raw_fd(), gpu.gpu0.as_raw_fd(), gpu.uvm.as_raw_fd()], &payload)?;
+    let mut ack = [0u8; 1];
+    // SAFETY: read one byte from our end.
+    unsafe { libc::read(pair[0], ack.as_mut_ptr().cast(), 1) };
+    truth.note("sent", "", 0, receiver.id(), 0);
+    // Exit without waiting: the receiver holds the files now.
+    let _ = receiver.try_wait();
+    Ok(())
+}
+
+fn receive(truth: &mut Truth, socket: i32) -> Result<(), String> {
+    use std::os::fd::FromRawFd;
+    let mut payload = [0u8; 12];
+    let fds = receive_fds(socket, 3, &mut payload)?;
+    let word = |i: usize| u32::from_le_bytes(payload[i..i + 4].try_into().unwrap());
+    let version = format!("{}.0.0", word(8));
+    // SAFETY: the fds just arrived and are ours alone.
+    let (ctl, gpu0, uvm) = unsafe { (File::from_raw_fd(fds[0]), File::from_raw_fd(fds[1]), File::from_raw_fd(fds[2])) };
+    let mut gpu = Gpu::adopt(&version, ctl, gpu0, uvm, word(0), word(4));
+    truth.alloc(&mut gpu, Path::RmAlloc, GIB).ok_or("alloc on received fds failed")?;
+    unsafe { libc::write(socket, b"!".as_ptr().cast(), 1) };
+    std::thread::sleep(std::time::Duration::from_millis(700));
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let value = |flag: &str| args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1)).cloned();
@@ -153,9 +248,11 @@ fn main() -> ExitCode {
         Some("paths") => paths(&mut truth),
         Some("fork-holder") => fork_holder(&mut truth, value("--hold-ms").and_then(|v| v.parse().ok()).unwrap_or(500)),
         Some("storm") => storm(value("--count").and_then(|v| v.parse().ok()).unwrap_or(1_000_000)),
+        Some("pass-fd") => pass_fd(&mut truth),
+        Some("receive") => receive(&mut truth, value("--socket").and_then(|v| v.parse().ok()).unwrap_or(-1)),
         Some("hold") => hold(&mut truth, value("--ms").and_then(|v| v.parse().ok()).unwrap_or(1000)),
         Some("oom") => oom(&mut truth, value("--bytes").and_then(|v| parse_bytes(&v)).unwrap_or(1 << 40)),
-        _ => Err("usage: fake-workload paths|fork-holder|storm|oom|hold [--truth FILE] [--hold-ms N] [--count N] [--bytes B] [--ms N]".into()),
+        _ => Err("usage: fake-workload paths|fork-holder|storm|oom|hold|pass-fd [--truth FILE] [--hold-ms N] [--count N] [--bytes B] [--ms N]".into()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

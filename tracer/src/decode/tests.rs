@@ -32,13 +32,14 @@ fn rm(nr: u32, params: Buf, class_params: Vec<u8>) -> RawIoctl {
         ret: 0,
         device: Some(Device::Ctl),
         flags: 0,
+        file: 0,
         params: params.0,
         class_params,
     }
 }
 
 fn uvm_raw(cmd: u32, params: Buf) -> RawIoctl {
-    RawIoctl { fd: 9, cmd, escape_cmd: cmd, ret: 0, device: Some(Device::Uvm), flags: 0, params: params.0, class_params: vec![] }
+    RawIoctl { fd: 9, cmd, escape_cmd: cmd, ret: 0, device: Some(Device::Uvm), flags: 0, file: 0, params: params.0, class_params: vec![] }
 }
 
 fn memory_params(layout: &Layout, bytes: u64) -> Vec<u8> {
@@ -224,6 +225,7 @@ fn ioctl_record_bytes(escape_cmd: u32, flags: u8, params: &[u8]) -> Vec<u8> {
         escape_cmd,
         params_len: params.len() as u32,
         class_len: 0,
+        file: 0,
         device: device::CTL,
         flags,
         _pad: [0; 2],
@@ -271,7 +273,7 @@ proptest::proptest! {
     /// Any bytes, any command: decoding returns, never panics.
     #[test]
     fn arbitrary_input_never_panics(cmd in proptest::prelude::any::<u32>(), params in proptest::collection::vec(0u8..=255, 0..200), uvm in proptest::bool::ANY) {
-        let raw = RawIoctl { fd: 1, cmd, escape_cmd: cmd, ret: 0, device: Some(if uvm { Device::Uvm } else { Device::Ctl }), flags: 0, params: params.clone(), class_params: params.clone() };
+        let raw = RawIoctl { fd: 1, cmd, escape_cmd: cmd, ret: 0, device: Some(if uvm { Device::Uvm } else { Device::Ctl }), flags: 0, file: 0, params: params.clone(), class_params: params.clone() };
         let _ = decode_ioctl(&layout(580, 95, 5), &raw);
         let _ = parse_record(&params);
     }

@@ -1,0 +1,147 @@
+//! Just enough of a BTF reader to find a few struct member offsets in the running kernel
+//! (/sys/kernel/btf/vmlinux), so the kernel side can read `current->files->fdt->fd[n]`: the
+//! `struct file *` that names an open file description, on any kernel, without CO-RE.
+
+use std::collections::HashMap;
+
+use tracer_common::KernelOffsets;
+
+const BTF_MAGIC: u16 = 0xeb9f;
+const KIND_STRUCT: u32 = 4;
+const KIND_UNION: u32 = 5;
+
+/// Bytes that follow a type's 12-byte header, by kind (see the kernel's Documentation/bpf/btf.rst).
+fn extra_bytes(kind: u32, vlen: usize) -> Option<usize> {
+    Some(match kind {
+        1 => 4,                  // INT
+        2 | 7..=12 => 0,         // PTR, FWD, TYPEDEF, VOLATILE, CONST, RESTRICT, FUNC
+        3 => 12,                 // ARRAY
+        4 | 5 => 12 * vlen,      // STRUCT, UNION
+        6 => 8 * vlen,           // ENUM
+        13 => 8 * vlen,          // FUNC_PROTO
+        14 => 4,                 // VAR
+        15 => 12 * vlen,         // DATASEC
+        16 => 0,                 // FLOAT
+        17 => 4,                 // DECL_TAG
+        18 => 0,                 // TYPE_TAG
+        19 => 12 * vlen,         // ENUM64
+        _ => return None,
+    })
+}
+
+/// Member byte offsets of the named structs: struct name -> member name -> offset.
+pub fn struct_members(data: &[u8], wanted: &[&str]) -> Result<HashMap<String, HashMap<String, u32>>, String> {
+    let u16_at = |at: usize| data.get(at..at + 2).map(|b| u16::from_le_bytes([b[0], b[1]]));
+    let u32_at = |at: usize| data.get(at..at + 4).map(|b| u32::from_le_bytes(b.try_into().unwrap()));
+    if u16_at(0) != Some(BTF_MAGIC) {
+        return Err("not little-endian BTF".into());
+    }
+    let header_len = u32_at(4).ok_or("short header")? as usize;
+    let (type_off, type_len, str_off) = (
+        u32_at(8).ok_or("short header")? as usize,
+        u32_at(12).ok_or("short header")? as usize,
+        u32_at(16).ok_or("short header")? as usize,
+    );
+    let types = header_len + type_off;
+    let strings = header_len + str_off;
+    let name = |off: u32| -> &str {
+        let start = strings + off as usize;
+        let end = data[start.min(data.len())..].iter().position(|&b| b == 0).map_or(data.len(), |n| start + n);
+        std::str::from_utf8(data.get(start..end).unwrap_or_default()).unwrap_or("")
+    };
+    let mut found = HashMap::new();
+    let mut at = types;
+    while at + 12 <= types + type_len {
+        let (name_off, info) = (u32_at(at).unwrap(), u32_at(at + 4).unwrap());
+        let (kind, vlen, kind_flag) = ((info >> 24) & 0x1f, (info & 0xffff) as usize, info >> 31 == 1);
+        let extra = extra_bytes(kind, vlen).ok_or_else(|| format!("unknown BTF kind {kind}"))?;
+        if kind == KIND_STRUCT || kind == KIND_UNION {
+            let struct_name = name(name_off);
+            if wanted.contains(&struct_name) && !found.contains_key(struct_name) {
+                let mut members = HashMap::new();
+                for m in 0..vlen {
+                    let base = at + 12 + 12 * m;
+                    let (member_name, offset) = (u32_at(base).ok_or("short member")?, u32_at(base + 8).ok_or("short member")?);
+                    let bits = if kind_flag { offset & 0xff_ffff } else { offset };
+                    members.insert(name(member_name).to_string(), bits / 8);
+                }
+                found.insert(struct_name.to_string(), members);
+            }
+        }
+        at += 12 + extra;
+    }
+    Ok(found)
+}
+
+/// The offsets of `task_struct.files`, `files_struct.fdt`, `fdtable.fd` and `fdtable.max_fds`.
+pub fn kernel_offsets(data: &[u8]) -> Result<KernelOffsets, String> {
+    let found = struct_members(data, &["task_struct", "files_struct", "fdtable"])?;
+    let get = |s: &str, m: &str| {
+        found.get(s).and_then(|members| members.get(m)).copied().ok_or_else(|| format!("the kernel's BTF has no {s}.{m}"))
+    };
+    Ok(KernelOffsets {
+        task_files: get("task_struct", "files")?,
+        files_fdt: get("files_struct", "fdt")?,
+        fdtable_fd: get("fdtable", "fd")?,
+        fdtable_max_fds: get("fdtable", "max_fds")?,
+    })
+}
+
+pub fn running_kernel_offsets() -> Result<KernelOffsets, String> {
+    let data = std::fs::read("/sys/kernel/btf/vmlinux").map_err(|e| format!("reading /sys/kernel/btf/vmlinux: {e}"))?;
+    kernel_offsets(&data)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A BTF blob with one struct, built by hand: header, types, strings.
+    fn blob(kind_flag: bool) -> Vec<u8> {
+        let strings = b"\0fdtable\0max_fds\0fd\0";
+        let mut types = Vec::new();
+        let info = (KIND_STRUCT << 24) | 2 | if kind_flag { 1 << 31 } else { 0 };
+        for v in [1u32, info, 64] {
+            types.extend_from_slice(&v.to_le_bytes());
+        }
+        // max_fds at byte 0, fd at byte 8 (bit offsets; with kind_flag the top byte is a bitfield size)
+        for (name, offset) in [(9u32, 0u32), (17, 64 | if kind_flag { 1 << 24 } else { 0 })] {
+            for v in [name, 0, offset] {
+                types.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        let mut out = Vec::new();
+        out.extend_from_slice(&BTF_MAGIC.to_le_bytes());
+        out.extend_from_slice(&[1, 0]);
+        for v in [24u32, 0, types.len() as u32, types.len() as u32, strings.len() as u32] {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        out.extend_from_slice(&types);
+        out.extend_from_slice(strings);
+        out
+    }
+
+    #[test]
+    fn reads_member_offsets_with_and_without_kind_flag() {
+        for kind_flag in [false, true] {
+            let found = struct_members(&blob(kind_flag), &["fdtable"]).unwrap();
+            assert_eq!(found["fdtable"]["max_fds"], 0);
+            assert_eq!(found["fdtable"]["fd"], 8);
+        }
+        assert!(kernel_offsets(&blob(false)).unwrap_err().contains("task_struct.files"));
+        assert!(struct_members(b"nope", &[]).is_err());
+    }
+
+    /// On a kernel with BTF (this one has it), the offsets are found and plausible.
+    #[test]
+    fn finds_the_running_kernels_offsets() {
+        let Ok(data) = std::fs::read("/sys/kernel/btf/vmlinux") else {
+            eprintln!("skipped: no /sys/kernel/btf/vmlinux on this kernel");
+            return;
+        };
+        let o = kernel_offsets(&data).unwrap();
+        assert!(o.task_files > 0 && o.task_files < 16384, "{o:?}");
+        assert!(o.files_fdt < 256 && o.fdtable_fd < 64 && o.fdtable_max_fds < 64, "{o:?}");
+        assert_ne!(o.fdtable_fd, o.fdtable_max_fds);
+    }
+}
