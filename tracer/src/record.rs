@@ -199,6 +199,8 @@ impl Session {
             self.apply_updates(probe)?;
         }
 
+        let what = if opts.all { "every process".to_string() } else if opts.command.is_empty() { format!("pid {}", join(&opts.pids)) } else { format!("`{}`", opts.command.join(" ")) };
+        eprintln!("gputrace: tracing {what}, writing {} (Ctrl-C to stop)", self.writer.path().display());
         let mut child = match opts.command.is_empty() {
             true => None,
             false => Some(self.launch(probe, &opts.command)?),
@@ -392,6 +394,10 @@ fn default_output() -> PathBuf {
         tm.tm_min,
         tm.tm_sec
     ))
+}
+
+fn join(pids: &[u32]) -> String {
+    pids.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(", ")
 }
 
 /// Still running: present and not a zombie waiting for a parent that may never reap it.

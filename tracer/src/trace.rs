@@ -97,6 +97,10 @@ impl Writer {
         self.line(record)
     }
 
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
     pub fn flush(&mut self) -> Result<(), TraceError> {
         self.out.flush().map_err(|source| TraceError::Write { path: self.path.clone(), source })
     }

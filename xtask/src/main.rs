@@ -1,4 +1,4 @@
-//! Setup and build helpers: `cargo xtask setup | build | test | demo [SCENARIO]`.
+//! Setup and build helpers: `cargo xtask setup | build | test | demo [SCENARIO] | bench`.
 //! Each command installs and builds what it needs, so a fresh machine needs nothing else.
 //! Few dependencies, so it builds in seconds.
 
@@ -177,6 +177,108 @@ fn demo(only: Option<&str>) -> Result<()> {
     Ok(())
 }
 
+/// Median of three runs of `cmd`, whose stdout is one number (ns per ioctl).
+fn median_ns(mut make: impl FnMut() -> Command) -> Result<f64> {
+    let mut runs = Vec::new();
+    for _ in 0..3 {
+        let out = make().output().map_err(|e| e.to_string())?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let ns: f64 = text.lines().last().and_then(|l| l.trim().parse().ok()).ok_or_else(|| format!("no figure from the benchmark: {text} {}", String::from_utf8_lossy(&out.stderr)))?;
+        runs.push(ns);
+    }
+    runs.sort_by(|a, b| a.total_cmp(b));
+    Ok(runs[1])
+}
+
+/// Starts a tracer in the background and waits until it says it is attached.
+fn start_tracer(cmd: &mut Command, ready: &str, stdout: bool) -> Result<std::process::Child> {
+    use std::io::Read;
+    let mut child = if stdout { cmd.stdout(Stdio::piped()).stderr(Stdio::null()) } else { cmd.stderr(Stdio::piped()).stdout(Stdio::null()) }
+        .spawn()
+        .map_err(|e| format!("cannot start {cmd:?}: {e}"))?;
+    let mut pipe: Box<dyn Read + Send> = if stdout { Box::new(child.stdout.take().unwrap()) } else { Box::new(child.stderr.take().unwrap()) };
+    let mut seen = Vec::new();
+    let mut byte = [0u8; 1];
+    while !String::from_utf8_lossy(&seen).contains(ready) {
+        if pipe.read(&mut byte).map_err(|e| e.to_string())? == 0 {
+            return Err(format!("{cmd:?} exited before it was ready: {}", String::from_utf8_lossy(&seen)));
+        }
+        seen.push(byte[0]);
+    }
+    // Keep draining so the tracer never blocks on a full pipe.
+    std::thread::spawn(move || std::io::copy(&mut pipe, &mut std::io::sink()));
+    Ok(child)
+}
+
+fn stop(mut child: std::process::Child) {
+    // SAFETY: signal our own child.
+    unsafe { libc_kill(child.id() as i32, 2) };
+    let _ = child.wait();
+}
+
+unsafe extern "C" {
+    #[link_name = "kill"]
+    fn libc_kill(pid: i32, sig: i32) -> i32;
+}
+
+/// What tracing costs an ioctl: per call, with nothing attached, with empty programs on the same
+/// tracepoints (what any syscall tracer costs), and with gputrace tracing every process.
+fn bench() -> Result<()> {
+    if !is_root() {
+        return Err("the benchmark attaches eBPF programs: run it as root (`sudo cargo xtask bench`)".into());
+    }
+    build()?;
+    if output(Command::new("sh").args(["-c", "command -v bpftrace"])).is_none() {
+        eprintln!("xtask: installing bpftrace (Debian package), for the empty-programs baseline");
+        run(Command::new("apt-get").args(["install", "-y", "-qq", "bpftrace"]).env("DEBIAN_FRONTEND", "noninteractive"))?;
+    }
+    const COUNT: &str = "1000000";
+    let pinned = |case: &str| {
+        let mut c = Command::new("taskset");
+        c.args(["-c", "1"]).arg(bin("ioctl-bench")).args([case, COUNT]);
+        c
+    };
+    let cases = ["null-plain", "null-nvidia-looking"];
+    let mut table = Vec::new();
+    for case in cases {
+        let bare = median_ns(|| pinned(case))?;
+        let probes = start_tracer(
+            Command::new("bpftrace").args(["-e", "tracepoint:syscalls:sys_enter_ioctl {} tracepoint:syscalls:sys_exit_ioctl {}"]),
+            "Attaching",
+            true,
+        )?;
+        let empty = median_ns(|| pinned(case))?;
+        stop(probes);
+        let trace = std::env::temp_dir().join("gputrace-bench.trace");
+        let recorder = start_tracer(Command::new(bin("gputrace")).args(["record", "--all", "-o"]).arg(&trace), "gputrace: tracing", false)?;
+        let traced = median_ns(|| pinned(case))?;
+        stop(recorder);
+        let _ = std::fs::remove_file(&trace);
+        table.push((case, bare, empty, traced));
+    }
+    println!("\nioctl on /dev/null, ns per call (median of 3 runs of {COUNT}, pinned to CPU 1):");
+    println!("{:<22} {:>10} {:>14} {:>16} {:>22}", "case", "untraced", "empty probes", "gputrace --all", "gputrace/empty probes");
+    for (case, bare, empty, traced) in &table {
+        println!("{case:<22} {bare:>10.1} {empty:>14.1} {traced:>16.1} {:>22.2}", traced / empty);
+    }
+
+    // A traced escape on the fake GPU: the whole path, kernel record to trace file.
+    let fake = |traced: bool| {
+        let mut c = Command::new(bin("fakegpu"));
+        c.args(["run", "--"]);
+        if traced {
+            c.arg(bin("gputrace")).args(["record", "-o", "/dev/null", "--"]);
+        }
+        c.arg(bin("ioctl-bench")).args(["fake-gpu-free", "100000"]);
+        c
+    };
+    let untraced = median_ns(|| fake(false))?;
+    let recorded = median_ns(|| fake(true))?;
+    println!("\nRM_FREE on the fake GPU's nvidiactl (a traced escape, each call a record in the trace), ns per call:");
+    println!("untraced {untraced:.0}, recorded {recorded:.0}, ratio {:.2} (the FUSE round trip of the fake driver dominates)", recorded / untraced);
+    Ok(())
+}
+
 /// One line from `record --json`: what gputrace saw.
 fn verdict(json: &str) -> String {
     let Ok(summary) = serde_json::from_str::<serde_json::Value>(json) else {
@@ -203,7 +305,8 @@ fn main() -> ExitCode {
         Some("build") => build(),
         Some("test") => test(),
         Some("demo") => demo(args.get(1).map(String::as_str)),
-        _ => Err("usage: cargo xtask setup | build | test | demo [SCENARIO]".into()),
+        Some("bench") => bench(),
+        _ => Err("usage: cargo xtask setup | build | test | demo [SCENARIO] | bench".into()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
