@@ -4,7 +4,15 @@ use std::{path::Path, process::Command};
 
 use anyhow::{anyhow, bail, Context as _};
 
-fn main() -> anyhow::Result<()> {
+fn main() {
+    // A sentence, not an error with a backtrace: what is missing and the command that fixes it.
+    if let Err(e) = build() {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn build() -> anyhow::Result<()> {
     println!("cargo:rerun-if-env-changed=PATH");
     let linker_ok = Command::new("bpf-linker").arg("--version").output().map(|o| o.status.success()).unwrap_or(false);
     if !linker_ok {
