@@ -22,6 +22,8 @@ pub enum Path {
     VidHeap,
     /// mmap'ed host memory pinned through RM_ALLOC_MEMORY of class 0x71 on /dev/nvidia0.
     HostPinned,
+    /// Address space only: RM_ALLOC NVOS64 of NV50_MEMORY_VIRTUAL (cuMemAddressReserve).
+    VirtualReserve,
 }
 
 #[derive(Clone, Debug)]
@@ -149,6 +151,12 @@ impl Gpu {
                 put32(&mut map, size - 8, handle);
                 self.uvm_call(uvm::MAP_EXTERNAL_ALLOCATION, &mut map, size - 4)?;
                 Ok(Buffer { handle, va: Some(va), bytes })
+            }
+            Path::VirtualReserve => {
+                let mut params = vec![0u8; self.abi.memory_params_size];
+                put64(&mut params, 64, bytes);
+                let handle = self.rm_alloc(true, self.client, self.device, class::NV50_MEMORY_VIRTUAL, &mut params)?;
+                Ok(Buffer { handle, va: None, bytes })
             }
             Path::VidHeap => {
                 let mut p = [0u8; 184];

@@ -83,10 +83,11 @@ impl Session {
         Ok(Session { dev })
     }
 
-    /// A second handle on the same connection, for a thread of its own.
+    /// A second handle on the same connection, for a thread of its own. Close-on-exec: a process
+    /// the launcher starts must never hold the connection, or its own release would wait on it.
     pub fn try_clone(&self) -> Result<Session> {
-        // SAFETY: dup of an open fd.
-        let fd = unsafe { libc::dup(self.dev.as_raw_fd()) };
+        // SAFETY: fcntl(F_DUPFD_CLOEXEC) of an open fd.
+        let fd = unsafe { libc::fcntl(self.dev.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 0) };
         if fd < 0 {
             bail!("dup /dev/fuse: {}", std::io::Error::last_os_error());
         }

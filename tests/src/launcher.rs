@@ -158,6 +158,10 @@ pub fn run(run: Run) -> Result<i32> {
     }
     driver_version_file(&run.config.version)?;
 
+    // Orphans (an engine whose API server was killed, a forked helper) are reparented to us, not
+    // to the host's init, so teardown finds and ends them.
+    // SAFETY: prctl on ourselves.
+    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
     let mut command = Command::new(&run.command[0]);
     command.args(&run.command[1..]).env("FAKEGPU_STATE", NVML_STATE);
     if let Some(dir) = library_path {

@@ -6,6 +6,8 @@ pub mod cuda;
 pub mod driver;
 pub mod fuse;
 pub mod launcher;
+pub mod scenario;
+pub mod serve;
 pub mod truth;
 
 /// Parses "80GiB", "512MiB", "4096" into bytes.

@@ -1,21 +1,62 @@
 //! `fakegpu run [--driver-version V] [--video GiB] [--system GiB] [--unified] [--log FILE] -- CMD ARGS...`
 //! Runs CMD with a fake NVIDIA GPU at /dev/nvidia*, in a private mount namespace (root only).
-use std::path::PathBuf;
+//! `fakegpu scenario NAME --server vllm|llama --dir DIR`: runs a named scenario under gputrace.
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use fakegpu::driver::Config;
 use fakegpu::launcher::{run, Run};
-use fakegpu::parse_bytes;
+use fakegpu::{parse_bytes, scenario};
 
 fn usage() -> ExitCode {
     eprintln!("usage: fakegpu run [--driver-version 580.95.05] [--video 80GiB] [--system 256GiB] [--unified] [--log FILE] -- CMD ARGS...");
+    eprintln!("       fakegpu scenario NAME --server vllm|llama --dir DIR [--gputrace PATH]");
     ExitCode::from(2)
+}
+
+fn exit(result: anyhow::Result<i32>) -> ExitCode {
+    match result {
+        Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
+        Err(e) => {
+            eprintln!("fakegpu: error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// `fakegpu scenario NAME --server vllm|llama --dir DIR [--gputrace PATH]`: the scenario's card,
+/// then the scenario inside the namespace.
+fn scenario(args: &[String]) -> ExitCode {
+    let value = |flag: &str| args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1)).cloned();
+    let (Some(name), Some(dir)) = (args.first().cloned(), value("--dir")) else { return usage() };
+    let server = value("--server").unwrap_or_else(|| "vllm".into());
+    let here = std::env::current_exe().ok().and_then(|p| p.parent().map(PathBuf::from)).unwrap_or_default();
+    let gputrace = value("--gputrace").map(PathBuf::from).unwrap_or_else(|| here.join("gputrace"));
+    if !scenario::NAMES.contains(&name.as_str()) || !scenario::SERVERS.contains(&server.as_str()) {
+        eprintln!("fakegpu: no scenario {name:?} for {server:?}: scenarios are {}; servers vllm, llama", scenario::NAMES.join(", "));
+        return ExitCode::from(2);
+    }
+    let dir = PathBuf::from(dir);
+    if let Err(e) = std::fs::create_dir_all(&dir) {
+        eprintln!("fakegpu: cannot create {}: {e}", dir.display());
+        return ExitCode::from(2);
+    }
+    let (video, unified) = scenario::card(&name, &server);
+    let config = Config { version: "580.95.05".into(), video_capacity: video, system_capacity: 256 << 30, unified };
+    let me = std::env::current_exe().expect("own path").display().to_string();
+    let command = vec![me, "inside-scenario".into(), name, server, dir.display().to_string(), gputrace.display().to_string()];
+    exit(run(Run { config, driver_log: Some(dir.join("driver.jsonl")), command }))
 }
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    if args.first().map(String::as_str) != Some("run") {
-        return usage();
+    match args.first().map(String::as_str) {
+        Some("scenario") => return scenario(&args[1..]),
+        Some("inside-scenario") if args.len() == 5 => {
+            return exit(scenario::inside(&args[1], &args[2], Path::new(&args[3]), Path::new(&args[4])).map(|()| 0));
+        }
+        Some("run") => {}
+        _ => return usage(),
     }
     let mut config = Config { version: "580.95.05".into(), video_capacity: 80 << 30, system_capacity: 256 << 30, unified: false };
     let mut log = None;
@@ -43,11 +84,5 @@ fn main() -> ExitCode {
         i += 2;
     }
     let command = args.get(i + 1..).map(<[String]>::to_vec).unwrap_or_default();
-    match run(Run { config, driver_log: log, command }) {
-        Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
-        Err(e) => {
-            eprintln!("fakegpu: error: {e:#}");
-            ExitCode::from(2)
-        }
-    }
+    exit(run(Run { config, driver_log: log, command }))
 }

@@ -1,0 +1,113 @@
+//! A load generator for the fake servers: waits until the server is ready (vLLM-like: until it
+//! accepts connections; llama-like: until /health answers 200), then sends streaming completion
+//! requests: one after another, then a concurrent wave. Each request's outcome goes to stdout
+//! and the ground truth as a JSON line: status, time to headers, time to first data, tokens.
+//!
+//! `fake-load --port P --server vllm|llama [--sequential 1024,2048] [--concurrent 16x2048]
+//!            [--max-tokens 8] [--ready-timeout-s 30] [--truth FILE]`
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use fakegpu::serve::{Completion, Truth};
+use serde_json::json;
+
+fn ready(port: u16, server: &str, timeout: Duration) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < timeout {
+        if let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) {
+            if server != "llama" {
+                return true;
+            }
+            let _ = s.write_all(b"GET /health HTTP/1.1\r\nHost: localhost\r\nContent-Length: 0\r\n\r\n");
+            let mut reply = String::new();
+            let _ = s.read_to_string(&mut reply);
+            if reply.starts_with("HTTP/1.1 200") {
+                return true;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    false
+}
+
+/// One streamed request; returns (status line, ms to headers, ms to first data, data events).
+fn request(port: u16, c: Completion) -> (String, Option<f64>, Option<f64>, u64) {
+    let start = Instant::now();
+    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else { return ("connection refused".into(), None, None, 0) };
+    let body = serde_json::to_string(&c).unwrap();
+    let _ = write!(s, "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len());
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    let (mut headers_at, mut data_at) = (None, None);
+    let mut status = String::new();
+    loop {
+        let n = match s.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        seen.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&seen);
+        if headers_at.is_none() && text.contains("\r\n\r\n") {
+            headers_at = Some(start.elapsed().as_secs_f64() * 1e3);
+            status = text.lines().next().unwrap_or("").to_string();
+        }
+        if data_at.is_none() && text.contains("data: {") {
+            data_at = Some(start.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    let text = String::from_utf8_lossy(&seen);
+    let events = text.matches("data: {").count() as u64;
+    let complete = text.contains("data: [DONE]");
+    if status.is_empty() {
+        status = "no response".into();
+    } else if status.contains("200") && !complete {
+        status = "cut off".into();
+    }
+    (status, headers_at, data_at, events)
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let value = |flag: &str| args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1)).cloned();
+    let port: u16 = value("--port").and_then(|v| v.parse().ok()).unwrap_or(8000);
+    let server = value("--server").unwrap_or_else(|| "vllm".into());
+    let max_tokens: u64 = value("--max-tokens").and_then(|v| v.parse().ok()).unwrap_or(8);
+    let timeout = Duration::from_secs(value("--ready-timeout-s").and_then(|v| v.parse().ok()).unwrap_or(30));
+    let truth = Truth::open(value("--truth").as_deref(), "load");
+    if !ready(port, &server, timeout) {
+        eprintln!("fake-load: the server on port {port} never became ready");
+        truth.note("never_ready", json!({}));
+        return ExitCode::from(1);
+    }
+    truth.note("ready", json!({}));
+    let report = |id: usize, c: Completion, (status, headers, data, events): (String, Option<f64>, Option<f64>, u64)| {
+        let line = json!({"request": id, "prompt_tokens": c.prompt_tokens, "status": status, "headers_ms": headers, "first_data_ms": data, "events": events});
+        println!("{line}");
+        truth.note("response", line);
+    };
+    let mut id = 0;
+    for tokens in value("--sequential").unwrap_or_default().split(',').filter_map(|t| t.parse().ok()) {
+        id += 1;
+        let c = Completion { prompt_tokens: tokens, max_tokens };
+        truth.note("request", json!({"request": id, "prompt_tokens": tokens, "in_flight": 1}));
+        report(id, c, request(port, c));
+    }
+    if let Some((n, tokens)) = value("--concurrent").and_then(|v| {
+        let (n, t) = v.split_once('x')?;
+        Some((n.parse::<usize>().ok()?, t.parse::<u64>().ok()?))
+    }) {
+        let c = Completion { prompt_tokens: tokens, max_tokens };
+        let handles: Vec<_> = (0..n)
+            .map(|i| {
+                truth.note("request", json!({"request": id + i + 1, "prompt_tokens": tokens, "in_flight": n}));
+                std::thread::spawn(move || request(port, c))
+            })
+            .collect();
+        for (i, h) in handles.into_iter().enumerate() {
+            report(id + i + 1, c, h.join().unwrap());
+        }
+    }
+    ExitCode::SUCCESS
+}

@@ -1,0 +1,505 @@
+//! Inference servers that use the fake GPU the way the real ones use a GPU
+//! (shared/reference/inference-server-memory.md), with real sockets on 127.0.0.1.
+//!
+//! `fake-server --server vllm --port P [--model-gib 16] [--util 0.9] [--truth FILE]`
+//!   An API server process that binds the port at once but listens only after the engine
+//!   process (a child, which holds the GPU) has loaded: weights as one allocation per large
+//!   parameter, a profiling burst then frees, the KV cache as one identical block per layer,
+//!   graph capture. Streaming responses send headers at once and data at time-to-first-token.
+//!   Decode allocates nothing; a prefill batch larger than any before allocates activations.
+//!   An engine that runs out of memory dies, and the API server with it. An engine that finds
+//!   too little free memory at start refuses without allocating.
+//! `fake-server --server llama --port P [--model-gib 14] [--ctx 16384] [--parallel 4] [--helper]`
+//!   Listens first and answers 503 while loading; one weights buffer, one KV buffer sized by
+//!   the context, compute buffers (device and pinned host), a VMM-style scratch pool that grows
+//!   on big prompts and never shrinks; headers at time-to-first-token. Out of memory at load
+//!   exits 1; at run time it aborts. `--helper` forks a child that keeps the device files.
+//!   `--touch-host-mib N` reads N MiB of "model file" into host memory per weights GiB while
+//!   loading (the host RAM spike that gets servers OOM-killed on unified-memory machines).
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Write};
+use std::net::{TcpListener, TcpStream};
+use std::os::fd::FromRawFd;
+use std::process::{Command, ExitCode, Stdio};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use fakegpu::cuda::{Buffer, Gpu, Path};
+use fakegpu::serve::{free_device_memory, gib, read_request, respond, stream_done, stream_headers, stream_token, Completion, ModelSpec, Truth, GIB, MIB};
+use serde_json::json;
+
+struct Args {
+    server: String,
+    role: String,
+    port: u16,
+    model_gib: u64,
+    util: f64,
+    ctx: u64,
+    parallel: u64,
+    helper: bool,
+    touch_host_mib: u64,
+    truth: Option<String>,
+    raw: Vec<String>,
+}
+
+fn parse_args() -> Args {
+    let raw: Vec<String> = std::env::args().skip(1).collect();
+    let value = |flag: &str| raw.iter().position(|a| a == flag).and_then(|i| raw.get(i + 1)).cloned();
+    let server = value("--server").unwrap_or_else(|| "vllm".into());
+    let default_model = if server == "llama" { 14 } else { 16 };
+    Args {
+        role: value("--role").unwrap_or_else(|| "api".into()),
+        port: value("--port").and_then(|v| v.parse().ok()).unwrap_or(8000),
+        model_gib: value("--model-gib").and_then(|v| v.parse().ok()).unwrap_or(default_model),
+        util: value("--util").and_then(|v| v.parse().ok()).unwrap_or(0.9),
+        ctx: value("--ctx").and_then(|v| v.parse().ok()).unwrap_or(16384),
+        parallel: value("--parallel").and_then(|v| v.parse().ok()).unwrap_or(4),
+        helper: raw.iter().any(|a| a == "--helper"),
+        touch_host_mib: value("--touch-host-mib").and_then(|v| v.parse().ok()).unwrap_or(0),
+        truth: value("--truth"),
+        server,
+        raw,
+    }
+}
+
+fn spec(args: &Args) -> ModelSpec {
+    ModelSpec { weights: args.model_gib * GIB, layers: 32, kv_per_token: 128 << 10, activation_per_token: if args.server == "llama" { 512 << 10 } else { 256 << 10 } }
+}
+
+/// Allocates and records it in the ground truth with the phase and the requests in flight.
+fn alloc(gpu: &mut Gpu, truth: &Truth, path: Path, bytes: u64, phase: &str, in_flight: usize) -> Option<Buffer> {
+    match gpu.alloc(path, bytes) {
+        Ok(b) => {
+            truth.note("alloc", json!({"bytes": bytes, "path": format!("{path:?}"), "phase": phase, "in_flight": in_flight, "handle": b.handle}));
+            Some(b)
+        }
+        Err(status) => {
+            truth.note("alloc_failed", json!({"bytes": bytes, "path": format!("{path:?}"), "phase": phase, "in_flight": in_flight, "status": status}));
+            None
+        }
+    }
+}
+
+/// Reading the model file on a unified-memory machine: host memory, really touched.
+fn touch_host(mib: u64, keep: &mut Vec<Vec<u8>>) {
+    if mib > 0 {
+        keep.push(vec![1u8; (mib * MIB) as usize]);
+    }
+}
+
+// ---- vLLM-like ---------------------------------------------------------------------------------
+
+static ENGINE: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn on_sigterm(_: libc::c_int) {
+    // SAFETY: kill and _exit are async-signal-safe.
+    unsafe {
+        let engine = ENGINE.load(Ordering::SeqCst);
+        if engine > 0 {
+            libc::kill(engine, libc::SIGTERM);
+        }
+        libc::_exit(0);
+    }
+}
+
+/// The API server: binds early, starts the engine, listens once the engine is ready.
+fn vllm_api(args: &Args, truth: &Truth) -> ExitCode {
+    // SAFETY: plain socket calls; the fd becomes a TcpListener once listening.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    let one: libc::c_int = 1;
+    let mut addr: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+    addr.sin_family = libc::AF_INET as u16;
+    addr.sin_port = args.port.to_be();
+    addr.sin_addr.s_addr = u32::from_be_bytes([127, 0, 0, 1]).to_be();
+    unsafe {
+        libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_REUSEADDR, &one as *const _ as *const libc::c_void, 4);
+        if libc::bind(fd, &addr as *const _ as *const libc::sockaddr, std::mem::size_of::<libc::sockaddr_in>() as u32) != 0 {
+            eprintln!("fake-server: cannot bind 127.0.0.1:{}: {}", args.port, std::io::Error::last_os_error());
+            return ExitCode::from(1);
+        }
+    }
+    truth.note("bind", json!({"port": args.port}));
+
+    let me = std::env::current_exe().expect("own path");
+    let mut engine_args: Vec<String> = args.raw.clone();
+    engine_args.extend(["--role".into(), "engine".into()]);
+    let mut engine = Command::new(me).args(&engine_args).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().expect("starting the engine");
+    // A clean shutdown (SIGTERM) stops the engine too; SIGKILL cannot, and leaves it orphaned.
+    ENGINE.store(engine.id() as i32, Ordering::SeqCst);
+    // SAFETY: installs a handler that only calls async-signal-safe functions.
+    unsafe { libc::signal(libc::SIGTERM, on_sigterm as *const () as libc::sighandler_t) };
+    let to_engine = Arc::new(Mutex::new(engine.stdin.take().unwrap()));
+    let mut from_engine = BufReader::new(engine.stdout.take().unwrap());
+    let mut line = String::new();
+    if from_engine.read_line(&mut line).unwrap_or(0) == 0 || line.trim() != "READY" {
+        let status = engine.wait().ok().and_then(|s| s.code()).unwrap_or(1);
+        eprintln!("fake-server: the engine failed to start (exit {status}); the API server exits");
+        truth.note("exit", json!({"reason": "engine failed to start"}));
+        return ExitCode::from(1);
+    }
+    // SAFETY: listen on our bound socket, then hand it to std.
+    unsafe { libc::listen(fd, 128) };
+    let listener = unsafe { TcpListener::from_raw_fd(fd) };
+    truth.note("listen", json!({"port": args.port}));
+
+    // Engine output is routed to the request that owns each line.
+    let routes: Arc<Mutex<HashMap<u64, Sender<String>>>> = Arc::new(Mutex::new(HashMap::new()));
+    let dead = Arc::new(Mutex::new(false));
+    {
+        let (routes, dead) = (routes.clone(), dead.clone());
+        std::thread::spawn(move || {
+            for line in from_engine.lines() {
+                let Ok(line) = line else { break };
+                let id: u64 = line.split_whitespace().nth(1).and_then(|v| v.parse().ok()).unwrap_or(0);
+                if let Some(route) = routes.lock().unwrap().get(&id) {
+                    let _ = route.send(line.clone());
+                }
+            }
+            // EOF: the engine died. In-flight streams are cut; the server goes down (vLLM's
+            // watchdog takes up to 5 s; this one is quicker).
+            *dead.lock().unwrap() = true;
+            for (_, route) in routes.lock().unwrap().drain() {
+                let _ = route.send("DEAD".into());
+            }
+        });
+    }
+    let next_id = Arc::new(Mutex::new(0u64));
+    listener.set_nonblocking(true).unwrap();
+    loop {
+        if *dead.lock().unwrap() {
+            std::thread::sleep(Duration::from_millis(200));
+            truth.note("exit", json!({"reason": "EngineDeadError"}));
+            eprintln!("fake-server: EngineDeadError: the engine died; shutting down");
+            return ExitCode::from(1);
+        }
+        let Ok((mut stream, _)) = listener.accept() else {
+            std::thread::sleep(Duration::from_millis(5));
+            continue;
+        };
+        stream.set_nonblocking(false).unwrap();
+        let (to_engine, routes, next_id) = (to_engine.clone(), routes.clone(), next_id.clone());
+        std::thread::spawn(move || {
+            let Some(request) = read_request(&mut stream) else { return };
+            let Ok(c) = serde_json::from_slice::<Completion>(&request.body) else {
+                return respond(&mut stream, "400 Bad Request", r#"{"error":"bad request"}"#);
+            };
+            let id = {
+                let mut n = next_id.lock().unwrap();
+                *n += 1;
+                *n
+            };
+            let (tx, rx) = channel();
+            routes.lock().unwrap().insert(id, tx);
+            // Starlette sends status and headers before the body: at once.
+            stream_headers(&mut stream);
+            let _ = writeln!(to_engine.lock().unwrap(), "REQ {id} {} {}", c.prompt_tokens, c.max_tokens);
+            for msg in rx {
+                let mut words = msg.split_whitespace();
+                match words.next() {
+                    Some("TOKEN") => {
+                        let index = words.nth(1).and_then(|v| v.parse().ok()).unwrap_or(0);
+                        stream_token(&mut stream, index);
+                    }
+                    Some("DONE") => {
+                        stream_done(&mut stream);
+                        break;
+                    }
+                    _ => break,
+                }
+            }
+            routes.lock().unwrap().remove(&id);
+        });
+    }
+}
+
+struct Waiting {
+    id: u64,
+    completion: Completion,
+}
+
+/// The engine: holds the GPU, loads, then runs prefill batches and decode steps.
+fn vllm_engine(args: &Args, truth: &Truth) -> ExitCode {
+    let model = spec(args);
+    let mut gpu = match Gpu::open() {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("fake-server engine: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    truth.note("phase", json!({"phase": "load"}));
+    let (free, total) = free_device_memory().unwrap_or((80 * GIB, 80 * GIB));
+    let requested = (total as f64 * args.util) as u64;
+    if free < requested {
+        eprintln!(
+            "ValueError: Free memory on device ({}/{}) on startup is less than desired GPU memory utilization ({}, {}). Decrease GPU memory utilization or reduce GPU memory used by other processes.",
+            gib(free), gib(total), args.util, gib(requested)
+        );
+        truth.note("refused", json!({"free": free, "requested": requested}));
+        return ExitCode::from(1);
+    }
+    let mut host = Vec::new();
+    let oom = |bytes: u64| {
+        eprintln!("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {}.", gib(bytes));
+        ExitCode::from(1)
+    };
+    // Weights: about one cudaMalloc per large parameter.
+    let param = 512 * MIB;
+    for _ in 0..model.weights.div_ceil(param) {
+        touch_host(args.touch_host_mib / 2, &mut host);
+        if alloc(&mut gpu, truth, Path::RmAlloc, param, "load", 0).is_none() {
+            return oom(param);
+        }
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    // profile_run: a burst up to the activation peak, then a burst of frees (empty_cache).
+    let burst: Vec<Buffer> = (0..8).filter_map(|_| alloc(&mut gpu, truth, Path::RmAlloc, 256 * MIB, "load", 0)).collect();
+    if burst.len() < 8 {
+        return oom(256 * MIB);
+    }
+    for b in &burst {
+        let _ = gpu.free(b);
+        truth.note("free", json!({"bytes": b.bytes, "phase": "load", "handle": b.handle}));
+    }
+    // KV cache: the rest of the budget, one identical block per layer.
+    let peak = 8 * 256 * MIB;
+    let kv_total = requested.saturating_sub(model.weights + peak);
+    let block = (kv_total / model.layers) & !(2 * MIB - 1);
+    for _ in 0..model.layers {
+        if alloc(&mut gpu, truth, Path::RmAlloc, block, "load", 0).is_none() {
+            eprintln!("ValueError: No available memory for the cache blocks.");
+            return ExitCode::from(1);
+        }
+    }
+    // CUDA graph capture, largest first, above the budget.
+    for i in 0..20u64 {
+        if alloc(&mut gpu, truth, Path::RmAlloc, (96 - 3 * i) * MIB, "load", 0).is_none() {
+            return oom((96 - 3 * i) * MIB);
+        }
+    }
+    drop(host);
+    truth.note("phase", json!({"phase": "idle"}));
+    println!("READY");
+    let _ = std::io::stdout().flush();
+
+    let (tx, rx) = channel::<Waiting>();
+    std::thread::spawn(move || {
+        for line in std::io::stdin().lock().lines() {
+            let Ok(line) = line else { break };
+            let w: Vec<u64> = line.split_whitespace().skip(1).filter_map(|v| v.parse().ok()).collect();
+            if w.len() == 3 {
+                let _ = tx.send(Waiting { id: w[0], completion: Completion { prompt_tokens: w[1], max_tokens: w[2] } });
+            }
+        }
+        // Like a real EngineCore blocked on its socket, it does not notice its API server is
+        // gone: it stays, holding the GPU, until it is killed.
+        loop {
+            std::thread::sleep(Duration::from_secs(3600));
+        }
+    });
+    serve_batches(&mut gpu, truth, &model, rx)
+}
+
+/// Prefill the waiting requests as one batch, then decode them together; activations grow to the
+/// largest batch seen and are reused after.
+fn serve_batches(gpu: &mut Gpu, truth: &Truth, model: &ModelSpec, rx: Receiver<Waiting>) -> ExitCode {
+    let mut workspace = 0u64;
+    let mut out = std::io::stdout();
+    while let Ok(first) = rx.recv() {
+        std::thread::sleep(Duration::from_millis(30));
+        let mut batch = vec![first];
+        batch.extend(rx.try_iter());
+        let in_flight = batch.len();
+        let tokens: u64 = batch.iter().map(|w| w.completion.prompt_tokens).sum();
+        for w in &batch {
+            truth.note("prefill", json!({"request": w.id, "prompt_tokens": w.completion.prompt_tokens, "in_flight": in_flight}));
+        }
+        let needed = tokens * model.activation_per_token;
+        if needed > workspace {
+            let grow = (needed - workspace).next_multiple_of(2 * MIB);
+            if alloc(gpu, truth, Path::RmAlloc, grow, "prefill", in_flight).is_none() {
+                eprintln!("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {}. EngineCore died.", gib(grow));
+                truth.note("fatal", json!({"in_flight": in_flight}));
+                return ExitCode::from(1);
+            }
+            workspace += grow;
+        }
+        std::thread::sleep(Duration::from_millis(20 + tokens / 200));
+        let steps = batch.iter().map(|w| w.completion.max_tokens).max().unwrap_or(0);
+        truth.note("phase", json!({"phase": "decode", "in_flight": in_flight}));
+        for step in 0..steps {
+            for w in batch.iter().filter(|w| step < w.completion.max_tokens) {
+                let _ = writeln!(out, "TOKEN {} {step}", w.id);
+            }
+            let _ = out.flush();
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        for w in &batch {
+            let _ = writeln!(out, "DONE {}", w.id);
+            truth.note("done", json!({"request": w.id}));
+        }
+        let _ = out.flush();
+        truth.note("phase", json!({"phase": "idle"}));
+    }
+    ExitCode::SUCCESS
+}
+
+// ---- llama-server-like -------------------------------------------------------------------------
+
+struct Pool {
+    capacity: u64,
+    in_use: u64,
+    chunks: Vec<Buffer>,
+}
+
+fn llama(args: &Args, truth: Arc<Truth>) -> ExitCode {
+    let model = spec(args);
+    let listener = match TcpListener::bind(("127.0.0.1", args.port)) {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("fake-server: cannot listen on 127.0.0.1:{}: {e}", args.port);
+            return ExitCode::from(1);
+        }
+    };
+    truth.note("listen", json!({"port": args.port}));
+    // SAFETY: installs a handler that only calls async-signal-safe functions: a graceful stop.
+    unsafe { libc::signal(libc::SIGTERM, on_sigterm as *const () as libc::sighandler_t) };
+    let ready = Arc::new(Mutex::new(false));
+    let gpu: Arc<Mutex<Option<Gpu>>> = Arc::new(Mutex::new(None));
+    let pool = Arc::new(Mutex::new(Pool { capacity: 0, in_use: 0, chunks: Vec::new() }));
+    let in_flight = Arc::new(Mutex::new(0usize));
+    {
+        let (ready, gpu, pool, in_flight, truth) = (ready.clone(), gpu.clone(), pool.clone(), in_flight.clone(), truth.clone());
+        let (ctx, parallel, act) = (args.ctx, args.parallel, model.activation_per_token);
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { continue };
+                let (ready, gpu, pool, in_flight, truth) = (ready.clone(), gpu.clone(), pool.clone(), in_flight.clone(), truth.clone());
+                std::thread::spawn(move || {
+                    let Some(request) = read_request(&mut stream) else { return };
+                    if !*ready.lock().unwrap() {
+                        return respond(&mut stream, "503 Service Unavailable", r#"{"error":{"code":503,"message":"Loading model"}}"#);
+                    }
+                    if request.path == "/health" {
+                        return respond(&mut stream, "200 OK", r#"{"status":"ok"}"#);
+                    }
+                    let Ok(c) = serde_json::from_slice::<Completion>(&request.body) else {
+                        return respond(&mut stream, "400 Bad Request", r#"{"error":"bad request"}"#);
+                    };
+                    if c.prompt_tokens > ctx / parallel.max(1) * parallel.max(1) {
+                        return respond(&mut stream, "400 Bad Request", r#"{"error":"the request exceeds the available context size"}"#);
+                    }
+                    llama_request(&mut stream, c, act, &gpu, &pool, &in_flight, &truth);
+                });
+            }
+        });
+    }
+    let mut g = match Gpu::open() {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("fake-server: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    truth.note("phase", json!({"phase": "load"}));
+    let mut host = Vec::new();
+    for _ in 0..args.model_gib {
+        touch_host(args.touch_host_mib, &mut host);
+    }
+    let load_fail = |what: &str, bytes: u64| {
+        eprintln!("ggml_backend_cuda_buffer_type_alloc_buffer: allocating {} on device 0: cudaMalloc failed: out of memory", gib(bytes));
+        eprintln!("llama_model_load: error loading model: {what}\nmain: exiting due to model loading error");
+        ExitCode::from(1)
+    };
+    if alloc(&mut g, &truth, Path::VidHeap, model.weights, "load", 0).is_none() {
+        return load_fail("unable to allocate CUDA0 buffer", model.weights);
+    }
+    let kv_bytes = args.ctx * model.kv_per_token;
+    let Some(kv) = alloc(&mut g, &truth, Path::VidHeap, kv_bytes, "load", 0) else {
+        return load_fail("failed to allocate buffer for kv cache", kv_bytes);
+    };
+    if alloc(&mut g, &truth, Path::VidHeap, 512 * MIB, "load", 0).is_none() {
+        return load_fail("failed to allocate compute pp buffers", 512 * MIB);
+    }
+    let _ = alloc(&mut g, &truth, Path::HostPinned, 128 * MIB, "load", 0);
+    if g.semaphore_pool(2 * MIB).is_ok() {
+        truth.note("alloc", json!({"bytes": 2 * MIB, "path": "SemaphorePool", "phase": "load", "in_flight": 0}));
+    }
+    let _ = g.dup(&kv);
+    // The VMM pool reserves address space up front and grows into it.
+    let _ = alloc(&mut g, &truth, Path::VirtualReserve, 32 * GIB, "load", 0);
+    drop(host);
+    if args.helper {
+        // SAFETY: fork; the child only sleeps, keeping the inherited device files open.
+        if unsafe { libc::fork() } == 0 {
+            loop {
+                std::thread::sleep(Duration::from_secs(3600));
+            }
+        }
+    }
+    *gpu.lock().unwrap() = Some(g);
+    *ready.lock().unwrap() = true;
+    truth.note("phase", json!({"phase": "idle"}));
+    eprintln!("main: model loaded");
+    loop {
+        std::thread::sleep(Duration::from_secs(3600));
+    }
+}
+
+/// Prefill grows the scratch pool as needed, then the headers and the first data go out together
+/// (time-to-first-token), then decode, which allocates nothing.
+fn llama_request(stream: &mut TcpStream, c: Completion, act: u64, gpu: &Mutex<Option<Gpu>>, pool: &Mutex<Pool>, in_flight: &Mutex<usize>, truth: &Truth) {
+    let n = {
+        let mut n = in_flight.lock().unwrap();
+        *n += 1;
+        *n
+    };
+    truth.note("prefill", json!({"prompt_tokens": c.prompt_tokens, "in_flight": n}));
+    let needed = c.prompt_tokens * act;
+    {
+        let mut p = pool.lock().unwrap();
+        p.in_use += needed;
+        while p.in_use > p.capacity {
+            let chunk = (p.in_use - p.capacity).next_multiple_of(64 * MIB);
+            let now = *in_flight.lock().unwrap();
+            let mut g = gpu.lock().unwrap();
+            match alloc(g.as_mut().unwrap(), truth, Path::RmAllocNvos21, chunk, "prefill", now) {
+                Some(b) => {
+                    p.capacity += chunk;
+                    p.chunks.push(b);
+                }
+                None => {
+                    eprintln!("CUDA error: out of memory\n  current device: 0, in function alloc at ggml-cuda.cu:509\n  cuMemCreate(&handle, reserve_size, &prop, 0)");
+                    truth.note("fatal", json!({"in_flight": now}));
+                    std::process::abort();
+                }
+            }
+        }
+    }
+    std::thread::sleep(Duration::from_millis(40 + c.prompt_tokens / 200));
+    pool.lock().unwrap().in_use -= needed;
+    stream_headers(stream);
+    for i in 0..c.max_tokens {
+        if !stream_token(stream, i) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    stream_done(stream);
+    *in_flight.lock().unwrap() -= 1;
+    truth.note("done", json!({"prompt_tokens": c.prompt_tokens}));
+}
+
+fn main() -> ExitCode {
+    let args = parse_args();
+    let server = if args.server == "llama" { "llama" } else { "vllm" };
+    let truth = Arc::new(Truth::open(args.truth.as_deref(), server));
+    match (server, args.role.as_str()) {
+        ("llama", _) => llama(&args, truth),
+        (_, "engine") => vllm_engine(&args, &truth),
+        _ => vllm_api(&args, &truth),
+    }
+}

@@ -1,0 +1,182 @@
+//! The named scenarios, the same in the demo and the tests: each one a way "CUDA out of memory"
+//! happens to an inference server (or does not), run under `gputrace record` on the fake GPU.
+//! `fakegpu scenario NAME --server vllm|llama --dir DIR` picks the card, builds the namespace
+//! and runs [`inside`] there; DIR gets the trace (`run.trace`), gputrace's JSON summary
+//! (`record.json`), the driver's log (`driver.jsonl`) and the workload's (`workload.jsonl`).
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+
+use crate::serve::GIB;
+
+pub const NAMES: [&str; 6] = ["clean", "held-by-other-process", "does-not-fit-at-load", "long-request", "concurrent-load", "host-oom"];
+pub const SERVERS: [&str; 2] = ["vllm", "llama"];
+
+/// The card each scenario runs on: (device memory, unified).
+pub fn card(name: &str, server: &str) -> (u64, bool) {
+    let video = if server == "llama" { 24 * GIB } else { 80 * GIB };
+    (video, name == "host-oom")
+}
+
+/// One line: what the scenario does.
+pub fn describe(name: &str, server: &str) -> &'static str {
+    match (name, server) {
+        ("clean", _) => "loads, serves short, long-ish and concurrent requests, shuts down",
+        ("held-by-other-process", "vllm") => "an orphaned engine (its API server was SIGKILLed) holds the GPU; the next server refuses at start",
+        ("held-by-other-process", _) => "a forked child of a killed server keeps the device files; the next server's allocation fails",
+        ("does-not-fit-at-load", _) => "the weights do not fit on the card",
+        ("long-request", _) => "short prompts are served, one long prompt fails mid-prefill",
+        ("concurrent-load", _) => "each request alone fits, a burst of them at once does not",
+        ("host-oom", _) => "a unified-memory server in a memory-limited cgroup is killed by the kernel's OOM killer while loading",
+        _ => "?",
+    }
+}
+
+struct Tools {
+    gputrace: PathBuf,
+    server: PathBuf,
+    load: PathBuf,
+    dir: PathBuf,
+}
+
+impl Tools {
+    fn server_cmd(&self, server: &str, port: u16, extra: &[&str]) -> Command {
+        let mut c = Command::new(&self.server);
+        c.args(["--server", server, "--port", &port.to_string(), "--truth"]).arg(self.dir.join("workload.jsonl")).args(extra);
+        c.stdout(Stdio::null()).stderr(log(&self.dir, "server.log"));
+        c
+    }
+
+    /// `gputrace record --json -o DIR/run.trace -- COMMAND`, summary to DIR/record.json.
+    fn record(&self, command: &Command) -> Result<Child> {
+        let mut c = Command::new(&self.gputrace);
+        c.args(["record", "--json", "-o"]).arg(self.dir.join("run.trace")).arg("--").arg(command.get_program()).args(command.get_args());
+        c.stdout(std::fs::File::create(self.dir.join("record.json"))?).stderr(log(&self.dir, "server.log"));
+        c.spawn().context("starting gputrace record")
+    }
+
+    fn load(&self, server: &str, port: u16, args: &[&str]) -> Result<()> {
+        let status = Command::new(&self.load)
+            .args(["--server", server, "--port", &port.to_string(), "--ready-timeout-s", "20", "--truth"])
+            .arg(self.dir.join("workload.jsonl"))
+            .args(args)
+            .stdout(log(&self.dir, "load.log"))
+            .stderr(log(&self.dir, "load.log"))
+            .status()?;
+        if !status.success() {
+            bail!("the load generator failed ({status}); see {}", self.dir.join("load.log").display());
+        }
+        Ok(())
+    }
+}
+
+fn log(dir: &Path, name: &str) -> Stdio {
+    std::fs::OpenOptions::new().create(true).append(true).open(dir.join(name)).map(Stdio::from).unwrap_or(Stdio::null())
+}
+
+fn children(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
+fn signal(pid: u32, sig: i32) {
+    // SAFETY: kill(2) of a process this scenario started.
+    unsafe { libc::kill(pid as i32, sig) };
+}
+
+fn wait_for(mut child: Child, limit: Duration) -> Result<()> {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if child.try_wait()?.is_some() {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    bail!("the recording did not end within {limit:?}")
+}
+
+/// A memory cgroup (v1 or v2) limited to `bytes`, for the host-oom scenario.
+fn memory_cgroup(bytes: u64) -> Result<PathBuf> {
+    let name = format!("gputrace-scenario-{}", std::process::id());
+    for (root, limit) in [("/sys/fs/cgroup/memory", "memory.limit_in_bytes"), ("/sys/fs/cgroup", "memory.max")] {
+        let dir = Path::new(root).join(&name);
+        if std::fs::create_dir(&dir).is_ok() {
+            if std::fs::write(dir.join(limit), bytes.to_string()).is_ok() {
+                let _ = std::fs::write(dir.join("memory.swappiness"), "0");
+                return Ok(dir);
+            }
+            let _ = std::fs::remove_dir(&dir);
+        }
+    }
+    bail!("no memory cgroup could be made (cgroup v1 memory controller or v2 memory.max)")
+}
+
+/// Runs one scenario inside the fake GPU's namespace.
+pub fn inside(name: &str, server: &str, dir: &Path, gputrace: &Path) -> Result<()> {
+    let here = std::env::current_exe()?.parent().ok_or_else(|| anyhow!("no directory"))?.to_path_buf();
+    let t = Tools { gputrace: gputrace.to_path_buf(), server: here.join("fake-server"), load: here.join("fake-load"), dir: dir.to_path_buf() };
+    let llama = server == "llama";
+    let port = 8000 + (std::process::id() % 1000) as u16;
+    let limit = Duration::from_secs(60);
+    match name {
+        "clean" => {
+            let rec = t.record(&t.server_cmd(server, port, &[]))?;
+            t.load(server, port, &["--sequential", "1024,2048", "--concurrent", "2x1024"])?;
+            for pid in children(rec.id()) {
+                signal(pid, libc::SIGTERM);
+            }
+            wait_for(rec, limit)
+        }
+        "does-not-fit-at-load" => {
+            let model = if llama { "30" } else { "96" };
+            wait_for(t.record(&t.server_cmd(server, port, &["--model-gib", model]))?, limit)
+        }
+        "long-request" => {
+            let rec = t.record(&t.server_cmd(server, port, &[]))?;
+            let prompts = if llama { "1024,2048,16000" } else { "1024,2048,40000" };
+            t.load(server, port, &["--sequential", prompts])?;
+            wait_for(rec, limit)
+        }
+        "concurrent-load" => {
+            let rec = t.record(&t.server_cmd(server, port, &["--parallel", "8"]))?;
+            let (one, wave) = if llama { ("3000", "8x3000") } else { ("2048", "24x2048") };
+            t.load(server, port, &["--sequential", one, "--concurrent", wave])?;
+            wait_for(rec, limit)
+        }
+        "held-by-other-process" => {
+            // The earlier server, not recorded: it is what the recorder finds already there.
+            let old_port = port + 1;
+            let mut old = t.server_cmd(server, old_port, if llama { &["--helper"] } else { &[] }).spawn()?;
+            t.load(server, old_port, &["--sequential", "512"])?;
+            // SIGKILL: vLLM's engine is orphaned; llama's forked helper keeps the files.
+            old.kill()?;
+            old.wait()?;
+            std::thread::sleep(Duration::from_millis(100));
+            wait_for(t.record(&t.server_cmd(server, port, &[]))?, limit)
+        }
+        "host-oom" => {
+            let cgroup = memory_cgroup(256 << 20)?;
+            let mut inner = t.server_cmd(server, port, &["--touch-host-mib", "64"]);
+            // Join the cgroup before exec, so the whole server is confined to it.
+            let procs = cgroup.join("cgroup.procs");
+            let mut wrapped = Command::new("sh");
+            wrapped.arg("-c").arg(format!("echo $$ > {} && exec \"$0\" \"$@\"", procs.display())).arg(inner.get_program()).args(inner.get_args());
+            inner.stdout(Stdio::null());
+            let result = wait_for(t.record(&wrapped)?, limit);
+            for pid in std::fs::read_to_string(&procs).unwrap_or_default().split_whitespace().filter_map(|p| p.parse().ok()) {
+                signal(pid, libc::SIGKILL);
+            }
+            std::thread::sleep(Duration::from_millis(100));
+            let _ = std::fs::remove_dir(&cgroup);
+            result
+        }
+        other => bail!("no scenario {other:?}: choose one of {}", NAMES.join(", ")),
+    }
+}
