@@ -5,6 +5,7 @@ use nvml_wrapper::enums::device::UsedGpuMemory;
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::Nvml;
 
+use crate::files::{ProcResolver, Resolver};
 use crate::trace::{Gpu, PriorUse};
 
 pub struct Snapshot {
@@ -44,7 +45,8 @@ fn ask() -> Result<(Vec<Gpu>, Vec<PriorUse>), NvmlError> {
                 UsedGpuMemory::Used(bytes) => Some(bytes),
                 UsedGpuMemory::Unavailable => None,
             };
-            prior_use.push(PriorUse { pid: process.pid, gpu: index, used_bytes });
+            let command = ProcResolver.command(process.pid).unwrap_or_default();
+            prior_use.push(PriorUse { pid: process.pid, gpu: index, used_bytes, command });
         }
     }
     Ok((gpus, prior_use))

@@ -15,12 +15,12 @@ use tokio::signal::unix::{signal, SignalKind};
 use crate::abi::{DriverVersion, Layout, NEWEST_KNOWN, OLDEST_KNOWN};
 use crate::decode::parse_record;
 use crate::event::{Event, Record};
-use crate::files::{KernelUpdate, ProcResolver, Resolver};
+use crate::files::{device_of_path, KernelUpdate, ProcResolver, Resolver};
 use crate::model::Model;
 use crate::pipeline::Pipeline;
 use crate::probe::{self, Probe};
 use crate::summary::{bytes, FdFilter, Loss, Summary};
-use crate::trace::{Header, Writer, FORMAT, VERSION};
+use crate::trace::{Header, HolderAtStart, Writer, FORMAT, VERSION};
 
 pub struct Options {
     pub output: Option<PathBuf>,
@@ -69,6 +69,7 @@ pub fn run(opts: Options) -> Result<Outcome> {
         monotonic_start_ns: mono,
         gpus: snapshot.gpus,
         prior_use: snapshot.prior_use,
+        holders_at_start: holders_at_start(),
         nvml: snapshot.note,
         command: opts.invocation.clone(),
         raw: opts.raw,
@@ -406,6 +407,32 @@ fn running(pid: u32) -> bool {
         .ok()
         .and_then(|stat| stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next().map(|s| s != "Z")))
         .unwrap_or(false)
+}
+
+/// Every process, other than gputrace, with NVIDIA device files open now.
+fn holders_at_start() -> Vec<HolderAtStart> {
+    let resolver = ProcResolver;
+    let mut holders: Vec<HolderAtStart> = all_pids()
+        .into_iter()
+        .filter_map(|pid| {
+            let mut devices: Vec<String> = resolver
+                .open_fds(pid)
+                .into_iter()
+                .filter_map(|fd| resolver.fd_path(pid, fd)?.to_str().and_then(device_of_path))
+                .map(|d| format!("{d:?}").to_lowercase())
+                .collect();
+            devices.sort();
+            devices.dedup();
+            (!devices.is_empty()).then(|| HolderAtStart {
+                pid,
+                ppid: resolver.parent(pid).unwrap_or(0),
+                command: resolver.command(pid).unwrap_or_default(),
+                devices,
+            })
+        })
+        .collect();
+    holders.sort_by_key(|h| h.pid);
+    holders
 }
 
 fn all_pids() -> Vec<u32> {

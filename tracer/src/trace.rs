@@ -30,6 +30,20 @@ pub struct PriorUse {
     pub pid: u32,
     pub gpu: u32,
     pub used_bytes: Option<u64>,
+    /// Its command line when tracing began (empty if it could not be read).
+    #[serde(default)]
+    pub command: Vec<String>,
+}
+
+/// A process that had NVIDIA device files open when tracing began: who holds GPU memory alive,
+/// even when NVML names only a pid that is gone (a forked child keeps a dead parent's memory).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct HolderAtStart {
+    pub pid: u32,
+    pub ppid: u32,
+    pub command: Vec<String>,
+    /// The device files it has open: "ctl", "gpu", "uvm".
+    pub devices: Vec<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -50,6 +64,9 @@ pub struct Header {
     /// What NVML said at start; empty with the reason in `nvml` when it could not be asked.
     pub gpus: Vec<Gpu>,
     pub prior_use: Vec<PriorUse>,
+    /// Every process with NVIDIA device files open at start, from /proc.
+    #[serde(default)]
+    pub holders_at_start: Vec<HolderAtStart>,
     pub nvml: String,
     /// The gputrace command line that made this trace.
     pub command: Vec<String>,
@@ -206,6 +223,7 @@ mod tests {
             monotonic_start_ns: 2,
             gpus: vec![],
             prior_use: vec![],
+            holders_at_start: vec![],
             nvml: "not asked".into(),
             command: vec![],
             raw: false,

@@ -1,4 +1,4 @@
-//! Setup and build helpers: `cargo xtask setup | build | test | demo [SCENARIO] | bench`.
+//! Setup and build helpers: `cargo xtask setup | build | test | demo [SCENARIO [vllm|llama]] | bench`.
 //! Each command installs and builds what it needs, so a fresh machine needs nothing else.
 //! Few dependencies, so it builds in seconds.
 
@@ -135,46 +135,111 @@ fn test() -> Result<()> {
     }
 }
 
-/// The scenarios the demo can run today, with what each shows.
-const SCENARIOS: &[(&str, &str, &[&str])] = &[
-    ("paths", "every allocation path the driver has, explicit and implicit frees", &["paths"]),
-    ("forked-child-holds", "a process exits; its forked child keeps the GPU memory alive", &["fork-holder", "--hold-ms", "800"]),
-    ("out-of-memory", "an allocation larger than the 80 GiB card fails with NV_ERR_NO_MEMORY", &["oom", "--bytes", "100GiB"]),
-];
-
-fn demo(only: Option<&str>) -> Result<()> {
+/// Every scenario, for both server families, on the fake GPU under `gputrace record`: one line
+/// each. `cargo xtask demo NAME [vllm|llama]` shows one in full.
+fn demo(only: Option<&str>, server_choice: Option<&str>) -> Result<()> {
     if !is_root() {
         return Err("the demo loads eBPF programs and mounts a fake GPU in a private namespace: run it as root (`sudo cargo xtask demo`)".into());
     }
+    build()?;
+    let listing = output(Command::new(bin("fakegpu")).arg("scenarios")).ok_or("fakegpu scenarios failed")?;
+    let scenarios: Vec<(String, String, String)> = listing
+        .lines()
+        .filter_map(|l| {
+            let mut parts = l.splitn(3, '\t');
+            Some((parts.next()?.to_string(), parts.next()?.to_string(), parts.next()?.to_string()))
+        })
+        .collect();
     if let Some(name) = only {
-        if !SCENARIOS.iter().any(|(n, _, _)| *n == name) {
-            let names: Vec<&str> = SCENARIOS.iter().map(|(n, _, _)| *n).collect();
+        if !scenarios.iter().any(|(n, _, _)| n == name) {
+            let mut names: Vec<&str> = scenarios.iter().map(|(n, _, _)| n.as_str()).collect();
+            names.dedup();
             return Err(format!("no scenario {name:?}: choose one of {}", names.join(", ")));
         }
     }
-    build()?;
-    let dir = std::env::temp_dir().join(format!("gputrace-demo-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-    for (name, what, args) in SCENARIOS.iter().filter(|(n, _, _)| only.is_none_or(|o| o == *n)) {
-        let trace = dir.join(format!("{name}.trace"));
-        let mut cmd = Command::new(bin("fakegpu"));
-        cmd.args(["run", "--video", "80GiB", "--"]).arg(bin("gputrace")).arg("record").arg("-o").arg(&trace);
-        if only.is_none() {
-            cmd.arg("--json");
-        }
-        cmd.arg("--").arg(bin("fake-workload")).args(*args);
-        if only.is_some() {
-            println!("== {name}: {what}");
-            let _ = cmd.status().map_err(|e| e.to_string())?;
+    let root_dir = std::env::temp_dir().join(format!("gputrace-demo-{}", std::process::id()));
+    for (name, server, what) in &scenarios {
+        if only.is_some_and(|o| o != name) || server_choice.is_some_and(|s| s != server) {
             continue;
         }
-        let out = cmd.output().map_err(|e| e.to_string())?;
-        println!("{name:<20} {what}\n{:<20} -> {}", "", verdict(&String::from_utf8_lossy(&out.stdout)));
+        let dir = root_dir.join(format!("{server}-{name}"));
+        let status = Command::new(bin("fakegpu"))
+            .args(["scenario", name, "--server", server, "--dir"])
+            .arg(&dir)
+            .stderr(Stdio::null())
+            .status()
+            .map_err(|e| e.to_string())?;
+        if only.is_some() {
+            println!("== {server} {name}: {what}");
+            let _ = Command::new(bin("gputrace")).arg("report").arg(dir.join("run.trace")).status();
+            println!("{}", before_recording(&dir));
+            println!("(trace, logs and ground truth in {})\n", dir.display());
+            continue;
+        }
+        let seen = if status.success() { verdict(&dir) } else { format!("the scenario did not run ({status}); see {}", dir.display()) };
+        println!("{server:<6} {name:<22} {what}\n{:<29} gputrace: {seen}", "");
     }
     if only.is_none() {
-        println!("\nTraces are in {}; `cargo xtask demo NAME` shows one in full.", dir.display());
+        println!("\nTraces, logs and ground truth are in {}; `cargo xtask demo NAME [vllm|llama]` shows one in full.", root_dir.display());
     }
     Ok(())
+}
+
+fn read_json(path: &Path) -> Option<serde_json::Value> {
+    let text = std::fs::read_to_string(path).ok()?;
+    serde_json::from_str(text.lines().next()?).ok().or_else(|| serde_json::from_str(&text).ok())
+}
+
+fn gib(b: u64) -> String {
+    format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64)
+}
+
+/// What the trace's header says was there before recording began: NVML's figures and holders.
+fn before_recording(dir: &Path) -> String {
+    let Some(header) = read_json(&dir.join("run.trace")) else { return String::new() };
+    let prior: Vec<String> = header["prior_use"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|p| format!("pid {} had {}", p["pid"], gib(p["used_bytes"].as_u64().unwrap_or(0))))
+        .collect();
+    let holders: Vec<String> = header["holders_at_start"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|h| {
+            let command: Vec<&str> = h["command"].as_array().into_iter().flatten().filter_map(|a| a.as_str()).collect();
+            let program = command.first().map(|p| p.rsplit('/').next().unwrap_or(p)).unwrap_or("?");
+            format!("pid {} `{} {}`", h["pid"], program, command.get(1..).unwrap_or_default().join(" "))
+        })
+        .collect();
+    if prior.is_empty() && holders.is_empty() {
+        return String::new();
+    }
+    format!("before recording: {}; device files held open by {}", prior.join(", "), holders.join(", "))
+}
+
+/// One line from `record --json` and the trace header: what gputrace saw.
+fn verdict(dir: &Path) -> String {
+    let Some(summary) = read_json(&dir.join("record.json")) else {
+        return "gputrace printed no summary".into();
+    };
+    let processes = summary["processes"].as_array().cloned().unwrap_or_default();
+    let sum = |key: &str| processes.iter().filter_map(|p| p[key].as_u64()).sum::<u64>();
+    let peak = processes.iter().filter_map(|p| p["bytes_peak"].as_u64()).max().unwrap_or(0);
+    let mut line = format!(
+        "{} allocations, {} failed, peak {}, {} live at the end, {} events lost",
+        sum("allocations"),
+        sum("failed_allocations"),
+        gib(peak),
+        gib(sum("bytes_live")),
+        summary["loss"]["lost_records"].as_u64().unwrap_or(0)
+    );
+    let before = before_recording(dir);
+    if !before.is_empty() {
+        line += &format!("; {before}");
+    }
+    line
 }
 
 /// Median of three runs of `cmd`, whose stdout is one number (ns per ioctl).
@@ -279,34 +344,15 @@ fn bench() -> Result<()> {
     Ok(())
 }
 
-/// One line from `record --json`: what gputrace saw.
-fn verdict(json: &str) -> String {
-    let Ok(summary) = serde_json::from_str::<serde_json::Value>(json) else {
-        return "gputrace printed no summary (see `cargo xtask demo NAME`)".into();
-    };
-    let processes = summary["processes"].as_array().cloned().unwrap_or_default();
-    let sum = |key: &str| processes.iter().filter_map(|p| p[key].as_u64()).sum::<u64>();
-    let peak = processes.iter().filter_map(|p| p["bytes_peak"].as_u64()).max().unwrap_or(0);
-    let gib = |b: u64| format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64);
-    format!(
-        "{} allocations, peak {}, {} still live at the end, {} failed, {} events lost",
-        sum("allocations"),
-        gib(peak),
-        gib(sum("bytes_live")),
-        sum("failed_allocations"),
-        summary["loss"]["lost_records"].as_u64().unwrap_or(0)
-    )
-}
-
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
         Some("setup") => setup(),
         Some("build") => build(),
         Some("test") => test(),
-        Some("demo") => demo(args.get(1).map(String::as_str)),
+        Some("demo") => demo(args.get(1).map(String::as_str), args.get(2).map(String::as_str)),
         Some("bench") => bench(),
-        _ => Err("usage: cargo xtask setup | build | test | demo [SCENARIO] | bench".into()),
+        _ => Err("usage: cargo xtask setup | build | test | demo [SCENARIO [vllm|llama]] | bench".into()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -11,6 +11,7 @@ use fakegpu::{parse_bytes, scenario};
 fn usage() -> ExitCode {
     eprintln!("usage: fakegpu run [--driver-version 580.95.05] [--video 80GiB] [--system 256GiB] [--unified] [--log FILE] -- CMD ARGS...");
     eprintln!("       fakegpu scenario NAME --server vllm|llama --dir DIR [--gputrace PATH]");
+    eprintln!("       fakegpu scenarios    (lists them)");
     ExitCode::from(2)
 }
 
@@ -52,6 +53,14 @@ fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         Some("scenario") => return scenario(&args[1..]),
+        Some("scenarios") => {
+            for server in scenario::SERVERS {
+                for name in scenario::NAMES {
+                    println!("{name}\t{server}\t{}", scenario::describe(name, server));
+                }
+            }
+            return ExitCode::SUCCESS;
+        }
         Some("inside-scenario") if args.len() == 5 => {
             return exit(scenario::inside(&args[1], &args[2], Path::new(&args[3]), Path::new(&args[4])).map(|()| 0));
         }

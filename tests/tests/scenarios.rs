@@ -1,0 +1,204 @@
+//! Every scenario, for both server families, on the fake GPU (root; in CI): gputrace's view
+//! agrees with both ground truths, the driver's log and the workload's own, and each scenario did
+//! what it is named for.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::Command;
+
+use fakegpu::truth::{read_lines, DriverLine, DriverOp};
+use gputrace::event::{Event, Memory, Record};
+use gputrace::model::Model;
+use gputrace::trace::{Header, Reader};
+use serde_json::Value;
+
+use common::{gputrace_bin, root_or_skip, serial};
+
+struct Outcome {
+    dir: PathBuf,
+    header: Header,
+    records: Vec<Record>,
+    model: Model,
+    driver: Vec<DriverLine>,
+    workload: Vec<Value>,
+    summary: Value,
+}
+
+fn run(name: &str, server: &str) -> Outcome {
+    let dir = std::env::temp_dir().join(format!("gputrace-scenario-{server}-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let out = Command::new(env!("CARGO_BIN_EXE_fakegpu"))
+        .args(["scenario", name, "--server", server, "--dir"])
+        .arg(&dir)
+        .arg("--gputrace")
+        .arg(gputrace_bin())
+        .output()
+        .unwrap();
+    let logs = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap_or_default();
+    assert!(out.status.success(), "{server} {name}: {}\n{}\n{}", String::from_utf8_lossy(&out.stderr), logs("server.log"), logs("load.log"));
+    let (header, records, damage) = Reader::read_all(&dir.join("run.trace")).expect("the trace");
+    assert!(damage.bad_lines.is_empty() && !damage.torn_tail);
+    let summary = serde_json::from_str(&logs("record.json")).unwrap_or_else(|e| panic!("{server} {name}: record.json: {e}"));
+    Outcome {
+        model: Model::from_records(&records),
+        driver: read_lines(&dir.join("driver.jsonl")).unwrap(),
+        workload: read_lines(&dir.join("workload.jsonl")).unwrap_or_default(),
+        dir,
+        header,
+        records,
+        summary,
+    }
+}
+
+/// (pid, kind, bytes, ok) of every allocation request, counted.
+type Allocs = BTreeMap<(u32, String, u64, bool), usize>;
+
+fn count(items: impl Iterator<Item = (u32, String, u64, bool)>) -> Allocs {
+    let mut m = Allocs::new();
+    for i in items {
+        *m.entry(i).or_default() += 1;
+    }
+    m
+}
+
+/// gputrace against the driver (everything from the traced processes) and against the workload
+/// (every allocation it says it made), and no loss.
+fn agrees_with_ground_truth(o: &Outcome, what: &str) {
+    let traced_pids: Vec<u32> = o.model.processes.keys().copied().collect();
+    let driver = count(o.driver.iter().filter(|l| traced_pids.contains(&l.pid)).filter_map(|l| match &l.op {
+        DriverOp::Alloc { kind, bytes, status, .. } => Some((l.pid, kind.clone(), *bytes, *status == 0)),
+        _ => None,
+    }));
+    let traced = count(o.records.iter().filter_map(|r| match &r.event {
+        Event::Alloc(a) => Some((r.pid, a.memory.name().to_string(), a.bytes, a.succeeded())),
+        _ => None,
+    }));
+    assert_eq!(traced, driver, "{what}: gputrace's allocations against the driver's");
+    // The workload's own account of the recorded processes (an earlier server that held the GPU
+    // before recording began is in its file too).
+    let recorded = |w: &&Value| traced_pids.contains(&(w["pid"].as_u64().unwrap_or(0) as u32));
+    for w in o.workload.iter().filter(|w| w["event"] == "alloc" || w["event"] == "alloc_failed").filter(recorded) {
+        let pid = w["pid"].as_u64().unwrap() as u32;
+        let bytes = w["bytes"].as_u64().unwrap();
+        let ok = w["event"] == "alloc";
+        assert!(traced.keys().any(|(p, _, b, s)| *p == pid && *b == bytes && *s == ok), "{what}: the workload's {w} is not in the trace");
+    }
+    // Each RM allocation the driver freed, gputrace freed too (explicitly or implicitly).
+    for l in o.driver.iter().filter(|l| traced_pids.contains(&l.pid) || l.pid == 0) {
+        if let DriverOp::Free { object, .. } = &l.op {
+            if let Some(a) = o.model.allocations.iter().find(|a| a.object == *object && *object != 0) {
+                assert!(a.freed.is_some(), "{what}: the driver freed {object:#x}, gputrace thinks it is live");
+            }
+        }
+    }
+    assert_eq!(o.summary["loss"]["lost_records"], 0, "{what}");
+    assert_eq!(o.summary["loss"]["undecodable"], 0, "{what}");
+}
+
+fn workload_events<'a>(o: &'a Outcome, event: &'a str) -> impl Iterator<Item = &'a Value> + 'a {
+    o.workload.iter().filter(move |w| w["event"] == event)
+}
+
+fn check(name: &str, server: &str) {
+    let o = run(name, server);
+    let what = format!("{server} {name}");
+    agrees_with_ground_truth(&o, &what);
+    let failures = &o.model.failures;
+    let failed_phase = workload_events(&o, "alloc_failed").next().map(|w| w["phase"].as_str().unwrap_or("").to_string());
+    match name {
+        "clean" => {
+            assert!(failures.is_empty(), "{what}: {failures:?}");
+            assert_eq!(o.model.live(Memory::Video), 0, "{what}: everything freed when the server stopped");
+            assert!(workload_events(&o, "response").all(|r| r["status"] == "HTTP/1.1 200 OK"), "{what}: every request served");
+        }
+        "does-not-fit-at-load" => {
+            assert_eq!(failures.len(), 1, "{what}");
+            assert_eq!(failed_phase.as_deref(), Some("load"), "{what}");
+            assert_eq!(failures[0].status, 0x51, "{what}: NV_ERR_NO_MEMORY");
+        }
+        "long-request" | "concurrent-load" => {
+            assert_eq!(failures.len(), 1, "{what}");
+            assert_eq!(failed_phase.as_deref(), Some("prefill"), "{what}");
+            let in_flight = workload_events(&o, "alloc_failed").next().unwrap()["in_flight"].as_u64().unwrap();
+            if name == "long-request" {
+                assert_eq!(in_flight, 1, "{what}: one request in flight");
+                assert!(workload_events(&o, "response").any(|r| r["status"] == "HTTP/1.1 200 OK"), "{what}: shorter ones served");
+            } else {
+                assert!(in_flight > 1, "{what}: several in flight, got {in_flight}");
+            }
+        }
+        "held-by-other-process" => {
+            // The holder allocated before the recording began; NVML still names it.
+            let prior = o.header.prior_use.iter().max_by_key(|p| p.used_bytes).expect("NVML names the memory");
+            assert!(prior.used_bytes.unwrap() > 16 << 30, "{what}: {prior:?}");
+            assert!(!o.model.processes.contains_key(&prior.pid), "{what}: not part of the recorded command");
+            // Who keeps it: the orphaned engine itself, or the forked helper of a dead server.
+            let holders = &o.header.holders_at_start;
+            assert_eq!(holders.len(), 1, "{what}: {holders:?}");
+            let holder = &holders[0];
+            assert!(holder.command.iter().any(|a| a.contains("fake-server")), "{what}: {holder:?}");
+            assert_eq!(holder.devices, vec!["ctl", "gpu", "uvm"], "{what}");
+            if server == "vllm" {
+                assert_eq!(holder.pid, prior.pid, "{what}: the orphaned engine holds what it allocated");
+                assert!(holder.command.iter().any(|a| a == "engine"), "{what}: {holder:?}");
+                assert!(failures.is_empty(), "{what}: a refusal, not a failed allocation");
+                assert!(workload_events(&o, "refused").count() == 1, "{what}");
+            } else {
+                assert_ne!(holder.pid, prior.pid, "{what}: the killed server's helper holds its memory");
+                assert!(holder.command.iter().any(|a| a == "--helper"), "{what}: {holder:?}");
+                assert_eq!(failures.len(), 1, "{what}: the new server's weights");
+            }
+        }
+        "host-oom" => {
+            assert!(failures.is_empty(), "{what}: no allocation failed");
+            assert!(o.header.gpus[0].total_bytes.is_none(), "{what}: unified memory reports no capacity");
+            assert_eq!(workload_events(&o, "listen").filter(|w| w["server"] == "vllm").count(), 0, "{what}: never served");
+        }
+        _ => unreachable!(),
+    }
+    std::fs::remove_dir_all(&o.dir).ok();
+}
+
+fn scenario(name: &str, server: &str) {
+    let _serial = serial();
+    if !root_or_skip(&format!("{server} {name}")) {
+        return;
+    }
+    check(name, server);
+    let leftovers = Command::new("pgrep").args(["-f", "fake-server --server"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&leftovers.stdout).trim().is_empty(), "{server} {name}: no server process left behind");
+}
+
+macro_rules! scenarios {
+    ($($test:ident: $name:literal, $server:literal;)*) => {
+        $(#[test] fn $test() { scenario($name, $server) })*
+
+        /// The table above covers every scenario the fake GPU knows, for both families.
+        #[test]
+        fn every_scenario_is_tested() {
+            let tested = [$(($name, $server)),*];
+            for server in fakegpu::scenario::SERVERS {
+                for name in fakegpu::scenario::NAMES {
+                    assert!(tested.contains(&(name, server)), "{server} {name} has no test");
+                }
+            }
+        }
+    };
+}
+
+scenarios! {
+    vllm_clean: "clean", "vllm";
+    vllm_held_by_other_process: "held-by-other-process", "vllm";
+    vllm_does_not_fit_at_load: "does-not-fit-at-load", "vllm";
+    vllm_long_request: "long-request", "vllm";
+    vllm_concurrent_load: "concurrent-load", "vllm";
+    vllm_host_oom: "host-oom", "vllm";
+    llama_clean: "clean", "llama";
+    llama_held_by_other_process: "held-by-other-process", "llama";
+    llama_does_not_fit_at_load: "does-not-fit-at-load", "llama";
+    llama_long_request: "long-request", "llama";
+    llama_concurrent_load: "concurrent-load", "llama";
+    llama_host_oom: "host-oom", "llama";
+}
