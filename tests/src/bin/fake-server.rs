@@ -315,7 +315,8 @@ fn serve_batches(gpu: &mut Gpu, truth: &Truth, model: &ModelSpec, rx: Receiver<W
         let in_flight = batch.len();
         let tokens: u64 = batch.iter().map(|w| w.completion.prompt_tokens).sum();
         for w in &batch {
-            truth.note("prefill", json!({"request": w.id, "prompt_tokens": w.completion.prompt_tokens, "in_flight": in_flight}));
+            let bytes = w.completion.prompt_tokens * model.activation_per_token;
+            truth.note("prefill", json!({"request": w.id, "prompt_tokens": w.completion.prompt_tokens, "bytes": bytes, "in_flight": in_flight}));
         }
         let needed = tokens * model.activation_per_token;
         if needed > workspace {
@@ -457,8 +458,8 @@ fn llama_request(stream: &mut TcpStream, c: Completion, act: u64, gpu: &Mutex<Op
         *n += 1;
         *n
     };
-    truth.note("prefill", json!({"prompt_tokens": c.prompt_tokens, "in_flight": n}));
     let needed = c.prompt_tokens * act;
+    truth.note("prefill", json!({"prompt_tokens": c.prompt_tokens, "bytes": needed, "in_flight": n}));
     {
         let mut p = pool.lock().unwrap();
         p.in_use += needed;
