@@ -50,8 +50,10 @@ pub fn read_request(stream: &mut TcpStream) -> Option<HttpRequest> {
     Some(HttpRequest { method, path, body })
 }
 
+/// A whole response in one write, as servers build the header block before sending it.
 pub fn respond(stream: &mut TcpStream, status: &str, body: &str) {
-    let _ = write!(stream, "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len());
+    let response = format!("HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len());
+    let _ = stream.write_all(response.as_bytes());
 }
 
 /// Headers of a streamed (server-sent events) response: no body bytes yet.
@@ -61,7 +63,8 @@ pub fn stream_headers(stream: &mut TcpStream) -> bool {
 
 /// One SSE event carrying data: the bytes that end prefill as the client sees it.
 pub fn stream_token(stream: &mut TcpStream, index: u64) -> bool {
-    write!(stream, "data: {{\"choices\":[{{\"index\":0,\"text\":\" tok{index}\"}}]}}\n\n").is_ok()
+    let event = format!("data: {{\"choices\":[{{\"index\":0,\"text\":\" tok{index}\"}}]}}\n\n");
+    stream.write_all(event.as_bytes()).is_ok()
 }
 
 pub fn stream_done(stream: &mut TcpStream) {

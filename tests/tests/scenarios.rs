@@ -97,6 +97,39 @@ fn agrees_with_ground_truth(o: &Outcome, what: &str) {
     assert_eq!(o.summary["loss"]["undecodable"], 0, "{what}");
 }
 
+/// Requests as the kernel saw them on the server's sockets, against the load generator's account:
+/// the same number of completions, the same time to first data, headers when each family sends
+/// them, and requests in flight at a failure as the workload counted them.
+fn requests_agree(o: &Outcome, server: &str, what: &str) {
+    let completions: Vec<&gputrace::model::Request> = o.model.requests.iter().filter(|r| r.line == "POST /v1/completions").collect();
+    // Only what went to the recorded server (an earlier one, not recorded, may have had requests).
+    let ports: Vec<u64> = o.model.processes.values().flat_map(|p| p.bound.iter().map(|(_, port)| *port as u64)).collect();
+    let to_recorded = |w: &&Value| ports.contains(&w["port"].as_u64().unwrap_or(0));
+    let sent = workload_events(o, "request").filter(to_recorded).count();
+    assert_eq!(completions.len(), sent, "{what}: completions seen on the server's sockets");
+    let ms = |ns: u64| ns as f64 / 1e6;
+    let mut traced: Vec<f64> = completions.iter().filter_map(|r| Some(ms(r.first_data_at? - r.arrived))).collect();
+    let mut client: Vec<f64> = workload_events(o, "response").filter(to_recorded).filter_map(|r| r["first_data_ms"].as_f64()).collect();
+    traced.sort_by(f64::total_cmp);
+    client.sort_by(f64::total_cmp);
+    assert_eq!(traced.len(), client.len(), "{what}: responses that carried data");
+    for (t, c) in traced.iter().zip(&client) {
+        assert!((t - c).abs() < 20.0, "{what}: time to first data {t:.1} ms by the kernel's view, {c:.1} ms by the client's");
+    }
+    for r in completions.iter().filter(|r| r.first_data_at.is_some()) {
+        let (headers, data) = (ms(r.headers_at.unwrap() - r.arrived), ms(r.first_data_at.unwrap() - r.arrived));
+        if server == "vllm" {
+            assert!(headers < 10.0 && data > 20.0, "{what}: vLLM sends headers at once, data at TTFT: {headers:.1} / {data:.1} ms");
+        } else {
+            assert!(data - headers < 5.0, "{what}: llama sends headers at TTFT: {headers:.1} / {data:.1} ms");
+        }
+    }
+    for (failure, w) in o.model.failures.iter().zip(workload_events(o, "alloc_failed").filter(|w| w["phase"] == "prefill")) {
+        let in_flight = o.model.in_flight(failure.ts, None) as u64;
+        assert_eq!(in_flight, w["in_flight"].as_u64().unwrap(), "{what}: requests in flight at the failure, from the kernel's view");
+    }
+}
+
 fn workload_events<'a>(o: &'a Outcome, event: &'a str) -> impl Iterator<Item = &'a Value> + 'a {
     o.workload.iter().filter(move |w| w["event"] == event)
 }
@@ -105,6 +138,7 @@ fn check(name: &str, server: &str) {
     let o = run(name, server);
     let what = format!("{server} {name}");
     agrees_with_ground_truth(&o, &what);
+    requests_agree(&o, server, &what);
     let failures = &o.model.failures;
     let failed_phase = workload_events(&o, "alloc_failed").next().map(|w| w["phase"].as_str().unwrap_or("").to_string());
     match name {

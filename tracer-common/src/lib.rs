@@ -16,6 +16,9 @@ pub mod device {
     pub const CTL: u8 = 1;
     pub const GPU: u8 = 2;
     pub const UVM: u8 = 3;
+    /// A connection a traced process accepted: its reads and writes are sent (the first bytes),
+    /// so userspace can see requests arrive and responses start.
+    pub const CONN: u8 = 4;
     /// Userspace answered: not an NVIDIA device file. Its ioctls cost one lookup and are never sent.
     pub const NOT_NVIDIA: u8 = 0xff;
 }
@@ -31,6 +34,30 @@ pub mod kind {
     pub const EXEC: u32 = 7;
     pub const EXIT: u32 = 8;
     pub const SET_CLOEXEC: u32 = 9;
+    pub const BIND: u32 = 10;
+    pub const LISTEN: u32 = 11;
+    pub const ACCEPT: u32 = 12;
+    pub const CONN_CLOSE: u32 = 13;
+    pub const SOCK_IO: u32 = 14;
+    pub const OOM_VICTIM: u32 = 15;
+}
+
+/// Bytes of a socket read or write the kernel copies: enough for an HTTP request line, a status
+/// line, or the start of an SSE event.
+pub const SOCK_HEAD_MAX: usize = 64;
+
+/// A read (`inbound`) or write on an accepted connection: its length and first bytes.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct SockRecord {
+    pub header: Header,
+    pub fd: i32,
+    pub inbound: u32,
+    /// Bytes read (the return value) or bytes asked to be written.
+    pub len: i64,
+    pub head_len: u32,
+    pub _pad: u32,
+    pub head: [u8; SOCK_HEAD_MAX],
 }
 
 /// `IoctlRecord::flags` bits.
@@ -134,6 +161,8 @@ pub struct OpenRecord {
     pub path: [u8; PATH_MAX],
 }
 
+/// BIND (`a` = fd, `b` = port), LISTEN and ACCEPT and CONN_CLOSE (`a` = fd), OOM_VICTIM (`a` = the
+/// victim's pid; the record's own pid is whoever triggered the kill),
 /// CLOSE (`a` = fd, `b` = 1 when the kernel did not know the fd), DUP (`a` = old fd, `b` = new fd, `c` = O_CLOEXEC or 0), CLOSE_RANGE (`a`..=`b`,
 /// `c` = flags), FORK (`a` = child pid), EXIT (`a` = exit code), SET_CLOEXEC (`a` = fd, `b` = 0/1).
 #[repr(C)]

@@ -20,7 +20,7 @@ use aya_ebpf::{
 use tracer_common::{
     device, escape, ioc_nr, ioc_size, ioctl_flag, kind, rm_cmd, rm_command_traced, rm_escape_traced,
     stat, traced, uvm_command_traced, Config, KernelOffsets, ExecRecord, FdKey, FdRecord, Header, IoctlRecord, OpenRecord,
-    UvmWindow, CLASS_PARAMS_MAX, PARAMS_MAX, PATH_MAX, XFER_SIZE,
+    SockRecord, UvmWindow, CLASS_PARAMS_MAX, PARAMS_MAX, PATH_MAX, SOCK_HEAD_MAX, XFER_SIZE,
 };
 
 #[map]
@@ -100,6 +100,15 @@ fn is_traced(tgid: u32) -> bool {
     }
     unsafe { TRACED.get(&tgid).is_some() }
 }
+
+#[derive(Clone, Copy)]
+struct Reading {
+    buf: u64,
+    fd: i32,
+}
+/// A read on an accepted connection, until it returns.
+#[map]
+static READS: LruHashMap<u64, Reading> = LruHashMap::with_max_entries(1 << 12, 0);
 
 #[inline(always)]
 fn is_nvidia(state: u8) -> bool {
@@ -184,7 +193,7 @@ pub fn ioctl_enter(ctx: TracePointContext) -> u32 {
     let key = FdKey { tgid, fd: fd as u32 };
     let looks_nvidia = |cmd: u32| rm_command_traced(cmd) || uvm_command_traced(cmd);
     let (state, flags) = match unsafe { FDS.get(&key) } {
-        Some(&device::NOT_NVIDIA) => return 0,
+        Some(&device::NOT_NVIDIA) | Some(&device::CONN) => return 0,
         Some(&device::PENDING) => {
             if !looks_nvidia(cmd) {
                 return 0;
@@ -420,6 +429,8 @@ fn forget_fd(tgid: u32, fd: u32) {
             let _ = FDS.remove(&key);
             if is_nvidia(state) {
                 send_fd_record(kind::CLOSE, fd as i64, 0, 0);
+            } else if state == device::CONN {
+                send_fd_record(kind::CONN_CLOSE, fd as i64, 0, 0);
             }
         }
         None => {
@@ -506,7 +517,7 @@ pub fn dup_exit(ctx: TracePointContext) -> u32 {
         return 0;
     }
     let _ = FDS.insert(&FdKey { tgid: (pid_tgid >> 32) as u32, fd: new_fd as u32 }, &duping.state, 0);
-    if is_nvidia(duping.state) {
+    if is_nvidia(duping.state) || duping.state == device::CONN {
         send_fd_record(kind::DUP, duping.old_fd as i64, new_fd, duping.cloexec as i64);
     }
     0
@@ -522,6 +533,140 @@ pub fn close_range_enter(ctx: TracePointContext) -> u32 {
     let last: u64 = arg(&ctx, 24);
     let flags: u64 = arg(&ctx, 32);
     send_fd_record(kind::CLOSE_RANGE, first as i64, last as u32 as i64, flags as i64);
+    0
+}
+
+// ---- sockets: when a server listens, when requests arrive, when responses start ----------
+
+#[tracepoint]
+pub fn bind_enter(ctx: TracePointContext) -> u32 {
+    if !is_traced((bpf_get_current_pid_tgid() >> 32) as u32) {
+        return 0;
+    }
+    let fd: u64 = arg(&ctx, 16);
+    let addr: u64 = arg(&ctx, 24);
+    // sockaddr_in and sockaddr_in6 both keep the port, big-endian, at byte 2.
+    let mut head = [0u8; 4];
+    if !read_user(head.as_mut_ptr(), 4, addr, 4) {
+        return 0;
+    }
+    let family = u16::from_ne_bytes([head[0], head[1]]);
+    if family == 2 || family == 10 {
+        send_fd_record(kind::BIND, fd as i64, u16::from_be_bytes([head[2], head[3]]) as i64, 0);
+    }
+    0
+}
+
+#[tracepoint]
+pub fn listen_enter(ctx: TracePointContext) -> u32 {
+    if is_traced((bpf_get_current_pid_tgid() >> 32) as u32) {
+        send_fd_record(kind::LISTEN, arg::<u64>(&ctx, 16) as i64, 0, 0);
+    }
+    0
+}
+
+/// Exit of accept and accept4: the new fd is a connection whose traffic is followed.
+#[tracepoint]
+pub fn accept_exit(ctx: TracePointContext) -> u32 {
+    let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    let fd: i64 = arg(&ctx, 16);
+    if fd < 0 || !is_traced(tgid) {
+        return 0;
+    }
+    let _ = FDS.insert(&FdKey { tgid, fd: fd as u32 }, &device::CONN, 0);
+    send_fd_record(kind::ACCEPT, fd, 0, 0);
+    0
+}
+
+fn send_sock_io(fd: i32, inbound: bool, len: i64, buf: u64) {
+    let Some(mut entry) = EVENTS.reserve::<SockRecord>(0) else {
+        bump(stat::LOST);
+        return;
+    };
+    let record = unsafe { &mut *entry.as_mut_ptr() };
+    record.header = header(kind::SOCK_IO);
+    record.fd = fd;
+    record.inbound = inbound as u32;
+    record.len = len;
+    record._pad = 0;
+    record.head = [0; SOCK_HEAD_MAX];
+    // As much of the head as the bytes go, in the sizes the verifier sees as constants.
+    let take: u32 = match len {
+        64.. => 64,
+        48..=63 => 48,
+        32..=47 => 32,
+        16..=31 => 16,
+        8..=15 => 8,
+        _ => 0,
+    };
+    record.head_len = if take > 0 && read_user(record.head.as_mut_ptr(), SOCK_HEAD_MAX, buf, take) { take } else { 0 };
+    entry.submit(0);
+}
+
+#[inline(always)]
+fn conn(fd: u64) -> bool {
+    let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    (unsafe { FDS.get(&FdKey { tgid, fd: fd as u32 }) }) == Some(&device::CONN)
+}
+
+/// Enter of read and recvfrom (fd @16, buffer @24).
+#[tracepoint]
+pub fn read_enter(ctx: TracePointContext) -> u32 {
+    let fd: u64 = arg(&ctx, 16);
+    if conn(fd) {
+        let _ = READS.insert(&bpf_get_current_pid_tgid(), &Reading { buf: arg(&ctx, 24), fd: fd as i32 }, 0);
+    }
+    0
+}
+
+#[tracepoint]
+pub fn read_exit(ctx: TracePointContext) -> u32 {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let Some(reading) = (unsafe { READS.get(&pid_tgid) }).copied() else {
+        return 0;
+    };
+    let _ = READS.remove(&pid_tgid);
+    let len: i64 = arg(&ctx, 16);
+    if len > 0 {
+        send_sock_io(reading.fd, true, len, reading.buf);
+    }
+    0
+}
+
+/// Enter of write and sendto (fd @16, buffer @24, length @32).
+#[tracepoint]
+pub fn write_enter(ctx: TracePointContext) -> u32 {
+    let fd: u64 = arg(&ctx, 16);
+    if conn(fd) {
+        send_sock_io(fd as i32, false, arg(&ctx, 32), arg(&ctx, 24));
+    }
+    0
+}
+
+/// writev and sendmsg carry iovecs: the first one's bytes are the start of what is sent.
+#[tracepoint]
+pub fn writev_enter(ctx: TracePointContext) -> u32 {
+    let fd: u64 = arg(&ctx, 16);
+    if !conn(fd) {
+        return 0;
+    }
+    let vec: u64 = arg(&ctx, 24);
+    let mut iov = [0u8; 16];
+    if read_user(iov.as_mut_ptr(), 16, vec, 16) {
+        let base = u64::from_ne_bytes([iov[0], iov[1], iov[2], iov[3], iov[4], iov[5], iov[6], iov[7]]);
+        let len = u64::from_ne_bytes([iov[8], iov[9], iov[10], iov[11], iov[12], iov[13], iov[14], iov[15]]);
+        send_sock_io(fd as i32, false, len as i64, base);
+    }
+    0
+}
+
+/// The kernel's OOM killer chose a victim: recorded when it is a traced process.
+#[tracepoint]
+pub fn oom_victim(ctx: TracePointContext) -> u32 {
+    let victim: i32 = arg(&ctx, 8);
+    if is_traced(victim as u32) {
+        send_fd_record(kind::OOM_VICTIM, victim as i64, 0, 0);
+    }
     0
 }
 

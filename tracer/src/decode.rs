@@ -7,6 +7,7 @@ use std::mem::size_of;
 use thiserror::Error;
 use tracer_common::{
     device, escape, ioc_nr, ioc_size, ioctl_flag, kind, uvm, ExecRecord, FdRecord, Header, IoctlRecord, OpenRecord,
+    SockRecord,
 };
 
 use crate::abi::{class, offsets as o, Layout};
@@ -50,6 +51,13 @@ pub enum RawKind {
     Fork { child: u32 },
     Exec { filename: String },
     Exit,
+    Bind { fd: i32, port: u16 },
+    Listen { fd: i32 },
+    Accept { fd: i32 },
+    ConnClose { fd: i32 },
+    /// A read (`inbound`) or write on an accepted connection: its length and first bytes.
+    SockIo { fd: i32, inbound: bool, len: i64, head: Vec<u8> },
+    OomVictim { victim: u32 },
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -130,6 +138,19 @@ pub fn parse_record(bytes: &[u8]) -> Result<Raw, DecodeError> {
             RawKind::Exec { filename: c_string(&r.filename) }
         }
         kind::EXIT => RawKind::Exit,
+        kind::BIND => {
+            let r = fd_record()?;
+            RawKind::Bind { fd: r.a as i32, port: r.b as u16 }
+        }
+        kind::LISTEN => RawKind::Listen { fd: fd_record()?.a as i32 },
+        kind::ACCEPT => RawKind::Accept { fd: fd_record()?.a as i32 },
+        kind::CONN_CLOSE => RawKind::ConnClose { fd: fd_record()?.a as i32 },
+        kind::OOM_VICTIM => RawKind::OomVictim { victim: fd_record()?.a as u32 },
+        kind::SOCK_IO => {
+            let r: SockRecord = read(bytes, k)?;
+            let head_len = (r.head_len as usize).min(r.head.len());
+            RawKind::SockIo { fd: r.fd, inbound: r.inbound != 0, len: r.len, head: r.head[..head_len].to_vec() }
+        }
         other => return Err(DecodeError::UnknownKind(other)),
     };
     Ok(Raw { ts: header.ts_ns, pid: header.tgid, tid: header.tid, kind: raw_kind })
@@ -403,6 +424,30 @@ fn decode_uvm(layout: &Layout, raw: &RawIoctl, p: &Fields) -> Option<Event> {
         }
         _ => Some(undecodable(raw, "not a UVM command gputrace follows")),
     }
+}
+
+const METHODS: [&str; 7] = ["GET ", "POST ", "PUT ", "DELETE ", "HEAD ", "OPTIONS ", "PATCH "];
+
+/// Method and path when inbound bytes start an HTTP request ("POST /v1/completions").
+pub fn request_line(head: &[u8]) -> Option<String> {
+    let text = String::from_utf8_lossy(head);
+    if !METHODS.iter().any(|m| text.starts_with(m)) {
+        return None;
+    }
+    let line = text.split("\r\n").next().unwrap_or(&text);
+    Some(line.split(' ').take(2).collect::<Vec<_>>().join(" "))
+}
+
+/// What outbound bytes carry: the status of a response's headers, and whether body data (an SSE
+/// `data:` event, a chunk, a body) is in them. Prefill ends at the first data, not at headers.
+pub fn response_part(head: &[u8], len: i64) -> (Option<u16>, bool) {
+    if !head.starts_with(b"HTTP/1.") {
+        return (None, len > 0);
+    }
+    let status = head.get(9..12).and_then(|d| std::str::from_utf8(d).ok()?.parse().ok());
+    // Headers and data in one write show as bytes after the blank line, if it falls in the head.
+    let data = head.windows(4).position(|w| w == b"\r\n\r\n").is_some_and(|end| (len as usize) > end + 4);
+    (status, data)
 }
 
 #[cfg(test)]

@@ -128,6 +128,33 @@ pub enum Event {
     Undecodable { fd: i32, cmd: u32, reason: String },
     /// Records the kernel side dropped since the last such event (ring buffer full).
     Lost { records: u64 },
+    /// A socket bound to a TCP port (vLLM binds early, before loading).
+    Bind { fd: i32, port: u16 },
+    /// The process started accepting connections on that socket.
+    Listen { fd: i32 },
+    /// A connection accepted on `fd`: its reads and writes are followed. `conn` names it across
+    /// the fds that refer to it (a server may read through a dup of the accepted fd).
+    Accept { fd: i32, conn: u64 },
+    /// Bytes read from a connection; `request` is the request line when they start a request.
+    Received {
+        conn: u64,
+        bytes: u64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        request: Option<String>,
+    },
+    /// Bytes written to a connection: `status` when they start a response's headers, `data` when
+    /// they carry body data (the first data ends prefill, not the headers).
+    Sent {
+        conn: u64,
+        bytes: u64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        status: Option<u16>,
+        data: bool,
+    },
+    /// A followed connection closed: its last fd is gone.
+    ConnClose { conn: u64 },
+    /// The kernel's OOM killer chose this process (the record's pid) as its victim.
+    OomKill,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -57,6 +57,8 @@ fn kernel_state(device: Device) -> u8 {
 enum Answer {
     Nvidia { device: Device, file: u64, cloexec: bool },
     NotNvidia,
+    /// An accepted connection the kernel follows, named across its fds.
+    Conn { conn: u64 },
 }
 
 pub struct FileTable<R: Resolver> {
@@ -112,16 +114,46 @@ impl<R: Resolver> FileTable<R> {
                 updates.push(KernelUpdate::ForgetFd { pid, fd });
                 Some(Event::Close { fd })
             }
-            Some(Answer::NotNvidia) | None => None,
+            Some(Answer::NotNvidia) | Some(Answer::Conn { .. }) | None => None,
         }
     }
 
+    /// An accepted connection: a new name, mirrored so exec and exit forget the kernel's entry.
+    pub fn accepted(&mut self, pid: u32, fd: i32) -> Event {
+        let conn = self.new_file();
+        self.fds.insert((pid, fd), Answer::Conn { conn });
+        Event::Accept { fd, conn }
+    }
+
+    /// The connection `fd` refers to, if followed.
+    pub fn conn(&self, pid: u32, fd: i32) -> Option<u64> {
+        match self.fds.get(&(pid, fd)) {
+            Some(Answer::Conn { conn }) => Some(*conn),
+            _ => None,
+        }
+    }
+
+    /// One fd of a connection closed; the connection closes with its last fd.
+    pub fn conn_closed(&mut self, pid: u32, fd: i32) -> Option<Event> {
+        let conn = self.conn(pid, fd)?;
+        self.fds.remove(&(pid, fd));
+        let still_open = self.fds.values().any(|a| *a == Answer::Conn { conn });
+        (!still_open).then_some(Event::ConnClose { conn })
+    }
+
     pub fn duplicated(&mut self, pid: u32, old_fd: i32, new_fd: i32, cloexec: bool) -> Option<Event> {
-        let Some(Answer::Nvidia { device, file, .. }) = self.fds.get(&(pid, old_fd)).copied() else {
-            return None;
-        };
-        self.fds.insert((pid, new_fd), Answer::Nvidia { device, file, cloexec });
-        Some(Event::Dup { old_fd, new_fd, cloexec })
+        match self.fds.get(&(pid, old_fd)).copied()? {
+            Answer::Nvidia { device, file, .. } => {
+                self.fds.insert((pid, new_fd), Answer::Nvidia { device, file, cloexec });
+                Some(Event::Dup { old_fd, new_fd, cloexec })
+            }
+            // Another fd of the same connection: nothing for the trace, one more name for it.
+            conn @ Answer::Conn { .. } => {
+                self.fds.insert((pid, new_fd), conn);
+                None
+            }
+            Answer::NotNvidia => None,
+        }
     }
 
     pub fn set_cloexec(&mut self, pid: u32, fd: i32, value: bool) -> Option<Event> {
@@ -158,8 +190,12 @@ impl<R: Resolver> FileTable<R> {
 
     /// fork copies the fd table: the child's kernel entries are the parent's NVIDIA ones.
     pub fn forked(&mut self, parent: u32, child: u32, seen: Seen, updates: &mut Vec<KernelUpdate>) -> Event {
-        let inherited: Vec<(i32, Answer)> =
-            self.fds.iter().filter(|((p, _), a)| *p == parent && **a != Answer::NotNvidia).map(|((_, fd), a)| (*fd, *a)).collect();
+        let inherited: Vec<(i32, Answer)> = self
+            .fds
+            .iter()
+            .filter(|((p, _), a)| *p == parent && matches!(a, Answer::Nvidia { .. }))
+            .map(|((_, fd), a)| (*fd, *a))
+            .collect();
         for (fd, answer) in inherited {
             self.fds.insert((child, fd), answer);
             if let Answer::Nvidia { device, .. } = answer {
@@ -195,17 +231,17 @@ impl<R: Resolver> FileTable<R> {
     /// Returns the device (None: not NVIDIA, or the fd is gone) and the FdFound event to record
     /// when gputrace learned of this NVIDIA fd only now.
     pub fn answer(&mut self, pid: u32, fd: i32, kernel_file: u64, updates: &mut Vec<KernelUpdate>) -> (Option<Device>, Option<Event>) {
-        if let Some(answer) = self.fds.get(&(pid, fd)).copied() {
-            return match answer {
-                Answer::Nvidia { device, .. } => {
-                    updates.push(KernelUpdate::SetFd { pid, fd, state: kernel_state(device) });
-                    (Some(device), None)
-                }
-                Answer::NotNvidia => {
-                    updates.push(KernelUpdate::SetFd { pid, fd, state: device::NOT_NVIDIA });
-                    (None, None)
-                }
-            };
+        match self.fds.get(&(pid, fd)).copied() {
+            Some(Answer::Nvidia { device, .. }) => {
+                updates.push(KernelUpdate::SetFd { pid, fd, state: kernel_state(device) });
+                return (Some(device), None);
+            }
+            Some(Answer::NotNvidia) => {
+                updates.push(KernelUpdate::SetFd { pid, fd, state: device::NOT_NVIDIA });
+                return (None, None);
+            }
+            // A connection the kernel no longer follows under that number: ask /proc afresh.
+            Some(Answer::Conn { .. }) | None => {}
         }
         self.questions_answered += 1;
         // A fd already gone leaves nothing to answer; the kernel dropped its entry on close.
@@ -391,6 +427,19 @@ mod tests {
         // A later open that reuses the address is a different file.
         let Event::Open { file: reopened, .. } = t.opened(30, 3, Device::Ctl, false, 0xffff_8880_1234_5600) else { panic!() };
         assert_ne!(reopened, file);
+    }
+
+    /// A server reading through a dup of the accepted fd still has one connection, closed with
+    /// its last fd.
+    #[test]
+    fn a_connection_is_one_across_its_fds() {
+        let mut t = table(&[]);
+        let Event::Accept { conn, .. } = t.accepted(10, 8) else { panic!() };
+        assert_eq!(t.duplicated(10, 8, 5, false), None);
+        assert_eq!(t.conn(10, 5), Some(conn));
+        assert_eq!(t.conn_closed(10, 5), None, "fd 8 still refers to it");
+        assert_eq!(t.conn_closed(10, 8), Some(Event::ConnClose { conn }));
+        assert_eq!(t.conn_closed(10, 8), None);
     }
 
     #[test]

@@ -87,6 +87,31 @@ impl Usage {
     }
 }
 
+/// One HTTP request as the kernel saw it on a server's connection: from the read that brought
+/// its request line to the connection's close or the next request on it (keep-alive).
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Request {
+    pub pid: u32,
+    pub conn: u64,
+    /// "POST /v1/completions", or "" when the bytes did not start with a request line.
+    pub line: String,
+    pub arrived: u64,
+    pub bytes_in: u64,
+    pub headers_at: Option<u64>,
+    pub status: Option<u16>,
+    /// The first body data sent: the end of prefill as the client sees it.
+    pub first_data_at: Option<u64>,
+    pub bytes_out: u64,
+    pub ended: Option<u64>,
+}
+
+impl Request {
+    /// In flight at `ts`: arrived, not yet ended.
+    pub fn in_flight_at(&self, ts: u64) -> bool {
+        self.arrived <= ts && self.ended.is_none_or(|end| end > ts)
+    }
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct Process {
     pub pid: u32,
@@ -96,6 +121,11 @@ pub struct Process {
     pub first_ts: u64,
     pub exited: Option<u64>,
     pub exit_code: Option<i32>,
+    /// TCP ports it bound, and when it first listened.
+    pub bound: Vec<(u64, u16)>,
+    pub listened: Option<u64>,
+    /// When the kernel's OOM killer chose it.
+    pub oom_killed: Option<u64>,
     pub usage: Usage,
     #[serde(skip)]
     fds: HashMap<i32, FdRef>,
@@ -189,6 +219,7 @@ pub struct Model {
     pub files: BTreeMap<FileId, File>,
     pub allocations: Vec<Allocation>,
     pub failures: Vec<FailedAllocation>,
+    pub requests: Vec<Request>,
     pub undecodable: u64,
     pub lost_records: u64,
     pub first_ts: Option<u64>,
@@ -200,6 +231,8 @@ pub struct Model {
     uvm_ranges: HashMap<(FileId, u64), AllocId>,
     /// Synthesised file ids for fds first seen by an ioctl with no Open/FdFound before it.
     next_orphan_file: FileId,
+    /// Followed connections (by name) and the request open on each.
+    connections: HashMap<u64, (u32, Option<usize>)>,
 }
 
 const ORPHAN_FILE_BASE: FileId = 1 << 62;
@@ -244,6 +277,9 @@ impl Model {
             first_ts: ts,
             exited: None,
             exit_code: None,
+            bound: Vec::new(),
+            listened: None,
+            oom_killed: None,
             usage: Usage::default(),
             fds: HashMap::new(),
         })
@@ -281,6 +317,11 @@ impl Model {
                 }
             }
             Event::Exit { code } => {
+                let conns: Vec<u64> = self.connections.iter().filter(|(_, (p, _))| *p == pid).map(|(c, _)| *c).collect();
+                for conn in conns {
+                    self.end_request(conn, ts);
+                    self.connections.remove(&conn);
+                }
                 let fds: Vec<i32> = self.process(pid, ts).fds.keys().copied().collect();
                 for fd in fds {
                     self.close_fd(pid, fd, ts);
@@ -370,7 +411,61 @@ impl Model {
             }
             Event::Undecodable { .. } => self.undecodable += 1,
             Event::Lost { records } => self.lost_records += records,
+            Event::Bind { port, .. } => self.process(pid, ts).bound.push((ts, *port)),
+            Event::Listen { .. } => {
+                let p = self.process(pid, ts);
+                p.listened.get_or_insert(ts);
+            }
+            Event::Accept { conn, .. } => {
+                self.connections.insert(*conn, (pid, None));
+            }
+            Event::Received { conn, bytes, request } => {
+                let current = self.connections.get(conn).and_then(|(_, r)| *r);
+                match (request, current) {
+                    (None, Some(id)) => self.requests[id].bytes_in += bytes,
+                    _ => {
+                        self.end_request(*conn, ts);
+                        let line = request.clone().unwrap_or_default();
+                        let request = Request { pid, conn: *conn, line, arrived: ts, bytes_in: *bytes, headers_at: None, status: None, first_data_at: None, bytes_out: 0, ended: None };
+                        self.requests.push(request);
+                        self.connections.insert(*conn, (pid, Some(self.requests.len() - 1)));
+                    }
+                }
+            }
+            Event::Sent { conn, bytes, status, data } => {
+                if let Some(id) = self.connections.get(conn).and_then(|(_, r)| *r) {
+                    let r = &mut self.requests[id];
+                    r.bytes_out += bytes;
+                    if status.is_some() && r.headers_at.is_none() {
+                        r.headers_at = Some(ts);
+                        r.status = *status;
+                    }
+                    if *data && r.first_data_at.is_none() {
+                        r.first_data_at = Some(ts);
+                    }
+                }
+            }
+            Event::ConnClose { conn } => {
+                self.end_request(*conn, ts);
+                self.connections.remove(conn);
+            }
+            Event::OomKill => {
+                self.process(pid, ts).oom_killed.get_or_insert(ts);
+            }
         }
+    }
+
+    fn end_request(&mut self, conn: u64, ts: u64) {
+        if let Some((_, current)) = self.connections.get_mut(&conn) {
+            if let Some(id) = current.take() {
+                self.requests[id].ended.get_or_insert(ts);
+            }
+        }
+    }
+
+    /// Requests in flight at `ts`, in the processes given (a service's), or everywhere.
+    pub fn in_flight(&self, ts: u64, pids: Option<&[u32]>) -> usize {
+        self.requests.iter().filter(|r| r.in_flight_at(ts) && pids.is_none_or(|p| p.contains(&r.pid))).count()
     }
 
     fn set_fd(&mut self, pid: u32, fd: i32, file: FileId, cloexec: bool, ts: u64) {

@@ -4,7 +4,7 @@
 use tracer_common::ioctl_flag;
 
 use crate::abi::Layout;
-use crate::decode::{decode_ioctl, Raw, RawIoctl, RawKind};
+use crate::decode::{decode_ioctl, request_line, response_part, Raw, RawIoctl, RawKind};
 use crate::event::{Event, Record, Seen};
 use crate::files::{FileTable, KernelUpdate, Resolver};
 
@@ -78,6 +78,26 @@ impl<R: Resolver> Pipeline<R> {
                 self.files.exited(pid, updates);
                 push(pid, Event::Exit { code: None }, None);
             }
+            RawKind::Bind { fd, port } => push(pid, Event::Bind { fd, port }, None),
+            RawKind::Listen { fd } => push(pid, Event::Listen { fd }, None),
+            RawKind::Accept { fd } => push(pid, self.files.accepted(pid, fd), None),
+            RawKind::ConnClose { fd } => {
+                if let Some(event) = self.files.conn_closed(pid, fd) {
+                    push(pid, event, None);
+                }
+            }
+            RawKind::SockIo { fd, inbound, len, head } => {
+                let Some(conn) = self.files.conn(pid, fd) else { return };
+                let bytes = len.max(0) as u64;
+                let event = if inbound {
+                    Event::Received { conn, bytes, request: request_line(&head) }
+                } else {
+                    let (status, data) = response_part(&head, len);
+                    Event::Sent { conn, bytes, status, data }
+                };
+                push(pid, event, None)
+            }
+            RawKind::OomVictim { victim } => push(victim, Event::OomKill, None),
         }
     }
 }

@@ -83,7 +83,7 @@ fn main() -> ExitCode {
     }
     truth.note("ready", json!({}));
     let report = |id: usize, c: Completion, (status, headers, data, events): (String, Option<f64>, Option<f64>, u64)| {
-        let line = json!({"request": id, "prompt_tokens": c.prompt_tokens, "status": status, "headers_ms": headers, "first_data_ms": data, "events": events});
+        let line = json!({"request": id, "port": port, "prompt_tokens": c.prompt_tokens, "status": status, "headers_ms": headers, "first_data_ms": data, "events": events});
         println!("{line}");
         truth.note("response", line);
     };
@@ -91,7 +91,7 @@ fn main() -> ExitCode {
     for tokens in value("--sequential").unwrap_or_default().split(',').filter_map(|t| t.parse().ok()) {
         id += 1;
         let c = Completion { prompt_tokens: tokens, max_tokens };
-        truth.note("request", json!({"request": id, "prompt_tokens": tokens, "in_flight": 1}));
+        truth.note("request", json!({"request": id, "port": port, "prompt_tokens": tokens, "in_flight": 1}));
         report(id, c, request(port, c));
     }
     if let Some((n, tokens)) = value("--concurrent").and_then(|v| {
@@ -101,7 +101,7 @@ fn main() -> ExitCode {
         let c = Completion { prompt_tokens: tokens, max_tokens };
         let handles: Vec<_> = (0..n)
             .map(|i| {
-                truth.note("request", json!({"request": id + i + 1, "prompt_tokens": tokens, "in_flight": n}));
+                truth.note("request", json!({"request": id + i + 1, "port": port, "prompt_tokens": tokens, "in_flight": n}));
                 std::thread::spawn(move || request(port, c))
             })
             .collect();

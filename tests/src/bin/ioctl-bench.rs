@@ -1,5 +1,7 @@
-//! Times ioctl() in a tight loop, for the overhead benchmark (`cargo xtask bench`):
-//! `ioctl-bench null-plain|null-nvidia-looking|fake-gpu-free COUNT` prints nanoseconds per call.
+//! Times a syscall in a tight loop, for the overhead benchmark (`cargo xtask bench`):
+//! `ioctl-bench CASE COUNT` prints nanoseconds per call.
+//! - read-zero, write-null: a 1-byte read of /dev/zero, write to /dev/null (not a socket: the
+//!   cost of gputrace's read/write programs to everything that is not a followed connection);
 //! - null-plain: TCGETS on /dev/null, the commonest non-NVIDIA ioctl;
 //! - null-nvidia-looking: an RM_ALLOC command word on /dev/null (asked about once, then one lookup);
 //! - fake-gpu-free: RM_FREE of a handle that does not exist on the fake GPU's nvidiactl (a traced
@@ -13,12 +15,33 @@ use fakegpu::abi::{esc, rm_cmd};
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let count: u64 = args.get(1).and_then(|c| c.parse().ok()).unwrap_or(1_000_000);
+    if let Some(case @ ("read-zero" | "write-null")) = args.first().map(String::as_str) {
+        let path = if case == "read-zero" { "/dev/zero" } else { "/dev/null" };
+        let file = OpenOptions::new().read(true).write(true).open(path).unwrap_or_else(|e| panic!("{path}: {e}"));
+        let mut byte = [0u8; 1];
+        let call = |b: &mut [u8; 1]| unsafe {
+            if case == "read-zero" {
+                libc::read(file.as_raw_fd(), b.as_mut_ptr().cast(), 1)
+            } else {
+                libc::write(file.as_raw_fd(), b.as_ptr().cast(), 1)
+            }
+        };
+        for _ in 0..1000 {
+            call(&mut byte);
+        }
+        let start = Instant::now();
+        for _ in 0..count {
+            call(&mut byte);
+        }
+        println!("{:.1}", start.elapsed().as_nanos() as f64 / count as f64);
+        return;
+    }
     let (path, cmd) = match args.first().map(String::as_str) {
         Some("null-plain") => ("/dev/null", 0x5401u32),
         Some("null-nvidia-looking") => ("/dev/null", rm_cmd(esc::RM_ALLOC, 48)),
         Some("fake-gpu-free") => ("/dev/nvidiactl", rm_cmd(esc::RM_FREE, 16)),
         _ => {
-            eprintln!("usage: ioctl-bench null-plain|null-nvidia-looking|fake-gpu-free [COUNT]");
+            eprintln!("usage: ioctl-bench null-plain|null-nvidia-looking|fake-gpu-free|read-zero|write-null [COUNT]");
             std::process::exit(2);
         }
     };

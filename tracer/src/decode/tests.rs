@@ -278,3 +278,18 @@ proptest::proptest! {
         let _ = parse_record(&params);
     }
 }
+
+#[test]
+fn request_lines_and_response_parts() {
+    assert_eq!(request_line(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"), Some("POST /v1/completions".into()));
+    assert_eq!(request_line(b"GET /health HTTP/1.1\r\n"), Some("GET /health".into()));
+    assert_eq!(request_line(b"GET /health HTTP"), Some("GET /health".into()), "a head cut short");
+    assert_eq!(request_line(b"{\"prompt\": 1}"), None, "a body continuation starts no request");
+    assert_eq!(request_line(b""), None);
+    assert_eq!(response_part(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control", 96), (Some(200), false));
+    assert_eq!(response_part(b"HTTP/1.1 503 Service Unavailable\r\n", 120), (Some(503), false));
+    assert_eq!(response_part(b"HTTP/1.1 200 OK\r\nA: b\r\n\r\ndata: {\"x\"", 200), (Some(200), true), "headers and first data in one write");
+    assert_eq!(response_part(b"HTTP/1.1 200 OK\r\nA: b\r\n\r\n", 25), (Some(200), false), "headers alone (25 bytes)");
+    assert_eq!(response_part(b"data: {\"choices\":[]}\n\n", 60), (None, true));
+    assert_eq!(response_part(b"", 5), (None, true), "short writes carry data too");
+}

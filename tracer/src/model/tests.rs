@@ -208,6 +208,47 @@ fn memory_of_a_client_made_before_tracing_still_ends_with_its_file() {
     assert_eq!(freed(&m, 0xa), Some((4, FreedBy::FileRelease)));
 }
 
+#[test]
+fn requests_from_connection_traffic() {
+    let server = 30;
+    let sent = |ts, conn, status: Option<u16>, data| rec(ts, server, Event::Sent { conn, bytes: 100, status, data });
+    let received = |ts, conn, line: Option<&str>| rec(ts, server, Event::Received { conn, bytes: 200, request: line.map(String::from) });
+    let t = vec![
+        process(1, server, 1, Seen::Launched),
+        rec(2, server, Event::Bind { fd: 3, port: 8000 }),
+        rec(5, server, Event::Listen { fd: 3 }),
+        rec(10, server, Event::Accept { fd: 9, conn: 7 }),
+        received(11, 7, Some("POST /v1/completions")),
+        received(12, 7, None),
+        sent(13, 7, Some(200), false),
+        sent(40, 7, None, true),
+        sent(50, 7, None, true),
+        // keep-alive: a second request on the same connection ends the first
+        received(60, 7, Some("POST /v1/completions")),
+        rec(61, server, Event::Accept { fd: 10, conn: 8 }),
+        received(62, 8, Some("GET /health")),
+        sent(63, 8, Some(503), false),
+        rec(64, server, Event::ConnClose { conn: 8 }),
+        sent(80, 7, Some(200), true),
+        rec(90, server, Event::Exit { code: Some(0) }),
+    ];
+    let m = Model::from_records(&t);
+    let p = &m.processes[&server];
+    assert_eq!((p.bound.clone(), p.listened), (vec![(2, 8000)], Some(5)));
+    assert_eq!(m.requests.len(), 3);
+    let first = &m.requests[0];
+    assert_eq!((first.arrived, first.bytes_in, first.headers_at, first.first_data_at, first.ended), (11, 400, Some(13), Some(40), Some(60)));
+    assert_eq!(first.bytes_out, 300);
+    // In arrival order: the second request on fd 7 (60) came before the health check (62).
+    let health = &m.requests[2];
+    assert_eq!((health.line.as_str(), health.status, health.first_data_at, health.ended), ("GET /health", Some(503), None, Some(64)));
+    let second = &m.requests[1];
+    assert_eq!((second.headers_at, second.first_data_at, second.ended), (Some(80), Some(80), Some(90)), "headers and data together, ended by the exit");
+    assert_eq!(m.in_flight(62, None), 2);
+    assert_eq!(m.in_flight(70, Some(&[server])), 1);
+    assert_eq!(m.in_flight(95, None), 0);
+}
+
 proptest::proptest! {
     /// Whatever the order, the books balance: live = allocated - freed, never negative.
     #[test]
