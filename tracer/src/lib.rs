@@ -14,3 +14,4 @@ pub mod gpus;
 pub mod summary;
 pub mod record;
 pub mod btf;
+pub mod analysis;

@@ -1,0 +1,203 @@
+use super::diagnosis::{Category, Diagnoser, Symptom};
+use super::*;
+use crate::event::{Alloc, Event, Memory, Record, Seen, Via};
+use crate::trace::{Gpu, Header, HolderAtStart, PriorUse};
+
+const GIB: u64 = 1 << 30;
+const API: u32 = 100;
+const ENGINE: u32 = 101;
+const MS: u64 = 1_000_000;
+
+fn header(capacity: u64, prior: &[(u32, u64)]) -> Header {
+    Header {
+        format: "gputrace-trace".into(),
+        version: 1,
+        tracer_version: "test".into(),
+        host: String::new(),
+        kernel: String::new(),
+        driver_version: None,
+        driver_version_source: "none".into(),
+        wall_clock_start_ns: 0,
+        monotonic_start_ns: 0,
+        gpus: vec![Gpu { index: 0, name: "test".into(), total_bytes: Some(capacity), used_bytes: None }],
+        prior_use: prior.iter().map(|&(pid, bytes)| PriorUse { pid, gpu: 0, used_bytes: Some(bytes), command: vec!["old-server".into()] }).collect(),
+        holders_at_start: prior.iter().map(|&(pid, _)| HolderAtStart { pid, ppid: 1, command: vec!["old-server".into()], devices: vec!["ctl".into()] }).collect(),
+        nvml: "ok".into(),
+        command: vec![],
+        raw: false,
+    }
+}
+
+/// A vLLM-like trace: an API server and its engine; the engine allocates `weights` during load,
+/// then the API server listens at 100 ms.
+struct Trace(Vec<Record>, u32);
+
+impl Trace {
+    fn vllm(weights: u64) -> Trace {
+        let mut t = Trace(vec![], 0x10);
+        t.at(0, API, Event::Process { ppid: 1, seen: Seen::Launched, command: vec!["vllm".into(), "serve".into(), "--gpu-memory-utilization".into(), "0.9".into()] });
+        t.at(1, API, Event::Bind { fd: 3, port: 8000 });
+        t.at(2, ENGINE, Event::Process { ppid: API, seen: Seen::Forked, command: vec!["vllm".into(), "engine".into()] });
+        t.alloc(10, ENGINE, weights, 0);
+        t.at(100 * MS, API, Event::Listen { fd: 3 });
+        t
+    }
+    fn at(&mut self, ts: u64, pid: u32, event: Event) -> &mut Self {
+        self.0.push(Record { ts, pid, tid: pid, event, raw: None });
+        self
+    }
+    fn alloc(&mut self, ts: u64, pid: u32, bytes: u64, status: u32) -> &mut Self {
+        self.1 += 1;
+        let a = Alloc { fd: 3, via: Via::RmAllocNvos64, memory: Memory::Video, bytes, status, client: 1, parent: 2, object: self.1, class: 0x40, base: None, errno: None };
+        self.at(ts, pid, Event::Alloc(a))
+    }
+    /// A completion request on connection `conn`: arrives at `ts`, headers at once, data at `data`.
+    fn request(&mut self, conn: u64, ts: u64, bytes: u64, data: Option<u64>) -> &mut Self {
+        self.at(ts, API, Event::Accept { fd: conn as i32, conn });
+        self.at(ts, API, Event::Received { conn, bytes, request: Some("POST /v1/completions".into()) });
+        self.at(ts + 1, API, Event::Sent { conn, bytes: 90, status: Some(200), data: false });
+        if let Some(d) = data {
+            self.at(d, API, Event::Sent { conn, bytes: 40, status: None, data: true });
+        }
+        self
+    }
+    fn diagnose(&mut self, capacity: u64, prior: &[(u32, u64)], lost: u64) -> Vec<super::diagnosis::Diagnosis> {
+        self.0.sort_by_key(|r| r.ts);
+        let model = Model::from_records(&self.0);
+        let h = header(capacity, prior);
+        Diagnoser::new(&h, &model, lost).diagnose()
+    }
+}
+
+#[test]
+fn phases_for_both_server_families() {
+    let mut t = Trace::vllm(16 * GIB);
+    t.request(7, 200 * MS, 4000, Some(260 * MS));
+    t.at(300 * MS, API, Event::ConnClose { conn: 7 });
+    t.0.sort_by_key(|r| r.ts);
+    let m = Model::from_records(&t.0);
+    let services = Services::new(&m);
+    assert_eq!(services.list.len(), 1, "the engine belongs to its API server's service");
+    let s = services.of(ENGINE).unwrap();
+    assert_eq!(s.ready_at, Some(100 * MS), "vLLM: ready when it listens, after loading");
+    let phase = |ms: u64| services.phase(s, ms * MS);
+    assert_eq!([phase(50), phase(150), phase(210), phase(280), phase(310)], [Phase::Load, Phase::Idle, Phase::Prefill, Phase::Decode, Phase::Idle]);
+
+    // llama-server: listens first, 503 while loading, ready at its first 2xx.
+    let mut t = Trace(vec![], 0);
+    t.at(0, API, Event::Process { ppid: 1, seen: Seen::Launched, command: vec!["llama-server".into()] });
+    t.at(1, API, Event::Listen { fd: 3 });
+    t.alloc(10 * MS, API, 8 * GIB, 0);
+    t.at(20 * MS, API, Event::Accept { fd: 5, conn: 5 });
+    t.at(20 * MS, API, Event::Received { conn: 5, bytes: 60, request: Some("GET /health".into()) });
+    t.at(21 * MS, API, Event::Sent { conn: 5, bytes: 90, status: Some(503), data: false });
+    t.at(80 * MS, API, Event::Accept { fd: 6, conn: 6 });
+    t.at(80 * MS, API, Event::Received { conn: 6, bytes: 60, request: Some("GET /health".into()) });
+    t.at(81 * MS, API, Event::Sent { conn: 6, bytes: 90, status: Some(200), data: false });
+    let m = Model::from_records(&t.0);
+    let services = Services::new(&m);
+    assert_eq!(services.of(API).unwrap().ready_at, Some(81 * MS));
+}
+
+#[test]
+fn nothing_failed_is_none() {
+    let mut t = Trace::vllm(16 * GIB);
+    let d = t.diagnose(80 * GIB, &[], 0);
+    assert_eq!((d.len(), d[0].category, d[0].symptom), (1, Category::None, Symptom::None));
+}
+
+#[test]
+fn one_request_in_flight_is_a_long_request() {
+    let mut t = Trace::vllm(16 * GIB);
+    t.request(7, 200 * MS, 4_000, Some(230 * MS));
+    t.at(250 * MS, API, Event::ConnClose { conn: 7 });
+    t.request(8, 300 * MS, 160_000, None);
+    t.alloc(310 * MS, ENGINE, 70 * GIB, 0x51);
+    let d = &t.diagnose(80 * GIB, &[], 0)[0];
+    assert_eq!((d.category, d.symptom, d.pid), (Category::LongRequest, Symptom::FailedAllocation, Some(ENGINE)));
+    assert_eq!(d.evidence.fields["requests_in_flight"], 1);
+    assert_eq!(d.evidence.fields["phase"], "prefill");
+    assert_eq!(d.fix.fields["largest_served_request_bytes"], 4_000);
+    assert!(d.fix.text.contains("--max-model-len"), "{}", d.fix.text);
+}
+
+#[test]
+fn a_long_request_among_small_ones_is_still_a_long_request() {
+    let mut t = Trace::vllm(16 * GIB);
+    t.request(7, 200 * MS, 4_000, None);
+    t.request(8, 201 * MS, 200_000, None);
+    t.alloc(210 * MS, ENGINE, 70 * GIB, 0x51);
+    assert_eq!(t.diagnose(80 * GIB, &[], 0)[0].category, Category::LongRequest);
+}
+
+#[test]
+fn several_alike_in_flight_is_concurrent_load() {
+    let mut t = Trace::vllm(60 * GIB);
+    t.request(6, 150 * MS, 8_000, Some(180 * MS));
+    t.at(190 * MS, API, Event::ConnClose { conn: 6 });
+    for conn in 7..15 {
+        t.request(conn, 200 * MS, 8_000, None);
+    }
+    t.alloc(210 * MS, ENGINE, 24 * GIB, 0x51);
+    let d = &t.diagnose(80 * GIB, &[], 0)[0];
+    assert_eq!(d.category, Category::ConcurrentLoad);
+    assert_eq!(d.evidence.fields["requests_in_flight"], 8);
+    let cap = d.fix.fields["max_concurrency"].as_u64().unwrap();
+    assert!((1..8).contains(&cap), "a cap below what failed: {cap}");
+    assert!(d.fix.text.contains("--max-num-seqs") && d.fix.text.contains("max_parallel_requests"), "{}", d.fix.text);
+}
+
+#[test]
+fn a_failure_during_graph_capture_is_at_load() {
+    let mut t = Trace::vllm(16 * GIB);
+    t.alloc(20 * MS, ENGINE, 54 * GIB, 0);
+    // Graph capture: medium allocations after the KV cache, still before listening.
+    t.alloc(60 * MS, ENGINE, 12 * GIB, 0x51);
+    t.0.retain(|r| !matches!(r.event, Event::Listen { .. }));
+    let d = &t.diagnose(80 * GIB, &[], 0)[0];
+    assert_eq!((d.category, d.evidence.fields["phase"].as_str()), (Category::DoesNotFitAtLoad, Some("load")));
+    assert!(d.fix.text.contains("FP16") && d.fix.text.contains("4-bit"), "{}", d.fix.text);
+}
+
+/// A stale holder and a long request: what is held outside covers the shortfall, so killing the
+/// holder is the first fix, as a careful engineer would check it first.
+#[test]
+fn a_stale_holder_comes_before_a_long_request() {
+    let mut t = Trace::vllm(30 * GIB);
+    t.request(7, 200 * MS, 200_000, None);
+    t.alloc(210 * MS, ENGINE, 12 * GIB, 0x51);
+    let d = &t.diagnose(80 * GIB, &[(4242, 40 * GIB)], 0)[0];
+    assert_eq!(d.category, Category::HeldByOtherProcess);
+    assert_eq!(d.fix.fields["kill"], 4242);
+    assert!(d.fix.text.contains("kill 4242"), "{}", d.fix.text);
+    // Without the holder it is the long request.
+    assert_eq!(t.diagnose(80 * GIB, &[], 0)[0].category, Category::LongRequest);
+}
+
+#[test]
+fn a_refusal_at_start_explained_by_another_holder() {
+    let mut t = Trace(vec![], 0);
+    t.at(0, API, Event::Process { ppid: 1, seen: Seen::Launched, command: vec!["vllm".into()] });
+    t.at(5 * MS, API, Event::Exit { code: Some(1) });
+    let d = &t.diagnose(80 * GIB, &[(4242, 71 * GIB)], 0)[0];
+    assert_eq!((d.category, d.symptom), (Category::HeldByOtherProcess, Symptom::StartupRefusal));
+    assert_eq!(d.evidence.fields["held_outside_bytes"], 71 * GIB);
+}
+
+#[test]
+fn a_lossy_trace_is_inconclusive_and_says_why() {
+    let mut t = Trace::vllm(16 * GIB);
+    t.request(7, 200 * MS, 4_000, None);
+    t.alloc(210 * MS, ENGINE, 70 * GIB, 0x51);
+    let d = &t.diagnose(80 * GIB, &[], 3)[0];
+    assert_eq!(d.category, Category::Inconclusive);
+    assert!(d.evidence.text.contains("3 kernel records were lost"), "{}", d.evidence.text);
+}
+
+#[test]
+fn the_oom_killer_is_host_oom() {
+    let mut t = Trace::vllm(16 * GIB);
+    t.at(50 * MS, ENGINE, Event::OomKill);
+    let d = &t.diagnose(80 * GIB, &[], 0)[0];
+    assert_eq!((d.category, d.symptom, d.pid), (Category::HostOom, Symptom::OomKill, Some(ENGINE)));
+}
