@@ -20,6 +20,14 @@ pub struct Completion {
     pub max_tokens: u64,
 }
 
+impl Completion {
+    /// The request body as a client sends it: the prompt's text (about 4 bytes a token) with it.
+    pub fn body(&self) -> String {
+        let prompt = "lorem ipsum dolor sit amet ".repeat((self.prompt_tokens * 4 / 27 + 1) as usize);
+        serde_json::json!({"prompt": prompt, "prompt_tokens": self.prompt_tokens, "max_tokens": self.max_tokens, "stream": true}).to_string()
+    }
+}
+
 pub struct HttpRequest {
     pub method: String,
     pub path: String,

@@ -130,8 +130,82 @@ fn requests_agree(o: &Outcome, server: &str, what: &str) {
     }
 }
 
+/// Phase attribution, with no marks: at least 95% of the bytes of each phase where the workload's
+/// ground truth puts them (allocations matched by process, size and order).
+fn phases_agree(o: &Outcome, what: &str) {
+    let services = gputrace::analysis::Services::new(&o.model);
+    let mut traced: BTreeMap<(u32, u64), Vec<&str>> = BTreeMap::new();
+    for a in o.model.allocations.iter().filter(|a| a.memory != Memory::Virtual) {
+        traced.entry((a.pid, a.bytes)).or_default().push(services.phase_of(a.pid, a.ts).name());
+    }
+    for list in traced.values_mut() {
+        list.reverse();
+    }
+    let mut totals: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+    for w in workload_events(o, "alloc").filter(|w| w["path"] != "VirtualReserve") {
+        let (pid, bytes) = (w["pid"].as_u64().unwrap() as u32, w["bytes"].as_u64().unwrap());
+        let Some(phase) = traced.get_mut(&(pid, bytes)).and_then(|l| l.pop()) else { continue };
+        let truth = w["phase"].as_str().unwrap().to_string();
+        let entry = totals.entry(truth.clone()).or_default();
+        entry.1 += bytes;
+        if phase == truth {
+            entry.0 += bytes;
+        }
+    }
+    for (phase, (right, all)) in totals {
+        let share = right as f64 / all as f64;
+        assert!(share >= 0.95, "{what}: {:.1}% of the {phase} bytes attributed to {phase}", share * 100.0);
+    }
+}
+
 fn workload_events<'a>(o: &'a Outcome, event: &'a str) -> impl Iterator<Item = &'a Value> + 'a {
     o.workload.iter().filter(move |w| w["event"] == event)
+}
+
+/// The verdict: category, symptom, culprit and key figures.
+fn diagnosed_right(o: &Outcome, name: &str, server: &str, what: &str) {
+    let d = &o.summary["diagnosis"];
+    let (category, symptom) = match (name, server) {
+        ("clean", _) => ("none", "none"),
+        ("held-by-other-process", "vllm") => ("held-by-other-process", "startup-refusal"),
+        ("held-by-other-process", _) => ("held-by-other-process", "failed-allocation"),
+        ("host-oom", _) => ("host-oom", "oom-kill"),
+        (other, _) => (other, "failed-allocation"),
+    };
+    assert_eq!((d["category"].as_str(), d["symptom"].as_str()), (Some(category), Some(symptom)), "{what}: {d:#}");
+    let contexts = o.summary["contexts_never_freed"].as_array().unwrap();
+    let e = &d["evidence"]["fields"];
+    let fix = &d["fix"]["fields"];
+    match name {
+        "clean" => assert!(contexts.is_empty(), "{what}: no suspect context: {contexts:?}"),
+        "held-by-other-process" => {
+            let holder = o.header.holders_at_start[0].pid;
+            assert_eq!(fix["kill"].as_u64(), Some(holder as u64), "{what}: the process to stop");
+            assert!(d["fix"]["text"].as_str().unwrap().contains(&format!("kill {holder}")), "{what}");
+            assert!(e["held_outside_bytes"].as_u64().unwrap() > 16 << 30, "{what}");
+            assert!(contexts.iter().any(|c| c["pid"].as_u64() == Some(holder as u64)), "{what}: named among contexts never freed: {contexts:?}");
+        }
+        "host-oom" => {
+            let killed = o.model.processes.values().find(|p| p.oom_killed.is_some()).expect("the OOM killer's victim").pid;
+            assert_eq!(d["pid"].as_u64(), Some(killed as u64), "{what}");
+        }
+        _ => {
+            let failure = &o.model.failures[0];
+            assert_eq!(d["pid"].as_u64(), Some(failure.pid as u64), "{what}: the failing process");
+            assert_eq!(e["failed_bytes"].as_u64(), Some(failure.bytes), "{what}");
+            let in_flight = workload_events(o, "alloc_failed").next().unwrap()["in_flight"].as_u64().unwrap();
+            assert_eq!(e["requests_in_flight"].as_u64(), Some(in_flight), "{what}");
+            if name == "concurrent-load" {
+                let (cap, each, room) = (fix["max_concurrency"].as_u64().unwrap(), fix["bytes_per_request"].as_u64().unwrap(), fix["room_bytes"].as_u64().unwrap());
+                assert!(cap * each <= room && (cap + 1) * each > room && cap < in_flight, "{what}: cap {cap} of {each} bytes in {room}");
+                let alone = workload_events(o, "prefill").find(|w| w["in_flight"] == 1).map(|w| w["bytes"].as_u64().unwrap()).unwrap();
+                assert!(each >= alone && each < alone + alone / 10, "{what}: one request's cost {each}, the workload says {alone}");
+            }
+            if name == "does-not-fit-at-load" {
+                assert!(fix["load_bytes"].as_u64().unwrap() > o.header.gpus[0].total_bytes.unwrap(), "{what}: more than the card");
+            }
+        }
+    }
 }
 
 fn check(name: &str, server: &str) {
@@ -139,6 +213,8 @@ fn check(name: &str, server: &str) {
     let what = format!("{server} {name}");
     agrees_with_ground_truth(&o, &what);
     requests_agree(&o, server, &what);
+    phases_agree(&o, &what);
+    diagnosed_right(&o, name, server, &what);
     let failures = &o.model.failures;
     let failed_phase = workload_events(&o, "alloc_failed").next().map(|w| w["phase"].as_str().unwrap_or("").to_string());
     match name {

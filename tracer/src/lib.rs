@@ -11,7 +11,7 @@ pub mod probe;
 pub mod files;
 pub mod pipeline;
 pub mod gpus;
-pub mod summary;
+pub mod report;
 pub mod record;
 pub mod btf;
 pub mod analysis;

@@ -4,7 +4,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use gputrace::model::Model;
-use gputrace::summary::{Loss, Summary};
+use gputrace::report::{self, Loss};
 use gputrace::trace::Reader;
 
 #[derive(Parser)]
@@ -33,23 +33,30 @@ enum Command {
         /// Keep each ioctl's raw params bytes in the trace, for debugging the decoder
         #[arg(long)]
         raw: bool,
-        /// Print the summary as JSON on stdout
+        /// Print the report as JSON on stdout
         #[arg(long)]
         json: bool,
+        /// A context with no allocation or request for this long is a suspect holder
+        #[arg(long, value_name = "MINUTES", default_value_t = 10)]
+        idle_minutes: u64,
         /// The command to run and trace, after `--`
         #[arg(last = true, value_name = "CMD")]
         command: Vec<String>,
     },
-    /// Summarise a recorded trace: per process what it allocated, freed, peaked at and still holds.
+    /// Which "CUDA out of memory" a recorded trace shows, the evidence and the fix; per process
+    /// and per phase what was allocated; the contexts nobody freed.
     Report {
         trace: PathBuf,
-        /// Print the report as JSON
+        /// Print the report as JSON (schema in docs/report-schema.md)
         #[arg(long)]
         json: bool,
+        /// A context with no allocation or request for this long is a suspect holder
+        #[arg(long, value_name = "MINUTES", default_value_t = 10)]
+        idle_minutes: u64,
     },
 }
 
-fn report(path: PathBuf, json: bool) -> anyhow::Result<()> {
+fn print_report(path: PathBuf, json: bool, idle_minutes: u64) -> anyhow::Result<()> {
     let mut reader = Reader::open(&path)?;
     let mut model = Model::new();
     let mut events = 0;
@@ -64,7 +71,7 @@ fn report(path: PathBuf, json: bool) -> anyhow::Result<()> {
         damaged_lines: damage.bad_lines.len() as u64 + damage.torn_tail as u64,
         torn_tail: damage.torn_tail,
     };
-    let summary = Summary::new(&model, path.display().to_string(), events, loss);
+    let summary = report::Report::new(&reader.header, &model, path.display().to_string(), events, loss, idle_minutes * 60_000_000_000);
     if json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
     } else {
@@ -76,7 +83,7 @@ fn report(path: PathBuf, json: bool) -> anyhow::Result<()> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Record { output, pids, all, driver_version, raw, json, command } => {
+        Command::Record { output, pids, all, driver_version, raw, json, idle_minutes, command } => {
             let opts = gputrace::record::Options {
                 output,
                 pids,
@@ -84,12 +91,13 @@ fn main() -> ExitCode {
                 driver_version,
                 raw,
                 json,
+                idle_ns: idle_minutes * 60_000_000_000,
                 command,
                 invocation: std::env::args().collect(),
             };
             gputrace::record::run(opts).map(|outcome| ExitCode::from(outcome.exit_code.clamp(0, 255) as u8))
         }
-        Command::Report { trace, json } => report(trace, json).map(|()| ExitCode::SUCCESS),
+        Command::Report { trace, json, idle_minutes } => print_report(trace, json, idle_minutes).map(|()| ExitCode::SUCCESS),
     };
     match result {
         Ok(code) => code,

@@ -19,7 +19,7 @@ use crate::files::{device_of_path, KernelUpdate, ProcResolver, Resolver};
 use crate::model::Model;
 use crate::pipeline::Pipeline;
 use crate::probe::{self, Probe};
-use crate::summary::{bytes, FdFilter, Loss, Summary};
+use crate::report::{bytes, FdFilter, Loss, Report};
 use crate::trace::{Header, HolderAtStart, Writer, FORMAT, VERSION};
 
 pub struct Options {
@@ -29,6 +29,8 @@ pub struct Options {
     pub driver_version: Option<String>,
     pub raw: bool,
     pub json: bool,
+    /// How long without activity makes a context a suspect holder.
+    pub idle_ns: u64,
     pub command: Vec<String>,
     /// The gputrace command line, kept in the trace header.
     pub invocation: Vec<String>,
@@ -99,7 +101,7 @@ pub fn run(opts: Options) -> Result<Outcome> {
         damaged_lines: 0,
         torn_tail: false,
     };
-    let mut summary = Summary::new(&session.model, path.display().to_string(), session.writer.records, loss);
+    let mut summary = Report::new(&header, &session.model, path.display().to_string(), session.writer.records, loss, opts.idle_ns);
     let filter = FdFilter { questions: counters.questions, pending_dropped: session.pipeline.files.pending_dropped };
     if opts.json {
         summary.fd_filter = Some(filter);

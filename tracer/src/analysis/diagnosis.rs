@@ -8,6 +8,8 @@
 //! 4. concurrent-load: several in flight, each of which alone fits;
 //! plus host-oom (the kernel's OOM killer), none, and inconclusive (evidence missing or lost).
 
+use std::collections::BTreeMap;
+
 use serde::Serialize;
 use serde_json::{json, Value};
 
@@ -15,7 +17,7 @@ use super::{Phase, Service, Services};
 use crate::abi::status;
 use crate::event::Memory;
 use crate::model::Model;
-use crate::summary::bytes;
+use crate::report::bytes;
 use crate::trace::Header;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -322,16 +324,17 @@ impl<'a> Diagnoser<'a> {
                 let wanted = own + f.bytes.unwrap_or(0);
                 let params = wanted as f64 / 2.0 / 1e9;
                 let shortfall = f.bytes.unwrap_or(0).saturating_sub(free.unwrap_or(0));
-                let reserve = if vllm {
+                // A smaller reserve helps only when the model itself fit: vLLM refusing at start
+                // (its budget exceeds what is free), or a failure after the weights were loaded.
+                let reserve = if vllm && f.symptom == Symptom::StartupRefusal {
                     let util: f64 = flag(engine, &["--gpu-memory-utilization"]).and_then(|v| v.parse().ok()).unwrap_or(0.9);
-                    let suggested = self.capacity().map(|c| ((util - shortfall as f64 / c as f64) * 100.0).floor() / 100.0);
-                    match suggested {
-                        Some(u) if u > 0.3 => format!("; if only the reserve is too big, lower --gpu-memory-utilization from {util} to {u}"),
-                        _ => String::new(),
-                    }
+                    let fits = self.capacity().zip(free).map(|(c, free)| (free as f64 / c as f64 * 100.0).floor() / 100.0);
+                    fits.map(|u| format!("; or lower --gpu-memory-utilization from {util} to {u}, what is free")).unwrap_or_default()
+                } else if !vllm && own > f.bytes.unwrap_or(u64::MAX) {
+                    let ctx = flag(engine, &["-c", "--ctx-size", "--ctx"]).unwrap_or_else(|| "its default".into());
+                    format!("; the weights fit, so a smaller context reserve may: lower -c (now {ctx})")
                 } else {
-                    let ctx = flag(engine, &["-c", "--ctx-size", "--ctx"]);
-                    ctx.map(|c| format!("; if only the context reserve is too big, lower -c (now {c})")).unwrap_or_default()
+                    String::new()
                 };
                 Said {
                     text: format!(
@@ -377,32 +380,43 @@ impl<'a> Diagnoser<'a> {
                 }
             }
             Category::ConcurrentLoad => {
-                // What the batch in flight asked for, per request, against the room there was.
+                let prefill = |a: &&crate::model::Allocation| {
+                    a.memory == Memory::Video && service.pids.contains(&a.pid) && self.services.phase(service, a.ts) == Phase::Prefill
+                };
                 let prefill_live: u64 = self
                     .model
                     .allocations
                     .iter()
-                    .filter(|a| service.pids.contains(&a.pid) && a.ts <= f.ts && a.freed.is_none_or(|(t, _)| t > f.ts))
-                    .filter(|a| self.services.phase(service, a.ts) == Phase::Prefill)
+                    .filter(prefill)
+                    .filter(|a| a.ts <= f.ts && a.freed.is_none_or(|(t, _)| t > f.ts))
                     .map(|a| a.bytes)
                     .sum();
+                // What one request costs: what a prefill allocated while it was alone in flight.
+                let mut alone: BTreeMap<u64, u64> = BTreeMap::new();
+                for a in self.model.allocations.iter().filter(prefill).filter(|a| a.ts < f.ts) {
+                    if let [only] = self.services.in_flight(service, a.ts)[..] {
+                        *alone.entry(only.arrived).or_default() += a.bytes;
+                    }
+                }
                 let n = in_flight.len().max(1) as u64;
-                let per_request = (prefill_live + f.bytes.unwrap_or(0)) / n;
+                let measured = alone.values().copied().max();
+                let per_request = measured.unwrap_or((prefill_live + f.bytes.unwrap_or(0)) / n).max(1);
                 let room = free.unwrap_or(0) + prefill_live;
-                let cap = (room / per_request.max(1)).clamp(1, n.saturating_sub(1).max(1));
+                let cap = (room / per_request).clamp(1, n.saturating_sub(1).max(1));
                 let flag_text = if vllm { format!("--max-num-seqs {cap}") } else { format!("-np {cap}") };
+                let how = if measured.is_some() { "one request alone needed" } else { "the batch needed, per request," };
                 Said {
                     text: format!(
-                        "{n} requests in flight needed about {} each; {} was free for them: cap concurrency at {cap} ({flag_text}, or LiteLLM max_parallel_requests: {cap} in front of it).",
+                        "{n} requests were in flight; {how} {}, and {} was free for requests: cap concurrency at {cap} ({flag_text}, or LiteLLM max_parallel_requests: {cap} in front of it).",
                         bytes(per_request),
                         bytes(room)
                     ),
-                    fields: json!({"in_flight": n, "bytes_per_request": per_request, "room_bytes": room, "max_concurrency": cap, "flag": flag_text, "litellm_max_parallel_requests": cap}),
+                    fields: json!({"in_flight": n, "bytes_per_request": per_request, "per_request_measured_alone": measured.is_some(), "room_bytes": room, "max_concurrency": cap, "flag": flag_text, "litellm_max_parallel_requests": cap}),
                 }
             }
             Category::HostOom => Said {
                 text: format!(
-                    "The kernel's OOM killer killed pid {} : host memory ran out, not the GPU's (on unified-memory machines GPU memory is host RAM). Give it more host memory (the cgroup's limit), or load a smaller or quantized model{}.",
+                    "The kernel's OOM killer killed pid {}: host memory ran out, not the GPU's (on unified-memory machines GPU memory is host RAM). Give it more host memory (the cgroup's limit), or load a smaller or quantized model{}.",
                     f.pid,
                     if vllm { ", or lower --gpu-memory-utilization" } else { "" }
                 ),

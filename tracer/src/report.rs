@@ -1,0 +1,329 @@
+//! The report: the verdict first, its evidence and fix, then per process and per phase what was
+//! allocated, and the contexts nobody freed. Text for a person at a terminal, JSON for scripts
+//! (the schema is documented in docs/report-schema.md). `record` prints it at the end, `report`
+//! prints it for a trace file.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use serde::Serialize;
+
+use crate::analysis::diagnosis::{Category, Diagnoser, Diagnosis};
+use crate::analysis::{Phase, Services};
+use crate::event::Memory;
+use crate::model::{Model, Process};
+use crate::trace::Header;
+
+pub const SCHEMA: &str = "gputrace-report/1";
+
+/// A context idle this long is a suspect holder (configurable with --idle-minutes).
+pub const DEFAULT_IDLE_NS: u64 = 10 * 60 * 1_000_000_000;
+
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct KindTotals {
+    pub allocated: u64,
+    pub freed: u64,
+    pub live: u64,
+}
+
+/// Physical bytes are video + system; virtual address space is only in `by_kind`.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct ProcessReport {
+    pub pid: u32,
+    pub ppid: u32,
+    pub command: String,
+    /// The service (the process tree it belongs to), by its root's command.
+    pub service: String,
+    pub allocations: u64,
+    pub failed_allocations: u64,
+    pub bytes_allocated: u64,
+    pub bytes_freed: u64,
+    pub bytes_peak: u64,
+    pub bytes_live: u64,
+    pub by_kind: BTreeMap<&'static str, KindTotals>,
+    /// Physical bytes allocated in each phase of its service.
+    pub by_phase: BTreeMap<&'static str, u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+    pub exited: bool,
+}
+
+/// A driver context (an open nvidiactl file and the clients on it) still holding memory that no
+/// live, active service accounts for; or memory held before recording by another process.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct SuspectContext {
+    pub pid: u32,
+    pub command: String,
+    pub bytes: u64,
+    /// Nanoseconds since the trace start; None when it was already held before recording.
+    pub since: Option<u64>,
+    pub last_activity: Option<u64>,
+    pub why: String,
+}
+
+/// What the trace may be missing, always reported.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct Loss {
+    /// Records the kernel had no ring buffer room for.
+    pub lost_records: u64,
+    /// Followed driver calls whose params could not be read.
+    pub undecodable: u64,
+    /// Lines of the trace file that were damaged or torn.
+    pub damaged_lines: u64,
+    pub torn_tail: bool,
+}
+
+impl Loss {
+    pub fn is_lossless(&self) -> bool {
+        *self == Loss::default()
+    }
+}
+
+/// How the kernel-side fd filter behaved while recording (absent for a report of a trace file).
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct FdFilter {
+    /// Fds the kernel met without their open and asked about, once each.
+    pub questions: u64,
+    /// ioctls on such fds sent before the answer, dropped because the fd was not NVIDIA.
+    pub pending_dropped: u64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Report {
+    pub schema: &'static str,
+    pub trace: String,
+    pub duration_ns: u64,
+    pub events: u64,
+    /// The first failure's diagnosis, or category `none`.
+    pub diagnosis: Diagnosis,
+    /// Every failure, in time order.
+    pub diagnoses: Vec<Diagnosis>,
+    pub processes: Vec<ProcessReport>,
+    pub contexts_never_freed: Vec<SuspectContext>,
+    pub loss: Loss,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fd_filter: Option<FdFilter>,
+}
+
+fn physical(map: &BTreeMap<Memory, u64>) -> u64 {
+    map.get(&Memory::Video).copied().unwrap_or(0) + map.get(&Memory::System).copied().unwrap_or(0)
+}
+
+fn process_report(p: &Process, model: &Model, services: &Services) -> ProcessReport {
+    let u = &p.usage;
+    let by_kind = Memory::ALL
+        .iter()
+        .map(|m| {
+            let get = |map: &BTreeMap<Memory, u64>| map.get(m).copied().unwrap_or(0);
+            (m.name(), KindTotals { allocated: get(&u.allocated), freed: get(&u.freed), live: get(&u.live) })
+        })
+        .collect();
+    let mut by_phase: BTreeMap<&'static str, u64> = Phase::ALL.iter().map(|ph| (ph.name(), 0)).collect();
+    for a in model.allocations.iter().filter(|a| a.pid == p.pid && a.memory != Memory::Virtual) {
+        *by_phase.entry(services.phase_of(a.pid, a.ts).name()).or_default() += a.bytes;
+    }
+    ProcessReport {
+        pid: p.pid,
+        ppid: p.ppid,
+        command: p.command_line(),
+        service: services.of(p.pid).map(|s| s.name.clone()).unwrap_or_default(),
+        allocations: u.allocations,
+        failed_allocations: u.failed,
+        bytes_allocated: physical(&u.allocated),
+        bytes_freed: physical(&u.freed),
+        bytes_peak: u.peak_physical,
+        bytes_live: physical(&u.live),
+        by_kind,
+        by_phase,
+        exit_code: p.exit_code,
+        exited: p.exited.is_some(),
+    }
+}
+
+/// Contexts still holding memory at the end that no live, active service accounts for, and
+/// memory other processes held before recording.
+fn suspects(header: &Header, model: &Model, services: &Services, idle_ns: u64) -> Vec<SuspectContext> {
+    let start = header.monotonic_start_ns.min(model.first_ts.unwrap_or(u64::MAX));
+    let end = model.last_ts;
+    let mut out = Vec::new();
+    let mut by_file: BTreeMap<Option<u64>, Vec<&crate::model::Allocation>> = BTreeMap::new();
+    for a in model.live_allocations().filter(|a| a.memory != Memory::Virtual) {
+        by_file.entry(a.file).or_default().push(a);
+    }
+    for (file, allocs) in by_file {
+        let owner = allocs[0].pid;
+        let bytes = allocs.iter().map(|a| a.bytes).sum();
+        let since = allocs.iter().map(|a| a.ts).min().unwrap_or(start);
+        let holders = file.map(|f| model.holders(f)).unwrap_or_default();
+        let last_activity = model.allocations.iter().filter(|a| holders.contains(&a.pid)).map(|a| a.ts).chain(model.requests.iter().filter(|r| holders.contains(&r.pid)).map(|r| r.ended.unwrap_or(r.arrived))).max();
+        let owner_exited = model.processes.get(&owner).is_some_and(|p| p.exited.is_some());
+        let orphan = holders.iter().find(|&&h| model.processes.get(&model.processes[&h].ppid).is_some_and(|parent| parent.exited.is_some()));
+        let why = if owner_exited && !holders.is_empty() {
+            let h = holders[0];
+            format!("its owner pid {owner} exited; pid {h} (`{}`) still holds the device file, without having allocated it", model.processes[&h].command_line())
+        } else if let Some(&h) = orphan {
+            format!("pid {h} is an orphan: its parent pid {} exited", model.processes[&h].ppid)
+        } else if last_activity.is_some_and(|t| end.saturating_sub(t) >= idle_ns) {
+            format!("no allocation or request for {} s", end.saturating_sub(last_activity.unwrap_or(end)) / 1_000_000_000)
+        } else {
+            continue;
+        };
+        let holder = holders.first().copied().unwrap_or(owner);
+        let command = model.processes.get(&holder).map(|p| p.command_line()).unwrap_or_default();
+        out.push(SuspectContext {
+            pid: holder,
+            command,
+            bytes,
+            since: Some(since - start),
+            last_activity: last_activity.map(|t| t.saturating_sub(start)),
+            why,
+        });
+    }
+    for prior in &header.prior_use {
+        if services.of(prior.pid).is_some() {
+            continue;
+        }
+        let holder = header.holders_at_start.iter().find(|h| h.pid == prior.pid).or_else(|| header.holders_at_start.iter().find(|h| services.of(h.pid).is_none()));
+        let (pid, command) = match holder {
+            Some(h) => (h.pid, h.command.join(" ")),
+            None => (prior.pid, prior.command.join(" ")),
+        };
+        let why = if pid == prior.pid {
+            "held before recording began, by a process outside the traced ones".to_string()
+        } else {
+            format!("NVML counts it for pid {}, which is gone; pid {pid} keeps the device files open", prior.pid)
+        };
+        out.push(SuspectContext { pid, command, bytes: prior.used_bytes.unwrap_or(0), since: None, last_activity: None, why });
+    }
+    out
+}
+
+impl Report {
+    pub fn new(header: &Header, model: &Model, trace: String, events: u64, loss: Loss, idle_ns: u64) -> Report {
+        let diagnoser = Diagnoser::new(header, model, loss.lost_records);
+        let diagnoses = diagnoser.diagnose();
+        let services = diagnoser.services();
+        let processes = model
+            .processes
+            .values()
+            .filter(|p| p.usage.allocations > 0 || p.usage.failed > 0)
+            .map(|p| process_report(p, model, services))
+            .collect();
+        let duration_ns = model.first_ts.map(|f| model.last_ts - f).unwrap_or(0);
+        Report {
+            schema: SCHEMA,
+            trace,
+            duration_ns,
+            events,
+            diagnosis: diagnoses[0].clone(),
+            contexts_never_freed: suspects(header, model, services, idle_ns),
+            diagnoses,
+            processes,
+            loss,
+            fd_filter: None,
+        }
+    }
+
+    pub fn text(&self) -> String {
+        let mut out = String::new();
+        let d = &self.diagnosis;
+        let category = serde_json::to_value(d.category).unwrap_or_default();
+        let symptom = serde_json::to_value(d.symptom).unwrap_or_default();
+        let when = d.ts.map(|t| format!(" at {:.2} s", t as f64 / 1e9)).unwrap_or_default();
+        let service = d.service.as_ref().map(|s| format!(" in `{s}`")).unwrap_or_default();
+        if d.category == Category::None {
+            let _ = writeln!(out, "VERDICT: none. {}", d.evidence.text);
+        } else {
+            let _ = writeln!(out, "VERDICT: {} ({}){service}{when}", category.as_str().unwrap_or("?"), symptom.as_str().unwrap_or("?"));
+            let _ = writeln!(out, "  {}", d.evidence.text);
+            let _ = writeln!(out, "FIX: {}", d.fix.text);
+        }
+        for later in self.diagnoses.iter().skip(1) {
+            let c = serde_json::to_value(later.category).unwrap_or_default();
+            let _ = writeln!(out, "then{}: {} — {}", later.ts.map(|t| format!(" at {:.2} s", t as f64 / 1e9)).unwrap_or_default(), c.as_str().unwrap_or("?"), later.evidence.text);
+        }
+        let seconds = self.duration_ns as f64 / 1e9;
+        let _ = writeln!(out, "\n{} events over {seconds:.1} s in {}", self.events, self.trace);
+        if !self.processes.is_empty() {
+            let _ = writeln!(out, "\n{:>8}  {:<28} {:>7} {:>11} {:>11} {:>11} {:>11} {:>6}", "PID", "COMMAND", "ALLOCS", "ALLOCATED", "FREED", "PEAK", "LIVE", "FAILED");
+            for p in &self.processes {
+                let _ = writeln!(
+                    out,
+                    "{:>8}  {:<28} {:>7} {:>11} {:>11} {:>11} {:>11} {:>6}",
+                    p.pid,
+                    clip(&p.command, 28),
+                    p.allocations,
+                    bytes(p.bytes_allocated),
+                    bytes(p.bytes_freed),
+                    bytes(p.bytes_peak),
+                    bytes(p.bytes_live),
+                    p.failed_allocations
+                );
+            }
+            let _ = writeln!(out, "\n{:>8}  {:>11} {:>11} {:>11} {:>11}   (bytes allocated in each phase)", "PID", "LOAD", "PREFILL", "DECODE", "IDLE");
+            for p in &self.processes {
+                let get = |ph: &str| bytes(p.by_phase.get(ph).copied().unwrap_or(0));
+                let _ = writeln!(out, "{:>8}  {:>11} {:>11} {:>11} {:>11}", p.pid, get("load"), get("prefill"), get("decode"), get("idle"));
+            }
+        }
+        if !self.contexts_never_freed.is_empty() {
+            let _ = writeln!(out, "\nCONTEXTS NEVER FREED");
+            for c in &self.contexts_never_freed {
+                let since = c.since.map(|s| format!("since {:.2} s", s as f64 / 1e9)).unwrap_or_else(|| "since before recording".into());
+                let _ = writeln!(out, "  pid {} `{}`: {} {since}: {}", c.pid, clip(&c.command, 60), bytes(c.bytes), c.why);
+            }
+        }
+        let l = &self.loss;
+        if l.is_lossless() {
+            let _ = writeln!(out, "Lost events: 0.");
+        } else {
+            let _ = writeln!(
+                out,
+                "INCOMPLETE: {} records lost in the kernel (ring buffer full), {} driver calls unreadable, {} damaged trace lines{}.",
+                l.lost_records,
+                l.undecodable,
+                l.damaged_lines,
+                if l.torn_tail { ", torn last line" } else { "" }
+            );
+        }
+        out
+    }
+}
+
+fn clip(text: &str, width: usize) -> String {
+    if text.chars().count() > width {
+        text.chars().take(width - 1).collect::<String>() + "…"
+    } else {
+        text.to_string()
+    }
+}
+
+/// Binary units, as people read memory sizes.
+pub fn bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = n as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit < UNITS.len() - 1 {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{n} B")
+    } else {
+        format!("{value:.1} {}", UNITS[unit])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_in_binary_units() {
+        assert_eq!(bytes(0), "0 B");
+        assert_eq!(bytes(1023), "1023 B");
+        assert_eq!(bytes(1536), "1.5 KiB");
+        assert_eq!(bytes(20 << 20), "20.0 MiB");
+        assert_eq!(bytes(80 << 30), "80.0 GiB");
+    }
+}
