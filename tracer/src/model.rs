@@ -132,19 +132,23 @@ pub struct Process {
 }
 
 impl Process {
-    /// The command as ps shows it: the program's name, then its arguments.
     pub fn command_line(&self) -> String {
-        match self.command.split_first() {
-            None => "?".into(),
-            Some((program, args)) => {
-                let name = program.rsplit('/').next().unwrap_or(program);
-                std::iter::once(name).chain(args.iter().map(String::as_str)).collect::<Vec<_>>().join(" ")
-            }
-        }
+        display_command(&self.command)
     }
     /// NVIDIA files this process holds open now.
     pub fn held_files(&self) -> impl Iterator<Item = FileId> + '_ {
         self.fds.values().map(|f| f.file)
+    }
+}
+
+/// A command as ps shows it: the program's name, then its arguments.
+pub fn display_command(argv: &[String]) -> String {
+    match argv.split_first() {
+        None => "?".into(),
+        Some((program, args)) => {
+            let name = program.rsplit('/').next().unwrap_or(program);
+            std::iter::once(name).chain(args.iter().map(String::as_str)).collect::<Vec<_>>().join(" ")
+        }
     }
 }
 

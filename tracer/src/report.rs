@@ -183,11 +183,7 @@ fn suspects(header: &Header, model: &Model, services: &Services, idle_ns: u64) -
         if services.of(prior.pid).is_some() {
             continue;
         }
-        let holder = header.holders_at_start.iter().find(|h| h.pid == prior.pid).or_else(|| header.holders_at_start.iter().find(|h| services.of(h.pid).is_none()));
-        let (pid, command) = match holder {
-            Some(h) => (h.pid, h.command.join(" ")),
-            None => (prior.pid, prior.command.join(" ")),
-        };
+        let (pid, command) = crate::analysis::prior_holder(header, prior, |pid| services.of(pid).is_some());
         let why = if pid == prior.pid {
             "held before recording began, by a process outside the traced ones".to_string()
         } else {

@@ -172,12 +172,11 @@ fn demo(only: Option<&str>, server_choice: Option<&str>) -> Result<()> {
         if only.is_some() {
             println!("== {server} {name}: {what}");
             let _ = Command::new(bin("gputrace")).arg("report").arg(dir.join("run.trace")).status();
-            println!("{}", before_recording(&dir));
             println!("(trace, logs and ground truth in {})\n", dir.display());
             continue;
         }
         let seen = if status.success() { verdict(&dir) } else { format!("the scenario did not run ({status}); see {}", dir.display()) };
-        println!("{server:<6} {name:<22} {what}\n{:<29} gputrace: {seen}", "");
+        println!("{server:<6} {name:<22} {what}\n{:<29} gputrace: {seen}\n", "");
     }
     if only.is_none() {
         println!("\nTraces, logs and ground truth are in {}; `cargo xtask demo NAME [vllm|llama]` shows one in full.", root_dir.display());
@@ -190,56 +189,18 @@ fn read_json(path: &Path) -> Option<serde_json::Value> {
     serde_json::from_str(text.lines().next()?).ok().or_else(|| serde_json::from_str(&text).ok())
 }
 
-fn gib(b: u64) -> String {
-    format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64)
-}
-
-/// What the trace's header says was there before recording began: NVML's figures and holders.
-fn before_recording(dir: &Path) -> String {
-    let Some(header) = read_json(&dir.join("run.trace")) else { return String::new() };
-    let prior: Vec<String> = header["prior_use"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .map(|p| format!("pid {} had {}", p["pid"], gib(p["used_bytes"].as_u64().unwrap_or(0))))
-        .collect();
-    let holders: Vec<String> = header["holders_at_start"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .map(|h| {
-            let command: Vec<&str> = h["command"].as_array().into_iter().flatten().filter_map(|a| a.as_str()).collect();
-            let program = command.first().map(|p| p.rsplit('/').next().unwrap_or(p)).unwrap_or("?");
-            format!("pid {} `{} {}`", h["pid"], program, command.get(1..).unwrap_or_default().join(" "))
-        })
-        .collect();
-    if prior.is_empty() && holders.is_empty() {
-        return String::new();
-    }
-    format!("before recording: {}; device files held open by {}", prior.join(", "), holders.join(", "))
-}
-
-/// One line from `record --json` and the trace header: what gputrace saw.
+/// One line from `record --json`: gputrace's verdict and the fix it gives.
 fn verdict(dir: &Path) -> String {
-    let Some(summary) = read_json(&dir.join("record.json")) else {
-        return "gputrace printed no summary".into();
+    let Some(report) = read_json(&dir.join("record.json")) else {
+        return "gputrace printed no report".into();
     };
-    let processes = summary["processes"].as_array().cloned().unwrap_or_default();
-    let sum = |key: &str| processes.iter().filter_map(|p| p[key].as_u64()).sum::<u64>();
-    let peak = processes.iter().filter_map(|p| p["bytes_peak"].as_u64()).max().unwrap_or(0);
-    let mut line = format!(
-        "{} allocations, {} failed, peak {}, {} live at the end, {} events lost",
-        sum("allocations"),
-        sum("failed_allocations"),
-        gib(peak),
-        gib(sum("bytes_live")),
-        summary["loss"]["lost_records"].as_u64().unwrap_or(0)
-    );
-    let before = before_recording(dir);
-    if !before.is_empty() {
-        line += &format!("; {before}");
+    let d = &report["diagnosis"];
+    let category = d["category"].as_str().unwrap_or("?");
+    if category == "none" {
+        let lost = report["loss"]["lost_records"].as_u64().unwrap_or(0);
+        return format!("none: nothing failed, no suspect context, {lost} events lost");
     }
-    line
+    format!("{category} ({}): {}", d["symptom"].as_str().unwrap_or("?"), d["fix"]["text"].as_str().unwrap_or(""))
 }
 
 /// Median of three runs of `cmd`, whose stdout is one number (ns per ioctl).

@@ -131,15 +131,7 @@ impl<'a> Diagnoser<'a> {
         for prior in self.header.prior_use.iter().filter(|p| !service.pids.contains(&p.pid)) {
             let used = prior.used_bytes.unwrap_or(0);
             total += used;
-            // NVML names the allocating pid; when that is gone, the process keeping the device
-            // files open is the one to stop (a forked child, an orphaned worker).
-            let holder = self.header.holders_at_start.iter().find(|h| h.pid == prior.pid).or_else(|| {
-                self.header.holders_at_start.iter().find(|h| !service.pids.contains(&h.pid) && prior.command.is_empty())
-            });
-            let (pid, command) = match holder {
-                Some(h) => (h.pid, h.command.join(" ")),
-                None => (prior.pid, prior.command.join(" ")),
-            };
+            let (pid, command) = super::prior_holder(self.header, prior, |pid| service.pids.contains(&pid));
             holders.push(json!({"pid": pid, "command": command, "bytes": used, "source": "nvml", "nvml_pid": prior.pid}));
         }
         (total, holders)

@@ -9,7 +9,8 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use crate::event::Seen;
-use crate::model::{Model, Request};
+use crate::model::{display_command, Model, Request};
+use crate::trace::{Header, PriorUse};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -125,6 +126,21 @@ impl<'m> Services<'m> {
     /// The phase a process's service was in at `ts`.
     pub fn phase_of(&self, pid: u32, ts: u64) -> Phase {
         self.of(pid).map_or(Phase::Load, |s| self.phase(s, ts))
+    }
+}
+
+/// Who keeps memory NVML counted before recording: the process it names when that is still there
+/// with the device files open, else the process outside `inside` that keeps them open (a forked
+/// child of a dead owner, an orphaned worker). Its pid and command.
+pub fn prior_holder(header: &Header, prior: &PriorUse, inside: impl Fn(u32) -> bool) -> (u32, String) {
+    let holder = header
+        .holders_at_start
+        .iter()
+        .find(|h| h.pid == prior.pid)
+        .or_else(|| header.holders_at_start.iter().find(|h| !inside(h.pid) && prior.command.is_empty()));
+    match holder {
+        Some(h) => (h.pid, display_command(&h.command)),
+        None => (prior.pid, display_command(&prior.command)),
     }
 }
 
