@@ -252,3 +252,30 @@ fn raw_keeps_the_bytes_behind_each_event() {
     assert_eq!(checked, 1);
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `gputrace mark` from a wrapper script: recorded, and it overrides the inferred phase.
+#[test]
+fn explicit_marks_reach_the_trace_and_override_phases() {
+    let _serial = serial();
+    if !root_or_skip("explicit_marks_reach_the_trace_and_override_phases") {
+        return;
+    }
+    let dir = scratch("mark");
+    let script = r#""$G" record -o "$D/run.trace" -- sh -c '"$W" hold --ms 800 & P=$!; sleep 0.3; "$G" mark decode --pid $P 2>"$D/ok"; "$G" mark decode --pid 1 2>"$D/refused"; wait $P'"#;
+    let out = in_fake_gpu(&dir, script);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let read = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap_or_default();
+    assert!(read("ok").contains("marked pid"), "{}", read("ok"));
+    assert!(read("refused").contains("pid 1 is not traced by this recorder"), "{}", read("refused"));
+    let (_, records, _) = Reader::read_all(&dir.join("run.trace")).unwrap();
+    let mark = records.iter().find(|r| matches!(&r.event, Event::Mark { phase } if phase == "decode")).expect("the mark in the trace");
+    let model = Model::from_records(&records);
+    let services = gputrace::analysis::Services::new(&model);
+    let later = model.allocations.iter().find(|a| a.pid == mark.pid && a.ts > mark.ts).expect("an allocation after the mark");
+    assert_eq!(services.phase_of(later.pid, later.ts), gputrace::analysis::Phase::Decode);
+    let before = model.allocations.iter().find(|a| a.pid == mark.pid && a.ts < mark.ts).unwrap();
+    assert_eq!(services.phase_of(before.pid, before.ts), gputrace::analysis::Phase::Load);
+    let none = Command::new(gputrace_bin()).args(["mark", "idle", "--pid", "1"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&none.stderr).contains("no gputrace record is running"));
+    std::fs::remove_dir_all(&dir).ok();
+}

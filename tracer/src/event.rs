@@ -155,6 +155,9 @@ pub enum Event {
     ConnClose { conn: u64 },
     /// The kernel's OOM killer chose this process (the record's pid) as its victim.
     OomKill,
+    /// An explicit phase mark for the record's pid (`gputrace mark`): its service is in `phase`
+    /// from now on, whatever inference says, until the next mark.
+    Mark { phase: String },
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -15,3 +15,4 @@ pub mod report;
 pub mod record;
 pub mod btf;
 pub mod analysis;
+pub mod mark;

@@ -43,6 +43,14 @@ enum Command {
         #[arg(last = true, value_name = "CMD")]
         command: Vec<String>,
     },
+    /// Mark the phase of a traced process's service in every running recording (overrides inference).
+    Mark {
+        /// load, prefill, decode or idle
+        phase: String,
+        /// The process whose service it is [default: the caller's parent, e.g. the wrapper script]
+        #[arg(long)]
+        pid: Option<u32>,
+    },
     /// Which "CUDA out of memory" a recorded trace shows, the evidence and the fix; per process
     /// and per phase what was allocated; the contexts nobody freed.
     Report {
@@ -96,6 +104,14 @@ fn main() -> ExitCode {
                 invocation: std::env::args().collect(),
             };
             gputrace::record::run(opts).map(|outcome| ExitCode::from(outcome.exit_code.clamp(0, 255) as u8))
+        }
+        Command::Mark { phase, pid } => {
+            // SAFETY: getppid has no preconditions.
+            let pid = pid.unwrap_or_else(|| unsafe { libc::getppid() } as u32);
+            gputrace::mark::send(&phase, pid).map(|done| {
+                eprintln!("gputrace: {done}");
+                ExitCode::SUCCESS
+            })
         }
         Command::Report { trace, json, idle_minutes } => print_report(trace, json, idle_minutes).map(|()| ExitCode::SUCCESS),
     };

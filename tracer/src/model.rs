@@ -224,6 +224,8 @@ pub struct Model {
     pub allocations: Vec<Allocation>,
     pub failures: Vec<FailedAllocation>,
     pub requests: Vec<Request>,
+    /// Explicit phase marks: (ts, pid, phase).
+    pub marks: Vec<(u64, u32, String)>,
     pub undecodable: u64,
     pub lost_records: u64,
     pub first_ts: Option<u64>,
@@ -456,6 +458,7 @@ impl Model {
             Event::OomKill => {
                 self.process(pid, ts).oom_killed.get_or_insert(ts);
             }
+            Event::Mark { phase } => self.marks.push((ts, pid, phase.clone())),
         }
     }
 

@@ -209,6 +209,8 @@ impl Session {
             false => Some(self.launch(probe, &opts.command)?),
         };
 
+        let marks = MarkSocket::open();
+        let (mark_tx, mut mark_rx) = tokio::sync::mpsc::channel::<(String, tokio::sync::oneshot::Sender<String>)>(16);
         let mut interrupt = signal(SignalKind::interrupt()).context("handling Ctrl-C")?;
         let mut terminate = signal(SignalKind::terminate()).context("handling SIGTERM")?;
         let mut tick = tokio::time::interval(Duration::from_millis(100));
@@ -248,6 +250,14 @@ impl Session {
                     self.emit_now(pid, Event::Exit { code: Some(exit_code) })?;
                     break;
                 }
+                conn = async { marks.listener.as_ref().unwrap().accept().await }, if marks.listener.is_some() => {
+                    if let Ok((stream, _)) = conn {
+                        tokio::spawn(serve_mark(stream, mark_tx.clone()));
+                    }
+                }
+                Some((line, reply)) = mark_rx.recv() => {
+                    let _ = reply.send(self.mark(&line)?);
+                }
                 _ = interrupt.recv() => { exit_code = 130; break; }
                 _ = terminate.recv() => { exit_code = 143; break; }
             }
@@ -258,6 +268,18 @@ impl Session {
             eprint!("\r\x1b[2K");
         }
         Ok(exit_code)
+    }
+
+    /// A phase mark from the socket: recorded for a traced process, refused otherwise.
+    fn mark(&mut self, line: &str) -> Result<String> {
+        Ok(match crate::mark::parse(line) {
+            Ok((phase, pid)) if self.model.processes.contains_key(&pid) => {
+                self.emit_now(pid, Event::Mark { phase: phase.name().into() })?;
+                "OK".into()
+            }
+            Ok((_, pid)) => format!("ERR pid {pid} is not traced by this recorder"),
+            Err(why) => format!("ERR {why}"),
+        })
     }
 
     /// Starts the command with nothing it does missed: gputrace marks itself traced for the
@@ -293,6 +315,57 @@ impl Session {
         let line: String = line.chars().take(width.saturating_sub(1)).collect();
         eprint!("\r\x1b[2K{line}");
         let _ = std::io::stderr().flush();
+    }
+}
+
+/// The socket `gputrace mark` talks to; removed when recording ends.
+struct MarkSocket {
+    listener: Option<tokio::net::UnixListener>,
+    path: std::path::PathBuf,
+}
+
+impl MarkSocket {
+    /// Without it, recording goes on: marks are a convenience, said so once.
+    fn open() -> MarkSocket {
+        let path = crate::mark::socket_path(std::process::id());
+        let _ = std::fs::create_dir_all(crate::mark::SOCKET_DIR);
+        let _ = std::fs::remove_file(&path);
+        let listener = match tokio::net::UnixListener::bind(&path) {
+            Ok(l) => {
+                // Wrapper scripts run as the user behind sudo; only traced pids are accepted.
+                let _ = std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o666));
+                Some(l)
+            }
+            Err(e) => {
+                eprintln!("gputrace: warning: no phase marks this time: cannot listen on {}: {e}", path.display());
+                None
+            }
+        };
+        MarkSocket { listener, path }
+    }
+}
+
+impl Drop for MarkSocket {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// One client: one line in, the recorder's answer out.
+async fn serve_mark(stream: tokio::net::UnixStream, to_recorder: tokio::sync::mpsc::Sender<(String, tokio::sync::oneshot::Sender<String>)>) {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+    let (read, mut write) = stream.into_split();
+    let mut line = String::new();
+    let mut reader = tokio::io::BufReader::new(read);
+    if tokio::time::timeout(Duration::from_secs(2), reader.read_line(&mut line)).await.is_err() {
+        return;
+    }
+    let (reply_tx, reply_rx) = tokio::sync::oneshot::channel();
+    if to_recorder.send((line, reply_tx)).await.is_err() {
+        return;
+    }
+    if let Ok(reply) = reply_rx.await {
+        let _ = write.write_all(format!("{reply}\n").as_bytes()).await;
     }
 }
 

@@ -35,6 +35,10 @@ impl Phase {
             Phase::Idle => "idle",
         }
     }
+
+    pub fn parse(name: &str) -> Option<Phase> {
+        Phase::ALL.into_iter().find(|p| p.name() == name)
+    }
 }
 
 /// A process tree that is one server: the launched command, or an attached process, and every
@@ -108,8 +112,12 @@ impl<'m> Services<'m> {
         self.model.requests.iter().filter(|r| is_completion(r) && service.pids.contains(&r.pid) && r.in_flight_at(ts)).collect()
     }
 
-    /// The phase of `service` at `ts`.
+    /// The phase of `service` at `ts`: its latest explicit mark, else inferred.
     pub fn phase(&self, service: &Service, ts: u64) -> Phase {
+        let marked = self.model.marks.iter().filter(|(t, pid, _)| *t <= ts && service.pids.contains(pid)).max_by_key(|(t, _, _)| *t);
+        if let Some(phase) = marked.and_then(|(_, _, p)| Phase::parse(p)) {
+            return phase;
+        }
         if service.ready_at.is_none_or(|ready| ts < ready) {
             return Phase::Load;
         }

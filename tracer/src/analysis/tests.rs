@@ -100,6 +100,20 @@ fn phases_for_both_server_families() {
 }
 
 #[test]
+fn explicit_marks_override_inference() {
+    let mut t = Trace::vllm(16 * GIB);
+    t.at(150 * MS, API, Event::Mark { phase: "load".into() });
+    t.at(170 * MS, API, Event::Mark { phase: "no-such-phase".into() });
+    t.0.sort_by_key(|r| r.ts);
+    let m = Model::from_records(&t.0);
+    let services = Services::new(&m);
+    let s = services.of(ENGINE).unwrap();
+    assert_eq!(services.phase(s, 120 * MS), Phase::Idle, "inferred before the mark");
+    assert_eq!(services.phase(s, 160 * MS), Phase::Load, "marked");
+    assert_eq!(services.phase(s, 180 * MS), Phase::Idle, "a mark naming no phase is ignored");
+}
+
+#[test]
 fn nothing_failed_is_none() {
     let mut t = Trace::vllm(16 * GIB);
     let d = t.diagnose(80 * GIB, &[], 0);
