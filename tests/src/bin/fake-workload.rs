@@ -147,18 +147,27 @@ fn hold(truth: &mut Truth, ms: u64) -> Result<(), String> {
     Ok(())
 }
 
+/// A message of one buffer with room for `fds` file descriptors of ancillary data. The iovec and
+/// control buffer must outlive the returned header.
+fn message(iov: &mut libc::iovec, control: &mut Vec<u8>, fds: usize) -> libc::msghdr {
+    // SAFETY: CMSG_SPACE is arithmetic; the header points at buffers the caller keeps alive.
+    let space = unsafe { libc::CMSG_SPACE((fds * 4) as u32) } as usize;
+    control.resize(space, 0);
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = space;
+    msg
+}
+
 /// SCM_RIGHTS: the fds go as ancillary data, `payload` as the message.
 fn send_fds(socket: i32, fds: &[i32], payload: &[u8]) -> Result<(), String> {
-    let space = unsafe { libc::CMSG_SPACE((fds.len() * 4) as u32) } as usize;
-    let mut control = vec![0u8; space];
+    let mut control = Vec::new();
     let mut iov = libc::iovec { iov_base: payload.as_ptr() as *mut libc::c_void, iov_len: payload.len() };
-    // SAFETY: msghdr over live buffers; CMSG macros walk the control buffer sized above.
+    let msg = message(&mut iov, &mut control, fds.len());
+    // SAFETY: the CMSG macros walk the control buffer `message` sized.
     unsafe {
-        let mut msg: libc::msghdr = std::mem::zeroed();
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = control.as_mut_ptr().cast();
-        msg.msg_controllen = space;
         let cmsg = libc::CMSG_FIRSTHDR(&msg);
         (*cmsg).cmsg_level = libc::SOL_SOCKET;
         (*cmsg).cmsg_type = libc::SCM_RIGHTS;
@@ -172,16 +181,11 @@ fn send_fds(socket: i32, fds: &[i32], payload: &[u8]) -> Result<(), String> {
 }
 
 fn receive_fds(socket: i32, count: usize, payload: &mut [u8]) -> Result<Vec<i32>, String> {
-    let space = unsafe { libc::CMSG_SPACE((count * 4) as u32) } as usize;
-    let mut control = vec![0u8; space];
+    let mut control = Vec::new();
     let mut iov = libc::iovec { iov_base: payload.as_mut_ptr().cast(), iov_len: payload.len() };
+    let mut msg = message(&mut iov, &mut control, count);
     // SAFETY: as in send_fds; MSG_CMSG_CLOEXEC keeps them out of anything we exec.
     unsafe {
-        let mut msg: libc::msghdr = std::mem::zeroed();
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = control.as_mut_ptr().cast();
-        msg.msg_controllen = space;
         if libc::recvmsg(socket, &mut msg, libc::MSG_CMSG_CLOEXEC) < 0 {
             return Err(format!("recvmsg: {}", std::io::Error::last_os_error()));
         }
