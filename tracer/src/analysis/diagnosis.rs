@@ -200,8 +200,10 @@ impl<'a> Diagnoser<'a> {
         };
         let capacity = self.capacity();
         let ts = f.ts;
-        let phase = self.services.phase(service, ts);
-        let in_flight = self.services.in_flight(service, ts);
+        // A death is judged by the state just before it: its exit ends its requests at once.
+        let before = if f.symptom == Symptom::FailedAllocation { ts } else { ts.saturating_sub(1) };
+        let phase = self.services.phase(service, before);
+        let in_flight = self.services.in_flight(service, before);
         let (outside, holders) = self.held_outside(service, ts);
         let own = self.live_at(ts, |pid| service.pids.contains(&pid));
         let free = capacity.map(|c| c.saturating_sub(outside + own));

@@ -215,3 +215,19 @@ fn the_oom_killer_is_host_oom() {
     let d = &t.diagnose(80 * GIB, &[], 0)[0];
     assert_eq!((d.category, d.symptom, d.pid), (Category::HostOom, Symptom::OomKill, Some(ENGINE)));
 }
+
+/// A server that dies of a signal with no failed allocation (PyTorch can raise out-of-memory
+/// under a memory fraction with no failed driver call): the symptom is a crash, and the cause is
+/// judged by the same rules, here one request in flight.
+#[test]
+fn a_crash_without_a_failed_allocation() {
+    let mut t = Trace::vllm(16 * GIB);
+    t.request(7, 200 * MS, 200_000, None);
+    t.at(220 * MS, API, Event::Exit { code: Some(134) });
+    let d = &t.diagnose(80 * GIB, &[], 0)[0];
+    assert_eq!((d.symptom, d.category, d.pid), (Symptom::Crash, Category::LongRequest, Some(API)));
+    // Stopped by Ctrl-C or SIGTERM is no failure at all.
+    let mut t = Trace::vllm(16 * GIB);
+    t.at(220 * MS, API, Event::Exit { code: Some(143) });
+    assert_eq!(t.diagnose(80 * GIB, &[], 0)[0].category, Category::None);
+}
