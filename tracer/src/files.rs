@@ -80,10 +80,6 @@ impl<R: Resolver> FileTable<R> {
         FileTable { resolver, fds: HashMap::new(), kernel_files: HashMap::new(), next_file: 1, questions_answered: 0, pending_dropped: 0 }
     }
 
-    pub fn resolver(&self) -> &R {
-        &self.resolver
-    }
-
     fn new_file(&mut self) -> u64 {
         let id = self.next_file;
         self.next_file += 1;

@@ -7,7 +7,7 @@ use aya::maps::{Array, HashMap, MapData, PerCpuArray, RingBuf};
 use aya::programs::TracePoint;
 use aya::Ebpf;
 use thiserror::Error;
-use tracer_common::{stat, Config, FdKey, KernelOffsets, UvmWindow};
+use tracer_common::{stat, traced, Config, FdKey, KernelOffsets, UvmWindow};
 
 use crate::abi::Layout;
 
@@ -192,7 +192,7 @@ impl Probe {
 
     /// Traces `pid` and, from now on, every process it forks.
     pub fn trace_pid(&mut self, pid: u32) -> Result<(), ProbeError> {
-        self.traced.insert(pid, 1, 0).map_err(map_err("TRACED"))
+        self.traced.insert(pid, traced::YES, 0).map_err(map_err("TRACED"))
     }
 
     pub fn untrace_pid(&mut self, pid: u32) {

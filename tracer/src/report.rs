@@ -16,9 +16,6 @@ use crate::trace::Header;
 
 pub const SCHEMA: &str = "gputrace-report/1";
 
-/// A context idle this long is a suspect holder (configurable with --idle-minutes).
-pub const DEFAULT_IDLE_NS: u64 = 10 * 60 * 1_000_000_000;
-
 #[derive(Clone, Debug, Default, Serialize, PartialEq)]
 pub struct KindTotals {
     pub allocated: u64,

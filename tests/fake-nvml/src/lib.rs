@@ -38,7 +38,8 @@ fn device_ok(device: *const u8) -> bool {
     std::ptr::eq(device, &DEVICE)
 }
 
-fn copy_str(text: &str, out: *mut c_char, length: u32) -> Return {
+/// SAFETY: `out` is null or has `length` writable bytes (NVML's contract for string outputs).
+unsafe fn copy_str(text: &str, out: *mut c_char, length: u32) -> Return {
     if out.is_null() || (length as usize) < text.len() + 1 {
         return ERROR_INSUFFICIENT_SIZE;
     }
@@ -74,16 +75,20 @@ pub extern "C" fn nvmlErrorString(_result: Return) -> *const c_char {
     c"fake NVML error".as_ptr()
 }
 
+/// # Safety
+/// Pointer arguments follow NVML's API: valid for what it writes, or null where NVML allows it.
 #[unsafe(no_mangle)]
-pub extern "C" fn nvmlSystemGetDriverVersion(version: *mut c_char, length: u32) -> Return {
+pub unsafe extern "C" fn nvmlSystemGetDriverVersion(version: *mut c_char, length: u32) -> Return {
     match state() {
-        Some(s) => copy_str(&s.version, version, length),
+        Some(s) => unsafe { copy_str(&s.version, version, length) },
         None => ERROR_UNINITIALIZED,
     }
 }
 
+/// # Safety
+/// Pointer arguments follow NVML's API: valid for what it writes, or null where NVML allows it.
 #[unsafe(no_mangle)]
-pub extern "C" fn nvmlDeviceGetCount_v2(count: *mut u32) -> Return {
+pub unsafe extern "C" fn nvmlDeviceGetCount_v2(count: *mut u32) -> Return {
     if count.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -92,8 +97,10 @@ pub extern "C" fn nvmlDeviceGetCount_v2(count: *mut u32) -> Return {
     SUCCESS
 }
 
+/// # Safety
+/// Pointer arguments follow NVML's API: valid for what it writes, or null where NVML allows it.
 #[unsafe(no_mangle)]
-pub extern "C" fn nvmlDeviceGetHandleByIndex_v2(index: u32, device: *mut *const u8) -> Return {
+pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex_v2(index: u32, device: *mut *const u8) -> Return {
     if index != 0 || device.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
@@ -102,10 +109,12 @@ pub extern "C" fn nvmlDeviceGetHandleByIndex_v2(index: u32, device: *mut *const 
     SUCCESS
 }
 
+/// # Safety
+/// Pointer arguments follow NVML's API: valid for what it writes, or null where NVML allows it.
 #[unsafe(no_mangle)]
-pub extern "C" fn nvmlDeviceGetName(device: *const u8, name: *mut c_char, length: u32) -> Return {
+pub unsafe extern "C" fn nvmlDeviceGetName(device: *const u8, name: *mut c_char, length: u32) -> Return {
     match state() {
-        Some(s) if device_ok(device) => copy_str(&s.name, name, length),
+        Some(s) if device_ok(device) => unsafe { copy_str(&s.name, name, length) },
         Some(_) => ERROR_INVALID_ARGUMENT,
         None => ERROR_UNINITIALIZED,
     }
@@ -127,8 +136,10 @@ pub struct MemoryV2 {
     used: u64,
 }
 
+/// # Safety
+/// Pointer arguments follow NVML's API: valid for what it writes, or null where NVML allows it.
 #[unsafe(no_mangle)]
-pub extern "C" fn nvmlDeviceGetMemoryInfo(device: *const u8, memory: *mut Memory) -> Return {
+pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(device: *const u8, memory: *mut Memory) -> Return {
     let Some(s) = state() else { return ERROR_UNINITIALIZED };
     if !device_ok(device) || memory.is_null() {
         return ERROR_INVALID_ARGUMENT;
@@ -141,8 +152,10 @@ pub extern "C" fn nvmlDeviceGetMemoryInfo(device: *const u8, memory: *mut Memory
     SUCCESS
 }
 
+/// # Safety
+/// Pointer arguments follow NVML's API: valid for what it writes, or null where NVML allows it.
 #[unsafe(no_mangle)]
-pub extern "C" fn nvmlDeviceGetMemoryInfo_v2(device: *const u8, memory: *mut MemoryV2) -> Return {
+pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(device: *const u8, memory: *mut MemoryV2) -> Return {
     let Some(s) = state() else { return ERROR_UNINITIALIZED };
     if !device_ok(device) || memory.is_null() {
         return ERROR_INVALID_ARGUMENT;
@@ -167,8 +180,10 @@ pub struct ProcessInfo {
 }
 
 /// NVML's two-call protocol: a short buffer gets INSUFFICIENT_SIZE with the count needed.
+/// # Safety
+/// Pointer arguments follow NVML's API: valid for what it writes, or null where NVML allows it.
 #[unsafe(no_mangle)]
-pub extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(device: *const u8, count: *mut u32, infos: *mut ProcessInfo) -> Return {
+pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(device: *const u8, count: *mut u32, infos: *mut ProcessInfo) -> Return {
     let Some(s) = state() else { return ERROR_UNINITIALIZED };
     if !device_ok(device) || count.is_null() {
         return ERROR_INVALID_ARGUMENT;

@@ -5,8 +5,9 @@
 //! 1. held-by-other-process: memory held outside the failing service covers the shortfall;
 //! 2. does-not-fit-at-load: it failed before the service served a request;
 //! 3. long-request: one request in flight, or one far larger than the others;
-//! 4. concurrent-load: several in flight, each of which alone fits;
-//! plus host-oom (the kernel's OOM killer), none, and inconclusive (evidence missing or lost).
+//! 4. concurrent-load: several in flight, each of which alone fits.
+//!
+//! Besides: host-oom (the kernel's OOM killer), none, and inconclusive (evidence missing or lost).
 
 use std::collections::BTreeMap;
 
