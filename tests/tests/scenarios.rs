@@ -158,6 +158,74 @@ fn phases_agree(o: &Outcome, what: &str) {
     }
 }
 
+/// `gputrace export` of the scenario's trace: the Perfetto JSON follows the Trace Event Format,
+/// the CSV has one well-formed row per allocation.
+fn exports_are_well_formed(o: &Outcome, what: &str) {
+    let export = |format: &str| {
+        let out = Command::new(gputrace_bin()).args(["export", "--format", format]).arg(o.dir.join("run.trace")).output().unwrap();
+        assert!(out.status.success(), "{what}: export {format}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let perfetto: Value = serde_json::from_str(&export("perfetto")).unwrap_or_else(|e| panic!("{what}: Perfetto JSON: {e}"));
+    let events = perfetto["traceEvents"].as_array().expect("traceEvents");
+    let mut named = std::collections::BTreeSet::new();
+    let mut used = std::collections::BTreeSet::new();
+    let mut open: BTreeMap<(u64, u64), i64> = BTreeMap::new();
+    for e in events {
+        let ph = e["ph"].as_str().unwrap_or_else(|| panic!("{what}: no ph: {e}"));
+        assert!(e["name"].is_string() && e["pid"].is_u64(), "{what}: name and pid on every event: {e}");
+        let pid = e["pid"].as_u64().unwrap();
+        match ph {
+            "M" => {
+                if e["name"] == "process_name" {
+                    assert!(e["args"]["name"].is_string(), "{what}: {e}");
+                    named.insert(pid);
+                }
+                continue;
+            }
+            "X" => assert!(e["dur"].as_f64().is_some_and(|d| d >= 0.0), "{what}: a complete event needs dur >= 0: {e}"),
+            "C" => {
+                for (k, v) in e["args"].as_object().expect("counter args") {
+                    assert!(v.as_f64().is_some_and(|v| v >= 0.0), "{what}: counter {k} never negative: {e}");
+                }
+            }
+            "i" => assert!(["g", "p", "t"].contains(&e["s"].as_str().unwrap_or("t")), "{what}: {e}"),
+            "B" => *open.entry((pid, e["tid"].as_u64().unwrap_or(0))).or_default() += 1,
+            "E" => *open.entry((pid, e["tid"].as_u64().unwrap_or(0))).or_default() -= 1,
+            other => panic!("{what}: unexpected phase {other}"),
+        }
+        assert!(e["ts"].as_f64().is_some(), "{what}: ts on every event: {e}");
+        used.insert(pid);
+    }
+    assert!(open.values().all(|&n| n == 0), "{what}: begin/end pairs matched");
+    assert!(used.is_subset(&named), "{what}: every process named: {:?} vs {:?}", used, named);
+    let failures = events.iter().filter(|e| e["name"] == "failed allocation").count();
+    assert_eq!(failures, o.model.failures.len(), "{what}: an instant for every failed allocation");
+    let ooms = events.iter().filter(|e| e["name"] == "OOM kill").count();
+    assert_eq!(ooms, o.model.processes.values().filter(|p| p.oom_killed.is_some()).count(), "{what}");
+
+    let csv = export("csv");
+    let mut lines = csv.lines();
+    let columns = lines.next().unwrap().split(',').count();
+    assert_eq!(columns, 12, "{what}");
+    let rows: Vec<&str> = lines.collect();
+    assert_eq!(rows.len(), o.model.allocations.len() + o.model.failures.len(), "{what}: one row per allocation");
+    for row in rows {
+        let mut fields = 0;
+        let mut quoted = false;
+        for c in row.chars() {
+            match c {
+                '"' => quoted = !quoted,
+                ',' if !quoted => fields += 1,
+                _ => {}
+            }
+        }
+        assert_eq!(fields + 1, 12, "{what}: {row}");
+        let freed_by = row.rsplit(',').nth(1).unwrap();
+        assert!(["explicit", "subtree", "file_release", "never", "failed"].contains(&freed_by), "{what}: {row}");
+    }
+}
+
 fn workload_events<'a>(o: &'a Outcome, event: &'a str) -> impl Iterator<Item = &'a Value> + 'a {
     o.workload.iter().filter(move |w| w["event"] == event)
 }
@@ -215,6 +283,7 @@ fn check(name: &str, server: &str) {
     requests_agree(&o, server, &what);
     phases_agree(&o, &what);
     diagnosed_right(&o, name, server, &what);
+    exports_are_well_formed(&o, &what);
     let failures = &o.model.failures;
     let failed_phase = workload_events(&o, "alloc_failed").next().map(|w| w["phase"].as_str().unwrap_or("").to_string());
     match name {

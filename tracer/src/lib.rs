@@ -16,3 +16,4 @@ pub mod record;
 pub mod btf;
 pub mod analysis;
 pub mod mark;
+pub mod export;

@@ -1,5 +1,5 @@
 //! The `gputrace` command line. Thin: each subcommand is a library call.
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -51,6 +51,15 @@ enum Command {
         #[arg(long)]
         pid: Option<u32>,
     },
+    /// Export a trace: Perfetto (Chrome Trace Event JSON) to look at, or CSV (one row per allocation) for scripts.
+    Export {
+        trace: PathBuf,
+        #[arg(long, value_enum)]
+        format: Format,
+        /// Where to write it [default: standard output]
+        #[arg(short, long)]
+        output: Option<PathBuf>,
+    },
     /// Which "CUDA out of memory" a recorded trace shows, the evidence and the fix; per process
     /// and per phase what was allocated; the contexts nobody freed.
     Report {
@@ -64,8 +73,16 @@ enum Command {
     },
 }
 
-fn print_report(path: PathBuf, json: bool, idle_minutes: u64) -> anyhow::Result<()> {
-    let mut reader = Reader::open(&path)?;
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum Format {
+    Perfetto,
+    Csv,
+}
+
+/// Reads the trace into the model record by record (the records themselves are never all held),
+/// with what reading lost.
+fn load(path: &Path) -> anyhow::Result<(gputrace::trace::Header, Model, u64, Loss)> {
+    let mut reader = Reader::open(path)?;
     let mut model = Model::new();
     let mut events = 0;
     for record in reader.by_ref() {
@@ -79,7 +96,30 @@ fn print_report(path: PathBuf, json: bool, idle_minutes: u64) -> anyhow::Result<
         damaged_lines: damage.bad_lines.len() as u64 + damage.torn_tail as u64,
         torn_tail: damage.torn_tail,
     };
-    let summary = report::Report::new(&reader.header, &model, path.display().to_string(), events, loss, idle_minutes * 60_000_000_000);
+    Ok((reader.header, model, events, loss))
+}
+
+fn export(path: PathBuf, format: Format, output: Option<PathBuf>) -> anyhow::Result<()> {
+    let (header, model, events, loss) = load(&path)?;
+    let mut out: Box<dyn std::io::Write> = match &output {
+        Some(file) => Box::new(std::fs::File::create(file).map_err(|e| anyhow::anyhow!("cannot write {}: {e}", file.display()))?),
+        None => Box::new(std::io::stdout().lock()),
+    };
+    let mut out = std::io::BufWriter::with_capacity(1 << 16, &mut out);
+    match format {
+        Format::Perfetto => {
+            let report = report::Report::new(&header, &model, path.display().to_string(), events, loss, 10 * 60_000_000_000);
+            gputrace::export::perfetto(&header, &model, &report, &mut out)?
+        }
+        Format::Csv => gputrace::export::csv(&header, &model, &mut out)?,
+    }
+    std::io::Write::flush(&mut out)?;
+    Ok(())
+}
+
+fn print_report(path: PathBuf, json: bool, idle_minutes: u64) -> anyhow::Result<()> {
+    let (header, model, events, loss) = load(&path)?;
+    let summary = report::Report::new(&header, &model, path.display().to_string(), events, loss, idle_minutes * 60_000_000_000);
     if json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
     } else {
@@ -113,6 +153,7 @@ fn main() -> ExitCode {
                 ExitCode::SUCCESS
             })
         }
+        Command::Export { trace, format, output } => export(trace, format, output).map(|()| ExitCode::SUCCESS),
         Command::Report { trace, json, idle_minutes } => print_report(trace, json, idle_minutes).map(|()| ExitCode::SUCCESS),
     };
     match result {
