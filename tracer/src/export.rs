@@ -21,22 +21,19 @@ pub struct Row<'a> {
     pub in_flight: usize,
 }
 
-/// Every allocation with its process, service, phase and requests in flight, in time order.
-pub fn rows<'a>(model: &'a Model, services: &Services) -> impl Iterator<Item = Row<'a>> + 'a {
-    let per_alloc: Vec<(String, String, Phase, usize)> = model
-        .allocations
-        .iter()
-        .map(|a| {
-            let service = services.of(a.pid);
-            (
-                model.processes.get(&a.pid).map(|p| p.command_line()).unwrap_or_default(),
-                service.map(|s| s.name.clone()).unwrap_or_default(),
-                services.phase_of(a.pid, a.ts),
-                service.map(|s| services.in_flight(s, a.ts).len()).unwrap_or(0),
-            )
-        })
-        .collect();
-    model.allocations.iter().zip(per_alloc).map(|(allocation, (command, service, phase, in_flight))| Row { allocation, command, service, phase, in_flight })
+/// Every allocation with its process, service, phase and requests in flight, in time order,
+/// made one at a time as the export writes it.
+pub fn rows<'a>(model: &'a Model, services: &'a Services<'a>) -> impl Iterator<Item = Row<'a>> + 'a {
+    model.allocations.iter().map(move |a| {
+        let service = services.of(a.pid);
+        Row {
+            allocation: a,
+            command: model.processes.get(&a.pid).map(|p| p.command_line()).unwrap_or_default(),
+            service: service.map(|s| s.name.clone()).unwrap_or_default(),
+            phase: services.phase_of(a.pid, a.ts),
+            in_flight: service.map(|s| services.in_flight_count(s, a.ts)).unwrap_or(0),
+        }
+    })
 }
 
 fn freed_by(f: Option<(u64, FreedBy)>) -> &'static str {
@@ -83,7 +80,7 @@ pub fn csv(header: &Header, model: &Model, out: &mut dyn Write) -> io::Result<()
     for f in &model.failures {
         let command = model.processes.get(&f.pid).map(|p| p.command_line()).unwrap_or_default();
         let service = services.of(f.pid).map(|s| s.name.clone()).unwrap_or_default();
-        let in_flight = services.of(f.pid).map(|s| services.in_flight(s, f.ts).len()).unwrap_or(0);
+        let in_flight = services.of(f.pid).map(|s| services.in_flight_count(s, f.ts)).unwrap_or(0);
         writeln!(
             out,
             "{},,{},{},{},,{},{},{},{},failed,{:#x}",

@@ -300,7 +300,9 @@ fn bench() -> Result<()> {
     let recorded = median_ns(|| fake(true))?;
     println!("\nRM_FREE on the fake GPU's nvidiactl (a traced escape, each call a record in the trace), ns per call:");
     println!("untraced {untraced:.0}, recorded {recorded:.0}, ratio {:.2} (the FUSE round trip of the fake driver dominates)", recorded / untraced);
-    Ok(())
+
+    println!("\nReport and exports of a trace of a million events, against merely reading it:");
+    run(Command::new("cargo").current_dir(root()).args(["bench", "--quiet", "-p", "tracer", "--bench", "export"]))
 }
 
 fn main() -> ExitCode {

@@ -57,6 +57,9 @@ pub struct Services<'m> {
     model: &'m Model,
     pub list: Vec<Service>,
     service_of: BTreeMap<u32, usize>,
+    /// Per service, the phase and the completions in flight from each instant they change on:
+    /// a lookup is a binary search, not a scan of every request.
+    timelines: Vec<Vec<(u64, Phase, usize)>>,
 }
 
 fn is_completion(r: &Request) -> bool {
@@ -100,41 +103,84 @@ impl<'m> Services<'m> {
             let root_p = &model.processes[&root];
             list.push(Service { root, name: root_p.command_line(), pids, ready_at, first_ts: root_p.first_ts });
         }
-        Services { model, list, service_of }
+        let timelines = list.iter().map(|s| timeline(model, s)).collect();
+        Services { model, list, service_of, timelines }
     }
 
     pub fn of(&self, pid: u32) -> Option<&Service> {
         self.service_of.get(&pid).map(|&i| &self.list[i])
     }
 
-    /// The service's completion requests in flight at `ts`.
+    /// The service's completion requests in flight at `ts` (a scan: for the few moments a
+    /// diagnosis looks at; counts come from the timeline).
     pub fn in_flight(&self, service: &Service, ts: u64) -> Vec<&'m Request> {
         self.model.requests.iter().filter(|r| is_completion(r) && service.pids.contains(&r.pid) && r.in_flight_at(ts)).collect()
     }
 
+    fn at(&self, service: &Service, ts: u64) -> (Phase, usize) {
+        let index = self.list.iter().position(|s| s.root == service.root).expect("a service of this set");
+        let timeline = &self.timelines[index];
+        match timeline.partition_point(|(t, _, _)| *t <= ts) {
+            0 => (Phase::Load, 0),
+            i => (timeline[i - 1].1, timeline[i - 1].2),
+        }
+    }
+
     /// The phase of `service` at `ts`: its latest explicit mark, else inferred.
     pub fn phase(&self, service: &Service, ts: u64) -> Phase {
-        let marked = self.model.marks.iter().filter(|(t, pid, _)| *t <= ts && service.pids.contains(pid)).max_by_key(|(t, _, _)| *t);
-        if let Some(phase) = marked.and_then(|(_, _, p)| Phase::parse(p)) {
-            return phase;
-        }
-        if service.ready_at.is_none_or(|ready| ts < ready) {
-            return Phase::Load;
-        }
-        let in_flight = self.in_flight(service, ts);
-        if in_flight.iter().any(|r| r.first_data_at.is_none_or(|d| ts < d)) {
-            Phase::Prefill
-        } else if in_flight.is_empty() {
-            Phase::Idle
-        } else {
-            Phase::Decode
-        }
+        self.at(service, ts).0
+    }
+
+    /// How many completions of `service` were in flight at `ts`.
+    pub fn in_flight_count(&self, service: &Service, ts: u64) -> usize {
+        self.at(service, ts).1
     }
 
     /// The phase a process's service was in at `ts`.
     pub fn phase_of(&self, pid: u32, ts: u64) -> Phase {
         self.of(pid).map_or(Phase::Load, |s| self.phase(s, ts))
     }
+}
+
+/// The phase, and completions in flight, from every instant either changes on: one sweep over the
+/// service's requests (arrival, first data, end), its readiness and its marks.
+fn timeline(model: &Model, service: &Service) -> Vec<(u64, Phase, usize)> {
+    // (ts, change in prefill, change in decode)
+    let mut changes: Vec<(u64, i64, i64)> = Vec::new();
+    for r in model.requests.iter().filter(|r| is_completion(r) && service.pids.contains(&r.pid)) {
+        let end = r.ended.unwrap_or(u64::MAX);
+        match r.first_data_at.filter(|&d| d < end) {
+            Some(data) => changes.extend([(r.arrived, 1, 0), (data, -1, 1), (end, 0, -1)]),
+            None => changes.extend([(r.arrived, 1, 0), (end, -1, 0)]),
+        }
+    }
+    let marks: Vec<(u64, Option<Phase>)> = model.marks.iter().filter(|(_, pid, _)| service.pids.contains(pid)).map(|(t, _, p)| (*t, Phase::parse(p))).collect();
+    let mut edges: Vec<u64> = changes.iter().map(|c| c.0).chain(marks.iter().map(|m| m.0)).chain(service.ready_at).collect();
+    edges.push(0);
+    edges.sort();
+    edges.dedup();
+    changes.sort_by_key(|c| c.0);
+    let (mut prefill, mut decode, mut next) = (0i64, 0i64, 0usize);
+    let mut out = Vec::with_capacity(edges.len());
+    for t in edges {
+        while next < changes.len() && changes[next].0 <= t {
+            prefill += changes[next].1;
+            decode += changes[next].2;
+            next += 1;
+        }
+        let marked = marks.iter().rev().find(|(mt, p)| *mt <= t && p.is_some()).and_then(|(_, p)| *p);
+        let inferred = if service.ready_at.is_none_or(|ready| t < ready) {
+            Phase::Load
+        } else if prefill > 0 {
+            Phase::Prefill
+        } else if decode > 0 {
+            Phase::Decode
+        } else {
+            Phase::Idle
+        };
+        out.push((t, marked.unwrap_or(inferred), (prefill + decode) as usize));
+    }
+    out
 }
 
 /// Who keeps memory NVML counted before recording: the process it names when that is still there

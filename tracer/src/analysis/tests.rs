@@ -110,7 +110,7 @@ fn explicit_marks_override_inference() {
     let s = services.of(ENGINE).unwrap();
     assert_eq!(services.phase(s, 120 * MS), Phase::Idle, "inferred before the mark");
     assert_eq!(services.phase(s, 160 * MS), Phase::Load, "marked");
-    assert_eq!(services.phase(s, 180 * MS), Phase::Idle, "a mark naming no phase is ignored");
+    assert_eq!(services.phase(s, 180 * MS), Phase::Load, "a mark naming no phase is ignored: the last one holds");
 }
 
 #[test]
