@@ -96,6 +96,11 @@ fn run(op: &str, path: &Path) {
             let report = Report::new(&h, &m, String::new(), n, Loss::default(), u64::MAX);
             gputrace::export::perfetto(&h, &m, &report, &mut sink).unwrap();
         }
+        "html" => {
+            let (h, m, n) = load(path);
+            let report = Report::new(&h, &m, String::new(), n, Loss::default(), u64::MAX);
+            gputrace::export::html(&h, &m, &report, &mut sink).unwrap();
+        }
         "csv" => {
             let (h, m, _) = load(path);
             gputrace::export::csv(&h, &m, &mut sink).unwrap();
@@ -129,7 +134,7 @@ fn main() {
     let (read_s, read_kb) = measure("read", &path);
     println!("{:<10} {:>9} {:>12} {:>13} {:>14}", "operation", "seconds", "peak MiB", "time / read", "memory / read");
     println!("{:<10} {:>9.2} {:>12.1} {:>13.2} {:>14.2}", "read", read_s, read_kb as f64 / 1024.0, 1.0, 1.0);
-    for op in ["report", "perfetto", "csv"] {
+    for op in ["report", "perfetto", "html", "csv"] {
         let (s, kb) = measure(op, &path);
         println!("{op:<10} {s:>9.2} {:>12.1} {:>13.2} {:>14.2}", kb as f64 / 1024.0, s / read_s, kb as f64 / read_kb as f64);
     }

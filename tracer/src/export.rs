@@ -227,3 +227,204 @@ pub fn perfetto(header: &Header, model: &Model, report: &Report, out: &mut dyn W
     out.write_all(b"\n],\"displayTimeUnit\":\"ms\"}\n")?;
     Ok(())
 }
+
+fn escape(text: &str) -> String {
+    text.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
+}
+
+/// Stacked series for the HTML chart: per stretch of time its peak and its end state (so drops
+/// show where they happen), at most 2 x `points` instants.
+fn stacked(changes: &[(u64, usize, i128)], names: &[String], first: u64, last: u64, points: u64) -> Vec<(u64, Vec<i128>)> {
+    let width = ((last - first) / points).max(1);
+    let mut live: Vec<i128> = vec![0; names.len()];
+    let mut out: Vec<(u64, Vec<i128>)> = vec![(first, live.clone())];
+    let mut bucket_peak: Option<(u64, Vec<i128>)> = None;
+    let mut bucket = 0;
+    let mut last_change = first;
+    for &(ts, series, delta) in changes {
+        let b = (ts - first) / width;
+        if b != bucket {
+            let peak = bucket_peak.take();
+            if let Some((peak_ts, _)) = &peak {
+                let end_state = (last_change.max(*peak_ts), live.clone());
+                out.extend(peak);
+                out.push(end_state);
+            }
+            bucket = b;
+        }
+        last_change = ts;
+        live[series] += delta;
+        let total: i128 = live.iter().sum();
+        if bucket_peak.as_ref().is_none_or(|(_, v)| total >= v.iter().sum::<i128>()) {
+            bucket_peak = Some((ts, live.clone()));
+        }
+    }
+    out.extend(bucket_peak);
+    out.push((last_change, live.clone()));
+    out.push((last, live));
+    out
+}
+
+/// One self-contained HTML page: verdict and fix, a timeline of memory by process and by phase
+/// with the capacity line and a marker at each failure (zoom with the wheel, pan by dragging),
+/// the contexts never freed, and per-process and per-phase tables.
+pub fn html(header: &Header, model: &Model, report: &Report, out: &mut dyn Write) -> io::Result<()> {
+    let services = Services::new(model);
+    let first = model.first_ts.unwrap_or(header.monotonic_start_ns);
+    let last = model.last_ts.max(first + 1);
+    let physical = || model.allocations.iter().filter(|a| a.memory != Memory::Virtual);
+    let label = |pid: u32| format!("{pid} {}", model.processes.get(&pid).map(|p| p.command_line()).unwrap_or_default());
+    let mut pids: Vec<u32> = physical().map(|a| a.pid).collect();
+    pids.sort();
+    pids.dedup();
+    let process_names: Vec<String> = pids.iter().map(|&p| label(p)).collect();
+    let phase_names: Vec<String> = Phase::ALL.iter().map(|p| p.name().to_string()).collect();
+    // Changes name their series by index: a trace has far more changes than series.
+    let mut by_process: Vec<(u64, usize, i128)> = Vec::new();
+    let mut by_phase: Vec<(u64, usize, i128)> = Vec::new();
+    for a in physical() {
+        let process = pids.binary_search(&a.pid).expect("listed above");
+        let phase = Phase::ALL.iter().position(|p| *p == services.phase_of(a.pid, a.ts)).expect("a phase");
+        by_process.push((a.ts, process, a.bytes as i128));
+        by_phase.push((a.ts, phase, a.bytes as i128));
+        if let Some((t, _)) = a.freed {
+            by_process.push((t, process, -(a.bytes as i128)));
+            by_phase.push((t, phase, -(a.bytes as i128)));
+        }
+    }
+    by_process.sort_by_key(|c| (c.0, c.2 > 0));
+    by_phase.sort_by_key(|c| (c.0, c.2 > 0));
+    let series = |changes: &[(u64, usize, i128)], names: &[String]| {
+        let points: Vec<Value> = stacked(changes, names, first, last, 1000).into_iter().map(|(t, v)| json!([(t - first) as f64 / 1e9, v])).collect();
+        json!({"names": names, "points": points})
+    };
+    let mut markers: Vec<Value> = model
+        .failures
+        .iter()
+        .map(|f| json!({"t": (f.ts - first) as f64 / 1e9, "label": format!("failed: {} (pid {})", crate::report::bytes(f.bytes), f.pid)}))
+        .collect();
+    markers.extend(model.processes.values().filter_map(|p| Some(json!({"t": (p.oom_killed? - first) as f64 / 1e9, "label": format!("OOM kill: pid {}", p.pid)}))));
+    let data = json!({
+        "capacity": header.gpus.first().and_then(|g| g.total_bytes),
+        "end": (last - first) as f64 / 1e9,
+        "process": series(&by_process, &process_names),
+        "phase": series(&by_phase, &phase_names),
+        "markers": markers,
+    });
+
+    let d = &report.diagnosis;
+    let category = serde_json::to_value(d.category).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default();
+    let symptom = serde_json::to_value(d.symptom).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default();
+    let b = crate::report::bytes;
+    let mut tables = String::new();
+    if !report.contexts_never_freed.is_empty() {
+        tables += "<h2>Contexts never freed</h2><table><tr><th>pid</th><th>command</th><th>bytes</th><th>why</th></tr>";
+        for c in &report.contexts_never_freed {
+            tables += &format!("<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>", c.pid, escape(&c.command), b(c.bytes), escape(&c.why));
+        }
+        tables += "</table>";
+    }
+    tables += "<h2>Processes</h2><table><tr><th>pid</th><th>command</th><th>allocations</th><th>allocated</th><th>freed</th><th>peak</th><th>live at end</th><th>failed</th></tr>";
+    for p in &report.processes {
+        tables += &format!(
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            p.pid, escape(&p.command), p.allocations, b(p.bytes_allocated), b(p.bytes_freed), b(p.bytes_peak), b(p.bytes_live), p.failed_allocations
+        );
+    }
+    tables += "</table><h2>Bytes allocated by phase</h2><table><tr><th>pid</th><th>load</th><th>prefill</th><th>decode</th><th>idle</th></tr>";
+    for p in &report.processes {
+        let get = |ph: &str| b(p.by_phase.get(ph).copied().unwrap_or(0));
+        tables += &format!("<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>", p.pid, get("load"), get("prefill"), get("decode"), get("idle"));
+    }
+    tables += "</table>";
+    let verdict = if category == "none" {
+        format!("<div class=\"verdict ok\"><h1>No out-of-memory</h1><p>{}</p></div>", escape(&d.evidence.text))
+    } else {
+        format!(
+            "<div class=\"verdict\"><h1>{} <small>({})</small></h1><p>{}</p><p class=\"fix\"><b>Fix:</b> {}</p></div>",
+            escape(&category),
+            escape(&symptom),
+            escape(&d.evidence.text),
+            escape(&d.fix.text)
+        )
+    };
+    let loss = if report.loss.is_lossless() { "Lost events: 0.".to_string() } else { format!("INCOMPLETE: {} records lost in the kernel.", report.loss.lost_records) };
+    write!(
+        out,
+        r##"<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>gputrace: {title}</title>
+<style>
+body {{ font: 14px/1.4 system-ui, sans-serif; margin: 1.5em auto; max-width: 72em; padding: 0 1em; color: #222; }}
+.verdict {{ border-left: 6px solid #c0392b; background: #fdf0ee; padding: .5em 1em; }}
+.verdict.ok {{ border-color: #27ae60; background: #eefaf2; }}
+.verdict h1 {{ margin: .2em 0; font-size: 1.5em; }} .fix {{ font-size: 1.1em; }}
+#chart {{ width: 100%; height: 22em; border: 1px solid #ccc; cursor: grab; user-select: none; }}
+table {{ border-collapse: collapse; margin: .5em 0 1.5em; }} td, th {{ border: 1px solid #ddd; padding: .2em .6em; text-align: right; }}
+td:nth-child(2), th:nth-child(2), td:last-child {{ text-align: left; }}
+.controls button {{ margin-right: .5em; }} .legend span {{ margin-right: 1em; white-space: nowrap; }}
+.legend i {{ display: inline-block; width: .9em; height: .9em; margin-right: .3em; vertical-align: middle; }}
+@media print {{ .controls {{ display: none; }} #chart {{ border: none; }} }}
+</style></head><body>
+{verdict}
+<p class="meta">{trace} · driver {driver} · {events} events · {loss}</p>
+<h2>Memory over time</h2>
+<div class="controls"><button id="by-process">by process</button><button id="by-phase">by phase</button><button id="reset">reset zoom</button> wheel: zoom · drag: pan</div>
+<svg id="chart" role="img" aria-label="GPU memory over time"></svg>
+<div class="legend" id="legend"></div>
+{tables}
+<script>
+const DATA = {data};
+const svg = document.getElementById("chart"), NS = "http://www.w3.org/2000/svg";
+const COLORS = ["#2e86de","#e67e22","#27ae60","#8e44ad","#c0392b","#16a085","#f1c40f","#7f8c8d","#d35400","#2c3e50"];
+let mode = "process", view = [0, DATA.end || 1];
+function gib(b) {{ const u = ["B","KiB","MiB","GiB","TiB"]; let i = 0; while (b >= 1024 && i < 4) {{ b /= 1024; i++; }} return (i ? b.toFixed(1) : b) + " " + u[i]; }}
+function el(name, attrs, text) {{ const e = document.createElementNS(NS, name); for (const k in attrs) e.setAttribute(k, attrs[k]); if (text) e.textContent = text; svg.appendChild(e); return e; }}
+function draw() {{
+  svg.textContent = "";
+  const W = svg.clientWidth || 900, H = svg.clientHeight || 350, L = 70, B = 30, T = 10;
+  const s = DATA[mode], pts = s.points;
+  let top = DATA.capacity || 0;
+  for (const [, v] of pts) top = Math.max(top, v.reduce((a, b) => a + b, 0));
+  top = top || 1;
+  const x = t => L + (t - view[0]) / (view[1] - view[0]) * (W - L - 10), y = b => H - B - b / top * (H - B - T);
+  el("clipPath", {{id: "plot"}}).appendChild(Object.assign(document.createElementNS(NS, "rect"), {{}})).setAttribute("x", L);
+  const clip = svg.querySelector("#plot rect"); clip.setAttribute("y", 0); clip.setAttribute("width", W - L - 10); clip.setAttribute("height", H);
+  const base = pts.map(() => 0);
+  // Memory changes in steps: each value holds until the next instant.
+  s.names.forEach((name, i) => {{
+    const lo = base.slice(), hi = pts.map(([, v], j) => lo[j] + v[i]);
+    let d = "";
+    pts.forEach(([t], j) => {{ d += (j ? "L" + x(t) + "," + y(hi[j - 1]) + "L" : "M") + x(t) + "," + y(hi[j]); }});
+    for (let j = pts.length - 1; j >= 0; j--) {{ const t = pts[j][0]; d += "L" + x(t) + "," + y(lo[j]) + (j ? "L" + x(t) + "," + y(lo[j - 1]) : ""); }}
+    el("path", {{d: d + "Z", fill: COLORS[i % COLORS.length], opacity: .75, "clip-path": "url(#plot)"}}).appendChild(document.createElementNS(NS, "title")).textContent = name;
+    hi.forEach((h, j) => base[j] = h);
+  }});
+  if (DATA.capacity) {{ el("line", {{x1: L, x2: W - 10, y1: y(DATA.capacity), y2: y(DATA.capacity), stroke: "#000", "stroke-dasharray": "6 4"}}); el("text", {{x: L + 4, y: y(DATA.capacity) + 14, "font-size": 12}}, "capacity " + gib(DATA.capacity)); }}
+  for (const m of DATA.markers) {{ if (m.t < view[0] || m.t > view[1]) continue; el("line", {{class: "failure", x1: x(m.t), x2: x(m.t), y1: T, y2: H - B, stroke: "#c0392b", "stroke-width": 2}}); el("text", {{x: x(m.t) + 4, y: T + 14, fill: "#c0392b", "font-size": 12}}, m.label); }}
+  el("line", {{x1: L, x2: W - 10, y1: H - B, y2: H - B, stroke: "#888"}});
+  for (let k = 0; k <= 4; k++) {{ const b = top * k / 4; el("text", {{x: L - 6, y: y(b) + 4, "text-anchor": "end", "font-size": 11}}, gib(b)); }}
+  for (let k = 0; k <= 5; k++) {{ const t = view[0] + (view[1] - view[0]) * k / 5; el("text", {{x: x(t), y: H - 10, "text-anchor": "middle", "font-size": 11}}, t.toFixed(2) + " s"); }}
+  document.getElementById("legend").innerHTML = s.names.map((n, i) => '<span><i style="background:' + COLORS[i % COLORS.length] + '"></i>' + n.replace(/[<>&]/g, "") + "</span>").join("");
+}}
+svg.addEventListener("wheel", e => {{ e.preventDefault(); const r = svg.getBoundingClientRect(), f = (e.clientX - r.left - 70) / (r.width - 80), t = view[0] + f * (view[1] - view[0]), k = e.deltaY < 0 ? 0.8 : 1.25; view = [t - (t - view[0]) * k, t + (view[1] - t) * k]; draw(); }});
+let drag = null;
+svg.addEventListener("mousedown", e => drag = [e.clientX, view.slice()]);
+window.addEventListener("mouseup", () => drag = null);
+window.addEventListener("mousemove", e => {{ if (!drag) return; const dt = (drag[0] - e.clientX) / (svg.clientWidth - 80) * (drag[1][1] - drag[1][0]); view = [drag[1][0] + dt, drag[1][1] + dt]; draw(); }});
+document.getElementById("by-process").onclick = () => {{ mode = "process"; draw(); }};
+document.getElementById("by-phase").onclick = () => {{ mode = "phase"; draw(); }};
+document.getElementById("reset").onclick = () => {{ view = [0, DATA.end || 1]; draw(); }};
+window.addEventListener("resize", draw);
+draw();
+</script></body></html>
+"##,
+        title = escape(&category),
+        verdict = verdict,
+        trace = escape(&report.trace),
+        driver = escape(header.driver_version.as_deref().unwrap_or("unknown")),
+        events = report.events,
+        loss = loss,
+        tables = tables,
+        data = data.to_string().replace("</", "<\\/"),
+    )
+}

@@ -51,7 +51,7 @@ enum Command {
         #[arg(long)]
         pid: Option<u32>,
     },
-    /// Export a trace: Perfetto (Chrome Trace Event JSON) to look at, or CSV (one row per allocation) for scripts.
+    /// Export a trace: Perfetto (Chrome Trace Event JSON) or a self-contained HTML page to look at, or CSV for scripts.
     Export {
         trace: PathBuf,
         #[arg(long, value_enum)]
@@ -76,6 +76,7 @@ enum Command {
 #[derive(Clone, Copy, clap::ValueEnum)]
 enum Format {
     Perfetto,
+    Html,
     Csv,
 }
 
@@ -110,6 +111,10 @@ fn export(path: PathBuf, format: Format, output: Option<PathBuf>) -> anyhow::Res
         Format::Perfetto => {
             let report = report::Report::new(&header, &model, path.display().to_string(), events, loss, 10 * 60_000_000_000);
             gputrace::export::perfetto(&header, &model, &report, &mut out)?
+        }
+        Format::Html => {
+            let report = report::Report::new(&header, &model, path.display().to_string(), events, loss, 10 * 60_000_000_000);
+            gputrace::export::html(&header, &model, &report, &mut out)?
         }
         Format::Csv => gputrace::export::csv(&header, &model, &mut out)?,
     }

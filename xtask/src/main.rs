@@ -103,6 +103,11 @@ fn test() -> Result<()> {
     build()?;
     if !is_root() {
         eprintln!("xtask: not root: the end-to-end tests will be skipped (run `sudo cargo xtask test` for them)");
+    } else if output(Command::new("sh").args(["-c", "command -v chromium"])).is_none() {
+        // The HTML report's test renders it in headless Chromium.
+        eprintln!("xtask: installing chromium (Debian packages chromium, chromium-driver) for the HTML report's test");
+        run(Command::new("apt-get").args(["update", "-qq"]))?;
+        run(Command::new("apt-get").args(["install", "-y", "-qq", "chromium", "chromium-driver"]).env("DEBIAN_FRONTEND", "noninteractive"))?;
     }
     let mut child = Command::new("cargo")
         .current_dir(root())

@@ -1,0 +1,65 @@
+//! The HTML report of a failure scenario, rendered in headless Chromium (Debian's `chromium`,
+//! installed by `cargo xtask test`): it shows the verdict and a chart with the failure marker, and
+//! the page logs no console error. Root (the scenario runs on the fake GPU).
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+use common::{gputrace_bin, root_or_skip, serial};
+
+fn chromium(dir: &Path, args: &[&str], page: &Path) -> std::process::Output {
+    let profile = dir.join("chromium-profile");
+    Command::new("chromium")
+        .args(["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run"])
+        .arg(format!("--user-data-dir={}", profile.display()))
+        .args(args)
+        .arg(format!("file://{}", page.display()))
+        .output()
+        .expect("running chromium")
+}
+
+#[test]
+fn the_html_report_of_a_failure_renders_with_its_verdict_and_marker() {
+    let _serial = serial();
+    if !root_or_skip("the_html_report_of_a_failure_renders_with_its_verdict_and_marker") {
+        return;
+    }
+    if Command::new("chromium").arg("--version").output().is_err() {
+        assert!(std::env::var("CI").as_deref() != Ok("true"), "chromium is missing: `cargo xtask test` installs it");
+        eprintln!("skipping: no chromium (apt-get install chromium chromium-driver)");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("gputrace-html-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let run = Command::new(env!("CARGO_BIN_EXE_fakegpu")).args(["scenario", "long-request", "--server", "vllm", "--dir"]).arg(&dir).arg("--gputrace").arg(gputrace_bin()).output().unwrap();
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let page = dir.join("report.html");
+    let export = Command::new(gputrace_bin()).args(["export", "--format", "html", "-o"]).arg(&page).arg(dir.join("run.trace")).output().unwrap();
+    assert!(export.status.success(), "{}", String::from_utf8_lossy(&export.stderr));
+    let html = std::fs::read_to_string(&page).unwrap();
+    // Self-contained: nothing fetched (the SVG namespace URI is a name, not a fetch).
+    let fetched = html.replace("http://www.w3.org/2000/svg", "");
+    for outside in ["http://", "https://", "<link", " src="] {
+        assert!(!fetched.contains(outside), "self-contained: found {outside}");
+    }
+
+    // The DOM after the page's script ran: the verdict, and a chart drawn with its failure marker.
+    let dom = chromium(&dir, &["--dump-dom", "--window-size=1200,900"], &page);
+    let dom = String::from_utf8_lossy(&dom.stdout);
+    assert!(dom.contains("long-request") && dom.contains("--max-model-len"), "the verdict and its fix");
+    assert!(dom.contains("<path") && dom.contains("class=\"failure\""), "a chart with the failure marker");
+    assert!(dom.contains("capacity 80.0 GiB"));
+
+    let shot = dir.join("report.png");
+    let logged = chromium(&dir, &["--enable-logging=stderr", "--v=0", "--window-size=1200,900", &format!("--screenshot={}", shot.display())], &page);
+    let log = String::from_utf8_lossy(&logged.stderr);
+    let console: Vec<&str> = log.lines().filter(|l| l.contains(":CONSOLE")).collect();
+    assert!(console.is_empty(), "console messages: {console:?}");
+    assert!(std::fs::metadata(&shot).map(|m| m.len() > 10_000).unwrap_or(false), "a screenshot was taken");
+    if let Ok(keep) = std::env::var("GPUTRACE_KEEP_SCREENSHOT") {
+        std::fs::copy(&shot, keep).unwrap();
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
