@@ -7,7 +7,7 @@
 //! Every change to the kernel map is returned as a [`KernelUpdate`], so this logic runs in tests
 //! without root.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 
 use tracer_common::device;
@@ -63,7 +63,10 @@ enum Answer {
 
 pub struct FileTable<R: Resolver> {
     resolver: R,
-    fds: HashMap<(u32, i32), Answer>,
+    /// Ordered, so one process's fds are a range (exec, exit, close_range).
+    fds: BTreeMap<(u32, i32), Answer>,
+    /// Fds referring to each followed connection: it closes with its last.
+    conn_refs: HashMap<u64, u32>,
     /// The kernel's `struct file *` of each file gputrace named: the identity of an open file
     /// description, valid even after every fd the kcmp fallback could compare against is gone.
     kernel_files: HashMap<u64, u64>,
@@ -77,7 +80,15 @@ const CLOSE_RANGE_CLOEXEC: u32 = 4;
 
 impl<R: Resolver> FileTable<R> {
     pub fn new(resolver: R) -> Self {
-        FileTable { resolver, fds: HashMap::new(), kernel_files: HashMap::new(), next_file: 1, questions_answered: 0, pending_dropped: 0 }
+        FileTable {
+            resolver,
+            fds: BTreeMap::new(),
+            conn_refs: HashMap::new(),
+            kernel_files: HashMap::new(),
+            next_file: 1,
+            questions_answered: 0,
+            pending_dropped: 0,
+        }
     }
 
     fn new_file(&mut self) -> u64 {
@@ -100,12 +111,12 @@ impl<R: Resolver> FileTable<R> {
         if kernel_file != 0 {
             self.kernel_files.insert(kernel_file, file);
         }
-        self.fds.insert((pid, fd), Answer::Nvidia { device, file, cloexec });
+        self.set((pid, fd), Answer::Nvidia { device, file, cloexec });
         Event::Open { fd, file, device, cloexec }
     }
 
     pub fn closed(&mut self, pid: u32, fd: i32, updates: &mut Vec<KernelUpdate>) -> Option<Event> {
-        match self.fds.remove(&(pid, fd)) {
+        match self.unset((pid, fd)) {
             Some(Answer::Nvidia { .. }) => {
                 updates.push(KernelUpdate::ForgetFd { pid, fd });
                 Some(Event::Close { fd })
@@ -117,8 +128,35 @@ impl<R: Resolver> FileTable<R> {
     /// An accepted connection: a new name, mirrored so exec and exit forget the kernel's entry.
     pub fn accepted(&mut self, pid: u32, fd: i32) -> Event {
         let conn = self.new_file();
-        self.fds.insert((pid, fd), Answer::Conn { conn });
+        self.set((pid, fd), Answer::Conn { conn });
         Event::Accept { fd, conn }
+    }
+
+    /// Every change to the mirror goes through here and `unset`, so connection counts stay true.
+    fn set(&mut self, key: (u32, i32), answer: Answer) {
+        if let Answer::Conn { conn } = answer {
+            *self.conn_refs.entry(conn).or_default() += 1;
+        }
+        if let Some(old) = self.fds.insert(key, answer) {
+            self.forget_conn_ref(old);
+        }
+    }
+
+    fn unset(&mut self, key: (u32, i32)) -> Option<Answer> {
+        let old = self.fds.remove(&key)?;
+        self.forget_conn_ref(old);
+        Some(old)
+    }
+
+    fn forget_conn_ref(&mut self, answer: Answer) {
+        if let Answer::Conn { conn } = answer {
+            if let Some(refs) = self.conn_refs.get_mut(&conn) {
+                *refs -= 1;
+                if *refs == 0 {
+                    self.conn_refs.remove(&conn);
+                }
+            }
+        }
     }
 
     /// The connection `fd` refers to, if followed.
@@ -132,20 +170,19 @@ impl<R: Resolver> FileTable<R> {
     /// One fd of a connection closed; the connection closes with its last fd.
     pub fn conn_closed(&mut self, pid: u32, fd: i32) -> Option<Event> {
         let conn = self.conn(pid, fd)?;
-        self.fds.remove(&(pid, fd));
-        let still_open = self.fds.values().any(|a| *a == Answer::Conn { conn });
-        (!still_open).then_some(Event::ConnClose { conn })
+        self.unset((pid, fd));
+        (!self.conn_refs.contains_key(&conn)).then_some(Event::ConnClose { conn })
     }
 
     pub fn duplicated(&mut self, pid: u32, old_fd: i32, new_fd: i32, cloexec: bool) -> Option<Event> {
         match self.fds.get(&(pid, old_fd)).copied()? {
             Answer::Nvidia { device, file, .. } => {
-                self.fds.insert((pid, new_fd), Answer::Nvidia { device, file, cloexec });
+                self.set((pid, new_fd), Answer::Nvidia { device, file, cloexec });
                 Some(Event::Dup { old_fd, new_fd, cloexec })
             }
             // Another fd of the same connection: nothing for the trace, one more name for it.
             conn @ Answer::Conn { .. } => {
-                self.fds.insert((pid, new_fd), conn);
+                self.set((pid, new_fd), conn);
                 None
             }
             Answer::NotNvidia => None,
@@ -163,7 +200,7 @@ impl<R: Resolver> FileTable<R> {
     }
 
     fn fds_of(&self, pid: u32) -> Vec<i32> {
-        self.fds.keys().filter(|(p, _)| *p == pid).map(|(_, fd)| *fd).collect()
+        self.fds.range((pid, i32::MIN)..=(pid, i32::MAX)).map(|((_, fd), _)| *fd).collect()
     }
 
     pub fn close_range(&mut self, pid: u32, first: u32, last: u32, flags: u32, updates: &mut Vec<KernelUpdate>) -> Event {
@@ -177,7 +214,7 @@ impl<R: Resolver> FileTable<R> {
                     *cloexec = true;
                 }
             } else {
-                self.fds.remove(&(pid, fd));
+                self.unset((pid, fd));
                 updates.push(KernelUpdate::ForgetFd { pid, fd });
             }
         }
@@ -188,12 +225,12 @@ impl<R: Resolver> FileTable<R> {
     pub fn forked(&mut self, parent: u32, child: u32, seen: Seen, updates: &mut Vec<KernelUpdate>) -> Event {
         let inherited: Vec<(i32, Answer)> = self
             .fds
-            .iter()
-            .filter(|((p, _), a)| *p == parent && matches!(a, Answer::Nvidia { .. }))
+            .range((parent, i32::MIN)..=(parent, i32::MAX))
+            .filter(|(_, a)| matches!(a, Answer::Nvidia { .. }))
             .map(|((_, fd), a)| (*fd, *a))
             .collect();
         for (fd, answer) in inherited {
-            self.fds.insert((child, fd), answer);
+            self.set((child, fd), answer);
             if let Answer::Nvidia { device, .. } = answer {
                 updates.push(KernelUpdate::SetFd { pid: child, fd, state: kernel_state(device) });
             }
@@ -208,7 +245,7 @@ impl<R: Resolver> FileTable<R> {
         for fd in self.fds_of(pid) {
             let keep = matches!(self.fds.get(&(pid, fd)), Some(Answer::Nvidia { cloexec: false, .. }));
             if !keep {
-                self.fds.remove(&(pid, fd));
+                self.unset((pid, fd));
                 updates.push(KernelUpdate::ForgetFd { pid, fd });
             }
         }
@@ -218,7 +255,7 @@ impl<R: Resolver> FileTable<R> {
 
     pub fn exited(&mut self, pid: u32, updates: &mut Vec<KernelUpdate>) {
         for fd in self.fds_of(pid) {
-            self.fds.remove(&(pid, fd));
+            self.unset((pid, fd));
             updates.push(KernelUpdate::ForgetFd { pid, fd });
         }
     }
@@ -246,7 +283,7 @@ impl<R: Resolver> FileTable<R> {
         };
         match path.to_str().and_then(device_of_path) {
             None => {
-                self.fds.insert((pid, fd), Answer::NotNvidia);
+                self.set((pid, fd), Answer::NotNvidia);
                 updates.push(KernelUpdate::SetFd { pid, fd, state: device::NOT_NVIDIA });
                 (None, None)
             }
@@ -272,7 +309,7 @@ impl<R: Resolver> FileTable<R> {
         if kernel_file != 0 {
             self.kernel_files.insert(kernel_file, file);
         }
-        self.fds.insert((pid, fd), Answer::Nvidia { device, file, cloexec: false });
+        self.set((pid, fd), Answer::Nvidia { device, file, cloexec: false });
         Event::FdFound { fd, file, device }
     }
 
