@@ -230,6 +230,10 @@ fn memory_a_child_still_holds_when_recording_ends_is_live() {
     let summary = run.summary();
     let p = summary["processes"].as_array().unwrap().iter().find(|p| p["pid"] == parent).unwrap();
     assert_eq!(p["bytes_live"], 4u64 << 30);
+    let contexts = summary["contexts_never_freed"].as_array().unwrap();
+    let suspect = contexts.iter().find(|c| c["pid"] == child).expect("the child is named among contexts never freed");
+    assert_eq!(suspect["bytes"], 4u64 << 30);
+    assert!(suspect["why"].as_str().unwrap().contains(&format!("its owner pid {parent} exited")), "{suspect}");
     std::fs::remove_dir_all(&run.dir).ok();
 }
 

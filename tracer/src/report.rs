@@ -310,6 +310,36 @@ pub fn bytes(n: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::event::{Alloc, Device, Event, Record, Seen, Via};
+
+    fn header() -> Header {
+        serde_json::from_value(serde_json::json!({
+            "format": "gputrace-trace", "version": 1, "tracer_version": "t", "host": "", "kernel": "",
+            "driver_version": null, "driver_version_source": "none", "wall_clock_start_ns": 0,
+            "monotonic_start_ns": 0, "gpus": [], "prior_use": [], "nvml": "", "command": [], "raw": false
+        }))
+        .unwrap()
+    }
+
+    /// A process that allocated, then did nothing for longer than the threshold, is a suspect;
+    /// one active within it is not.
+    #[test]
+    fn an_idle_context_is_a_suspect_after_the_threshold() {
+        let rec = |ts: u64, event| Record { ts, pid: 7, tid: 7, event, raw: None };
+        let minute = 60_000_000_000u64;
+        let records = vec![
+            rec(0, Event::Process { ppid: 1, seen: Seen::Running, command: vec!["old-server".into()] }),
+            rec(1, Event::FdFound { fd: 3, file: 1, device: Device::Ctl }),
+            rec(2, Event::Alloc(Alloc { fd: 3, via: Via::RmAllocNvos64, memory: Memory::Video, bytes: 1 << 30, status: 0, client: 1, parent: 2, object: 3, class: 0x40, base: None, errno: None })),
+            rec(15 * minute, Event::Lost { records: 0 }),
+        ];
+        let model = Model::from_records(&records);
+        let report = Report::new(&header(), &model, String::new(), 4, Loss::default(), 10 * minute);
+        assert_eq!(report.contexts_never_freed.len(), 1);
+        assert!(report.contexts_never_freed[0].why.contains("no allocation or request for 899 s"), "{:?}", report.contexts_never_freed);
+        let report = Report::new(&header(), &model, String::new(), 4, Loss::default(), 20 * minute);
+        assert!(report.contexts_never_freed.is_empty(), "active within the threshold");
+    }
 
     #[test]
     fn sizes_in_binary_units() {
