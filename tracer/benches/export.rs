@@ -69,14 +69,8 @@ fn write_trace(path: &Path) {
 }
 
 fn load(path: &Path) -> (Header, Model, u64) {
-    let mut reader = Reader::open(path).unwrap();
-    let mut model = Model::new();
-    let mut n = 0;
-    for r in reader.by_ref() {
-        model.apply(&r.unwrap());
-        n += 1;
-    }
-    (reader.header, model, n)
+    let (header, model, events, _) = gputrace::report::load(path).unwrap();
+    (header, model, events)
 }
 
 /// The child: one operation on the trace.

@@ -1,11 +1,9 @@
 //! The `gputrace` command line. Thin: each subcommand is a library call.
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use gputrace::model::Model;
-use gputrace::report::{self, Loss};
-use gputrace::trace::Reader;
+use gputrace::report;
 
 #[derive(Parser)]
 #[command(name = "gputrace", version, about = "Trace NVIDIA GPU memory through the driver's ioctls, and tell which kind of CUDA out-of-memory it was")]
@@ -80,28 +78,8 @@ enum Format {
     Csv,
 }
 
-/// Reads the trace into the model record by record (the records themselves are never all held),
-/// with what reading lost.
-fn load(path: &Path) -> anyhow::Result<(gputrace::trace::Header, Model, u64, Loss)> {
-    let mut reader = Reader::open(path)?;
-    let mut model = Model::new();
-    let mut events = 0;
-    for record in reader.by_ref() {
-        model.apply(&record?);
-        events += 1;
-    }
-    let damage = &reader.damage;
-    let loss = Loss {
-        lost_records: model.lost_records,
-        undecodable: model.undecodable,
-        damaged_lines: damage.bad_lines.len() as u64 + damage.torn_tail as u64,
-        torn_tail: damage.torn_tail,
-    };
-    Ok((reader.header, model, events, loss))
-}
-
 fn export(path: PathBuf, format: Format, output: Option<PathBuf>) -> anyhow::Result<()> {
-    let (header, model, events, loss) = load(&path)?;
+    let (header, model, events, loss) = report::load(&path)?;
     let mut out: Box<dyn std::io::Write> = match &output {
         Some(file) => Box::new(std::fs::File::create(file).map_err(|e| anyhow::anyhow!("cannot write {}: {e}", file.display()))?),
         None => Box::new(std::io::stdout().lock()),
@@ -123,7 +101,7 @@ fn export(path: PathBuf, format: Format, output: Option<PathBuf>) -> anyhow::Res
 }
 
 fn print_report(path: PathBuf, json: bool, idle_minutes: u64) -> anyhow::Result<()> {
-    let (header, model, events, loss) = load(&path)?;
+    let (header, model, events, loss) = report::load(&path)?;
     let summary = report::Report::new(&header, &model, path.display().to_string(), events, loss, idle_minutes * 60_000_000_000);
     if json {
         println!("{}", serde_json::to_string_pretty(&summary)?);

@@ -191,6 +191,26 @@ fn suspects(header: &Header, model: &Model, services: &Services, idle_ns: u64) -
     out
 }
 
+/// Reads a trace into the model record by record (the records are never all held), with what
+/// reading lost: the start of `report` and every export.
+pub fn load(path: &std::path::Path) -> Result<(Header, Model, u64, Loss), crate::trace::TraceError> {
+    let mut reader = crate::trace::Reader::open(path)?;
+    let mut model = Model::new();
+    let mut events = 0;
+    for record in reader.by_ref() {
+        model.apply(&record?);
+        events += 1;
+    }
+    let damage = &reader.damage;
+    let loss = Loss {
+        lost_records: model.lost_records,
+        undecodable: model.undecodable,
+        damaged_lines: damage.bad_lines.len() as u64 + damage.torn_tail as u64,
+        torn_tail: damage.torn_tail,
+    };
+    Ok((reader.header, model, events, loss))
+}
+
 impl Report {
     pub fn new(header: &Header, model: &Model, trace: String, events: u64, loss: Loss, idle_ns: u64) -> Report {
         let diagnoser = Diagnoser::new(header, model, loss.lost_records);

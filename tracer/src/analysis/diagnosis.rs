@@ -388,7 +388,11 @@ impl<'a> Diagnoser<'a> {
                     .sum();
                 // What one request costs: what a prefill allocated while it was alone in flight.
                 let mut alone: BTreeMap<u64, u64> = BTreeMap::new();
+                // The timeline's count rules most allocations out without looking at requests.
                 for a in self.model.allocations.iter().filter(prefill).filter(|a| a.ts < f.ts) {
+                    if self.services.in_flight_count(service, a.ts) != 1 {
+                        continue;
+                    }
                     if let [only] = self.services.in_flight(service, a.ts)[..] {
                         *alone.entry(only.arrived).or_default() += a.bytes;
                     }
