@@ -18,10 +18,8 @@ fn build() -> anyhow::Result<()> {
     if !linker_ok {
         bail!("bpf-linker is missing or does not load: run `cargo xtask setup` (it builds bpf-linker against this toolchain's LLVM)");
     }
-    let sysroot = Command::new("rustup")
-        .args(["run", "stable", "rustc", "--print", "sysroot"])
-        .output()
-        .context("running rustc --print sysroot")?;
+    let sysroot =
+        Command::new("rustup").args(["run", "stable", "rustc", "--print", "sysroot"]).output().context("running rustc --print sysroot")?;
     let sysroot = String::from_utf8_lossy(&sysroot.stdout).trim().to_string();
     if !Path::new(&sysroot).join("lib/rustlib/src/rust/library/core").exists() {
         bail!("the rust-src component is missing from {sysroot}: run `cargo xtask setup`");

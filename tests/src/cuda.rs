@@ -79,7 +79,17 @@ impl Gpu {
         put32(&mut query, 0, b'2' as u32);
         ioctl(&ctl, rm_cmd(esc::CHECK_VERSION_STR, 72), query.as_mut_ptr()).map_err(|_| "CHECK_VERSION_STR failed".to_string())?;
         let version: String = query[8..].iter().take_while(|&&b| b != 0).map(|&b| b as char).collect();
-        let mut gpu = Gpu { abi: Abi::for_version(&version), ctl, gpu0, uvm, client: 0, device: 0, subdevice: 0, vaspace: 0, next_va: 0x7f00_0000_0000 };
+        let mut gpu = Gpu {
+            abi: Abi::for_version(&version),
+            ctl,
+            gpu0,
+            uvm,
+            client: 0,
+            device: 0,
+            subdevice: 0,
+            vaspace: 0,
+            next_va: 0x7f00_0000_0000,
+        };
         let setup = |gpu: &mut Gpu| -> Result<(), Status> {
             gpu.client = gpu.rm_alloc(false, 0, 0, class::ROOT_CLIENT, &mut [])?;
             gpu.device = gpu.rm_alloc(true, gpu.client, gpu.client, class::DEVICE, &mut [0u8; 56])?;
@@ -171,7 +181,14 @@ impl Gpu {
             Path::HostPinned => {
                 // SAFETY: an anonymous private mapping, released with the process.
                 let host = unsafe {
-                    libc::mmap(std::ptr::null_mut(), bytes as usize, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE, -1, 0)
+                    libc::mmap(
+                        std::ptr::null_mut(),
+                        bytes as usize,
+                        libc::PROT_READ | libc::PROT_WRITE,
+                        libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                        -1,
+                        0,
+                    )
                 };
                 let mut p = [0u8; 56];
                 put32(&mut p, 0, self.client);

@@ -217,8 +217,10 @@ impl Driver {
         h
     }
 
-    /// Allocates accounted memory; None when it does not fit.
-    fn take(&mut self, caller: Caller, client: u32, object: u32, class: u32, kind: Kind, bytes: u64, via: &str) -> Result<u64, u32> {
+    /// Allocates accounted memory; None when it does not fit. `rm` is the RM identity (client,
+    /// object, class), zeros for UVM.
+    fn take(&mut self, caller: Caller, rm: (u32, u32, u32), kind: Kind, bytes: u64, via: &str) -> Result<u64, u32> {
+        let (client, object, class) = rm;
         let fits = self.used_mut(kind).checked_add(bytes).is_some_and(|total| total <= self.capacity(kind));
         let status = if fits { status::OK } else { status::NO_MEMORY };
         self.record(caller, DriverOp::Alloc { client, object, class, kind: kind.name(), bytes, status, via: via.into() });
@@ -298,7 +300,13 @@ impl Driver {
         match hclass {
             class::LOCAL_USER | class::SYSTEM | class::NV50_MEMORY_VIRTUAL => self.abi.memory_params_size,
             class::DEVICE => 56,
-            class::VASPACE => if self.abi.major >= 580 { 56 } else { 48 },
+            class::VASPACE => {
+                if self.abi.major >= 580 {
+                    56
+                } else {
+                    48
+                }
+            }
             class::CHANNEL_GROUP => 20,
             _ => 0,
         }
@@ -338,7 +346,7 @@ impl Driver {
             _ => None,
         };
         let memory = match kind {
-            Some(kind) => Some(self.take(caller, root, new, hclass, kind, get64(&class_params, 64), "rm_alloc")?),
+            Some(kind) => Some(self.take(caller, (root, new, hclass), kind, get64(&class_params, 64), "rm_alloc")?),
             None => None,
         };
         self.insert_object(root, new, parent, memory);
@@ -374,7 +382,7 @@ impl Driver {
                 } else {
                     (Kind::System, class::SYSTEM)
                 };
-                let id = self.take(caller, root, handle, hclass, kind, size, "vid_heap_control")?;
+                let id = self.take(caller, (root, handle, hclass), kind, size, "vid_heap_control")?;
                 self.insert_object(root, handle, parent, Some(id));
                 put64(p, 104, 0x2_0000_0000 + id * 0x1000_0000);
                 Ok(())
@@ -389,7 +397,8 @@ impl Driver {
     }
 
     fn alloc_memory(&mut self, caller: Caller, p: &mut [u8]) {
-        let (root, parent, mut new, hclass, flags, limit) = (get32(p, 0), get32(p, 4), get32(p, 8), get32(p, 12), get32(p, 16), get64(p, 32));
+        let (root, parent, mut new, hclass, flags, limit) =
+            (get32(p, 0), get32(p, 4), get32(p, 8), get32(p, 12), get32(p, 16), get64(p, 32));
         let status = (|| {
             self.parent_ok(root, parent)?;
             if new == 0 {
@@ -397,7 +406,7 @@ impl Driver {
                 put32(p, 8, new);
             }
             let kind = if hclass == class::LOCAL_USER || (flags >> 8) & 0xf == 2 { Kind::Video } else { Kind::System };
-            let id = self.take(caller, root, new, hclass, kind, limit + 1, "rm_alloc_memory")?;
+            let id = self.take(caller, (root, new, hclass), kind, limit + 1, "rm_alloc_memory")?;
             self.insert_object(root, new, parent, Some(id));
             Ok(())
         })();
@@ -496,11 +505,11 @@ impl Driver {
         let (base, length) = (get64(p, 0), get64(p, 8));
         match cmd {
             uvm::CREATE_EXTERNAL_RANGE => {
-                let id = self.take(caller, 0, 0, 0, Kind::Virtual, length, "uvm_create_external_range")?;
+                let id = self.take(caller, (0, 0, 0), Kind::Virtual, length, "uvm_create_external_range")?;
                 self.add_range(fh, base, length, Some(id))
             }
             uvm::ALLOC_SEMAPHORE_POOL => {
-                let id = self.take(caller, 0, 0, 0, Kind::System, length, "uvm_alloc_semaphore_pool")?;
+                let id = self.take(caller, (0, 0, 0), Kind::System, length, "uvm_alloc_semaphore_pool")?;
                 self.add_range(fh, base, length, Some(id))
             }
             uvm::MAP_EXTERNAL_ALLOCATION => {
@@ -787,7 +796,7 @@ mod tests {
     fn uvm_needs_initialize_and_follows_its_ranges() {
         let mut rig = Rig::new("590.44.01", 80 * GIB);
         let uvm = rig.driver.open(me(), UVM_INODE);
-        let mut call = |rig: &mut Rig, cmd: u32, p: &mut [u8]| rig.driver.ioctl(me(), uvm, cmd, p.as_mut_ptr() as u64, &[], 0).result;
+        let call = |rig: &mut Rig, cmd: u32, p: &mut [u8]| rig.driver.ioctl(me(), uvm, cmd, p.as_mut_ptr() as u64, &[], 0).result;
         let mut range = [0u8; 24];
         put64(&mut range, 0, 0x7000_0000);
         put64(&mut range, 8, GIB);

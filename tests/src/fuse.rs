@@ -74,9 +74,8 @@ impl Session {
         let c = |s: &str| CString::new(s).unwrap();
         let target = c(mountpoint.to_str().unwrap());
         // SAFETY: mount(2) with valid C strings.
-        let rc = unsafe {
-            libc::mount(c("fakegpu").as_ptr(), target.as_ptr(), c("fuse").as_ptr(), libc::MS_NOSUID, c(&opts).as_ptr().cast())
-        };
+        let rc =
+            unsafe { libc::mount(c("fakegpu").as_ptr(), target.as_ptr(), c("fuse").as_ptr(), libc::MS_NOSUID, c(&opts).as_ptr().cast()) };
         if rc != 0 {
             bail!("mounting FUSE at {}: {}", mountpoint.display(), std::io::Error::last_os_error());
         }
@@ -163,7 +162,8 @@ impl Session {
                 }
                 FUSE_OPENDIR => self.reply(unique, 0, &[0u8; 16]),
                 FUSE_IOCTL => {
-                    let (fh, cmd, arg, in_size, out_size) = (le64(body, 0), le32(body, 12), le64(body, 16), le32(body, 24) as usize, le32(body, 28));
+                    let (fh, cmd, arg, in_size, out_size) =
+                        (le64(body, 0), le32(body, 12), le64(body, 16), le32(body, 24) as usize, le32(body, 28));
                     let input = body.get(32..32 + in_size).unwrap_or_default();
                     let reply = files.ioctl(caller, fh, cmd, arg, input, out_size);
                     let mut out = vec![0u8; 16];
@@ -201,7 +201,8 @@ impl Session {
 fn attr(ino: u64) -> Vec<u8> {
     let mut a = vec![0u8; 88];
     a[0..8].copy_from_slice(&ino.to_le_bytes());
-    let (size, mode, nlink): (u64, u32, u32) = if ino == ROOT { (0, libc::S_IFDIR | 0o755, 2) } else { (1 << 40, libc::S_IFREG | 0o666, 1) };
+    let (size, mode, nlink): (u64, u32, u32) =
+        if ino == ROOT { (0, libc::S_IFDIR | 0o755, 2) } else { (1 << 40, libc::S_IFREG | 0o666, 1) };
     a[8..16].copy_from_slice(&size.to_le_bytes());
     a[60..64].copy_from_slice(&mode.to_le_bytes());
     a[64..68].copy_from_slice(&nlink.to_le_bytes());

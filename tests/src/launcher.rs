@@ -68,7 +68,9 @@ fn private_dev() -> Result<()> {
             std::fs::create_dir(&target)?;
             mount(&format!("/dev/{dir}"), target.to_str().unwrap(), None, libc::MS_BIND | libc::MS_REC, None)?;
         }
-        for (link, to) in [("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")] {
+        for (link, to) in
+            [("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")]
+        {
             std::os::unix::fs::symlink(to, stage.join(link))?;
         }
         std::fs::create_dir(stage.join(".fakegpu"))?;

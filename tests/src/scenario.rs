@@ -25,7 +25,9 @@ pub fn card(name: &str, server: &str) -> (u64, bool) {
 pub fn describe(name: &str, server: &str) -> &'static str {
     match (name, server) {
         ("clean", _) => "loads, serves short, long-ish and concurrent requests, shuts down",
-        ("held-by-other-process", "vllm") => "an orphaned engine (its API server was SIGKILLed) holds the GPU; the next server refuses at start",
+        ("held-by-other-process", "vllm") => {
+            "an orphaned engine (its API server was SIGKILLed) holds the GPU; the next server refuses at start"
+        }
         ("held-by-other-process", _) => "a forked child of a killed server keeps the device files; the next server's allocation fails",
         ("does-not-fit-at-load", _) => "the weights do not fit on the card",
         ("long-request", _) => "short prompts are served, one long prompt fails mid-prefill",
@@ -121,7 +123,8 @@ fn memory_cgroup(bytes: u64) -> Result<PathBuf> {
 /// Runs one scenario inside the fake GPU's namespace.
 pub fn inside(name: &str, server: &str, dir: &Path, gputrace: &Path) -> Result<()> {
     let here = std::env::current_exe()?.parent().ok_or_else(|| anyhow!("no directory"))?.to_path_buf();
-    let t = Tools { gputrace: gputrace.to_path_buf(), server: here.join("fake-server"), load: here.join("fake-load"), dir: dir.to_path_buf() };
+    let t =
+        Tools { gputrace: gputrace.to_path_buf(), server: here.join("fake-server"), load: here.join("fake-load"), dir: dir.to_path_buf() };
     let llama = server == "llama";
     let port = 8000 + (std::process::id() % 1000) as u16;
     let limit = Duration::from_secs(60);
@@ -167,7 +170,11 @@ pub fn inside(name: &str, server: &str, dir: &Path, gputrace: &Path) -> Result<(
             // Join the cgroup before exec, so the whole server is confined to it.
             let procs = cgroup.join("cgroup.procs");
             let mut wrapped = Command::new("sh");
-            wrapped.arg("-c").arg(format!("echo $$ > {} && exec \"$0\" \"$@\"", procs.display())).arg(inner.get_program()).args(inner.get_args());
+            wrapped
+                .arg("-c")
+                .arg(format!("echo $$ > {} && exec \"$0\" \"$@\"", procs.display()))
+                .arg(inner.get_program())
+                .args(inner.get_args());
             inner.stdout(Stdio::null());
             let result = wait_for(t.record(&wrapped)?, limit);
             for pid in std::fs::read_to_string(&procs).unwrap_or_default().split_whitespace().filter_map(|p| p.parse().ok()) {

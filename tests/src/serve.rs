@@ -24,7 +24,8 @@ impl Completion {
     /// The request body as a client sends it: the prompt's text (about 4 bytes a token) with it.
     pub fn body(&self) -> String {
         let prompt = "lorem ipsum dolor sit amet ".repeat((self.prompt_tokens * 4 / 27 + 1) as usize);
-        serde_json::json!({"prompt": prompt, "prompt_tokens": self.prompt_tokens, "max_tokens": self.max_tokens, "stream": true}).to_string()
+        serde_json::json!({"prompt": prompt, "prompt_tokens": self.prompt_tokens, "max_tokens": self.max_tokens, "stream": true})
+            .to_string()
     }
 }
 
@@ -60,7 +61,8 @@ pub fn read_request(stream: &mut TcpStream) -> Option<HttpRequest> {
 
 /// A whole response in one write, as servers build the header block before sending it.
 pub fn respond(stream: &mut TcpStream, status: &str, body: &str) {
-    let response = format!("HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len());
+    let response =
+        format!("HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len());
     let _ = stream.write_all(response.as_bytes());
 }
 

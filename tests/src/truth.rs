@@ -12,12 +12,32 @@ use serde::{Deserialize, Serialize};
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum DriverOp {
     /// An allocation request and its outcome. `kind` is video, system or virtual.
-    Alloc { client: u32, object: u32, class: u32, kind: String, bytes: u64, status: u32, via: String },
+    Alloc {
+        client: u32,
+        object: u32,
+        class: u32,
+        kind: String,
+        bytes: u64,
+        status: u32,
+        via: String,
+    },
     /// Memory that went back: its last handle was freed. `how`: explicit, subtree or release.
-    Free { client: u32, object: u32, kind: String, bytes: u64, how: String },
+    Free {
+        client: u32,
+        object: u32,
+        kind: String,
+        bytes: u64,
+        how: String,
+    },
     /// The kernel released an open file (FUSE RELEASE): the last reference is gone.
-    Release { device: String, handle: u64 },
-    Open { device: String, handle: u64 },
+    Release {
+        device: String,
+        handle: u64,
+    },
+    Open {
+        device: String,
+        handle: u64,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

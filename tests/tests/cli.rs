@@ -14,7 +14,7 @@ use gputrace::event::{Event, Seen};
 use gputrace::model::{FreedBy, Model};
 use gputrace::trace::Reader;
 
-use common::{gputrace_bin, root_or_skip, serial};
+use common::{as_root, gputrace_bin};
 
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("gputrace-cli-{name}-{}", std::process::id()));
@@ -39,11 +39,9 @@ fn in_fake_gpu(dir: &Path, script: &str) -> std::process::Output {
 /// The recorder starts after the process allocated: the /proc scan finds its device files, and
 /// what it does from then on is followed, down to the implicit free at its exit.
 #[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
 fn attaching_to_a_running_process() {
-    let _serial = serial();
-    if !root_or_skip("attaching_to_a_running_process") {
-        return;
-    }
+    let _root = as_root();
     let dir = scratch("attach");
     let out = in_fake_gpu(&dir, r#""$W" hold --ms 1500 & sleep 0.5; exec "$G" record --json -o "$D/run.trace" --pid $!"#);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -73,11 +71,9 @@ fn attaching_to_a_running_process() {
 
 /// On a unified-memory part NVML has no device memory to report; per-process figures remain.
 #[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
 fn unified_memory_reports_no_capacity_but_still_per_process_use() {
-    let _serial = serial();
-    if !root_or_skip("unified_memory_reports_no_capacity_but_still_per_process_use") {
-        return;
-    }
+    let _root = as_root();
     let dir = scratch("unified");
     let out = Command::new(env!("CARGO_BIN_EXE_fakegpu"))
         .args(["run", "--unified", "--", "sh", "-c", r#""$W" hold --ms 1200 & sleep 0.4; exec "$G" record -o "$D/run.trace" --pid $!"#])
@@ -97,11 +93,9 @@ fn unified_memory_reports_no_capacity_but_still_per_process_use() {
 
 /// A recorder killed with SIGKILL leaves a trace that reads up to its last flush.
 #[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
 fn a_killed_recorder_leaves_a_readable_trace() {
-    let _serial = serial();
-    if !root_or_skip("a_killed_recorder_leaves_a_readable_trace") {
-        return;
-    }
+    let _root = as_root();
     let dir = scratch("sigkill");
     in_fake_gpu(&dir, r#""$G" record -o "$D/run.trace" -- "$W" hold --ms 2000 & sleep 1; kill -9 $!; sleep 0.1"#);
     let (header, records, _) = Reader::read_all(&dir.join("run.trace")).expect("the trace of a killed recorder reads");
@@ -112,11 +106,9 @@ fn a_killed_recorder_leaves_a_readable_trace() {
 }
 
 #[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
 fn ctrl_c_stops_cleanly() {
-    let _serial = serial();
-    if !root_or_skip("ctrl_c_stops_cleanly") {
-        return;
-    }
+    let _root = as_root();
     let dir = scratch("sigint");
     // A terminal's Ctrl-C signals the whole foreground process group: the recorder and the command.
     let child = Command::new(gputrace_bin())
@@ -140,11 +132,9 @@ fn ctrl_c_stops_cleanly() {
 }
 
 #[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
 fn errors_say_what_to_do() {
-    let _serial = serial();
-    if !root_or_skip("errors_say_what_to_do") {
-        return;
-    }
+    let _root = as_root();
     let run = |args: &[&str], unprivileged: bool| {
         let mut cmd = if unprivileged {
             let mut c = Command::new("setpriv");
@@ -172,11 +162,9 @@ fn errors_say_what_to_do() {
 
 /// Under sudo the command runs as the invoking user, and the trace is theirs.
 #[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
 fn runs_the_command_as_the_user_behind_sudo() {
-    let _serial = serial();
-    if !root_or_skip("runs_the_command_as_the_user_behind_sudo") {
-        return;
-    }
+    let _root = as_root();
     let dir = scratch("sudo");
     std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
     let uid_file = dir.join("uid");
@@ -185,6 +173,7 @@ fn runs_the_command_as_the_user_behind_sudo() {
         .arg(format!("id -u > {}", uid_file.display()))
         .env("SUDO_UID", "65534")
         .env("SUDO_GID", "65534")
+        .env("SUDO_USER", "nobody")
         .current_dir(&dir)
         .output()
         .unwrap();
@@ -201,11 +190,9 @@ fn runs_the_command_as_the_user_behind_sudo() {
 
 /// `--all` finds a process that already held the GPU by scanning every process, and follows it.
 #[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
 fn all_finds_every_process_holding_the_gpu() {
-    let _serial = serial();
-    if !root_or_skip("all_finds_every_process_holding_the_gpu") {
-        return;
-    }
+    let _root = as_root();
     let dir = scratch("all");
     let script = r#""$W" hold --ms 1200 & W_PID=$!; sleep 0.4; "$G" record --all -o "$D/run.trace" & G_PID=$!; wait $W_PID; sleep 0.3; kill -INT $G_PID; wait $G_PID; echo "$W_PID" > "$D/pid""#;
     let out = in_fake_gpu(&dir, script);
@@ -222,11 +209,9 @@ fn all_finds_every_process_holding_the_gpu() {
 
 /// `--raw` keeps the params bytes each event was decoded from.
 #[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
 fn raw_keeps_the_bytes_behind_each_event() {
-    let _serial = serial();
-    if !root_or_skip("raw_keeps_the_bytes_behind_each_event") {
-        return;
-    }
+    let _root = as_root();
     let dir = scratch("raw");
     let out = in_fake_gpu(&dir, r#"exec "$G" record --raw -o "$D/run.trace" -- "$W" paths"#);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -255,11 +240,9 @@ fn raw_keeps_the_bytes_behind_each_event() {
 
 /// `gputrace mark` from a wrapper script: recorded, and it overrides the inferred phase.
 #[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
 fn explicit_marks_reach_the_trace_and_override_phases() {
-    let _serial = serial();
-    if !root_or_skip("explicit_marks_reach_the_trace_and_override_phases") {
-        return;
-    }
+    let _root = as_root();
     let dir = scratch("mark");
     let script = r#""$G" record -o "$D/run.trace" -- sh -c '"$W" hold --ms 800 & P=$!; sleep 0.3; "$G" mark decode --pid $P 2>"$D/ok"; "$G" mark decode --pid 1 2>"$D/refused"; wait $P'"#;
     let out = in_fake_gpu(&dir, script);

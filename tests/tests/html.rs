@@ -7,7 +7,7 @@ mod common;
 use std::path::Path;
 use std::process::Command;
 
-use common::{gputrace_bin, root_or_skip, serial};
+use common::{as_root, gputrace_bin};
 
 fn chromium(dir: &Path, args: &[&str], page: &Path) -> std::process::Output {
     let profile = dir.join("chromium-profile");
@@ -21,11 +21,9 @@ fn chromium(dir: &Path, args: &[&str], page: &Path) -> std::process::Output {
 }
 
 #[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
 fn the_html_report_of_a_failure_renders_with_its_verdict_and_marker() {
-    let _serial = serial();
-    if !root_or_skip("the_html_report_of_a_failure_renders_with_its_verdict_and_marker") {
-        return;
-    }
+    let _root = as_root();
     if Command::new("chromium").arg("--version").output().is_err() {
         assert!(std::env::var("CI").as_deref() != Ok("true"), "chromium is missing: `cargo xtask test` installs it");
         eprintln!("skipping: no chromium (apt-get install chromium chromium-driver)");
@@ -33,10 +31,17 @@ fn the_html_report_of_a_failure_renders_with_its_verdict_and_marker() {
     }
     let dir = std::env::temp_dir().join(format!("gputrace-html-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let run = Command::new(env!("CARGO_BIN_EXE_fakegpu")).args(["scenario", "long-request", "--server", "vllm", "--dir"]).arg(&dir).arg("--gputrace").arg(gputrace_bin()).output().unwrap();
+    let run = Command::new(env!("CARGO_BIN_EXE_fakegpu"))
+        .args(["scenario", "long-request", "--server", "vllm", "--dir"])
+        .arg(&dir)
+        .arg("--gputrace")
+        .arg(gputrace_bin())
+        .output()
+        .unwrap();
     assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
     let page = dir.join("report.html");
-    let export = Command::new(gputrace_bin()).args(["export", "--format", "html", "-o"]).arg(&page).arg(dir.join("run.trace")).output().unwrap();
+    let export =
+        Command::new(gputrace_bin()).args(["export", "--format", "html", "-o"]).arg(&page).arg(dir.join("run.trace")).output().unwrap();
     assert!(export.status.success(), "{}", String::from_utf8_lossy(&export.stderr));
     let html = std::fs::read_to_string(&page).unwrap();
     // Self-contained: nothing fetched (the SVG namespace URI is a name, not a fetch).
@@ -53,7 +58,8 @@ fn the_html_report_of_a_failure_renders_with_its_verdict_and_marker() {
     assert!(dom.contains("capacity 80.0 GiB"));
 
     let shot = dir.join("report.png");
-    let logged = chromium(&dir, &["--enable-logging=stderr", "--v=0", "--window-size=1200,900", &format!("--screenshot={}", shot.display())], &page);
+    let logged =
+        chromium(&dir, &["--enable-logging=stderr", "--v=0", "--window-size=1200,900", &format!("--screenshot={}", shot.display())], &page);
     let log = String::from_utf8_lossy(&logged.stderr);
     let console: Vec<&str> = log.lines().filter(|l| l.contains(":CONSOLE")).collect();
     assert!(console.is_empty(), "console messages: {console:?}");

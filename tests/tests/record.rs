@@ -13,7 +13,7 @@ use gputrace::event::{Event, Memory, Record};
 use gputrace::model::{FreedBy, Model};
 use gputrace::trace::Reader;
 
-use common::{gputrace_bin, root_or_skip, serial};
+use common::{as_root, gputrace_bin};
 
 struct Run {
     dir: PathBuf,
@@ -25,7 +25,7 @@ struct Run {
 impl Run {
     fn trace(&self) -> (Vec<Record>, Model) {
         let (_, records, damage) = Reader::read_all(&self.dir.join("run.trace")).expect("the trace reads");
-        assert!(damage.bad_lines.is_empty() && !damage.torn_tail, "damaged trace: {damage:?}");
+        assert!(damage.bad_lines == 0 && !damage.torn_tail, "damaged trace: {damage:?}");
         let model = Model::from_records(&records);
         (records, model)
     }
@@ -33,7 +33,8 @@ impl Run {
         read_lines(&self.dir.join("driver.jsonl")).expect("the driver log reads")
     }
     fn summary(&self) -> serde_json::Value {
-        serde_json::from_str(&self.stdout).unwrap_or_else(|e| panic!("record --json printed no JSON ({e}): {}\n{}", self.stdout, self.stderr))
+        serde_json::from_str(&self.stdout)
+            .unwrap_or_else(|e| panic!("record --json printed no JSON ({e}): {}\n{}", self.stdout, self.stderr))
     }
 }
 
@@ -117,7 +118,8 @@ fn check_frees_match(model: &Model, driver: &[DriverLine]) {
     let releases = release_times(driver);
     for (object, how, ts) in driver_frees(driver) {
         let a = model.allocations.iter().find(|a| a.object == object).unwrap_or_else(|| panic!("gputrace has no allocation {object:#x}"));
-        let (freed_ts, freed_by) = a.freed.unwrap_or_else(|| panic!("gputrace thinks {object:#x} is still live; the driver freed it ({how})"));
+        let (freed_ts, freed_by) =
+            a.freed.unwrap_or_else(|| panic!("gputrace thinks {object:#x} is still live; the driver freed it ({how})"));
         let expected = match how.as_str() {
             "explicit" => FreedBy::Explicit,
             "subtree" => FreedBy::Subtree,
@@ -127,7 +129,11 @@ fn check_frees_match(model: &Model, driver: &[DriverLine]) {
         if expected == FreedBy::FileRelease {
             // The kernel drops the last reference (close, exit) just before FUSE's RELEASE reaches the driver.
             let release = releases.iter().copied().filter(|&r| r >= freed_ts).min().expect("a release after gputrace's free");
-            assert!(release - freed_ts < 1_000_000_000, "implicit free {freed_ts} is {} ns before the driver's release", release - freed_ts);
+            assert!(
+                release - freed_ts < 1_000_000_000,
+                "implicit free {freed_ts} is {} ns before the driver's release",
+                release - freed_ts
+            );
             assert!(ts >= freed_ts);
         } else {
             let skew = freed_ts.abs_diff(ts);
@@ -143,11 +149,9 @@ fn check_frees_match(model: &Model, driver: &[DriverLine]) {
 }
 
 #[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
 fn every_path_every_driver_version() {
-    let _serial = serial();
-    if !root_or_skip("every_path_every_driver_version") {
-        return;
-    }
+    let _root = as_root();
     for version in fakegpu::abi::VERSIONS {
         let run = record(&format!("paths-{version}"), version, &["paths"]);
         assert_eq!(run.status, 0, "{version}: {}", run.stderr);
@@ -186,11 +190,9 @@ fn every_path_every_driver_version() {
 }
 
 #[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
 fn a_forked_child_keeps_the_memory_until_it_exits() {
-    let _serial = serial();
-    if !root_or_skip("a_forked_child_keeps_the_memory_until_it_exits") {
-        return;
-    }
+    let _root = as_root();
     let run = record_then_wait("fork-holder", "580.95.05", &["fork-holder", "--hold-ms", "700"], Some("1.5"));
     assert_eq!(run.status, 0, "{}", run.stderr);
     let (records, model) = run.trace();
@@ -213,11 +215,9 @@ fn a_forked_child_keeps_the_memory_until_it_exits() {
 /// Recording ends with the command; a child it left holding the files still holds the memory at
 /// the end of the trace, and the model names it as the holder.
 #[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
 fn memory_a_child_still_holds_when_recording_ends_is_live() {
-    let _serial = serial();
-    if !root_or_skip("memory_a_child_still_holds_when_recording_ends_is_live") {
-        return;
-    }
+    let _root = as_root();
     let run = record("fork-holder-live", "580.95.05", &["fork-holder", "--hold-ms", "1500"]);
     assert_eq!(run.status, 0, "{}", run.stderr);
     let (_, model) = run.trace();
@@ -240,11 +240,9 @@ fn memory_a_child_still_holds_when_recording_ends_is_live() {
 /// Device files passed over a unix socket: the receiver's fds are new to the kernel, asked about
 /// once, and known (kcmp) to share the sender's files, so the sender's exit frees nothing.
 #[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
 fn files_received_over_a_socket_keep_the_senders_memory() {
-    let _serial = serial();
-    if !root_or_skip("files_received_over_a_socket_keep_the_senders_memory") {
-        return;
-    }
+    let _root = as_root();
     let run = record_then_wait("pass-fd", "580.95.05", &["pass-fd"], Some("1.5"));
     assert_eq!(run.status, 0, "{}", run.stderr);
     let (records, model) = run.trace();
@@ -254,23 +252,27 @@ fn files_received_over_a_socket_keep_the_senders_memory() {
     let receiver_alloc = model.allocations.iter().find(|a| a.memory == Memory::Video && a.bytes == 1 << 30).unwrap();
     assert_ne!(sender_alloc.pid, receiver_alloc.pid);
     assert_eq!(sender_alloc.file, receiver_alloc.file, "the received fd is the sender's nvidiactl file");
-    let found = records.iter().find(|r| r.pid == receiver_alloc.pid && matches!(r.event, Event::FdFound { .. })).expect("the received fd, asked about");
+    let found = records
+        .iter()
+        .find(|r| r.pid == receiver_alloc.pid && matches!(r.event, Event::FdFound { .. }))
+        .expect("the received fd, asked about");
     assert!(matches!(found.event, Event::FdFound { file, .. } if Some(file) == sender_alloc.file));
     let sender_exit = model.processes[&sender_alloc.pid].exited.unwrap();
     let receiver_exit = model.processes[&receiver_alloc.pid].exited.unwrap();
     let (freed_ts, how) = sender_alloc.freed.expect("freed when the receiver let go");
     assert_eq!(how, FreedBy::FileRelease);
-    assert!(freed_ts > sender_exit + 500_000_000 && freed_ts <= receiver_exit, "freed by the receiver's last reference ({freed_ts}), not the sender's exit ({sender_exit})");
+    assert!(
+        freed_ts > sender_exit + 500_000_000 && freed_ts <= receiver_exit,
+        "freed by the receiver's last reference ({freed_ts}), not the sender's exit ({sender_exit})"
+    );
     check_frees_match(&model, &driver);
     std::fs::remove_dir_all(&run.dir).ok();
 }
 
 #[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
 fn a_million_ioctls_on_other_fds_cost_one_question_each_and_no_events() {
-    let _serial = serial();
-    if !root_or_skip("a_million_ioctls_on_other_fds_cost_one_question_each_and_no_events") {
-        return;
-    }
+    let _root = as_root();
     let run = record("storm", "580.95.05", &["storm", "--count", "1000000"]);
     assert_eq!(run.status, 0, "{}", run.stderr);
     let (records, _) = run.trace();
@@ -279,7 +281,20 @@ fn a_million_ioctls_on_other_fds_cost_one_question_each_and_no_events() {
     let questions = summary["fd_filter"]["questions"].as_u64().unwrap();
     assert!(questions <= 5, "at most one question per fd, got {questions}");
     assert!(questions >= 1, "the NVIDIA-looking commands on unknown fds are asked about");
-    let driver_calls = records.iter().filter(|r| matches!(r.event, Event::Alloc(_) | Event::Free { .. } | Event::Undecodable { .. } | Event::UvmMap { .. } | Event::UvmFree { .. } | Event::FdFound { .. })).count();
+    let driver_calls = records
+        .iter()
+        .filter(|r| {
+            matches!(
+                r.event,
+                Event::Alloc(_)
+                    | Event::Free { .. }
+                    | Event::Undecodable { .. }
+                    | Event::UvmMap { .. }
+                    | Event::UvmFree { .. }
+                    | Event::FdFound { .. }
+            )
+        })
+        .count();
     assert_eq!(driver_calls, 0, "no ioctl events for non-NVIDIA fds");
     assert_eq!(summary["loss"]["lost_records"], 0);
     eprintln!("storm: {questions} questions, {} pending ioctls dropped", summary["fd_filter"]["pending_dropped"]);
@@ -287,11 +302,9 @@ fn a_million_ioctls_on_other_fds_cost_one_question_each_and_no_events() {
 }
 
 #[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
 fn a_failed_allocation_is_recorded_with_its_status() {
-    let _serial = serial();
-    if !root_or_skip("a_failed_allocation_is_recorded_with_its_status") {
-        return;
-    }
+    let _root = as_root();
     let run = record("oom", "535.104.05", &["oom", "--bytes", "100GiB"]);
     assert_eq!(run.status, 1, "the workload reports the OOM: {}", run.stderr);
     let (records, model) = run.trace();

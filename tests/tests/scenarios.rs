@@ -14,7 +14,7 @@ use gputrace::model::Model;
 use gputrace::trace::{Header, Reader};
 use serde_json::Value;
 
-use common::{gputrace_bin, root_or_skip, serial};
+use common::{as_root, gputrace_bin};
 
 struct Outcome {
     dir: PathBuf,
@@ -37,9 +37,15 @@ fn run(name: &str, server: &str) -> Outcome {
         .output()
         .unwrap();
     let logs = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap_or_default();
-    assert!(out.status.success(), "{server} {name}: {}\n{}\n{}", String::from_utf8_lossy(&out.stderr), logs("server.log"), logs("load.log"));
+    assert!(
+        out.status.success(),
+        "{server} {name}: {}\n{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        logs("server.log"),
+        logs("load.log")
+    );
     let (header, records, damage) = Reader::read_all(&dir.join("run.trace")).expect("the trace");
-    assert!(damage.bad_lines.is_empty() && !damage.torn_tail);
+    assert!(damage.bad_lines == 0 && !damage.torn_tail);
     let summary = serde_json::from_str(&logs("record.json")).unwrap_or_else(|e| panic!("{server} {name}: record.json: {e}"));
     Outcome {
         model: Model::from_records(&records),
@@ -251,7 +257,10 @@ fn diagnosed_right(o: &Outcome, name: &str, server: &str, what: &str) {
             assert_eq!(fix["kill"].as_u64(), Some(holder as u64), "{what}: the process to stop");
             assert!(d["fix"]["text"].as_str().unwrap().contains(&format!("kill {holder}")), "{what}");
             assert!(e["held_outside_bytes"].as_u64().unwrap() > 16 << 30, "{what}");
-            assert!(contexts.iter().any(|c| c["pid"].as_u64() == Some(holder as u64)), "{what}: named among contexts never freed: {contexts:?}");
+            assert!(
+                contexts.iter().any(|c| c["pid"].as_u64() == Some(holder as u64)),
+                "{what}: named among contexts never freed: {contexts:?}"
+            );
         }
         "host-oom" => {
             let killed = o.model.processes.values().find(|p| p.oom_killed.is_some()).expect("the OOM killer's victim").pid;
@@ -264,7 +273,11 @@ fn diagnosed_right(o: &Outcome, name: &str, server: &str, what: &str) {
             let in_flight = workload_events(o, "alloc_failed").next().unwrap()["in_flight"].as_u64().unwrap();
             assert_eq!(e["requests_in_flight"].as_u64(), Some(in_flight), "{what}");
             if name == "concurrent-load" {
-                let (cap, each, room) = (fix["max_concurrency"].as_u64().unwrap(), fix["bytes_per_request"].as_u64().unwrap(), fix["room_bytes"].as_u64().unwrap());
+                let (cap, each, room) = (
+                    fix["max_concurrency"].as_u64().unwrap(),
+                    fix["bytes_per_request"].as_u64().unwrap(),
+                    fix["room_bytes"].as_u64().unwrap(),
+                );
                 assert!(cap * each <= room && (cap + 1) * each > room && cap < in_flight, "{what}: cap {cap} of {each} bytes in {room}");
                 let alone = workload_events(o, "prefill").find(|w| w["in_flight"] == 1).map(|w| w["bytes"].as_u64().unwrap()).unwrap();
                 assert!(each >= alone && each < alone + alone / 10, "{what}: one request's cost {each}, the workload says {alone}");
@@ -341,10 +354,7 @@ fn check(name: &str, server: &str) {
 }
 
 fn scenario(name: &str, server: &str) {
-    let _serial = serial();
-    if !root_or_skip(&format!("{server} {name}")) {
-        return;
-    }
+    let _root = as_root();
     check(name, server);
     let leftovers = Command::new("pgrep").args(["-f", "fake-server --server"]).output().unwrap();
     assert!(String::from_utf8_lossy(&leftovers.stdout).trim().is_empty(), "{server} {name}: no server process left behind");
@@ -352,7 +362,7 @@ fn scenario(name: &str, server: &str) {
 
 macro_rules! scenarios {
     ($($test:ident: $name:literal, $server:literal;)*) => {
-        $(#[test] fn $test() { scenario($name, $server) })*
+        $(#[test] #[ignore = "needs root: `sudo cargo xtask test` runs it"] fn $test() { scenario($name, $server) })*
 
         /// The table above covers every scenario the fake GPU knows, for both families.
         #[test]

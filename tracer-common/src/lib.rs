@@ -282,10 +282,7 @@ pub mod uvm {
 
 #[inline(always)]
 pub const fn uvm_command_traced(cmd: u32) -> bool {
-    matches!(
-        cmd,
-        uvm::MAP_EXTERNAL_ALLOCATION | uvm::FREE | uvm::ALLOC_SEMAPHORE_POOL | uvm::CREATE_EXTERNAL_RANGE
-    )
+    matches!(cmd, uvm::MAP_EXTERNAL_ALLOCATION | uvm::FREE | uvm::ALLOC_SEMAPHORE_POOL | uvm::CREATE_EXTERNAL_RANGE)
 }
 
 /// nv_ioctl_xfer_t: `cmd@0 size@4 ptr@8`. The inner size limit is NV_ABSOLUTE_MAX_IOCTL_SIZE.

@@ -9,8 +9,7 @@
 use aya_ebpf::{
     bindings::BPF_NOEXIST,
     helpers::{
-        bpf_get_current_pid_tgid, bpf_get_current_task, bpf_ktime_get_ns, bpf_probe_read_kernel,
-        bpf_probe_read_kernel_str_bytes,
+        bpf_get_current_pid_tgid, bpf_get_current_task, bpf_ktime_get_ns, bpf_probe_read_kernel, bpf_probe_read_kernel_str_bytes,
         bpf_probe_read_user_str_bytes, generated::bpf_probe_read_user,
     },
     macros::{map, tracepoint},
@@ -18,9 +17,9 @@ use aya_ebpf::{
     programs::TracePointContext,
 };
 use tracer_common::{
-    device, escape, ioc_nr, ioc_size, ioctl_flag, kind, rm_cmd, rm_command_traced, rm_escape_traced,
-    stat, traced, uvm_command_traced, Config, KernelOffsets, ExecRecord, FdKey, FdRecord, Header, IoctlRecord, OpenRecord,
-    SockRecord, UvmWindow, CLASS_PARAMS_MAX, PARAMS_MAX, PATH_MAX, SOCK_HEAD_MAX, XFER_SIZE,
+    device, escape, ioc_nr, ioc_size, ioctl_flag, kind, rm_cmd, rm_command_traced, rm_escape_traced, stat, traced, uvm_command_traced,
+    Config, ExecRecord, FdKey, FdRecord, Header, IoctlRecord, KernelOffsets, OpenRecord, SockRecord, UvmWindow, CLASS_PARAMS_MAX,
+    PARAMS_MAX, PATH_MAX, SOCK_HEAD_MAX, XFER_SIZE,
 };
 
 #[map]

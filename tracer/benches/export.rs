@@ -33,7 +33,7 @@ fn write_trace(path: &Path) {
         command: vec![],
         raw: false,
     };
-    let mut w = Writer::create(path, &header).unwrap();
+    let mut w = Writer::create(path, &header, None).unwrap();
     let mut ts = 0u64;
     let mut put = |w: &mut Writer, event: Event| {
         ts += 10_000;
@@ -44,7 +44,19 @@ fn write_trace(path: &Path) {
     put(&mut w, Event::Object { fd: 3, client: 1, parent: 0, object: 1, class: 0x41, status: 0 });
     put(&mut w, Event::Object { fd: 3, client: 1, parent: 1, object: 2, class: 0x80, status: 0 });
     let alloc = |object: u32, bytes: u64| {
-        Event::Alloc(Alloc { fd: 3, via: Via::RmAllocNvos64, memory: Memory::Video, bytes, status: 0, client: 1, parent: 2, object, class: 0x40, base: None, errno: None })
+        Event::Alloc(Alloc {
+            fd: 3,
+            via: Via::RmAllocNvos64,
+            memory: Memory::Video,
+            bytes,
+            status: 0,
+            client: 1,
+            parent: 2,
+            object,
+            class: 0x40,
+            base: None,
+            errno: None,
+        })
     };
     let mut written = 4;
     let mut object = 100u32;
@@ -69,7 +81,7 @@ fn write_trace(path: &Path) {
 }
 
 fn load(path: &Path) -> (Header, Model, u64) {
-    let (header, model, events, _) = gputrace::report::load(path).unwrap();
+    let (header, model, events, _) = gputrace::report::load(path, false).unwrap();
     (header, model, events)
 }
 
@@ -78,7 +90,7 @@ fn run(op: &str, path: &Path) {
     let mut sink = std::io::sink();
     match op {
         "read" => {
-            let n = Reader::open(path).unwrap().map(|r| r.unwrap()).count();
+            let n = Reader::open(path).unwrap().inspect(|r| assert!(r.is_ok(), "a record that does not read")).count();
             assert_eq!(n as u64 + 1, EVENTS.next_multiple_of(11) - 6 + 1);
         }
         "report" => {
@@ -106,6 +118,8 @@ fn run(op: &str, path: &Path) {
 /// Seconds and peak resident kilobytes of one child running `op`.
 fn measure(op: &str, path: &Path) -> (f64, i64) {
     let start = Instant::now();
+    // Reaped by wait4 below, which std cannot see: it also gives the child's peak memory.
+    #[allow(clippy::zombie_processes)]
     let child = Command::new(std::env::current_exe().unwrap()).args(["--op", op]).arg(path).spawn().unwrap();
     let mut status = 0;
     // SAFETY: wait4 fills the child's rusage.

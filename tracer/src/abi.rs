@@ -175,6 +175,7 @@ pub mod status {
         matches!(status, NO_MEMORY | INSUFFICIENT_RESOURCES | MEMORY_ERROR | INVALID_HEAP)
     }
 
+    /// The driver's own name for a status, as its headers spell it (shown beside failures).
     pub fn name(status: u32) -> Option<&'static str> {
         Some(match status {
             OK => "NV_OK",

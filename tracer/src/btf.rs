@@ -13,18 +13,18 @@ const KIND_UNION: u32 = 5;
 /// Bytes that follow a type's 12-byte header, by kind (see the kernel's Documentation/bpf/btf.rst).
 fn extra_bytes(kind: u32, vlen: usize) -> Option<usize> {
     Some(match kind {
-        1 => 4,                  // INT
-        2 | 7..=12 => 0,         // PTR, FWD, TYPEDEF, VOLATILE, CONST, RESTRICT, FUNC
-        3 => 12,                 // ARRAY
-        4 | 5 => 12 * vlen,      // STRUCT, UNION
-        6 => 8 * vlen,           // ENUM
-        13 => 8 * vlen,          // FUNC_PROTO
-        14 => 4,                 // VAR
-        15 => 12 * vlen,         // DATASEC
-        16 => 0,                 // FLOAT
-        17 => 4,                 // DECL_TAG
-        18 => 0,                 // TYPE_TAG
-        19 => 12 * vlen,         // ENUM64
+        1 => 4,             // INT
+        2 | 7..=12 => 0,    // PTR, FWD, TYPEDEF, VOLATILE, CONST, RESTRICT, FUNC
+        3 => 12,            // ARRAY
+        4 | 5 => 12 * vlen, // STRUCT, UNION
+        6 => 8 * vlen,      // ENUM
+        13 => 8 * vlen,     // FUNC_PROTO
+        14 => 4,            // VAR
+        15 => 12 * vlen,    // DATASEC
+        16 => 0,            // FLOAT
+        17 => 4,            // DECL_TAG
+        18 => 0,            // TYPE_TAG
+        19 => 12 * vlen,    // ENUM64
         _ => return None,
     })
 }
@@ -37,11 +37,8 @@ pub fn struct_members(data: &[u8], wanted: &[&str]) -> Result<HashMap<String, Ha
         return Err("not little-endian BTF".into());
     }
     let header_len = u32_at(4).ok_or("short header")? as usize;
-    let (type_off, type_len, str_off) = (
-        u32_at(8).ok_or("short header")? as usize,
-        u32_at(12).ok_or("short header")? as usize,
-        u32_at(16).ok_or("short header")? as usize,
-    );
+    let (type_off, type_len, str_off) =
+        (u32_at(8).ok_or("short header")? as usize, u32_at(12).ok_or("short header")? as usize, u32_at(16).ok_or("short header")? as usize);
     let types = header_len + type_off;
     let strings = header_len + str_off;
     let name = |off: u32| -> &str {

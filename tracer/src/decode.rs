@@ -6,8 +6,7 @@ use std::mem::size_of;
 
 use thiserror::Error;
 use tracer_common::{
-    device, escape, ioc_nr, ioc_size, ioctl_flag, kind, uvm, ExecRecord, FdRecord, Header, IoctlRecord, OpenRecord,
-    SockRecord,
+    device, escape, ioc_nr, ioc_size, ioctl_flag, kind, uvm, ExecRecord, FdRecord, Header, IoctlRecord, OpenRecord, SockRecord,
 };
 
 use crate::abi::{class, offsets as o, Layout};
@@ -43,21 +42,60 @@ pub struct RawIoctl {
 pub enum RawKind {
     Ioctl(RawIoctl),
     /// `file` is the kernel's `struct file *` (0 when unknown).
-    Open { fd: i32, flags: i32, device: Option<Device>, path: String, file: u64 },
-    Close { fd: i32 },
-    Dup { old_fd: i32, new_fd: i32, cloexec: bool },
-    CloseRange { first: u32, last: u32, flags: u32 },
-    SetCloexec { fd: i32, cloexec: bool },
-    Fork { child: u32 },
-    Exec { filename: String },
+    Open {
+        fd: i32,
+        flags: i32,
+        device: Option<Device>,
+        path: String,
+        file: u64,
+    },
+    Close {
+        fd: i32,
+    },
+    Dup {
+        old_fd: i32,
+        new_fd: i32,
+        cloexec: bool,
+    },
+    CloseRange {
+        first: u32,
+        last: u32,
+        flags: u32,
+    },
+    SetCloexec {
+        fd: i32,
+        cloexec: bool,
+    },
+    Fork {
+        child: u32,
+    },
+    Exec {
+        filename: String,
+    },
     Exit,
-    Bind { fd: i32, port: u16 },
-    Listen { fd: i32 },
-    Accept { fd: i32 },
-    ConnClose { fd: i32 },
+    Bind {
+        fd: i32,
+        port: u16,
+    },
+    Listen {
+        fd: i32,
+    },
+    Accept {
+        fd: i32,
+    },
+    ConnClose {
+        fd: i32,
+    },
     /// A read (`inbound`) or write on an accepted connection: its length and first bytes.
-    SockIo { fd: i32, inbound: bool, len: i64, head: Vec<u8> },
-    OomVictim { victim: u32 },
+    SockIo {
+        fd: i32,
+        inbound: bool,
+        len: i64,
+        head: Vec<u8>,
+    },
+    OomVictim {
+        victim: u32,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -174,7 +212,8 @@ fn undecodable(raw: &RawIoctl, reason: impl Into<String>) -> Event {
 
 /// The errno when ioctl() itself failed: the driver never ran, the struct holds what the caller wrote.
 fn errno(raw: &RawIoctl) -> Option<i32> {
-    (raw.ret < 0).then_some((-raw.ret) as i32)
+    // A kernel returns -4095..-1; anything below is not an errno, and must not overflow either.
+    (raw.ret < 0).then(|| i32::try_from(raw.ret.unsigned_abs()).unwrap_or(i32::MAX))
 }
 
 /// Decodes one ioctl on a known NVIDIA device. Returns None for escapes that carry nothing for the
@@ -266,9 +305,7 @@ fn decode_rm_alloc(layout: &Layout, raw: &RawIoctl, p: &Fields, size: u32) -> Op
     let memory = match hclass {
         class::LOCAL_USER | class::LOCAL_PHYSICAL => Memory::Video,
         class::SYSTEM | class::OS_DESCRIPTOR => Memory::System,
-        class::NV50_MEMORY_VIRTUAL | class::MEMORY_VIRTUAL | class::MEMORY_FABRIC | class::MULTICAST_FABRIC => {
-            Memory::Virtual
-        }
+        class::NV50_MEMORY_VIRTUAL | class::MEMORY_VIRTUAL | class::MEMORY_FABRIC | class::MULTICAST_FABRIC => Memory::Virtual,
         _ => {
             // A new client's handle is hObjectNew; it is its own root.
             let client = if class::is_client(hclass) { object } else { client };
@@ -340,9 +377,7 @@ fn decode_vid_heap(raw: &RawIoctl, p: &Fields) -> Option<Event> {
                 errno: errno(raw),
             }))
         }
-        o::VID_FUNCTION_FREE => {
-            Some(Event::Free { fd: raw.fd, via: Via::VidHeapControl, client, parent, object, status })
-        }
+        o::VID_FUNCTION_FREE => Some(Event::Free { fd: raw.fd, via: Via::VidHeapControl, client, parent, object, status }),
         // INFO and the rest change nothing.
         _ => None,
     }
@@ -353,11 +388,7 @@ fn decode_alloc_memory(raw: &RawIoctl, p: &Fields) -> Option<Event> {
     let flags = p.u32(o::NVOS02_FLAGS)?;
     let memory = match hclass {
         class::LOCAL_USER | class::LOCAL_PRIVILEGED => Memory::Video,
-        class::SYSTEM | class::OS_DESCRIPTOR
-            if (flags >> o::NVOS02_LOCATION_SHIFT) & 0xf == o::NVOS02_LOCATION_VIDMEM =>
-        {
-            Memory::Video
-        }
+        class::SYSTEM | class::OS_DESCRIPTOR if (flags >> o::NVOS02_LOCATION_SHIFT) & 0xf == o::NVOS02_LOCATION_VIDMEM => Memory::Video,
         _ => Memory::System,
     };
     Some(Event::Alloc(Alloc {
@@ -395,13 +426,9 @@ fn decode_uvm(layout: &Layout, raw: &RawIoctl, p: &Fields) -> Option<Event> {
     };
     let base = p.u64(o::UVM_BASE)?;
     match raw.cmd {
-        uvm::CREATE_EXTERNAL_RANGE => Some(uvm_alloc(
-            Via::UvmCreateExternalRange,
-            Memory::Virtual,
-            base,
-            p.u64(o::UVM_LENGTH)?,
-            p.u32(o::UVM_CREATE_RANGE_STATUS)?,
-        )),
+        uvm::CREATE_EXTERNAL_RANGE => {
+            Some(uvm_alloc(Via::UvmCreateExternalRange, Memory::Virtual, base, p.u64(o::UVM_LENGTH)?, p.u32(o::UVM_CREATE_RANGE_STATUS)?))
+        }
         uvm::ALLOC_SEMAPHORE_POOL => {
             // head 16 bytes (base, length), then gpuAttributesCount(8) rmStatus(4) pad(4)
             Some(uvm_alloc(Via::UvmAllocSemaphorePool, Memory::System, base, p.u64(o::UVM_LENGTH)?, p.u32(16 + 8)?))

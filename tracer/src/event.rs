@@ -92,49 +92,131 @@ pub enum Seen {
 #[serde(tag = "ev", rename_all = "snake_case")]
 pub enum Event {
     /// A process enters the trace. `command` is its argv (empty when it exited before it was read).
-    Process { ppid: u32, seen: Seen, command: Vec<String> },
-    Exec { command: Vec<String> },
+    Process {
+        ppid: u32,
+        seen: Seen,
+        command: Vec<String>,
+    },
+    Exec {
+        command: Vec<String>,
+    },
     /// The whole process is gone; its file descriptors with it. `code` when the recorder reaped it.
     Exit {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         code: Option<i32>,
     },
     /// An NVIDIA device file opened while tracing. `file` names the open file description.
-    Open { fd: i32, file: u64, device: Device, #[serde(default, skip_serializing_if = "is_false")] cloexec: bool },
+    Open {
+        fd: i32,
+        file: u64,
+        device: Device,
+        #[serde(default, skip_serializing_if = "is_false")]
+        cloexec: bool,
+    },
     /// An NVIDIA fd learned another way: the /proc scan at start, or the kernel's question about a
     /// fd it had not seen opened (inherited, received over a socket). `file` is the description it
     /// shares, when gputrace already knew it.
-    FdFound { fd: i32, file: u64, device: Device },
-    Dup { old_fd: i32, new_fd: i32, #[serde(default, skip_serializing_if = "is_false")] cloexec: bool },
-    Close { fd: i32 },
+    FdFound {
+        fd: i32,
+        file: u64,
+        device: Device,
+    },
+    Dup {
+        old_fd: i32,
+        new_fd: i32,
+        #[serde(default, skip_serializing_if = "is_false")]
+        cloexec: bool,
+    },
+    Close {
+        fd: i32,
+    },
     /// close_range(first, last): closes, or with `cloexec_only` marks close-on-exec.
-    CloseRange { first: u32, last: u32, #[serde(default, skip_serializing_if = "is_false")] cloexec_only: bool },
-    SetCloexec { fd: i32, cloexec: bool },
+    CloseRange {
+        first: u32,
+        last: u32,
+        #[serde(default, skip_serializing_if = "is_false")]
+        cloexec_only: bool,
+    },
+    SetCloexec {
+        fd: i32,
+        cloexec: bool,
+    },
     /// An RM object that is not memory: a client, device, VA space, channel group...
-    Object { fd: i32, client: u32, parent: u32, object: u32, class: u32, status: u32 },
+    Object {
+        fd: i32,
+        client: u32,
+        parent: u32,
+        object: u32,
+        class: u32,
+        status: u32,
+    },
     /// Memory, or address space, requested from the driver; `status` != 0 means it failed.
     Alloc(Alloc),
     /// NV_ESC_RM_FREE (the handle and everything under it) or VID_HEAP_CONTROL FREE.
-    Free { fd: i32, via: Via, client: u32, parent: u32, object: u32, status: u32 },
+    Free {
+        fd: i32,
+        via: Via,
+        client: u32,
+        parent: u32,
+        object: u32,
+        status: u32,
+    },
     /// RM_DUP_OBJECT: a second handle to the same memory, not new memory.
-    DupObject { fd: i32, client: u32, parent: u32, object: u32, src_client: u32, src_object: u32, status: u32 },
+    DupObject {
+        fd: i32,
+        client: u32,
+        parent: u32,
+        object: u32,
+        src_client: u32,
+        src_object: u32,
+        status: u32,
+    },
     /// REGISTER_FD: /dev/nvidiaN fd `fd` joined the ctl fd `ctl_fd`.
-    RegisterFd { fd: i32, ctl_fd: i32 },
+    RegisterFd {
+        fd: i32,
+        ctl_fd: i32,
+    },
     /// UVM_MAP_EXTERNAL_ALLOCATION: RM memory mapped into a UVM range; not new memory.
-    UvmMap { fd: i32, base: u64, length: u64, offset: u64, client: u32, memory: u32, status: u32 },
+    UvmMap {
+        fd: i32,
+        base: u64,
+        length: u64,
+        offset: u64,
+        client: u32,
+        memory: u32,
+        status: u32,
+    },
     /// UVM_FREE: destroys the UVM range that starts at `base`.
-    UvmFree { fd: i32, base: u64, status: u32 },
+    UvmFree {
+        fd: i32,
+        base: u64,
+        status: u32,
+    },
     /// A driver call gputrace follows but could not read (user memory fault, unknown size).
-    Undecodable { fd: i32, cmd: u32, reason: String },
+    Undecodable {
+        fd: i32,
+        cmd: u32,
+        reason: String,
+    },
     /// Records the kernel side dropped since the last such event (ring buffer full).
-    Lost { records: u64 },
+    Lost {
+        records: u64,
+    },
     /// A socket bound to a TCP port (vLLM binds early, before loading).
-    Bind { fd: i32, port: u16 },
+    Bind {
+        fd: i32,
+        port: u16,
+    },
     /// The process started accepting connections on that socket.
-    Listen { fd: i32 },
+    Listen {
+        fd: i32,
+    },
     /// A connection accepted on `fd`: its reads and writes are followed. `conn` names it across
     /// the fds that refer to it (a server may read through a dup of the accepted fd).
-    Accept { fd: i32, conn: u64 },
+    Accept {
+        fd: i32,
+        conn: u64,
+    },
     /// Bytes read from a connection; `request` is the request line when they start a request.
     Received {
         conn: u64,
@@ -152,12 +234,16 @@ pub enum Event {
         data: bool,
     },
     /// A followed connection closed: its last fd is gone.
-    ConnClose { conn: u64 },
+    ConnClose {
+        conn: u64,
+    },
     /// The kernel's OOM killer chose this process (the record's pid) as its victim.
     OomKill,
     /// An explicit phase mark for the record's pid (`gputrace mark`): its service is in `phase`
     /// from now on, whatever inference says, until the next mark.
-    Mark { phase: String },
+    Mark {
+        phase: String,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -41,6 +41,7 @@ fn freed_by(f: Option<(u64, FreedBy)>) -> &'static str {
         Some(FreedBy::Explicit) => "explicit",
         Some(FreedBy::Subtree) => "subtree",
         Some(FreedBy::FileRelease) => "file_release",
+        Some(FreedBy::Unseen) => "unseen",
         None => "never",
     }
 }
@@ -64,8 +65,8 @@ pub fn csv(header: &Header, model: &Model, out: &mut dyn Write) -> io::Result<()
         writeln!(
             out,
             "{},{},{},{},{},{},{},{},{},{},{},0",
-            a.ts - start,
-            a.freed.map(|(t, _)| (t - start).to_string()).unwrap_or_default(),
+            a.ts.saturating_sub(start),
+            a.freed.map(|(t, _)| t.saturating_sub(start).to_string()).unwrap_or_default(),
             a.pid,
             csv_field(&r.command),
             csv_field(&r.service),
@@ -84,7 +85,7 @@ pub fn csv(header: &Header, model: &Model, out: &mut dyn Write) -> io::Result<()
         writeln!(
             out,
             "{},,{},{},{},,{},{},{},{},failed,{:#x}",
-            f.ts - start,
+            f.ts.saturating_sub(start),
             f.pid,
             csv_field(&command),
             csv_field(&service),
@@ -141,13 +142,13 @@ pub fn perfetto(header: &Header, model: &Model, report: &Report, out: &mut dyn W
         let kinds = by_kind.entry(pid).or_insert_with(|| Memory::ALL.iter().map(|m| (m.name(), 0)).collect());
         *kinds.entry(memory.name()).or_default() += delta;
         *total.entry(memory.name()).or_default() += delta;
-        emit(out, json!({"name": "live memory", "ph": "C", "pid": pid, "ts": wall_us(ts), "args": kinds}))?;
-        emit(out, json!({"name": "live memory", "ph": "C", "pid": GPU, "ts": wall_us(ts), "args": total}))?;
+        emit(out, json!({"name": "live memory", "ph": "C", "pid": pid, "ts": wall_us(ts), "args": clamped(kinds)}))?;
+        emit(out, json!({"name": "live memory", "ph": "C", "pid": GPU, "ts": wall_us(ts), "args": clamped(&total)}))?;
         if memory != Memory::Virtual {
             let root = services.of(pid).map_or(pid, |s| s.root);
             let phases = by_phase.entry(root).or_insert_with(|| Phase::ALL.iter().map(|p| (p.name(), 0)).collect());
             *phases.entry(phase.name()).or_default() += delta;
-            emit(out, json!({"name": "live memory by phase", "ph": "C", "pid": root, "ts": wall_us(ts), "args": phases}))?;
+            emit(out, json!({"name": "live memory by phase", "ph": "C", "pid": root, "ts": wall_us(ts), "args": clamped(phases)}))?;
         }
     }
 
@@ -169,14 +170,20 @@ pub fn perfetto(header: &Header, model: &Model, report: &Report, out: &mut dyn W
             match open {
                 Some((current, _)) if current == phase => {}
                 Some((current, since)) => {
-                    emit(out, json!({"name": current.name(), "cat": "phase", "ph": "X", "pid": s.root, "tid": 1, "ts": wall_us(since), "dur": (t - since) as f64 / 1000.0}))?;
+                    emit(
+                        out,
+                        json!({"name": current.name(), "cat": "phase", "ph": "X", "pid": s.root, "tid": 1, "ts": wall_us(since), "dur": t.saturating_sub(since) as f64 / 1000.0}),
+                    )?;
                     open = Some((phase, t));
                 }
                 None => open = Some((phase, t)),
             }
         }
         if let Some((current, since)) = open {
-            emit(out, json!({"name": current.name(), "cat": "phase", "ph": "X", "pid": s.root, "tid": 1, "ts": wall_us(since), "dur": (last_ts.max(since) - since) as f64 / 1000.0}))?;
+            emit(
+                out,
+                json!({"name": current.name(), "cat": "phase", "ph": "X", "pid": s.root, "tid": 1, "ts": wall_us(since), "dur": (last_ts.max(since) - since) as f64 / 1000.0}),
+            )?;
         }
         emit(out, json!({"name": "thread_name", "ph": "M", "pid": s.root, "tid": 1, "args": {"name": "phase"}}))?;
     }
@@ -198,34 +205,62 @@ pub fn perfetto(header: &Header, model: &Model, report: &Report, out: &mut dyn W
             }
         };
         let name = if r.line.is_empty() { "request".to_string() } else { r.line.clone() };
-        let args = json!({"bytes_received": r.bytes_in, "bytes_sent": r.bytes_out, "status": r.status, "time_to_first_data_us": r.first_data_at.map(|d| (d - r.arrived) as f64 / 1000.0)});
-        emit(out, json!({"name": name, "cat": "request", "ph": "X", "pid": r.pid, "tid": 100 + lane, "ts": wall_us(r.arrived), "dur": (end - r.arrived) as f64 / 1000.0, "args": args}))?;
+        let args = json!({"bytes_received": r.bytes_in, "bytes_sent": r.bytes_out, "status": r.status, "time_to_first_data_us": r.first_data_at.map(|d| d.saturating_sub(r.arrived) as f64 / 1000.0)});
+        emit(
+            out,
+            json!({"name": name, "cat": "request", "ph": "X", "pid": r.pid, "tid": 100 + lane, "ts": wall_us(r.arrived), "dur": (end - r.arrived) as f64 / 1000.0, "args": args}),
+        )?;
     }
     for (pid, pid_lanes) in &lanes {
         for lane in 0..pid_lanes.len() {
-            emit(out, json!({"name": "thread_name", "ph": "M", "pid": pid, "tid": 100 + lane, "args": {"name": format!("requests {lane}")}}))?;
+            emit(
+                out,
+                json!({"name": "thread_name", "ph": "M", "pid": pid, "tid": 100 + lane, "args": {"name": format!("requests {lane}")}}),
+            )?;
         }
     }
 
     for f in &model.failures {
-        let args = json!({"bytes": f.bytes, "kind": f.memory.name(), "status": format!("{:#x}", f.status), "phase": services.phase_of(f.pid, f.ts).name()});
-        emit(out, json!({"name": "failed allocation", "cat": "failure", "ph": "i", "s": "p", "pid": f.pid, "ts": wall_us(f.ts), "args": args}))?;
+        let args = json!({"bytes": f.bytes, "kind": f.memory.name(), "status": format!("{:#x}", f.status), "status_name": crate::abi::status::name(f.status), "phase": services.phase_of(f.pid, f.ts).name()});
+        emit(
+            out,
+            json!({"name": "failed allocation", "cat": "failure", "ph": "i", "s": "p", "pid": f.pid, "ts": wall_us(f.ts), "args": args}),
+        )?;
     }
     for p in model.processes.values() {
         if let Some(ts) = p.oom_killed {
-            emit(out, json!({"name": "OOM kill", "cat": "failure", "ph": "i", "s": "p", "pid": p.pid, "ts": wall_us(ts), "args": {"command": p.command_line()}}))?;
+            emit(
+                out,
+                json!({"name": "OOM kill", "cat": "failure", "ph": "i", "s": "p", "pid": p.pid, "ts": wall_us(ts), "args": {"command": p.command_line()}}),
+            )?;
         }
     }
     for c in &report.contexts_never_freed {
         let pid = if model.processes.contains_key(&c.pid) { c.pid } else { GPU };
         let args = json!({"pid": c.pid, "command": c.command, "bytes": c.bytes, "why": c.why});
-        emit(out, json!({"name": "context never freed", "cat": "suspect", "ph": "i", "s": "g", "pid": pid, "ts": wall_us(last_ts), "args": args}))?;
+        emit(
+            out,
+            json!({"name": "context never freed", "cat": "suspect", "ph": "i", "s": "g", "pid": pid, "ts": wall_us(last_ts), "args": args}),
+        )?;
     }
     let d = &report.diagnosis;
     let verdict = json!({"category": d.category, "symptom": d.symptom, "evidence": d.evidence.text, "fix": d.fix.text});
-    emit(out, json!({"name": "verdict", "cat": "diagnosis", "ph": "i", "s": "g", "pid": GPU, "ts": wall_us(d.ts.map_or(last_ts, |t| t + first_ts.min(mono))), "args": verdict}))?;
+    emit(
+        out,
+        json!({"name": "verdict", "cat": "diagnosis", "ph": "i", "s": "g", "pid": GPU, "ts": wall_us(d.ts.map_or(last_ts, |t| t.saturating_add(first_ts.min(mono)))), "args": verdict}),
+    )?;
     out.write_all(b"\n],\"displayTimeUnit\":\"ms\"}\n")?;
     Ok(())
+}
+
+/// Byte sums are kept exact in i128 and written as JSON's 64-bit integers, saturated: a trace
+/// with absurd sizes still exports.
+fn saturate(v: i128) -> i64 {
+    v.clamp(i64::MIN.into(), i64::MAX.into()) as i64
+}
+
+fn clamped<'k>(map: &BTreeMap<&'k str, i128>) -> BTreeMap<&'k str, i64> {
+    map.iter().map(|(k, v)| (*k, saturate(*v))).collect()
 }
 
 fn escape(text: &str) -> String {
@@ -242,7 +277,7 @@ fn stacked(changes: &[(u64, usize, i128)], names: &[String], first: u64, last: u
     let mut bucket = 0;
     let mut last_change = first;
     for &(ts, series, delta) in changes {
-        let b = (ts - first) / width;
+        let b = ts.saturating_sub(first) / width;
         if b != bucket {
             let peak = bucket_peak.take();
             if let Some((peak_ts, _)) = &peak {
@@ -271,7 +306,7 @@ fn stacked(changes: &[(u64, usize, i128)], names: &[String], first: u64, last: u
 pub fn html(header: &Header, model: &Model, report: &Report, out: &mut dyn Write) -> io::Result<()> {
     let services = Services::new(model);
     let first = model.first_ts.unwrap_or(header.monotonic_start_ns);
-    let last = model.last_ts.max(first + 1);
+    let last = model.last_ts.max(first.saturating_add(1));
     let physical = || model.allocations.iter().filter(|a| a.memory != Memory::Virtual);
     let label = |pid: u32| format!("{pid} {}", model.processes.get(&pid).map(|p| p.command_line()).unwrap_or_default());
     let mut pids: Vec<u32> = physical().map(|a| a.pid).collect();
@@ -295,32 +330,39 @@ pub fn html(header: &Header, model: &Model, report: &Report, out: &mut dyn Write
     by_process.sort_by_key(|c| (c.0, c.2 > 0));
     by_phase.sort_by_key(|c| (c.0, c.2 > 0));
     let series = |changes: &[(u64, usize, i128)], names: &[String]| {
-        let points: Vec<Value> = stacked(changes, names, first, last, 1000).into_iter().map(|(t, v)| json!([(t - first) as f64 / 1e9, v])).collect();
+        let points: Vec<Value> = stacked(changes, names, first, last, 1000)
+            .into_iter()
+            .map(|(t, v)| json!([t.saturating_sub(first) as f64 / 1e9, v.into_iter().map(saturate).collect::<Vec<_>>()]))
+            .collect();
         json!({"names": names, "points": points})
     };
     let mut markers: Vec<Value> = model
         .failures
         .iter()
-        .map(|f| json!({"t": (f.ts - first) as f64 / 1e9, "label": format!("failed: {} (pid {})", crate::report::bytes(f.bytes), f.pid)}))
+        .map(|f| json!({"t": f.ts.saturating_sub(first) as f64 / 1e9, "label": format!("failed: {} (pid {})", crate::units::bytes(f.bytes), f.pid)}))
         .collect();
-    markers.extend(model.processes.values().filter_map(|p| Some(json!({"t": (p.oom_killed? - first) as f64 / 1e9, "label": format!("OOM kill: pid {}", p.pid)}))));
+    markers.extend(
+        model.processes.values().filter_map(|p| {
+            Some(json!({"t": p.oom_killed?.saturating_sub(first) as f64 / 1e9, "label": format!("OOM kill: pid {}", p.pid)}))
+        }),
+    );
     let data = json!({
         "capacity": header.gpus.first().and_then(|g| g.total_bytes),
-        "end": (last - first) as f64 / 1e9,
+        "end": last.saturating_sub(first) as f64 / 1e9,
         "process": series(&by_process, &process_names),
         "phase": series(&by_phase, &phase_names),
         "markers": markers,
     });
 
     let d = &report.diagnosis;
-    let category = serde_json::to_value(d.category).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default();
-    let symptom = serde_json::to_value(d.symptom).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default();
-    let b = crate::report::bytes;
+    let (category, symptom) = (d.category.name(), d.symptom.name());
+    let b = crate::units::bytes;
     let mut tables = String::new();
     if !report.contexts_never_freed.is_empty() {
         tables += "<h2>Contexts never freed</h2><table><tr><th>pid</th><th>command</th><th>bytes</th><th>why</th></tr>";
         for c in &report.contexts_never_freed {
-            tables += &format!("<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>", c.pid, escape(&c.command), b(c.bytes), escape(&c.why));
+            tables +=
+                &format!("<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>", c.pid, escape(&c.command), b(c.bytes), escape(&c.why));
         }
         tables += "</table>";
     }
@@ -328,13 +370,28 @@ pub fn html(header: &Header, model: &Model, report: &Report, out: &mut dyn Write
     for p in &report.processes {
         tables += &format!(
             "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
-            p.pid, escape(&p.command), p.allocations, b(p.bytes_allocated), b(p.bytes_freed), b(p.bytes_peak), b(p.bytes_live), p.failed_allocations
+            p.pid,
+            escape(&p.command),
+            p.allocations,
+            b(p.bytes_allocated),
+            b(p.bytes_freed),
+            b(p.bytes_peak),
+            b(p.bytes_live),
+            p.failed_allocations
         );
     }
-    tables += "</table><h2>Bytes allocated by phase</h2><table><tr><th>pid</th><th>load</th><th>prefill</th><th>decode</th><th>idle</th></tr>";
+    tables +=
+        "</table><h2>Bytes allocated by phase</h2><table><tr><th>pid</th><th>load</th><th>prefill</th><th>decode</th><th>idle</th></tr>";
     for p in &report.processes {
         let get = |ph: &str| b(p.by_phase.get(ph).copied().unwrap_or(0));
-        tables += &format!("<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>", p.pid, get("load"), get("prefill"), get("decode"), get("idle"));
+        tables += &format!(
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            p.pid,
+            get("load"),
+            get("prefill"),
+            get("decode"),
+            get("idle")
+        );
     }
     tables += "</table>";
     let verdict = if category == "none" {
@@ -342,13 +399,17 @@ pub fn html(header: &Header, model: &Model, report: &Report, out: &mut dyn Write
     } else {
         format!(
             "<div class=\"verdict\"><h1>{} <small>({})</small></h1><p>{}</p><p class=\"fix\"><b>Fix:</b> {}</p></div>",
-            escape(&category),
-            escape(&symptom),
+            escape(category),
+            escape(symptom),
             escape(&d.evidence.text),
             escape(&d.fix.text)
         )
     };
-    let loss = if report.loss.is_lossless() { "Lost events: 0.".to_string() } else { format!("INCOMPLETE: {} records lost in the kernel.", report.loss.lost_records) };
+    let loss = if report.loss.is_lossless() {
+        "Lost events: 0.".to_string()
+    } else {
+        format!("INCOMPLETE: {} records lost in the kernel.", report.loss.lost_records)
+    };
     write!(
         out,
         r##"<!doctype html>
@@ -418,7 +479,7 @@ window.addEventListener("resize", draw);
 draw();
 </script></body></html>
 "##,
-        title = escape(&category),
+        title = escape(category),
         verdict = verdict,
         trace = escape(&report.trace),
         driver = escape(header.driver_version.as_deref().unwrap_or("unknown")),

@@ -28,10 +28,19 @@ pub trait Resolver {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KernelUpdate {
-    SetFd { pid: u32, fd: i32, state: u8 },
-    ForgetFd { pid: u32, fd: i32 },
+    SetFd {
+        pid: u32,
+        fd: i32,
+        state: u8,
+    },
+    ForgetFd {
+        pid: u32,
+        fd: i32,
+    },
     /// The child's inherited fds are copied: it is an ordinary traced process now.
-    Traced { pid: u32 },
+    Traced {
+        pid: u32,
+    },
 }
 
 /// The NVIDIA device a path names: /dev/nvidiactl, /dev/nvidia-uvm, /dev/nvidia<N>.
@@ -55,10 +64,16 @@ fn kernel_state(device: Device) -> u8 {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Answer {
-    Nvidia { device: Device, file: u64, cloexec: bool },
+    Nvidia {
+        device: Device,
+        file: u64,
+        cloexec: bool,
+    },
     NotNvidia,
     /// An accepted connection the kernel follows, named across its fds.
-    Conn { conn: u64 },
+    Conn {
+        conn: u64,
+    },
 }
 
 pub struct FileTable<R: Resolver> {
@@ -340,12 +355,18 @@ impl Resolver for ProcResolver {
     fn same_file(&self, a: (u32, i32), b: (u32, i32)) -> bool {
         const KCMP_FILE: libc::c_long = 0;
         // SAFETY: kcmp only compares; invalid pids or fds return an error.
-        let rc = unsafe { libc::syscall(libc::SYS_kcmp, a.0 as libc::pid_t, b.0 as libc::pid_t, KCMP_FILE, a.1 as libc::c_long, b.1 as libc::c_long) };
+        let rc = unsafe {
+            libc::syscall(libc::SYS_kcmp, a.0 as libc::pid_t, b.0 as libc::pid_t, KCMP_FILE, a.1 as libc::c_long, b.1 as libc::c_long)
+        };
         rc == 0
     }
 
     fn command(&self, pid: u32) -> Option<Vec<String>> {
-        let raw = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+        use std::io::Read;
+        // A process sets its own argv, up to a quarter of its stack limit: keep what a person reads.
+        const MAX_COMMAND: u64 = 16 * 1024;
+        let mut raw = Vec::new();
+        std::fs::File::open(format!("/proc/{pid}/cmdline")).ok()?.take(MAX_COMMAND).read_to_end(&mut raw).ok()?;
         let args: Vec<String> = raw.split(|&b| b == 0).filter(|a| !a.is_empty()).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
         (!args.is_empty()).then_some(args)
     }
@@ -529,11 +550,22 @@ mod tests {
 
     #[test]
     fn scan_finds_the_nvidia_fds_of_a_running_process() {
-        let mut t = table(&[((10, 3), "/dev/nvidiactl", 1), ((10, 4), "/dev/null", 2), ((10, 5), "/dev/nvidia0", 3), ((10, 6), "/dev/nvidiactl", 1)]);
+        let mut t = table(&[
+            ((10, 3), "/dev/nvidiactl", 1),
+            ((10, 4), "/dev/null", 2),
+            ((10, 5), "/dev/nvidia0", 3),
+            ((10, 6), "/dev/nvidiactl", 1),
+        ]);
         let mut updates = vec![];
         let events = t.scan(10, &mut updates);
         assert!(matches!(&events[0], Event::Process { seen: Seen::Running, .. }));
-        let found: Vec<(i32, u64)> = events.iter().filter_map(|e| match e { Event::FdFound { fd, file, .. } => Some((*fd, *file)), _ => None }).collect();
+        let found: Vec<(i32, u64)> = events
+            .iter()
+            .filter_map(|e| match e {
+                Event::FdFound { fd, file, .. } => Some((*fd, *file)),
+                _ => None,
+            })
+            .collect();
         assert_eq!(found.len(), 3);
         let file_of = |fd| found.iter().find(|(f, _)| *f == fd).unwrap().1;
         assert_eq!(file_of(3), file_of(6), "fds 3 and 6 share one description");

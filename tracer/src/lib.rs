@@ -3,17 +3,22 @@
 //! Data flows one way: kernel records -> [`decode`] -> [`event`]s -> [`trace`] file -> [`model`]
 //! -> summaries and reports.
 pub mod abi;
+pub mod analysis;
+pub mod btf;
 pub mod decode;
 pub mod event;
-pub mod model;
-pub mod trace;
-pub mod probe;
-pub mod files;
-pub mod pipeline;
-pub mod gpus;
-pub mod report;
-pub mod record;
-pub mod btf;
-pub mod analysis;
-pub mod mark;
 pub mod export;
+pub mod files;
+pub mod gpus;
+pub mod mark;
+pub mod model;
+pub mod pipeline;
+pub mod privileges;
+pub mod probe;
+pub mod record;
+pub mod redact;
+pub mod report;
+pub mod signals;
+pub mod trace;
+pub mod units;
+pub mod user;

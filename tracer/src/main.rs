@@ -3,10 +3,16 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use gputrace::analysis::Phase;
 use gputrace::report;
+use gputrace::user::{create_private, User};
 
 #[derive(Parser)]
-#[command(name = "gputrace", version, about = "Trace NVIDIA GPU memory through the driver's ioctls, and tell which kind of CUDA out-of-memory it was")]
+#[command(
+    name = "gputrace",
+    version,
+    about = "Trace NVIDIA GPU memory through the driver's ioctls, and tell which kind of CUDA out-of-memory it was"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -37,14 +43,17 @@ enum Command {
         /// A context with no allocation or request for this long is a suspect holder
         #[arg(long, value_name = "MINUTES", default_value_t = 10)]
         idle_minutes: u64,
+        /// Leave argument values and query strings out of the trace (program and flag names stay)
+        #[arg(long)]
+        redact: bool,
         /// The command to run and trace, after `--`
         #[arg(last = true, value_name = "CMD")]
         command: Vec<String>,
     },
     /// Mark the phase of a traced process's service in every running recording (overrides inference).
     Mark {
-        /// load, prefill, decode or idle
-        phase: String,
+        #[arg(value_enum)]
+        phase: Phase,
         /// The process whose service it is [default: the caller's parent, e.g. the wrapper script]
         #[arg(long)]
         pid: Option<u32>,
@@ -57,6 +66,12 @@ enum Command {
         /// Where to write it [default: standard output]
         #[arg(short, long)]
         output: Option<PathBuf>,
+        /// Leave argument values and query strings out (program and flag names stay)
+        #[arg(long)]
+        redact: bool,
+        /// A context with no allocation or request for this long is a suspect holder
+        #[arg(long, value_name = "MINUTES", default_value_t = 10)]
+        idle_minutes: u64,
     },
     /// Which "CUDA out of memory" a recorded trace shows, the evidence and the fix; per process
     /// and per phase what was allocated; the contexts nobody freed.
@@ -68,6 +83,9 @@ enum Command {
         /// A context with no allocation or request for this long is a suspect holder
         #[arg(long, value_name = "MINUTES", default_value_t = 10)]
         idle_minutes: u64,
+        /// Leave argument values and query strings out (program and flag names stay)
+        #[arg(long)]
+        redact: bool,
     },
 }
 
@@ -78,20 +96,25 @@ enum Format {
     Csv,
 }
 
-fn export(path: PathBuf, format: Format, output: Option<PathBuf>) -> anyhow::Result<()> {
-    let (header, model, events, loss) = report::load(&path)?;
+fn export(path: PathBuf, format: Format, output: Option<PathBuf>, redact: bool, idle_minutes: u64) -> anyhow::Result<()> {
+    // The output is opened first, as the invoking user: a refused name costs no reading.
     let mut out: Box<dyn std::io::Write> = match &output {
-        Some(file) => Box::new(std::fs::File::create(file).map_err(|e| anyhow::anyhow!("cannot write {}: {e}", file.display()))?),
+        Some(file) => {
+            Box::new(create_private(file, User::invoking()?.as_ref()).map_err(|e| anyhow::anyhow!("cannot write {}: {e}", file.display()))?)
+        }
         None => Box::new(std::io::stdout().lock()),
     };
+    let (header, model, events, loss) = report::load(&path, redact)?;
     let mut out = std::io::BufWriter::with_capacity(1 << 16, &mut out);
     match format {
         Format::Perfetto => {
-            let report = report::Report::new(&header, &model, path.display().to_string(), events, loss, 10 * 60_000_000_000);
+            let report =
+                report::Report::new(&header, &model, path.display().to_string(), events, loss, idle_minutes.saturating_mul(60_000_000_000));
             gputrace::export::perfetto(&header, &model, &report, &mut out)?
         }
         Format::Html => {
-            let report = report::Report::new(&header, &model, path.display().to_string(), events, loss, 10 * 60_000_000_000);
+            let report =
+                report::Report::new(&header, &model, path.display().to_string(), events, loss, idle_minutes.saturating_mul(60_000_000_000));
             gputrace::export::html(&header, &model, &report, &mut out)?
         }
         Format::Csv => gputrace::export::csv(&header, &model, &mut out)?,
@@ -100,9 +123,10 @@ fn export(path: PathBuf, format: Format, output: Option<PathBuf>) -> anyhow::Res
     Ok(())
 }
 
-fn print_report(path: PathBuf, json: bool, idle_minutes: u64) -> anyhow::Result<()> {
-    let (header, model, events, loss) = report::load(&path)?;
-    let summary = report::Report::new(&header, &model, path.display().to_string(), events, loss, idle_minutes * 60_000_000_000);
+fn print_report(path: PathBuf, json: bool, idle_minutes: u64, redact: bool) -> anyhow::Result<()> {
+    let (header, model, events, loss) = report::load(&path, redact)?;
+    let summary =
+        report::Report::new(&header, &model, path.display().to_string(), events, loss, idle_minutes.saturating_mul(60_000_000_000));
     if json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
     } else {
@@ -114,7 +138,7 @@ fn print_report(path: PathBuf, json: bool, idle_minutes: u64) -> anyhow::Result<
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Record { output, pids, all, driver_version, raw, json, idle_minutes, command } => {
+        Command::Record { output, pids, all, driver_version, raw, json, idle_minutes, redact, command } => {
             let opts = gputrace::record::Options {
                 output,
                 pids,
@@ -122,22 +146,27 @@ fn main() -> ExitCode {
                 driver_version,
                 raw,
                 json,
-                idle_ns: idle_minutes * 60_000_000_000,
+                idle_ns: idle_minutes.saturating_mul(60_000_000_000),
                 command,
                 invocation: std::env::args().collect(),
+                redact,
             };
             gputrace::record::run(opts).map(|outcome| ExitCode::from(outcome.exit_code.clamp(0, 255) as u8))
         }
         Command::Mark { phase, pid } => {
             // SAFETY: getppid has no preconditions.
             let pid = pid.unwrap_or_else(|| unsafe { libc::getppid() } as u32);
-            gputrace::mark::send(&phase, pid).map(|done| {
+            gputrace::mark::send(phase, pid).map(|done| {
                 eprintln!("gputrace: {done}");
                 ExitCode::SUCCESS
             })
         }
-        Command::Export { trace, format, output } => export(trace, format, output).map(|()| ExitCode::SUCCESS),
-        Command::Report { trace, json, idle_minutes } => print_report(trace, json, idle_minutes).map(|()| ExitCode::SUCCESS),
+        Command::Export { trace, format, output, redact, idle_minutes } => {
+            export(trace, format, output, redact, idle_minutes).map(|()| ExitCode::SUCCESS)
+        }
+        Command::Report { trace, json, idle_minutes, redact } => {
+            print_report(trace, json, idle_minutes, redact).map(|()| ExitCode::SUCCESS)
+        }
     };
     match result {
         Ok(code) => code,

@@ -3,17 +3,32 @@
 //! prefill, decode, idle. It answers `OK\n` and records the mark for that process's service, or
 //! `ERR <why>\n`. An application can speak it with no gputrace library (`socat - UNIX:...`);
 //! `gputrace mark PHASE [--pid PID]` does it for wrapper scripts.
+//!
+//! A mark changes a verdict, so who may send one is checked: the directory belongs to root and
+//! only root writes in it (nobody plants or removes a socket), and each connection's peer
+//! (SO_PEERCRED) must be root, the user who started the recording, or the owner of the marked
+//! process. A connection gets one short line, a deadline, and a place among a few at a time.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Result};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
+use tokio::sync::{mpsc, oneshot, Semaphore};
 
 use crate::analysis::Phase;
 
 pub const SOCKET_DIR: &str = "/run/gputrace";
+/// A mark line is a few words; anything longer is refused unread.
+pub const MAX_LINE: u64 = 256;
+/// Connections served at once; more are answered `ERR busy` and closed.
+pub const MAX_CONNECTIONS: usize = 16;
+/// How long a connection may take to send its line.
+pub const DEADLINE: Duration = Duration::from_secs(2);
 
 pub fn socket_path(recorder: u32) -> PathBuf {
     Path::new(SOCKET_DIR).join(format!("{recorder}.sock"))
@@ -31,30 +46,186 @@ pub fn parse(line: &str) -> Result<(Phase, u32), String> {
     Ok((phase, pid))
 }
 
-/// `gputrace mark`: sends the mark to every running recorder; done when one of them traces `pid`.
-pub fn send(phase: &str, pid: u32) -> Result<String> {
-    if Phase::parse(phase).is_none() {
-        bail!("{phase:?} is not a phase: give load, prefill, decode or idle");
+/// Who may mark `pid`: root, the user who started the recording, or the process's owner.
+pub fn may_mark(peer_uid: u32, invoking_uid: Option<u32>, owner_of_pid: Option<u32>, pid: u32) -> Result<(), String> {
+    if peer_uid == 0 || Some(peer_uid) == invoking_uid || Some(peer_uid) == owner_of_pid {
+        return Ok(());
     }
+    Err(format!("uid {peer_uid} may not mark pid {pid}: only root, the user who started this recording, or the process's owner may"))
+}
+
+/// The real uid that owns a process, from /proc/PID/status.
+fn owner(pid: u32) -> Option<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status.lines().find_map(|l| l.strip_prefix("Uid:"))?.split_whitespace().next()?.parse().ok()
+}
+
+fn running(pid: u32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// What the recorder is asked: a checked mark, and where its answer goes.
+pub struct MarkRequest {
+    pub phase: Phase,
+    pub pid: u32,
+    pub reply: oneshot::Sender<String>,
+}
+
+/// The recorder's socket; removed when recording ends.
+pub struct MarkServer {
+    listener: tokio::net::UnixListener,
+    path: PathBuf,
+    invoking_uid: Option<u32>,
+    permits: Arc<Semaphore>,
+}
+
+impl MarkServer {
+    /// Without it, recording goes on: marks are a convenience, and why there are none is said once.
+    pub fn open(recorder: u32, invoking_uid: Option<u32>) -> Option<MarkServer> {
+        match Self::try_open(recorder, invoking_uid) {
+            Ok(server) => Some(server),
+            Err(why) => {
+                eprintln!("gputrace: warning: no phase marks this time: {why}");
+                None
+            }
+        }
+    }
+
+    fn try_open(recorder: u32, invoking_uid: Option<u32>) -> Result<MarkServer, String> {
+        let dir = Path::new(SOCKET_DIR);
+        match std::fs::create_dir(dir) {
+            Ok(()) => std::fs::set_permissions(dir, PermissionsExt::from_mode(0o755))
+                .map_err(|e| format!("cannot set the mode of {SOCKET_DIR}: {e}"))?,
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(format!("cannot create {SOCKET_DIR}: {e}")),
+        }
+        let meta = std::fs::symlink_metadata(dir).map_err(|e| format!("cannot read {SOCKET_DIR}: {e}"))?;
+        // SAFETY: geteuid has no preconditions.
+        let me = unsafe { libc::geteuid() };
+        if !meta.file_type().is_dir() || meta.uid() != me || meta.mode() & 0o022 != 0 {
+            return Err(format!(
+                "{SOCKET_DIR} is not a directory that only uid {me} may write (owner uid {}, mode {:o}): someone else could plant sockets there; remove it and start again",
+                meta.uid(),
+                meta.mode() & 0o7777
+            ));
+        }
+        remove_stale_sockets(dir);
+        let path = socket_path(recorder);
+        let _ = std::fs::remove_file(&path);
+        let listener = tokio::net::UnixListener::bind(&path).map_err(|e| format!("cannot listen on {}: {e}", path.display()))?;
+        // Anyone may connect; each peer is checked (SO_PEERCRED) before its mark counts.
+        std::fs::set_permissions(&path, PermissionsExt::from_mode(0o666))
+            .map_err(|e| format!("cannot set the mode of {}: {e}", path.display()))?;
+        Ok(MarkServer { listener, path, invoking_uid, permits: Arc::new(Semaphore::new(MAX_CONNECTIONS)) })
+    }
+
+    /// Takes the next connection and serves it on its own task; marks that pass the checks go
+    /// to `to_recorder`.
+    pub async fn accept(&self, to_recorder: &mpsc::Sender<MarkRequest>) {
+        let Ok((stream, _)) = self.listener.accept().await else { return };
+        let Ok(permit) = self.permits.clone().try_acquire_owned() else {
+            // Full: answer without reading, and never wait on this client.
+            let _ = stream.try_write(b"ERR busy: too many connections to this recorder; try again\n");
+            return;
+        };
+        let to_recorder = to_recorder.clone();
+        let invoking_uid = self.invoking_uid;
+        tokio::spawn(async move {
+            let _permit = permit;
+            let _ = tokio::time::timeout(DEADLINE, serve(stream, invoking_uid, to_recorder)).await;
+        });
+    }
+}
+
+impl Drop for MarkServer {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Sockets of recorders that are gone (killed with SIGKILL, the machine's power cut).
+fn remove_stale_sockets(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let pid = path.file_stem().and_then(|s| s.to_str()).and_then(|s| s.parse::<u32>().ok());
+        if path.extension().is_some_and(|x| x == "sock") && pid.is_some_and(|pid| !running(pid)) {
+            let _ = std::fs::remove_file(&path);
+        }
+    }
+}
+
+/// One client: one bounded line in, the answer out.
+async fn serve(stream: tokio::net::UnixStream, invoking_uid: Option<u32>, to_recorder: mpsc::Sender<MarkRequest>) {
+    let peer = stream.peer_cred().map(|c| c.uid()).ok();
+    let (read, mut write) = stream.into_split();
+    let mut line = Vec::new();
+    let mut reader = tokio::io::BufReader::new(read.take(MAX_LINE + 1));
+    if reader.read_until(b'\n', &mut line).await.is_err() {
+        return;
+    }
+    let answer = if line.len() as u64 > MAX_LINE {
+        format!("ERR the line is longer than {MAX_LINE} bytes: send `MARK <phase> <pid>`")
+    } else {
+        answer(&line, peer, invoking_uid, &to_recorder).await
+    };
+    let _ = write.write_all(format!("{answer}\n").as_bytes()).await;
+}
+
+async fn answer(line: &[u8], peer: Option<u32>, invoking_uid: Option<u32>, to_recorder: &mpsc::Sender<MarkRequest>) -> String {
+    let Some(peer) = peer else { return "ERR cannot tell who is connecting (no SO_PEERCRED)".into() };
+    let (phase, pid) = match parse(&String::from_utf8_lossy(line)) {
+        Ok(mark) => mark,
+        Err(why) => return format!("ERR {why}"),
+    };
+    if let Err(why) = may_mark(peer, invoking_uid, owner(pid), pid) {
+        return format!("ERR {why}");
+    }
+    let (reply, answer) = oneshot::channel();
+    if to_recorder.send(MarkRequest { phase, pid, reply }).await.is_err() {
+        return "ERR the recording is ending".into();
+    }
+    answer.await.unwrap_or_else(|_| "ERR the recording is ending".into())
+}
+
+/// `gputrace mark`: sends the mark to every running recorder; done when one of them traces `pid`.
+pub fn send(phase: Phase, pid: u32) -> Result<String> {
     let sockets: Vec<PathBuf> = std::fs::read_dir(SOCKET_DIR)
         .map(|d| d.filter_map(|e| Some(e.ok()?.path())).filter(|p| p.extension().is_some_and(|x| x == "sock")).collect())
         .unwrap_or_default();
     let mut refusals = Vec::new();
+    let mut stale = 0;
     for socket in &sockets {
-        let Ok(mut stream) = UnixStream::connect(socket) else { continue };
-        stream.set_read_timeout(Some(Duration::from_secs(2)))?;
-        writeln!(stream, "MARK {phase} {pid}")?;
+        let recorder = socket.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+        let mut stream = match UnixStream::connect(socket) {
+            Ok(stream) => stream,
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::NotFound) => {
+                stale += 1;
+                continue;
+            }
+            Err(e) => {
+                refusals.push(format!("cannot reach the recording of pid {recorder}: {e}"));
+                continue;
+            }
+        };
+        stream.set_read_timeout(Some(DEADLINE + Duration::from_secs(1)))?;
+        writeln!(stream, "MARK {} {pid}", phase.name())?;
         let mut reply = String::new();
-        BufReader::new(&stream).read_line(&mut reply)?;
+        BufReader::new((&stream).take(MAX_LINE * 4)).read_line(&mut reply)?;
         match reply.trim() {
-            "OK" => return Ok(format!("marked pid {pid}'s service as {phase}")),
-            other => refusals.push(other.trim_start_matches("ERR ").to_string()),
+            "OK" => return Ok(format!("marked pid {pid}'s service as {}", phase.name())),
+            other => refusals.push(format!("the recording of pid {recorder} refused: {}", other.trim_start_matches("ERR "))),
         }
     }
-    match refusals.first() {
-        Some(why) => bail!("no running gputrace record took the mark: {why}"),
-        None => bail!("no gputrace record is running (no socket in {SOCKET_DIR}): start one with `sudo gputrace record`"),
+    if !refusals.is_empty() {
+        bail!("{}", refusals.join("; "));
     }
+    let leftovers = if stale > 0 {
+        format!("; {stale} socket(s) of recorders that died are left there, and the next recording removes them")
+    } else {
+        String::new()
+    };
+    bail!("no gputrace record is running (no live socket in {SOCKET_DIR}{leftovers}): start one with `sudo gputrace record`")
 }
 
 #[cfg(test)]
@@ -67,5 +238,15 @@ mod tests {
         assert!(parse("MARK warmup 42").unwrap_err().contains("not a phase"));
         assert!(parse("MARK load").is_err());
         assert!(parse("HELLO").is_err());
+    }
+
+    #[test]
+    fn who_may_mark() {
+        assert!(may_mark(0, Some(1000), Some(2000), 7).is_ok(), "root");
+        assert!(may_mark(1000, Some(1000), Some(2000), 7).is_ok(), "the invoking user");
+        assert!(may_mark(2000, Some(1000), Some(2000), 7).is_ok(), "the process's owner");
+        let e = may_mark(3000, Some(1000), Some(2000), 7).unwrap_err();
+        assert!(e.contains("uid 3000 may not mark pid 7"), "{e}");
+        assert!(may_mark(3000, None, None, 7).is_err(), "a gone process's mark is root's or the recorder's user's");
     }
 }

@@ -29,6 +29,9 @@ pub enum FreedBy {
     Subtree,
     /// The driver released the file the client or range lived on.
     FileRelease,
+    /// Its handle or UVM range was handed out again, which the driver does only after a free:
+    /// that free is not in the trace (lost records, a reused pid).
+    Unseen,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -72,19 +75,25 @@ pub struct Usage {
 
 impl Usage {
     pub fn physical_live(&self) -> u64 {
-        self.live.get(&Memory::Video).copied().unwrap_or(0) + self.live.get(&Memory::System).copied().unwrap_or(0)
+        self.live.get(&Memory::Video).copied().unwrap_or(0).saturating_add(self.live.get(&Memory::System).copied().unwrap_or(0))
     }
     fn add(&mut self, memory: Memory, bytes: u64) {
-        *self.live.entry(memory).or_default() += bytes;
-        *self.allocated.entry(memory).or_default() += bytes;
+        // Figures come from a trace file: saturate rather than wrap or panic on absurd ones.
+        add(self.live.entry(memory).or_default(), bytes);
+        add(self.allocated.entry(memory).or_default(), bytes);
         self.allocations += 1;
         self.peak_physical = self.peak_physical.max(self.physical_live());
     }
     fn remove(&mut self, memory: Memory, bytes: u64) {
         let live = self.live.entry(memory).or_default();
         *live = live.saturating_sub(bytes);
-        *self.freed.entry(memory).or_default() += bytes;
+        add(self.freed.entry(memory).or_default(), bytes);
     }
+}
+
+/// `total += n`, saturating: a trace may hold any number.
+pub fn add(total: &mut u64, n: u64) {
+    *total = total.saturating_add(n);
 }
 
 /// One HTTP request as the kernel saw it on a server's connection: from the read that brought
@@ -256,9 +265,57 @@ impl Model {
         model
     }
 
+    /// The books balance, as the driver's would: an allocation is live exactly while a handle
+    /// (or a UVM range) still refers to it; for every process and kind, what was allocated equals
+    /// what was freed plus what is live (exactly, wherever the sums fit in 64 bits). The fuzzer and
+    /// the property tests hold the model to this after any sequence of events.
+    pub fn check_books(&self) -> Result<(), String> {
+        let mut referenced: HashSet<AllocId> = self.clients.values().flat_map(|c| c.objects.values().filter_map(|o| o.alloc)).collect();
+        referenced.extend(self.uvm_ranges.values().copied());
+        for (id, a) in self.allocations.iter().enumerate() {
+            match (a.freed.is_none(), referenced.contains(&id)) {
+                (true, false) => return Err(format!("allocation {id} ({} B, pid {}) is live with no handle left", a.bytes, a.pid)),
+                (false, true) => {
+                    return Err(format!("allocation {id} ({} B, pid {}) is freed while a handle still refers to it", a.bytes, a.pid))
+                }
+                _ => {}
+            }
+        }
+        let mut sums: BTreeMap<(u32, Memory), (u128, u128)> = BTreeMap::new();
+        for a in &self.allocations {
+            let (allocated, freed) = sums.entry((a.pid, a.memory)).or_default();
+            *allocated += u128::from(a.bytes);
+            if a.freed.is_some() {
+                *freed += u128::from(a.bytes);
+            }
+        }
+        for ((pid, memory), (allocated, freed)) in sums {
+            if allocated > u128::from(u64::MAX) {
+                continue;
+            }
+            let usage = &self.processes[&pid].usage;
+            let get = |m: &BTreeMap<Memory, u64>| u128::from(m.get(&memory).copied().unwrap_or(0));
+            let books = (get(&usage.allocated), get(&usage.freed), get(&usage.live));
+            if books != (allocated, freed, allocated - freed) {
+                return Err(format!(
+                    "pid {pid} {}: allocated/freed/live {books:?}, its allocations say {:?}",
+                    memory.name(),
+                    (allocated, freed, allocated - freed)
+                ));
+            }
+        }
+        for p in self.processes.values() {
+            let failed = self.failures.iter().filter(|f| f.pid == p.pid).count() as u64;
+            if p.usage.failed != failed {
+                return Err(format!("pid {} counts {} failures, {failed} were recorded", p.pid, p.usage.failed));
+            }
+        }
+        Ok(())
+    }
+
     /// Live bytes of one kind across every process.
     pub fn live(&self, memory: Memory) -> u64 {
-        self.processes.values().map(|p| p.usage.live.get(&memory).copied().unwrap_or(0)).sum()
+        self.processes.values().map(|p| p.usage.live.get(&memory).copied().unwrap_or(0)).fold(0, u64::saturating_add)
     }
 
     pub fn live_allocations(&self) -> impl Iterator<Item = &Allocation> {
@@ -267,11 +324,7 @@ impl Model {
 
     /// Processes holding `file` open now.
     pub fn holders(&self, file: FileId) -> Vec<u32> {
-        self.processes
-            .values()
-            .filter(|p| p.exited.is_none() && p.fds.values().any(|f| f.file == file))
-            .map(|p| p.pid)
-            .collect()
+        self.processes.values().filter(|p| p.exited.is_none() && p.fds.values().any(|f| f.file == file)).map(|p| p.pid).collect()
     }
 
     fn process(&mut self, pid: u32, ts: u64) -> &mut Process {
@@ -356,13 +409,8 @@ impl Model {
             }
             Event::Close { fd } => self.close_fd(pid, *fd, ts),
             Event::CloseRange { first, last, cloexec_only } => {
-                let fds: Vec<i32> = self
-                    .process(pid, ts)
-                    .fds
-                    .keys()
-                    .copied()
-                    .filter(|&fd| fd >= 0 && (*first..=*last).contains(&(fd as u32)))
-                    .collect();
+                let fds: Vec<i32> =
+                    self.process(pid, ts).fds.keys().copied().filter(|&fd| fd >= 0 && (*first..=*last).contains(&(fd as u32))).collect();
                 for fd in fds {
                     if *cloexec_only {
                         if let Some(f) = self.process(pid, ts).fds.get_mut(&fd) {
@@ -384,9 +432,12 @@ impl Model {
                 }
                 if crate::abi::class::is_client(*class) {
                     let file = self.file_of(pid, *fd, ts);
+                    // RM never hands out a live handle twice: an old client by that handle was
+                    // freed in a way the trace missed (lost records, a reused pid).
+                    self.free_client(*client, ts, FreedBy::Unseen);
                     self.clients.insert(*client, Client::new(file));
                 } else {
-                    self.client_mut(*client, pid, *fd, ts).insert(*object, Object { parent: *parent, alloc: None });
+                    self.insert_object(*client, pid, *fd, ts, *object, Object { parent: *parent, alloc: None });
                 }
             }
             Event::Alloc(a) => self.alloc(r, a),
@@ -403,7 +454,7 @@ impl Model {
                 if let Some(id) = alloc {
                     *self.handle_refs.entry(id).or_default() += 1;
                 }
-                self.client_mut(*client, pid, *fd, ts).insert(*object, Object { parent: *parent, alloc });
+                self.insert_object(*client, pid, *fd, ts, *object, Object { parent: *parent, alloc });
             }
             Event::RegisterFd { .. } | Event::UvmMap { .. } => {}
             Event::UvmFree { fd, base, status } => {
@@ -416,7 +467,7 @@ impl Model {
                 }
             }
             Event::Undecodable { .. } => self.undecodable += 1,
-            Event::Lost { records } => self.lost_records += records,
+            Event::Lost { records } => add(&mut self.lost_records, *records),
             Event::Bind { port, .. } => self.process(pid, ts).bound.push((ts, *port)),
             Event::Listen { .. } => {
                 let p = self.process(pid, ts);
@@ -428,11 +479,22 @@ impl Model {
             Event::Received { conn, bytes, request } => {
                 let current = self.connections.get(conn).and_then(|(_, r)| *r);
                 match (request, current) {
-                    (None, Some(id)) => self.requests[id].bytes_in += bytes,
+                    (None, Some(id)) => add(&mut self.requests[id].bytes_in, *bytes),
                     _ => {
                         self.end_request(*conn, ts);
                         let line = request.clone().unwrap_or_default();
-                        let request = Request { pid, conn: *conn, line, arrived: ts, bytes_in: *bytes, headers_at: None, status: None, first_data_at: None, bytes_out: 0, ended: None };
+                        let request = Request {
+                            pid,
+                            conn: *conn,
+                            line,
+                            arrived: ts,
+                            bytes_in: *bytes,
+                            headers_at: None,
+                            status: None,
+                            first_data_at: None,
+                            bytes_out: 0,
+                            ended: None,
+                        };
                         self.requests.push(request);
                         self.connections.insert(*conn, (pid, Some(self.requests.len() - 1)));
                     }
@@ -441,7 +503,7 @@ impl Model {
             Event::Sent { conn, bytes, status, data } => {
                 if let Some(id) = self.connections.get(conn).and_then(|(_, r)| *r) {
                     let r = &mut self.requests[id];
-                    r.bytes_out += bytes;
+                    add(&mut r.bytes_out, *bytes);
                     if status.is_some() && r.headers_at.is_none() {
                         r.headers_at = Some(ts);
                         r.status = *status;
@@ -573,13 +635,28 @@ impl Model {
         self.handle_refs.insert(id, 1);
         match (a.base, file) {
             (Some(base), Some(file)) => {
-                self.uvm_ranges.insert((file, base), id);
+                if let Some(old) = self.uvm_ranges.insert((file, base), id) {
+                    self.release(old, ts, FreedBy::Unseen);
+                }
             }
             _ => {
                 let object = Object { parent: a.parent, alloc: Some(id) };
-                self.client_mut(a.client, pid, a.fd, ts).insert(a.object, object);
+                self.insert_object(a.client, pid, a.fd, ts, a.object, object);
             }
         }
+    }
+
+    /// A new handle in a client. Like a client handle, a live one is never handed out twice: what
+    /// was there before (and below it) was freed unseen, and is released now.
+    fn insert_object(&mut self, client: u32, pid: u32, fd: i32, ts: u64, handle: u32, object: Object) {
+        if let Some(c) = self.clients.get_mut(&client) {
+            for (_, o) in c.remove_subtree(handle) {
+                if let Some(id) = o.alloc {
+                    self.drop_handle(id, ts, FreedBy::Unseen);
+                }
+            }
+        }
+        self.client_mut(client, pid, fd, ts).insert(handle, object);
     }
 
     fn free_handle(&mut self, client: u32, object: u32, ts: u64) {
@@ -626,6 +703,8 @@ impl Model {
         }
     }
 }
+
+pub mod generate;
 
 #[cfg(test)]
 mod tests;

@@ -98,11 +98,8 @@ fn privileged() -> bool {
     const CAP_PERFMON: u32 = 38;
     const CAP_BPF: u32 = 39;
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let effective = status
-        .lines()
-        .find_map(|l| l.strip_prefix("CapEff:"))
-        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
-        .unwrap_or(0);
+    let effective =
+        status.lines().find_map(|l| l.strip_prefix("CapEff:")).and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok()).unwrap_or(0);
     let has = |cap: u32| effective & (1 << cap) != 0;
     has(CAP_SYS_ADMIN) || (has(CAP_BPF) && has(CAP_PERFMON))
 }
@@ -159,8 +156,7 @@ impl Probe {
         for (class, size) in layout.class_params_table() {
             classes.insert(class, size, 0).map_err(map_err("CLASS_PARAMS"))?;
         }
-        let mut offsets: Array<MapData, KernelOffsets> =
-            Array::try_from(take(&mut ebpf, "OFFSETS")?).map_err(map_err("OFFSETS"))?;
+        let mut offsets: Array<MapData, KernelOffsets> = Array::try_from(take(&mut ebpf, "OFFSETS")?).map_err(map_err("OFFSETS"))?;
         // Without them the kernel reports no file identity and userspace falls back to kcmp(2).
         if let Ok(found) = crate::btf::running_kernel_offsets() {
             offsets.set(0, found, 0).map_err(map_err("OFFSETS"))?;
@@ -172,11 +168,8 @@ impl Probe {
 
         let mut loaded = std::collections::HashSet::new();
         for (program, category, name) in HOOKS {
-            let attach_err = |reason: String| ProbeError::Attach {
-                program: program.to_string(),
-                tracepoint: format!("{category}:{name}"),
-                reason,
-            };
+            let attach_err =
+                |reason: String| ProbeError::Attach { program: program.to_string(), tracepoint: format!("{category}:{name}"), reason };
             let tp: &mut TracePoint = ebpf
                 .program_mut(program)
                 .ok_or_else(|| attach_err("the program is missing from the eBPF object".into()))?

@@ -10,17 +10,21 @@ use anyhow::{anyhow, bail, Context as _, Result};
 use aya::maps::{MapData, RingBuf};
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
-use tokio::signal::unix::{signal, SignalKind};
 
 use crate::abi::{DriverVersion, Layout, NEWEST_KNOWN, OLDEST_KNOWN};
+use crate::analysis::Phase;
 use crate::decode::parse_record;
 use crate::event::{Event, Record};
 use crate::files::{device_of_path, KernelUpdate, ProcResolver, Resolver};
+use crate::mark::{MarkRequest, MarkServer, MAX_CONNECTIONS};
 use crate::model::Model;
 use crate::pipeline::Pipeline;
 use crate::probe::{self, Probe};
-use crate::report::{bytes, FdFilter, Loss, Report};
+use crate::report::{FdFilter, Loss, Report};
+use crate::signals::StopSignals;
 use crate::trace::{Header, HolderAtStart, Writer, FORMAT, VERSION};
+use crate::units::bytes;
+use crate::user::User;
 
 pub struct Options {
     pub output: Option<PathBuf>,
@@ -34,6 +38,8 @@ pub struct Options {
     pub command: Vec<String>,
     /// The gputrace command line, kept in the trace header.
     pub invocation: Vec<String>,
+    /// Hide argument values and query strings (see [`crate::redact`]).
+    pub redact: bool,
 }
 
 /// The launched command's exit status, as a shell would report it.
@@ -53,13 +59,15 @@ pub fn run(opts: Options) -> Result<Outcome> {
             bail!("no process has pid {pid}: check it with `ps -p {pid}`");
         }
     }
+    let user = User::invoking()?;
     probe::preflight()?;
+    raise_fd_limit();
     let (version, source) = driver_version(opts.driver_version.as_deref())?;
     let layout = layout_for(version);
 
     let snapshot = crate::gpus::snapshot();
     let (wall, mono) = clocks();
-    let header = Header {
+    let mut header = Header {
         format: FORMAT.into(),
         version: VERSION,
         tracer_version: env!("CARGO_PKG_VERSION").into(),
@@ -76,9 +84,11 @@ pub fn run(opts: Options) -> Result<Outcome> {
         command: opts.invocation.clone(),
         raw: opts.raw,
     };
+    if opts.redact {
+        crate::redact::header(&mut header);
+    }
     let path = opts.output.clone().unwrap_or_else(default_output);
-    let writer = Writer::create(&path, &header)?;
-    give_to_invoking_user(&path);
+    let writer = Writer::create(&path, &header, user.as_ref())?;
 
     let mut probe = Probe::load(&layout, opts.all)?;
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().context("starting the event loop")?;
@@ -90,16 +100,24 @@ pub fn run(opts: Options) -> Result<Outcome> {
         updates: Vec::new(),
         lost_seen: 0,
         decode_errors: 0,
+        write_error: None,
+        redact: opts.redact,
+        user,
     };
     let exit_code = runtime.block_on(session.trace(&mut probe, &opts))?;
 
     let counters = probe.counters();
-    session.writer.flush()?;
+    if session.write_error.is_none() {
+        if let Err(e) = session.writer.flush() {
+            session.write_error = Some(e.to_string());
+        }
+    }
     let loss = Loss {
         lost_records: session.model.lost_records,
         undecodable: session.model.undecodable + session.decode_errors,
         damaged_lines: 0,
         torn_tail: false,
+        write_error: session.write_error.clone(),
     };
     let mut summary = Report::new(&header, &session.model, path.display().to_string(), session.writer.records, loss, opts.idle_ns);
     let filter = FdFilter { questions: counters.questions, pending_dropped: session.pipeline.files.pending_dropped };
@@ -127,18 +145,42 @@ struct Session {
     lost_seen: u64,
     /// Ring buffer records that did not parse (a mismatched kernel object).
     decode_errors: u64,
+    /// Why the trace file stopped (a full disk): recording then only waits for the command.
+    write_error: Option<String>,
+    redact: bool,
+    /// Who the command runs as, under sudo.
+    user: Option<User>,
 }
 
 impl Session {
-    fn emit(&mut self, record: Record) -> Result<()> {
+    /// Into the model and the trace. A write error stops the trace loudly, once; the model (and
+    /// so the closing report) goes on, and so does the command.
+    fn emit(&mut self, mut record: Record) {
+        if self.redact {
+            crate::redact::record(&mut record);
+        }
         self.model.apply(&record);
-        self.writer.write(&record)?;
-        Ok(())
+        if self.write_error.is_some() {
+            return;
+        }
+        if let Err(e) = self.writer.write(&record) {
+            eprintln!("gputrace: error: {e}: the trace stops here; waiting for the command to finish");
+            self.write_error = Some(e.to_string());
+        }
     }
 
-    fn emit_now(&mut self, pid: u32, event: Event) -> Result<()> {
+    fn emit_now(&mut self, pid: u32, event: Event) {
         let (_, ts) = clocks();
         self.emit(Record { ts, pid, tid: 0, event, raw: None })
+    }
+
+    fn flush(&mut self) {
+        if self.write_error.is_none() {
+            if let Err(e) = self.writer.flush() {
+                eprintln!("gputrace: error: {e}: the trace stops here; waiting for the command to finish");
+                self.write_error = Some(e.to_string());
+            }
+        }
     }
 
     fn apply_updates(&mut self, probe: &mut Probe) -> Result<()> {
@@ -161,7 +203,7 @@ impl Session {
             drop(item);
             let records = std::mem::take(&mut self.out);
             for record in records {
-                self.emit(record)?;
+                self.emit(record);
             }
             // Answers go to the kernel at once so the next ioctl on that fd is settled there.
             self.apply_updates(probe)?;
@@ -169,14 +211,13 @@ impl Session {
         Ok(())
     }
 
-    fn check_lost(&mut self, probe: &Probe) -> Result<()> {
+    fn check_lost(&mut self, probe: &Probe) {
         let lost = probe.counters().lost;
         if lost > self.lost_seen {
             let records = lost - self.lost_seen;
             self.lost_seen = lost;
-            self.emit_now(0, Event::Lost { records })?;
+            self.emit_now(0, Event::Lost { records });
         }
-        Ok(())
     }
 
     async fn trace(&mut self, probe: &mut Probe, opts: &Options) -> Result<i32> {
@@ -197,27 +238,38 @@ impl Session {
                 continue;
             }
             for event in events {
-                self.emit_now(pid, event)?;
+                self.emit_now(pid, event);
             }
             self.apply_updates(probe)?;
         }
 
-        let what = if opts.all { "every process".to_string() } else if opts.command.is_empty() { format!("pid {}", join(&opts.pids)) } else { format!("`{}`", opts.command.join(" ")) };
+        let what = if opts.all {
+            "every process".to_string()
+        } else if opts.command.is_empty() {
+            format!("pid {}", join(&opts.pids))
+        } else {
+            format!("`{}`", opts.command.join(" "))
+        };
         eprintln!("gputrace: tracing {what}, writing {} (Ctrl-C to stop)", self.writer.path().display());
         let mut child = match opts.command.is_empty() {
             true => None,
             false => Some(self.launch(probe, &opts.command)?),
         };
 
-        let marks = MarkSocket::open();
-        let (mark_tx, mut mark_rx) = tokio::sync::mpsc::channel::<(String, tokio::sync::oneshot::Sender<String>)>(16);
-        let mut interrupt = signal(SignalKind::interrupt()).context("handling Ctrl-C")?;
-        let mut terminate = signal(SignalKind::terminate()).context("handling SIGTERM")?;
+        // Launched, so nothing below needs to change identity or own files any more.
+        if let Err(e) = crate::privileges::keep_only_what_recording_needs() {
+            eprintln!("gputrace: warning: could not drop the capabilities recording no longer needs: {e}");
+        }
+        let invoking_uid = Some(self.user.as_ref().map_or(0, |u| u.uid));
+        let marks = MarkServer::open(std::process::id(), invoking_uid);
+        let (mark_tx, mut mark_rx) = tokio::sync::mpsc::channel::<MarkRequest>(MAX_CONNECTIONS);
+        let stops = StopSignals::install()?;
         let mut tick = tokio::time::interval(Duration::from_millis(100));
         let status_line = std::io::stderr().is_terminal() && !opts.json;
         let mut last_status = Instant::now();
         // Attached with --pid and nothing launched: done when every attached process is gone.
         let mut attached: Vec<u32> = if child.is_none() && !opts.all { opts.pids.clone() } else { Vec::new() };
+        let mut signals_to_command = 0;
         let exit_code;
         loop {
             tokio::select! {
@@ -227,8 +279,8 @@ impl Session {
                     guard.clear_ready();
                 }
                 _ = tick.tick() => {
-                    self.writer.flush()?;
-                    self.check_lost(probe)?;
+                    self.flush();
+                    self.check_lost(probe);
                     if !attached.is_empty() {
                         attached.retain(|&pid| running(pid));
                         if attached.is_empty() {
@@ -247,49 +299,71 @@ impl Session {
                     let (_, pid) = child.take().unwrap();
                     // The kernel's exit record is already in the ring buffer: read it first.
                     self.drain(ring.get_mut(), probe)?;
-                    self.emit_now(pid, Event::Exit { code: Some(exit_code) })?;
+                    self.emit_now(pid, Event::Exit { code: Some(exit_code) });
                     break;
                 }
-                conn = async { marks.listener.as_ref().unwrap().accept().await }, if marks.listener.is_some() => {
-                    if let Ok((stream, _)) = conn {
-                        tokio::spawn(serve_mark(stream, mark_tx.clone()));
+                _ = async { marks.as_ref().unwrap().accept(&mark_tx).await }, if marks.is_some() => {}
+                Some(request) = mark_rx.recv() => {
+                    let _ = request.reply.send(self.mark(request.phase, request.pid));
+                }
+                stop = stops.next() => {
+                    let stop = stop?;
+                    // A command is waited for: the signal is passed on (unless it already got it)
+                    // and recording ends with the command. A third signal stops waiting.
+                    let Some((_, pid)) = child.as_ref() else { exit_code = stop.exit_code(); break };
+                    signals_to_command += 1;
+                    if signals_to_command >= 3 {
+                        eprintln!("gputrace: pid {pid} has not exited after 3 signals; recording stops and it runs on untraced");
+                        exit_code = stop.exit_code();
+                        break;
+                    }
+                    if stop.to_forward(*pid) {
+                        // SAFETY: kill(2) on the command this recorder started and has not reaped.
+                        unsafe { libc::kill(*pid as libc::pid_t, stop.signal) };
                     }
                 }
-                Some((line, reply)) = mark_rx.recv() => {
-                    let _ = reply.send(self.mark(&line)?);
-                }
-                _ = interrupt.recv() => { exit_code = 130; break; }
-                _ = terminate.recv() => { exit_code = 143; break; }
             }
         }
         self.drain(ring.get_mut(), probe)?;
-        self.check_lost(probe)?;
+        self.check_lost(probe);
         if status_line {
             eprint!("\r\x1b[2K");
         }
         Ok(exit_code)
     }
 
-    /// A phase mark from the socket: recorded for a traced process, refused otherwise.
-    fn mark(&mut self, line: &str) -> Result<String> {
-        Ok(match crate::mark::parse(line) {
-            Ok((phase, pid)) if self.model.processes.contains_key(&pid) => {
-                self.emit_now(pid, Event::Mark { phase: phase.name().into() })?;
-                "OK".into()
-            }
-            Ok((_, pid)) => format!("ERR pid {pid} is not traced by this recorder"),
-            Err(why) => format!("ERR {why}"),
-        })
+    /// A phase mark from the socket (already checked for who sent it): recorded for a traced
+    /// process, refused otherwise.
+    fn mark(&mut self, phase: Phase, pid: u32) -> String {
+        if !self.model.processes.contains_key(&pid) {
+            return format!("ERR pid {pid} is not traced by this recorder");
+        }
+        self.emit_now(pid, Event::Mark { phase: phase.name().into() });
+        "OK".into()
     }
 
     /// Starts the command with nothing it does missed: gputrace marks itself traced for the
     /// moment of the fork, so the kernel's own fork hook traces the child before it can exec.
-    /// With sudo the command runs as the invoking user.
+    /// With sudo the command runs as the invoking user: their uid, gid, supplementary groups
+    /// (`video` opens /dev/nvidia* on many hosts), HOME, USER and LOGNAME.
     fn launch(&mut self, probe: &mut Probe, command: &[String]) -> Result<(tokio::process::Child, u32)> {
         let mut cmd = tokio::process::Command::new(&command[0]);
         cmd.args(&command[1..]);
-        if let Some((uid, gid)) = invoking_user() {
-            cmd.uid(uid).gid(gid);
+        if let Some(user) = self.user.clone() {
+            cmd.env("HOME", &user.home).env("USER", &user.name).env("LOGNAME", &user.name);
+            // std's uid()/gid() would drop the supplementary groups; set all three in the child.
+            // SAFETY: between fork and exec, only async-signal-safe syscalls on owned data.
+            unsafe {
+                cmd.pre_exec(move || {
+                    if libc::setgroups(user.groups.len(), user.groups.as_ptr()) != 0
+                        || libc::setgid(user.gid) != 0
+                        || libc::setuid(user.uid) != 0
+                    {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
         }
         let me = std::process::id();
         probe.trace_pid(me)?;
@@ -318,57 +392,6 @@ impl Session {
     }
 }
 
-/// The socket `gputrace mark` talks to; removed when recording ends.
-struct MarkSocket {
-    listener: Option<tokio::net::UnixListener>,
-    path: std::path::PathBuf,
-}
-
-impl MarkSocket {
-    /// Without it, recording goes on: marks are a convenience, said so once.
-    fn open() -> MarkSocket {
-        let path = crate::mark::socket_path(std::process::id());
-        let _ = std::fs::create_dir_all(crate::mark::SOCKET_DIR);
-        let _ = std::fs::remove_file(&path);
-        let listener = match tokio::net::UnixListener::bind(&path) {
-            Ok(l) => {
-                // Wrapper scripts run as the user behind sudo; only traced pids are accepted.
-                let _ = std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o666));
-                Some(l)
-            }
-            Err(e) => {
-                eprintln!("gputrace: warning: no phase marks this time: cannot listen on {}: {e}", path.display());
-                None
-            }
-        };
-        MarkSocket { listener, path }
-    }
-}
-
-impl Drop for MarkSocket {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
-    }
-}
-
-/// One client: one line in, the recorder's answer out.
-async fn serve_mark(stream: tokio::net::UnixStream, to_recorder: tokio::sync::mpsc::Sender<(String, tokio::sync::oneshot::Sender<String>)>) {
-    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
-    let (read, mut write) = stream.into_split();
-    let mut line = String::new();
-    let mut reader = tokio::io::BufReader::new(read);
-    if tokio::time::timeout(Duration::from_secs(2), reader.read_line(&mut line)).await.is_err() {
-        return;
-    }
-    let (reply_tx, reply_rx) = tokio::sync::oneshot::channel();
-    if to_recorder.send((line, reply_tx)).await.is_err() {
-        return;
-    }
-    if let Ok(reply) = reply_rx.await {
-        let _ = write.write_all(format!("{reply}\n").as_bytes()).await;
-    }
-}
-
 fn terminal_width() -> usize {
     // SAFETY: TIOCGWINSZ fills a winsize struct.
     let mut ws: libc::winsize = unsafe { std::mem::zeroed() };
@@ -380,16 +403,15 @@ fn terminal_width() -> usize {
     }
 }
 
-/// The user behind sudo, so the command runs and the trace is owned as them.
-fn invoking_user() -> Option<(u32, u32)> {
-    let uid = std::env::var("SUDO_UID").ok()?.parse().ok()?;
-    let gid = std::env::var("SUDO_GID").ok()?.parse().ok()?;
-    Some((uid, gid))
-}
-
-fn give_to_invoking_user(path: &Path) {
-    if let Some((uid, gid)) = invoking_user() {
-        let _ = std::os::unix::fs::chown(path, Some(uid), Some(gid));
+/// Every open connection, device file and /proc entry is a descriptor: take the hard limit.
+fn raise_fd_limit() {
+    // SAFETY: getrlimit/setrlimit with a valid struct.
+    unsafe {
+        let mut limit: libc::rlimit = std::mem::zeroed();
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && limit.rlim_cur < limit.rlim_max {
+            limit.rlim_cur = limit.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
+        }
     }
 }
 

@@ -11,8 +11,9 @@ use serde::Serialize;
 use crate::analysis::diagnosis::{Category, Diagnoser, Diagnosis};
 use crate::analysis::{Phase, Services};
 use crate::event::Memory;
-use crate::model::{Model, Process};
+use crate::model::{add, Model, Process};
 use crate::trace::Header;
+use crate::units::bytes;
 
 pub const SCHEMA: &str = "gputrace-report/1";
 
@@ -68,6 +69,9 @@ pub struct Loss {
     /// Lines of the trace file that were damaged or torn.
     pub damaged_lines: u64,
     pub torn_tail: bool,
+    /// Why the recorder stopped writing the trace (a full disk), when it did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub write_error: Option<String>,
 }
 
 impl Loss {
@@ -103,7 +107,7 @@ pub struct Report {
 }
 
 fn physical(map: &BTreeMap<Memory, u64>) -> u64 {
-    map.get(&Memory::Video).copied().unwrap_or(0) + map.get(&Memory::System).copied().unwrap_or(0)
+    map.get(&Memory::Video).copied().unwrap_or(0).saturating_add(map.get(&Memory::System).copied().unwrap_or(0))
 }
 
 fn process_report(p: &Process, model: &Model, services: &Services) -> ProcessReport {
@@ -117,7 +121,7 @@ fn process_report(p: &Process, model: &Model, services: &Services) -> ProcessRep
         .collect();
     let mut by_phase: BTreeMap<&'static str, u64> = Phase::ALL.iter().map(|ph| (ph.name(), 0)).collect();
     for a in model.allocations.iter().filter(|a| a.pid == p.pid && a.memory != Memory::Virtual) {
-        *by_phase.entry(services.phase_of(a.pid, a.ts).name()).or_default() += a.bytes;
+        add(by_phase.entry(services.phase_of(a.pid, a.ts).name()).or_default(), a.bytes);
     }
     ProcessReport {
         pid: p.pid,
@@ -149,15 +153,25 @@ fn suspects(header: &Header, model: &Model, services: &Services, idle_ns: u64) -
     }
     for (file, allocs) in by_file {
         let owner = allocs[0].pid;
-        let bytes = allocs.iter().map(|a| a.bytes).sum();
+        let bytes = allocs.iter().map(|a| a.bytes).fold(0, u64::saturating_add);
         let since = allocs.iter().map(|a| a.ts).min().unwrap_or(start);
         let holders = file.map(|f| model.holders(f)).unwrap_or_default();
-        let last_activity = model.allocations.iter().filter(|a| holders.contains(&a.pid)).map(|a| a.ts).chain(model.requests.iter().filter(|r| holders.contains(&r.pid)).map(|r| r.ended.unwrap_or(r.arrived))).max();
+        let last_activity = model
+            .allocations
+            .iter()
+            .filter(|a| holders.contains(&a.pid))
+            .map(|a| a.ts)
+            .chain(model.requests.iter().filter(|r| holders.contains(&r.pid)).map(|r| r.ended.unwrap_or(r.arrived)))
+            .max();
         let owner_exited = model.processes.get(&owner).is_some_and(|p| p.exited.is_some());
-        let orphan = holders.iter().find(|&&h| model.processes.get(&model.processes[&h].ppid).is_some_and(|parent| parent.exited.is_some()));
+        let orphan =
+            holders.iter().find(|&&h| model.processes.get(&model.processes[&h].ppid).is_some_and(|parent| parent.exited.is_some()));
         let why = if owner_exited && !holders.is_empty() {
             let h = holders[0];
-            format!("its owner pid {owner} exited; pid {h} (`{}`) still holds the device file, without having allocated it", model.processes[&h].command_line())
+            format!(
+                "its owner pid {owner} exited; pid {h} (`{}`) still holds the device file, without having allocated it",
+                model.processes[&h].command_line()
+            )
         } else if let Some(&h) = orphan {
             format!("pid {h} is an orphan: its parent pid {} exited", model.processes[&h].ppid)
         } else if last_activity.is_some_and(|t| end.saturating_sub(t) >= idle_ns) {
@@ -171,7 +185,7 @@ fn suspects(header: &Header, model: &Model, services: &Services, idle_ns: u64) -
             pid: holder,
             command,
             bytes,
-            since: Some(since - start),
+            since: Some(since.saturating_sub(start)),
             last_activity: last_activity.map(|t| t.saturating_sub(start)),
             why,
         });
@@ -192,21 +206,30 @@ fn suspects(header: &Header, model: &Model, services: &Services, idle_ns: u64) -
 }
 
 /// Reads a trace into the model record by record (the records are never all held), with what
-/// reading lost: the start of `report` and every export.
-pub fn load(path: &std::path::Path) -> Result<(Header, Model, u64, Loss), crate::trace::TraceError> {
+/// reading lost: the start of `report` and every export. `redact` hides the secrets of command
+/// and request lines as they are read.
+pub fn load(path: &std::path::Path, redact: bool) -> Result<(Header, Model, u64, Loss), crate::trace::TraceError> {
     let mut reader = crate::trace::Reader::open(path)?;
     let mut model = Model::new();
-    let mut events = 0;
+    let mut events: u64 = 0;
     for record in reader.by_ref() {
-        model.apply(&record?);
+        let mut record = record?;
+        if redact {
+            crate::redact::record(&mut record);
+        }
+        model.apply(&record);
         events += 1;
+    }
+    if redact {
+        crate::redact::header(&mut reader.header);
     }
     let damage = &reader.damage;
     let loss = Loss {
         lost_records: model.lost_records,
         undecodable: model.undecodable,
-        damaged_lines: damage.bad_lines.len() as u64 + damage.torn_tail as u64,
+        damaged_lines: damage.bad_lines.saturating_add(damage.torn_tail as u64),
         torn_tail: damage.torn_tail,
+        write_error: None,
     };
     Ok((reader.header, model, events, loss))
 }
@@ -240,25 +263,33 @@ impl Report {
     pub fn text(&self) -> String {
         let mut out = String::new();
         let d = &self.diagnosis;
-        let category = serde_json::to_value(d.category).unwrap_or_default();
-        let symptom = serde_json::to_value(d.symptom).unwrap_or_default();
+
         let when = d.ts.map(|t| format!(" at {:.2} s", t as f64 / 1e9)).unwrap_or_default();
         let service = d.service.as_ref().map(|s| format!(" in `{s}`")).unwrap_or_default();
         if d.category == Category::None {
             let _ = writeln!(out, "VERDICT: none. {}", d.evidence.text);
         } else {
-            let _ = writeln!(out, "VERDICT: {} ({}){service}{when}", category.as_str().unwrap_or("?"), symptom.as_str().unwrap_or("?"));
+            let _ = writeln!(out, "VERDICT: {} ({}){service}{when}", d.category.name(), d.symptom.name());
             let _ = writeln!(out, "  {}", d.evidence.text);
             let _ = writeln!(out, "FIX: {}", d.fix.text);
         }
         for later in self.diagnoses.iter().skip(1) {
-            let c = serde_json::to_value(later.category).unwrap_or_default();
-            let _ = writeln!(out, "then{}: {} — {}", later.ts.map(|t| format!(" at {:.2} s", t as f64 / 1e9)).unwrap_or_default(), c.as_str().unwrap_or("?"), later.evidence.text);
+            let _ = writeln!(
+                out,
+                "then{}: {} — {}",
+                later.ts.map(|t| format!(" at {:.2} s", t as f64 / 1e9)).unwrap_or_default(),
+                later.category.name(),
+                later.evidence.text
+            );
         }
         let seconds = self.duration_ns as f64 / 1e9;
         let _ = writeln!(out, "\n{} events over {seconds:.1} s in {}", self.events, self.trace);
         if !self.processes.is_empty() {
-            let _ = writeln!(out, "\n{:>8}  {:<28} {:>7} {:>11} {:>11} {:>11} {:>11} {:>6}", "PID", "COMMAND", "ALLOCS", "ALLOCATED", "FREED", "PEAK", "LIVE", "FAILED");
+            let _ = writeln!(
+                out,
+                "\n{:>8}  {:<28} {:>7} {:>11} {:>11} {:>11} {:>11} {:>6}",
+                "PID", "COMMAND", "ALLOCS", "ALLOCATED", "FREED", "PEAK", "LIVE", "FAILED"
+            );
             for p in &self.processes {
                 let _ = writeln!(
                     out,
@@ -273,7 +304,11 @@ impl Report {
                     p.failed_allocations
                 );
             }
-            let _ = writeln!(out, "\n{:>8}  {:>11} {:>11} {:>11} {:>11}   (bytes allocated in each phase)", "PID", "LOAD", "PREFILL", "DECODE", "IDLE");
+            let _ = writeln!(
+                out,
+                "\n{:>8}  {:>11} {:>11} {:>11} {:>11}   (bytes allocated in each phase)",
+                "PID", "LOAD", "PREFILL", "DECODE", "IDLE"
+            );
             for p in &self.processes {
                 let get = |ph: &str| bytes(p.by_phase.get(ph).copied().unwrap_or(0));
                 let _ = writeln!(out, "{:>8}  {:>11} {:>11} {:>11} {:>11}", p.pid, get("load"), get("prefill"), get("decode"), get("idle"));
@@ -287,6 +322,10 @@ impl Report {
             }
         }
         let l = &self.loss;
+        if let Some(why) = &l.write_error {
+            let _ =
+                writeln!(out, "TRACE CUT SHORT: {why}; the report above still covers the whole run, the trace file only up to the error.");
+        }
         if l.is_lossless() {
             let _ = writeln!(out, "Lost events: 0.");
         } else {
@@ -308,22 +347,6 @@ fn clip(text: &str, width: usize) -> String {
         text.chars().take(width - 1).collect::<String>() + "…"
     } else {
         text.to_string()
-    }
-}
-
-/// Binary units, as people read memory sizes.
-pub fn bytes(n: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut value = n as f64;
-    let mut unit = 0;
-    while value >= 1024.0 && unit < UNITS.len() - 1 {
-        value /= 1024.0;
-        unit += 1;
-    }
-    if unit == 0 {
-        format!("{n} B")
-    } else {
-        format!("{value:.1} {}", UNITS[unit])
     }
 }
 
@@ -350,7 +373,22 @@ mod tests {
         let records = vec![
             rec(0, Event::Process { ppid: 1, seen: Seen::Running, command: vec!["old-server".into()] }),
             rec(1, Event::FdFound { fd: 3, file: 1, device: Device::Ctl }),
-            rec(2, Event::Alloc(Alloc { fd: 3, via: Via::RmAllocNvos64, memory: Memory::Video, bytes: 1 << 30, status: 0, client: 1, parent: 2, object: 3, class: 0x40, base: None, errno: None })),
+            rec(
+                2,
+                Event::Alloc(Alloc {
+                    fd: 3,
+                    via: Via::RmAllocNvos64,
+                    memory: Memory::Video,
+                    bytes: 1 << 30,
+                    status: 0,
+                    client: 1,
+                    parent: 2,
+                    object: 3,
+                    class: 0x40,
+                    base: None,
+                    errno: None,
+                }),
+            ),
             rec(15 * minute, Event::Lost { records: 0 }),
         ];
         let model = Model::from_records(&records);
@@ -359,14 +397,5 @@ mod tests {
         assert!(report.contexts_never_freed[0].why.contains("no allocation or request for 899 s"), "{:?}", report.contexts_never_freed);
         let report = Report::new(&header(), &model, String::new(), 4, Loss::default(), 20 * minute);
         assert!(report.contexts_never_freed.is_empty(), "active within the threshold");
-    }
-
-    #[test]
-    fn sizes_in_binary_units() {
-        assert_eq!(bytes(0), "0 B");
-        assert_eq!(bytes(1023), "1023 B");
-        assert_eq!(bytes(1536), "1.5 KiB");
-        assert_eq!(bytes(20 << 20), "20.0 MiB");
-        assert_eq!(bytes(80 << 30), "80.0 GiB");
     }
 }

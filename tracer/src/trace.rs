@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use crate::event::Record;
+use crate::user::{create_private, User};
 
 pub const FORMAT: &str = "gputrace-trace";
 pub const VERSION: u32 = 1;
@@ -81,7 +82,7 @@ pub enum TraceError {
     #[error("{path} is not a gputrace trace: its first line is not a gputrace header ({reason})")]
     NotATrace { path: PathBuf, reason: String },
     #[error("{path} is a gputrace trace of format version {found}; this gputrace reads version {VERSION}: use a gputrace at least as new as the one that recorded it")]
-    Version { path: PathBuf, found: u32 },
+    Version { path: PathBuf, found: u64 },
     #[error("reading the trace {path}: {source}")]
     Read { path: PathBuf, source: io::Error },
     #[error("writing the trace {path}: {source}")]
@@ -95,8 +96,10 @@ pub struct Writer {
 }
 
 impl Writer {
-    pub fn create(path: &Path, header: &Header) -> Result<Writer, TraceError> {
-        let file = File::create(path).map_err(|source| TraceError::Open { path: path.into(), source })?;
+    /// Creates the trace as `user` would (see [`crate::user::create_private`]): mode 0600, never
+    /// through a symbolic link, never over someone else's file.
+    pub fn create(path: &Path, header: &Header, user: Option<&User>) -> Result<Writer, TraceError> {
+        let file = create_private(path, user).map_err(|source| TraceError::Open { path: path.into(), source })?;
         let mut w = Writer { out: BufWriter::with_capacity(1 << 16, file), path: path.into(), records: 0 };
         w.line(header)?;
         w.flush()?;
@@ -123,17 +126,91 @@ impl Writer {
     }
 }
 
-/// What reading left out: a torn last line (the recorder died mid-write) or damaged lines.
+/// The longest line a reader takes: far above any record gputrace writes (a record with `--raw`
+/// bytes is a few KiB), far below what would exhaust memory. Longer lines are skipped unread.
+pub const MAX_LINE: usize = 1 << 20;
+/// Damaged lines named by number in a report; the rest are counted.
+const NAMED_BAD_LINES: usize = 20;
+
+/// What reading left out: a torn last line (the recorder died mid-write) or damaged lines
+/// (not JSON, not UTF-8, longer than [`MAX_LINE`]).
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct ReadDamage {
     pub torn_tail: bool,
-    /// 1-based line numbers of lines that did not parse, other than a torn last line.
-    pub bad_lines: Vec<u64>,
+    /// How many lines did not parse, other than a torn last line.
+    pub bad_lines: u64,
+    /// The first of them, 1-based line numbers.
+    pub first_bad_lines: Vec<u64>,
+}
+
+impl ReadDamage {
+    fn bad(&mut self, line: u64) {
+        self.bad_lines += 1;
+        if self.first_bad_lines.len() < NAMED_BAD_LINES {
+            self.first_bad_lines.push(line);
+        }
+    }
+}
+
+/// A line as read: its bytes, or the fact that it was too long to keep.
+enum Line {
+    Kept,
+    TooLong,
+}
+
+/// Reads lines as bytes, keeping at most [`MAX_LINE`] of each: a file with no newline at all
+/// (`/dev/zero`) costs a MiB and an answer, not all the memory and time there is.
+struct Lines<R> {
+    input: R,
+    buf: Vec<u8>,
+    /// The rest of a line already reported too long, to pass over before the next one.
+    skipping: bool,
+}
+
+impl<R: BufRead> Lines<R> {
+    /// The next line into `self.buf` (without its newline); None at the end. A line longer than
+    /// [`MAX_LINE`] is reported as soon as it is known to be, and its rest skipped on the next call.
+    fn next(&mut self) -> io::Result<Option<Line>> {
+        self.buf.clear();
+        while self.skipping {
+            let chunk = self.input.fill_buf()?;
+            if chunk.is_empty() {
+                return Ok(None);
+            }
+            let (used, done) = match chunk.iter().position(|&b| b == b'\n') {
+                Some(i) => (i + 1, true),
+                None => (chunk.len(), false),
+            };
+            self.input.consume(used);
+            self.skipping = !done;
+        }
+        let mut any = false;
+        loop {
+            let chunk = self.input.fill_buf()?;
+            if chunk.is_empty() {
+                return Ok(any.then_some(Line::Kept));
+            }
+            any = true;
+            let newline = chunk.iter().position(|&b| b == b'\n');
+            let part = &chunk[..newline.unwrap_or(chunk.len())];
+            if self.buf.len() + part.len() > MAX_LINE {
+                self.buf.clear();
+                self.skipping = true;
+                return Ok(Some(Line::TooLong));
+            }
+            self.buf.extend_from_slice(part);
+            let used = newline.map_or(chunk.len(), |i| i + 1);
+            self.input.consume(used);
+            if newline.is_some() {
+                return Ok(Some(Line::Kept));
+            }
+        }
+    }
 }
 
 /// Streams the records of a trace: one at a time, so a trace larger than memory still reads.
 pub struct Reader {
-    lines: io::Lines<BufReader<File>>,
+    lines: Lines<BufReader<File>>,
     path: PathBuf,
     line_no: u64,
     pending_error: Option<u64>,
@@ -144,19 +221,20 @@ pub struct Reader {
 impl Reader {
     pub fn open(path: &Path) -> Result<Reader, TraceError> {
         let file = File::open(path).map_err(|source| TraceError::Open { path: path.into(), source })?;
-        let mut lines = BufReader::with_capacity(1 << 16, file).lines();
+        let mut lines = Lines { input: BufReader::with_capacity(1 << 16, file), buf: Vec::new(), skipping: false };
         let not_a_trace = |reason: String| TraceError::NotATrace { path: path.into(), reason };
-        let first = match lines.next() {
-            Some(Ok(line)) => line,
-            Some(Err(source)) => return Err(TraceError::Read { path: path.into(), source }),
-            None => return Err(not_a_trace("the file is empty".into())),
-        };
-        let value: serde_json::Value = serde_json::from_str(&first).map_err(|e| not_a_trace(e.to_string()))?;
+        match lines.next() {
+            Ok(Some(Line::Kept)) => {}
+            Ok(Some(Line::TooLong)) => return Err(not_a_trace(format!("the first line is longer than {} MiB", MAX_LINE >> 20))),
+            Ok(None) => return Err(not_a_trace("the file is empty".into())),
+            Err(source) => return Err(TraceError::Read { path: path.into(), source }),
+        }
+        let value: serde_json::Value = serde_json::from_slice(&lines.buf).map_err(|e| not_a_trace(e.to_string()))?;
         if value.get("format").and_then(|f| f.as_str()) != Some(FORMAT) {
             return Err(not_a_trace(format!("no \"format\": \"{FORMAT}\"")));
         }
-        let found = value.get("version").and_then(|v| v.as_u64()).unwrap_or(0) as u32;
-        if found != VERSION {
+        let found = value.get("version").and_then(|v| v.as_u64()).unwrap_or(0);
+        if found != u64::from(VERSION) {
             return Err(TraceError::Version { path: path.into(), found });
         }
         let header: Header = serde_json::from_value(value).map_err(|e| not_a_trace(e.to_string()))?;
@@ -180,26 +258,31 @@ impl Iterator for Reader {
     fn next(&mut self) -> Option<Self::Item> {
         loop {
             let line = match self.lines.next() {
-                None => {
+                Ok(None) => {
                     // A bad line with nothing after it is a torn tail, not damage.
                     if self.pending_error.take().is_some() {
                         self.damage.torn_tail = true;
                     }
                     return None;
                 }
-                Some(Err(source)) => return Some(Err(TraceError::Read { path: self.path.clone(), source })),
-                Some(Ok(line)) => line,
+                Err(source) => return Some(Err(TraceError::Read { path: self.path.clone(), source })),
+                Ok(Some(line)) => line,
             };
             self.line_no += 1;
             if let Some(bad) = self.pending_error.take() {
-                self.damage.bad_lines.push(bad);
+                self.damage.bad(bad);
             }
-            if line.trim().is_empty() {
+            let bytes = &self.lines.buf;
+            if matches!(line, Line::Kept) && bytes.iter().all(u8::is_ascii_whitespace) {
                 continue;
             }
-            match serde_json::from_str::<Record>(&line) {
-                Ok(record) => return Some(Ok(record)),
-                Err(_) => self.pending_error = Some(self.line_no),
+            // Invalid UTF-8 inside a string is an error of serde_json's, like any other damage.
+            match line {
+                Line::Kept => match serde_json::from_slice::<Record>(bytes) {
+                    Ok(record) => return Some(Ok(record)),
+                    Err(_) => self.pending_error = Some(self.line_no),
+                },
+                Line::TooLong => self.pending_error = Some(self.line_no),
             }
         }
     }
@@ -241,7 +324,7 @@ mod tests {
     #[test]
     fn round_trip() {
         let path = temp("round-trip");
-        let mut w = Writer::create(&path, &header()).unwrap();
+        let mut w = Writer::create(&path, &header(), None).unwrap();
         for ts in 0..100 {
             w.write(&record(ts)).unwrap();
         }
@@ -258,7 +341,7 @@ mod tests {
     #[test]
     fn a_torn_tail_loses_only_the_torn_line() {
         let path = temp("torn");
-        let mut w = Writer::create(&path, &header()).unwrap();
+        let mut w = Writer::create(&path, &header(), None).unwrap();
         for ts in 0..10 {
             w.write(&record(ts)).unwrap();
         }
@@ -270,7 +353,7 @@ mod tests {
         let (_, records, damage) = Reader::read_all(&path).unwrap();
         assert_eq!(records.len(), 10);
         assert!(damage.torn_tail);
-        assert!(damage.bad_lines.is_empty());
+        assert_eq!(damage.bad_lines, 0);
         std::fs::remove_file(path).ok();
     }
 
@@ -284,8 +367,26 @@ mod tests {
         std::fs::write(&path, text).unwrap();
         let (_, records, damage) = Reader::read_all(&path).unwrap();
         assert_eq!(records.len(), 2);
-        assert_eq!(damage.bad_lines, vec![3]);
+        assert_eq!((damage.bad_lines, damage.first_bad_lines), (1, vec![3]));
         assert!(!damage.torn_tail);
+        std::fs::remove_file(path).ok();
+    }
+
+    /// Bytes as they come: a line that is not UTF-8, or longer than the cap, is counted and
+    /// skipped; the records around it are kept.
+    #[test]
+    fn bad_bytes_and_long_lines_lose_only_themselves() {
+        let path = temp("bytes");
+        let mut text = (serde_json::to_string(&header()).unwrap() + "\n").into_bytes();
+        text.extend((serde_json::to_string(&record(1)).unwrap() + "\n").into_bytes());
+        text.extend(b"{\"ts\":2,\"pid\":1,\"ev\":\"exec\",\"command\":[\"\xff\"]}\n");
+        text.extend(vec![b'x'; MAX_LINE + 10]);
+        text.push(b'\n');
+        text.extend((serde_json::to_string(&record(3)).unwrap() + "\n").into_bytes());
+        std::fs::write(&path, text).unwrap();
+        let (_, records, damage) = Reader::read_all(&path).unwrap();
+        assert_eq!(records, vec![record(1), record(3)]);
+        assert_eq!((damage.bad_lines, damage.first_bad_lines, damage.torn_tail), (2, vec![3, 4], false));
         std::fs::remove_file(path).ok();
     }
 

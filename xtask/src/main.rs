@@ -44,21 +44,27 @@ fn sysroot() -> Result<String> {
 fn bpf_linker_ok(sysroot: &str) -> bool {
     let Some(path) = output(Command::new("sh").args(["-c", "command -v bpf-linker"])) else { return false };
     let runs = output(Command::new(&path).arg("--version")).is_some();
-    let links = output(Command::new("ldd").arg(&path)).is_some_and(|ldd| {
-        ldd.lines().any(|l| l.contains("libLLVM") && l.contains(sysroot) && !l.contains("not found"))
-    });
+    let links = output(Command::new("ldd").arg(&path))
+        .is_some_and(|ldd| ldd.lines().any(|l| l.contains("libLLVM") && l.contains(sysroot) && !l.contains("not found")));
     runs && links
 }
 
-/// rust-src for stable, and bpf-linker built against the toolchain's LLVM. Idempotent: a second
+/// rust-src, clippy and rustfmt for stable, and bpf-linker built against the toolchain's LLVM.
+/// Changes nothing of rustup's own settings. Idempotent: a second
 /// run only checks.
 fn setup() -> Result<()> {
     let started = Instant::now();
-    let _ = output(Command::new("rustup").args(["set", "auto-self-update", "disable"]));
     let sysroot = sysroot()?;
     if !Path::new(&sysroot).join("lib/rustlib/src/rust/library/core").exists() {
         eprintln!("xtask: installing rust-src for the stable toolchain");
         run(Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", "stable"]))?;
+    }
+    // `xtask test` checks the format and lints; both come as rustup components.
+    for (tool, component) in [("cargo-clippy", "clippy"), ("rustfmt", "rustfmt")] {
+        if output(Command::new("rustup").args(["which", tool])).is_none() {
+            eprintln!("xtask: installing {component} for the stable toolchain");
+            run(Command::new("rustup").args(["component", "add", component, "--toolchain", "stable"]))?;
+        }
     }
     if !bpf_linker_ok(&sysroot) {
         let version = output(Command::new("rustup").args(["run", "stable", "rustc", "-vV"])).unwrap_or_default();
@@ -101,20 +107,30 @@ fn bin(name: &str) -> PathBuf {
 /// them all (cargo's own last line is only the last binary's, often a doc-test run of none).
 fn test() -> Result<()> {
     build()?;
-    if !is_root() {
-        eprintln!("xtask: not root: the end-to-end tests will be skipped (run `sudo cargo xtask test` for them)");
+    let as_root = is_root();
+    if !as_root {
+        eprintln!("xtask: not root: the end-to-end tests are skipped, and counted so (run `sudo cargo xtask test` for them)");
     } else if output(Command::new("sh").args(["-c", "command -v chromium"])).is_none() {
         // The HTML report's test renders it in headless Chromium.
         eprintln!("xtask: installing chromium (Debian packages chromium, chromium-driver) for the HTML report's test");
         run(Command::new("apt-get").args(["update", "-qq"]))?;
-        run(Command::new("apt-get").args(["install", "-y", "-qq", "chromium", "chromium-driver"]).env("DEBIAN_FRONTEND", "noninteractive"))?;
+        run(Command::new("apt-get")
+            .args(["install", "-y", "-qq", "chromium", "chromium-driver"])
+            .env("DEBIAN_FRONTEND", "noninteractive"))?;
     }
+    // The team's habits, enforced: formatted as rustfmt.toml says, and clippy-clean.
+    run(Command::new("cargo").current_dir(root()).args(["fmt", "--all", "--check"])).map_err(|e| format!("{e}: run `cargo fmt --all`"))?;
+    run(Command::new("cargo").current_dir(root()).args(["clippy", "--quiet", "--release", "--all-targets", "--", "-D", "warnings"]))?;
+    // A bounded run of every fuzz target: a crash fails the test run.
+    fuzz(FUZZ_SECONDS_IN_TEST)?;
     let mut child = Command::new("cargo")
         .current_dir(root())
         .args(["test", "--release"])
         .env("GPUTRACE_BIN", bin("gputrace"))
-        // One at a time: the end-to-end tests share the kernel's tracepoints.
+        // One at a time: the end-to-end tests share the kernel's tracepoints. As root, the
+        // root-only tests (ignored otherwise, so a skip always shows) run too.
         .args(["--", "--test-threads=1"])
+        .args(as_root.then_some("--include-ignored"))
         .stdout(Stdio::piped())
         .spawn()
         .map_err(|e| format!("cannot run cargo test: {e}"))?;
@@ -144,7 +160,9 @@ fn test() -> Result<()> {
 /// each. `cargo xtask demo NAME [vllm|llama]` shows one in full.
 fn demo(only: Option<&str>, server_choice: Option<&str>) -> Result<()> {
     if !is_root() {
-        return Err("the demo loads eBPF programs and mounts a fake GPU in a private namespace: run it as root (`sudo cargo xtask demo`)".into());
+        return Err(
+            "the demo loads eBPF programs and mounts a fake GPU in a private namespace: run it as root (`sudo cargo xtask demo`)".into()
+        );
     }
     build()?;
     let listing = output(Command::new(bin("fakegpu")).arg("scenarios")).ok_or("fakegpu scenarios failed")?;
@@ -214,7 +232,11 @@ fn median_ns(mut make: impl FnMut() -> Command) -> Result<f64> {
     for _ in 0..3 {
         let out = make().output().map_err(|e| e.to_string())?;
         let text = String::from_utf8_lossy(&out.stdout);
-        let ns: f64 = text.lines().last().and_then(|l| l.trim().parse().ok()).ok_or_else(|| format!("no figure from the benchmark: {text} {}", String::from_utf8_lossy(&out.stderr)))?;
+        let ns: f64 = text
+            .lines()
+            .last()
+            .and_then(|l| l.trim().parse().ok())
+            .ok_or_else(|| format!("no figure from the benchmark: {text} {}", String::from_utf8_lossy(&out.stderr)))?;
         runs.push(ns);
     }
     runs.sort_by(|a, b| a.total_cmp(b));
@@ -224,10 +246,12 @@ fn median_ns(mut make: impl FnMut() -> Command) -> Result<f64> {
 /// Starts a tracer in the background and waits until it says it is attached.
 fn start_tracer(cmd: &mut Command, ready: &str, stdout: bool) -> Result<std::process::Child> {
     use std::io::Read;
-    let mut child = if stdout { cmd.stdout(Stdio::piped()).stderr(Stdio::null()) } else { cmd.stderr(Stdio::piped()).stdout(Stdio::null()) }
-        .spawn()
-        .map_err(|e| format!("cannot start {cmd:?}: {e}"))?;
-    let mut pipe: Box<dyn Read + Send> = if stdout { Box::new(child.stdout.take().unwrap()) } else { Box::new(child.stderr.take().unwrap()) };
+    let mut child =
+        if stdout { cmd.stdout(Stdio::piped()).stderr(Stdio::null()) } else { cmd.stderr(Stdio::piped()).stdout(Stdio::null()) }
+            .spawn()
+            .map_err(|e| format!("cannot start {cmd:?}: {e}"))?;
+    let mut pipe: Box<dyn Read + Send> =
+        if stdout { Box::new(child.stdout.take().unwrap()) } else { Box::new(child.stderr.take().unwrap()) };
     let mut seen = Vec::new();
     let mut byte = [0u8; 1];
     while !String::from_utf8_lossy(&seen).contains(ready) {
@@ -304,10 +328,80 @@ fn bench() -> Result<()> {
     let untraced = median_ns(|| fake(false))?;
     let recorded = median_ns(|| fake(true))?;
     println!("\nRM_FREE on the fake GPU's nvidiactl (a traced escape, each call a record in the trace), ns per call:");
-    println!("untraced {untraced:.0}, recorded {recorded:.0}, ratio {:.2} (the FUSE round trip of the fake driver dominates)", recorded / untraced);
+    println!(
+        "untraced {untraced:.0}, recorded {recorded:.0}, ratio {:.2} (the FUSE round trip of the fake driver dominates)",
+        recorded / untraced
+    );
 
     println!("\nReport and exports of a trace of a million events, against merely reading it:");
     run(Command::new("cargo").current_dir(root()).args(["bench", "--quiet", "-p", "tracer", "--bench", "export"]))
+}
+
+/// The fuzz targets (tests/fuzz), each run this long by `cargo xtask test`.
+const FUZZ_TARGETS: [&str; 3] = ["decode", "trace", "model"];
+const FUZZ_SECONDS_IN_TEST: u64 = 20;
+
+/// Builds the fuzz targets with libFuzzer's coverage instrumentation (stable rustc: the
+/// sanitizer-coverage pass, no sanitizer runtime) and runs each for `seconds`. Corpora grow in
+/// target/fuzz/corpus; a crash leaves its input in target/fuzz/artifacts and fails the run, to be
+/// saved in tests/fuzz/regressions/TARGET and fixed.
+fn fuzz(seconds: u64) -> Result<()> {
+    let host = output(Command::new("rustc").arg("-vV"))
+        .and_then(|v| v.lines().find_map(|l| l.strip_prefix("host: ").map(String::from)))
+        .ok_or("cannot read rustc's host triple")?;
+    let flags = [
+        "--cfg fuzzing",
+        "-Cpasses=sancov-module",
+        "-Cllvm-args=-sanitizer-coverage-level=4",
+        "-Cllvm-args=-sanitizer-coverage-inline-8bit-counters",
+        "-Cllvm-args=-sanitizer-coverage-pc-table",
+        "-Cllvm-args=-sanitizer-coverage-trace-compares",
+        "-Cdebug-assertions",
+        "-Coverflow-checks",
+    ]
+    .join(" ");
+    // Target-specific flags with --target: build scripts, proc macros and the eBPF object stay
+    // uninstrumented.
+    let var = format!("CARGO_TARGET_{}_RUSTFLAGS", host.to_uppercase().replace('-', "_"));
+    eprintln!("xtask: building the fuzz targets with coverage for {host}");
+    run(Command::new("cargo")
+        .current_dir(root())
+        .args(["build", "--quiet", "--release", "-p", "gputrace-fuzz", "--features", "libfuzzer", "--bins", "--target", &host])
+        .env(var, flags))?;
+    let work = root().join("target/fuzz");
+    println!("\n{:<8} {:>12} {:>10} {:>8} {:>8}", "target", "executions", "per s", "corpus", "crashes");
+    let mut crashed = Vec::new();
+    for target in FUZZ_TARGETS {
+        let corpus = work.join("corpus").join(target);
+        let artifacts = work.join("artifacts").join(target);
+        std::fs::create_dir_all(&corpus).map_err(|e| e.to_string())?;
+        std::fs::create_dir_all(&artifacts).map_err(|e| e.to_string())?;
+        let regressions = root().join("tests/fuzz/regressions").join(target);
+        let out = Command::new(root().join("target").join(&host).join("release").join(format!("fuzz-{target}")))
+            .arg(format!("-max_total_time={seconds}"))
+            .arg(format!("-artifact_prefix={}/", artifacts.display()))
+            .args(["-rss_limit_mb=2048", "-max_len=65536", "-print_final_stats=1"])
+            .arg(&corpus)
+            .arg(&regressions)
+            .output()
+            .map_err(|e| format!("cannot run the {target} fuzz target: {e}"))?;
+        let log = String::from_utf8_lossy(&out.stderr);
+        let stat = |name: &str| log.lines().find_map(|l| l.strip_prefix(name)?.trim().parse::<u64>().ok()).unwrap_or(0);
+        let runs = stat("stat::number_of_executed_units:");
+        let entries = std::fs::read_dir(&corpus).map(|d| d.count()).unwrap_or(0);
+        let crash = !out.status.success();
+        println!("{target:<8} {runs:>12} {:>10} {entries:>8} {:>8}", runs / seconds.max(1), u8::from(crash));
+        if crash {
+            let tail: Vec<&str> = log.lines().rev().take(40).collect();
+            eprintln!("{}", tail.into_iter().rev().collect::<Vec<_>>().join("\n"));
+            crashed.push(format!("{target} (input in {})", artifacts.display()));
+        }
+    }
+    if crashed.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("the fuzzer found crashes: {}; copy each input into tests/fuzz/regressions/TARGET and fix it", crashed.join(", ")))
+    }
 }
 
 fn main() -> ExitCode {
@@ -318,7 +412,12 @@ fn main() -> ExitCode {
         Some("test") => test(),
         Some("demo") => demo(args.get(1).map(String::as_str), args.get(2).map(String::as_str)),
         Some("bench") => bench(),
-        _ => Err("usage: cargo xtask setup | build | test | demo [SCENARIO [vllm|llama]] | bench".into()),
+        Some("fuzz") => match args.get(1).map(|s| s.parse::<u64>()) {
+            None => fuzz(60),
+            Some(Ok(seconds)) => fuzz(seconds),
+            Some(Err(_)) => Err("usage: cargo xtask fuzz [SECONDS per target]".into()),
+        },
+        _ => Err("usage: cargo xtask setup | build | test | demo [SCENARIO [vllm|llama]] | bench | fuzz [SECONDS]".into()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -37,7 +37,11 @@ fn request(port: u16, c: Completion) -> (String, Option<f64>, Option<f64>, u64) 
     let start = Instant::now();
     let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else { return ("connection refused".into(), None, None, 0) };
     let body = c.body();
-    let _ = write!(s, "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len());
+    let _ = write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
     let mut seen = Vec::new();
     let mut buf = [0u8; 4096];
     let (mut headers_at, mut data_at) = (None, None);

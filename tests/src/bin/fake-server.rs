@@ -22,13 +22,15 @@ use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::FromRawFd;
 use std::process::{Command, ExitCode, Stdio};
-use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use fakegpu::cuda::{Buffer, Gpu, Path};
-use fakegpu::serve::{free_device_memory, gib, read_request, respond, stream_done, stream_headers, stream_token, Completion, ModelSpec, Truth, GIB, MIB};
+use fakegpu::serve::{
+    free_device_memory, gib, read_request, respond, stream_done, stream_headers, stream_token, Completion, ModelSpec, Truth, GIB, MIB,
+};
 use serde_json::json;
 
 struct Args {
@@ -66,18 +68,29 @@ fn parse_args() -> Args {
 }
 
 fn spec(args: &Args) -> ModelSpec {
-    ModelSpec { weights: args.model_gib * GIB, layers: 32, kv_per_token: 128 << 10, activation_per_token: if args.server == "llama" { 512 << 10 } else { 256 << 10 } }
+    ModelSpec {
+        weights: args.model_gib * GIB,
+        layers: 32,
+        kv_per_token: 128 << 10,
+        activation_per_token: if args.server == "llama" { 512 << 10 } else { 256 << 10 },
+    }
 }
 
 /// Allocates and records it in the ground truth with the phase and the requests in flight.
 fn alloc(gpu: &mut Gpu, truth: &Truth, path: Path, bytes: u64, phase: &str, in_flight: usize) -> Option<Buffer> {
     match gpu.alloc(path, bytes) {
         Ok(b) => {
-            truth.note("alloc", json!({"bytes": bytes, "path": format!("{path:?}"), "phase": phase, "in_flight": in_flight, "handle": b.handle}));
+            truth.note(
+                "alloc",
+                json!({"bytes": bytes, "path": format!("{path:?}"), "phase": phase, "in_flight": in_flight, "handle": b.handle}),
+            );
             Some(b)
         }
         Err(status) => {
-            truth.note("alloc_failed", json!({"bytes": bytes, "path": format!("{path:?}"), "phase": phase, "in_flight": in_flight, "status": status}));
+            truth.note(
+                "alloc_failed",
+                json!({"bytes": bytes, "path": format!("{path:?}"), "phase": phase, "in_flight": in_flight, "status": status}),
+            );
             None
         }
     }
@@ -126,6 +139,9 @@ fn vllm_api(args: &Args, truth: &Truth) -> ExitCode {
     let me = std::env::current_exe().expect("own path");
     let mut engine_args: Vec<String> = args.raw.clone();
     engine_args.extend(["--role".into(), "engine".into()]);
+    // Not waited for on every path, on purpose: a server that dies leaves its engine orphaned,
+    // holding the GPU, as vLLM's does (the held-by-other-process scenario).
+    #[allow(clippy::zombie_processes)]
     let mut engine = Command::new(me).args(&engine_args).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().expect("starting the engine");
     // A clean shutdown (SIGTERM) stops the engine too; SIGKILL cannot, and leaves it orphaned.
     ENGINE.store(engine.id() as i32, Ordering::SeqCst);
@@ -316,7 +332,10 @@ fn serve_batches(gpu: &mut Gpu, truth: &Truth, model: &ModelSpec, rx: Receiver<W
         let tokens: u64 = batch.iter().map(|w| w.completion.prompt_tokens).sum();
         for w in &batch {
             let bytes = w.completion.prompt_tokens * model.activation_per_token;
-            truth.note("prefill", json!({"request": w.id, "prompt_tokens": w.completion.prompt_tokens, "bytes": bytes, "in_flight": in_flight}));
+            truth.note(
+                "prefill",
+                json!({"request": w.id, "prompt_tokens": w.completion.prompt_tokens, "bytes": bytes, "in_flight": in_flight}),
+            );
         }
         let needed = tokens * model.activation_per_token;
         if needed > workspace {
@@ -452,7 +471,15 @@ fn llama(args: &Args, truth: Arc<Truth>) -> ExitCode {
 
 /// Prefill grows the scratch pool as needed, then the headers and the first data go out together
 /// (time-to-first-token), then decode, which allocates nothing.
-fn llama_request(stream: &mut TcpStream, c: Completion, act: u64, gpu: &Mutex<Option<Gpu>>, pool: &Mutex<Pool>, in_flight: &Mutex<usize>, truth: &Truth) {
+fn llama_request(
+    stream: &mut TcpStream,
+    c: Completion,
+    act: u64,
+    gpu: &Mutex<Option<Gpu>>,
+    pool: &Mutex<Pool>,
+    in_flight: &Mutex<usize>,
+    truth: &Truth,
+) {
     let n = {
         let mut n = in_flight.lock().unwrap();
         *n += 1;

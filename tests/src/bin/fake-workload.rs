@@ -256,7 +256,10 @@ fn main() -> ExitCode {
         Some("receive") => receive(&mut truth, value("--socket").and_then(|v| v.parse().ok()).unwrap_or(-1)),
         Some("hold") => hold(&mut truth, value("--ms").and_then(|v| v.parse().ok()).unwrap_or(1000)),
         Some("oom") => oom(&mut truth, value("--bytes").and_then(|v| parse_bytes(&v)).unwrap_or(1 << 40)),
-        _ => Err("usage: fake-workload paths|fork-holder|storm|oom|hold|pass-fd [--truth FILE] [--hold-ms N] [--count N] [--bytes B] [--ms N]".into()),
+        _ => Err(
+            "usage: fake-workload paths|fork-holder|storm|oom|hold|pass-fd [--truth FILE] [--hold-ms N] [--count N] [--bytes B] [--ms N]"
+                .into(),
+        ),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

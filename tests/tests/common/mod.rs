@@ -1,24 +1,15 @@
-//! What every end-to-end test needs: one run at a time, root (or a clear skip), the gputrace binary.
+//! What every end-to-end test needs: one run at a time, root, the gputrace binary.
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
 
-/// End-to-end runs share the kernel's tracepoints and the machine: one at a time.
-pub fn serial() -> MutexGuard<'static, ()> {
+/// The start of every root-only test: one at a time (they share the kernel's tracepoints and the
+/// machine), and root, or a failure that says so. Such tests are `#[ignore]`d, so without root
+/// they show as skipped; `cargo xtask test` runs them with `--include-ignored` as root.
+pub fn as_root() -> MutexGuard<'static, ()> {
     static SERIAL: Mutex<()> = Mutex::new(());
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// True as root. Otherwise skips with a message, or fails when CI=true (CI runs as root).
-pub fn root_or_skip(name: &str) -> bool {
     // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } == 0 {
-        return true;
-    }
-    if std::env::var("CI").as_deref() == Ok("true") {
-        panic!("{name}: the end-to-end tests need root and CI runs as root");
-    }
-    eprintln!("skipping {name}: needs root (run `sudo cargo xtask test`)");
-    false
+    assert_eq!(unsafe { libc::geteuid() }, 0, "this end-to-end test loads eBPF programs: run it as root (`sudo cargo xtask test`)");
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 pub fn gputrace_bin() -> PathBuf {

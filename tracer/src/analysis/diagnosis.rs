@@ -18,8 +18,8 @@ use super::{Phase, Service, Services};
 use crate::abi::status;
 use crate::event::Memory;
 use crate::model::Model;
-use crate::report::bytes;
 use crate::trace::Header;
+use crate::units::bytes;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -31,6 +31,21 @@ pub enum Category {
     HostOom,
     None,
     Inconclusive,
+}
+
+impl Category {
+    /// The name reports and scripts use (the same as in JSON).
+    pub fn name(self) -> &'static str {
+        match self {
+            Category::HeldByOtherProcess => "held-by-other-process",
+            Category::DoesNotFitAtLoad => "does-not-fit-at-load",
+            Category::LongRequest => "long-request",
+            Category::ConcurrentLoad => "concurrent-load",
+            Category::HostOom => "host-oom",
+            Category::None => "none",
+            Category::Inconclusive => "inconclusive",
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -63,6 +78,19 @@ pub struct Diagnosis {
     pub fix: Said,
 }
 
+impl Symptom {
+    /// The name reports and scripts use (the same as in JSON).
+    pub fn name(self) -> &'static str {
+        match self {
+            Symptom::FailedAllocation => "failed-allocation",
+            Symptom::StartupRefusal => "startup-refusal",
+            Symptom::OomKill => "oom-kill",
+            Symptom::Crash => "crash",
+            Symptom::None => "none",
+        }
+    }
+}
+
 struct Failure {
     ts: u64,
     pid: u32,
@@ -74,13 +102,7 @@ struct Failure {
 /// The value of `--flag V` or `--flag=V` on a command line.
 fn flag(command: &[String], names: &[&str]) -> Option<String> {
     command.iter().enumerate().find_map(|(i, a)| {
-        names.iter().find_map(|n| {
-            if a == n {
-                command.get(i + 1).cloned()
-            } else {
-                a.strip_prefix(&format!("{n}=")).map(String::from)
-            }
-        })
+        names.iter().find_map(|n| if a == n { command.get(i + 1).cloned() } else { a.strip_prefix(&format!("{n}=")).map(String::from) })
     })
 }
 
@@ -115,7 +137,7 @@ impl<'a> Diagnoser<'a> {
             .iter()
             .filter(|a| a.memory == Memory::Video && a.ts <= ts && a.freed.is_none_or(|(f, _)| f > ts) && keep(a.pid))
             .map(|a| a.bytes)
-            .sum()
+            .fold(0, u64::saturating_add)
     }
 
     /// Memory held outside `service` at `ts`: other traced services, and what NVML said other
@@ -131,7 +153,7 @@ impl<'a> Diagnoser<'a> {
         }
         for prior in self.header.prior_use.iter().filter(|p| !service.pids.contains(&p.pid)) {
             let used = prior.used_bytes.unwrap_or(0);
-            total += used;
+            total = total.saturating_add(used);
             let (pid, command) = super::prior_holder(self.header, prior, |pid| service.pids.contains(&pid));
             holders.push(json!({"pid": pid, "command": command, "bytes": used, "source": "nvml", "nvml_pid": prior.pid}));
         }
@@ -207,7 +229,7 @@ impl<'a> Diagnoser<'a> {
         let in_flight = self.services.in_flight(service, before);
         let (outside, holders) = self.held_outside(service, ts);
         let own = self.live_at(ts, |pid| service.pids.contains(&pid));
-        let free = capacity.map(|c| c.saturating_sub(outside + own));
+        let free = capacity.map(|c| c.saturating_sub(outside.saturating_add(own)));
         let evidence = json!({
             "capacity_bytes": capacity,
             "service_bytes": own,
@@ -220,7 +242,14 @@ impl<'a> Diagnoser<'a> {
             "request_bytes_received": in_flight.iter().map(|r| r.bytes_in).collect::<Vec<_>>(),
         });
         let command = &self.model.processes[&service.root].command;
-        let engine = self.model.processes.values().filter(|p| service.pids.contains(&p.pid)).map(|p| &p.command).find(|c| !c.is_empty()).unwrap_or(command);
+        let engine = self
+            .model
+            .processes
+            .values()
+            .filter(|p| service.pids.contains(&p.pid))
+            .map(|p| &p.command)
+            .find(|c| !c.is_empty())
+            .unwrap_or(command);
         let mut context = match f.symptom {
             Symptom::FailedAllocation => format!("An allocation of {} failed during {}", bytes(f.bytes.unwrap_or(0)), phase.name()),
             Symptom::StartupRefusal => "The server exited while loading, with no failed allocation (a refusal)".to_string(),
@@ -234,7 +263,8 @@ impl<'a> Diagnoser<'a> {
         let category = if f.symptom == Symptom::OomKill {
             Category::HostOom
         } else if self.lost > 0 {
-            return self.inconclusive(f, format!("{context}; {} kernel records were lost, so what else held memory is not known", self.lost));
+            return self
+                .inconclusive(f, format!("{context}; {} kernel records were lost, so what else held memory is not known", self.lost));
         } else if self.held_by_other(f, outside, free, command) {
             Category::HeldByOtherProcess
         } else if phase == Phase::Load {
@@ -244,7 +274,8 @@ impl<'a> Diagnoser<'a> {
         } else if in_flight.len() > 1 {
             Category::ConcurrentLoad
         } else {
-            return self.inconclusive(f, format!("{context}; no request was in flight, so neither one request nor concurrency explains it"));
+            return self
+                .inconclusive(f, format!("{context}; no request was in flight, so neither one request nor concurrency explains it"));
         };
         let fix = self.fix(category, f, service, engine, &in_flight, own, outside, free, &holders);
         Diagnosis {
@@ -264,7 +295,7 @@ impl<'a> Diagnoser<'a> {
         }
         match (f.symptom, f.bytes, free) {
             // Freeing what is held outside would have made room.
-            (Symptom::FailedAllocation, Some(b), Some(free)) => free < b && free + outside >= b,
+            (Symptom::FailedAllocation, Some(b), Some(free)) => free < b && free.saturating_add(outside) >= b,
             (Symptom::FailedAllocation, Some(b), None) => outside >= b,
             // A refusal at start: what others held exceeds what the engine leaves unused.
             (Symptom::StartupRefusal, _, _) => {
@@ -284,7 +315,7 @@ impl<'a> Diagnoser<'a> {
         sizes.sort();
         let largest = *sizes.last()?;
         let median_of_rest = sizes[(sizes.len() - 1) / 2];
-        (largest >= 4 * median_of_rest.max(1)).then(|| *in_flight.iter().max_by_key(|r| r.bytes_in).unwrap())
+        (largest >= median_of_rest.max(1).saturating_mul(4)).then(|| *in_flight.iter().max_by_key(|r| r.bytes_in).unwrap())
     }
 
     fn inconclusive(&self, f: &Failure, why: String) -> Diagnosis {
@@ -295,12 +326,26 @@ impl<'a> Diagnoser<'a> {
             pid: Some(f.pid),
             service: self.services.of(f.pid).map(|s| s.name.clone()),
             evidence: Said { fields: json!({"lost_records": self.lost}), text: why },
-            fix: Said { fields: json!({}), text: "Record again with nothing lost (a larger ring buffer, fewer traced processes) to decide.".into() },
+            fix: Said {
+                fields: json!({}),
+                text: "Record again with nothing lost (a larger ring buffer, fewer traced processes) to decide.".into(),
+            },
         }
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn fix(&self, category: Category, f: &Failure, service: &Service, engine: &[String], in_flight: &[&crate::model::Request], own: u64, outside: u64, free: Option<u64>, holders: &[Value]) -> Said {
+    fn fix(
+        &self,
+        category: Category,
+        f: &Failure,
+        service: &Service,
+        engine: &[String],
+        in_flight: &[&crate::model::Request],
+        own: u64,
+        outside: u64,
+        free: Option<u64>,
+        holders: &[Value],
+    ) -> Said {
         let vllm = engine.iter().any(|a| a.contains("vllm"));
         match category {
             Category::HeldByOtherProcess => {
@@ -316,7 +361,7 @@ impl<'a> Diagnoser<'a> {
                 }
             }
             Category::DoesNotFitAtLoad => {
-                let wanted = own + f.bytes.unwrap_or(0);
+                let wanted = own.saturating_add(f.bytes.unwrap_or(0));
                 let params = wanted as f64 / 2.0 / 1e9;
                 let shortfall = f.bytes.unwrap_or(0).saturating_sub(free.unwrap_or(0));
                 // A smaller reserve helps only when the model itself fit: vLLM refusing at start
@@ -385,7 +430,7 @@ impl<'a> Diagnoser<'a> {
                     .filter(prefill)
                     .filter(|a| a.ts <= f.ts && a.freed.is_none_or(|(t, _)| t > f.ts))
                     .map(|a| a.bytes)
-                    .sum();
+                    .fold(0, u64::saturating_add);
                 // What one request costs: what a prefill allocated while it was alone in flight.
                 let mut alone: BTreeMap<u64, u64> = BTreeMap::new();
                 // The timeline's count rules most allocations out without looking at requests.
@@ -394,13 +439,13 @@ impl<'a> Diagnoser<'a> {
                         continue;
                     }
                     if let [only] = self.services.in_flight(service, a.ts)[..] {
-                        *alone.entry(only.arrived).or_default() += a.bytes;
+                        crate::model::add(alone.entry(only.arrived).or_default(), a.bytes);
                     }
                 }
                 let n = in_flight.len().max(1) as u64;
                 let measured = alone.values().copied().max();
-                let per_request = measured.unwrap_or((prefill_live + f.bytes.unwrap_or(0)) / n).max(1);
-                let room = free.unwrap_or(0) + prefill_live;
+                let per_request = measured.unwrap_or(prefill_live.saturating_add(f.bytes.unwrap_or(0)) / n).max(1);
+                let room = free.unwrap_or(0).saturating_add(prefill_live);
                 let cap = (room / per_request).clamp(1, n.saturating_sub(1).max(1));
                 let flag_text = if vllm { format!("--max-num-seqs {cap}") } else { format!("-np {cap}") };
                 let how = if measured.is_some() { "one request alone needed" } else { "the batch needed, per request," };

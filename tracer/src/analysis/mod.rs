@@ -12,7 +12,7 @@ use crate::event::Seen;
 use crate::model::{display_command, Model, Request};
 use crate::trace::{Header, PriorUse};
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum Phase {
     /// From start until the service can serve: weights, KV reservation, warm-up.
@@ -94,7 +94,8 @@ impl<'m> Services<'m> {
             let first_alloc = model.allocations.iter().filter(|a| pids.contains(&a.pid)).map(|a| a.ts).min();
             let listened = pids.iter().filter_map(|p| model.processes[p].listened).min();
             let requests = model.requests.iter().filter(|r| pids.contains(&r.pid));
-            let first_ok = requests.filter_map(|r| Some((r.headers_at?, r.status?))).filter(|(_, s)| (200..300).contains(s)).map(|(t, _)| t).min();
+            let first_ok =
+                requests.filter_map(|r| Some((r.headers_at?, r.status?))).filter(|(_, s)| (200..300).contains(s)).map(|(t, _)| t).min();
             let ready_at = match (listened, first_alloc) {
                 (Some(l), Some(a)) if l > a => Some(l),
                 (Some(_), _) => first_ok,
@@ -154,7 +155,8 @@ fn timeline(model: &Model, service: &Service) -> Vec<(u64, Phase, usize)> {
             None => changes.extend([(r.arrived, 1, 0), (end, -1, 0)]),
         }
     }
-    let marks: Vec<(u64, Option<Phase>)> = model.marks.iter().filter(|(_, pid, _)| service.pids.contains(pid)).map(|(t, _, p)| (*t, Phase::parse(p))).collect();
+    let marks: Vec<(u64, Option<Phase>)> =
+        model.marks.iter().filter(|(_, pid, _)| service.pids.contains(pid)).map(|(t, _, p)| (*t, Phase::parse(p))).collect();
     let mut edges: Vec<u64> = changes.iter().map(|c| c.0).chain(marks.iter().map(|m| m.0)).chain(service.ready_at).collect();
     edges.push(0);
     edges.sort();
@@ -178,7 +180,8 @@ fn timeline(model: &Model, service: &Service) -> Vec<(u64, Phase, usize)> {
         } else {
             Phase::Idle
         };
-        out.push((t, marked.unwrap_or(inferred), (prefill + decode) as usize));
+        // Never negative, even for a trace whose requests end before they arrive.
+        out.push((t, marked.unwrap_or(inferred), (prefill + decode).max(0) as usize));
     }
     out
 }

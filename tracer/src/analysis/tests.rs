@@ -20,8 +20,14 @@ fn header(capacity: u64, prior: &[(u32, u64)]) -> Header {
         wall_clock_start_ns: 0,
         monotonic_start_ns: 0,
         gpus: vec![Gpu { index: 0, name: "test".into(), total_bytes: Some(capacity), used_bytes: None }],
-        prior_use: prior.iter().map(|&(pid, bytes)| PriorUse { pid, gpu: 0, used_bytes: Some(bytes), command: vec!["old-server".into()] }).collect(),
-        holders_at_start: prior.iter().map(|&(pid, _)| HolderAtStart { pid, ppid: 1, command: vec!["old-server".into()], devices: vec!["ctl".into()] }).collect(),
+        prior_use: prior
+            .iter()
+            .map(|&(pid, bytes)| PriorUse { pid, gpu: 0, used_bytes: Some(bytes), command: vec!["old-server".into()] })
+            .collect(),
+        holders_at_start: prior
+            .iter()
+            .map(|&(pid, _)| HolderAtStart { pid, ppid: 1, command: vec!["old-server".into()], devices: vec!["ctl".into()] })
+            .collect(),
         nvml: "ok".into(),
         command: vec![],
         raw: false,
@@ -35,7 +41,15 @@ struct Trace(Vec<Record>, u32);
 impl Trace {
     fn vllm(weights: u64) -> Trace {
         let mut t = Trace(vec![], 0x10);
-        t.at(0, API, Event::Process { ppid: 1, seen: Seen::Launched, command: vec!["vllm".into(), "serve".into(), "--gpu-memory-utilization".into(), "0.9".into()] });
+        t.at(
+            0,
+            API,
+            Event::Process {
+                ppid: 1,
+                seen: Seen::Launched,
+                command: vec!["vllm".into(), "serve".into(), "--gpu-memory-utilization".into(), "0.9".into()],
+            },
+        );
         t.at(1, API, Event::Bind { fd: 3, port: 8000 });
         t.at(2, ENGINE, Event::Process { ppid: API, seen: Seen::Forked, command: vec!["vllm".into(), "engine".into()] });
         t.alloc(10, ENGINE, weights, 0);
@@ -48,7 +62,19 @@ impl Trace {
     }
     fn alloc(&mut self, ts: u64, pid: u32, bytes: u64, status: u32) -> &mut Self {
         self.1 += 1;
-        let a = Alloc { fd: 3, via: Via::RmAllocNvos64, memory: Memory::Video, bytes, status, client: 1, parent: 2, object: self.1, class: 0x40, base: None, errno: None };
+        let a = Alloc {
+            fd: 3,
+            via: Via::RmAllocNvos64,
+            memory: Memory::Video,
+            bytes,
+            status,
+            client: 1,
+            parent: 2,
+            object: self.1,
+            class: 0x40,
+            base: None,
+            errno: None,
+        };
         self.at(ts, pid, Event::Alloc(a))
     }
     /// A completion request on connection `conn`: arrives at `ts`, headers at once, data at `data`.
@@ -81,7 +107,10 @@ fn phases_for_both_server_families() {
     let s = services.of(ENGINE).unwrap();
     assert_eq!(s.ready_at, Some(100 * MS), "vLLM: ready when it listens, after loading");
     let phase = |ms: u64| services.phase(s, ms * MS);
-    assert_eq!([phase(50), phase(150), phase(210), phase(280), phase(310)], [Phase::Load, Phase::Idle, Phase::Prefill, Phase::Decode, Phase::Idle]);
+    assert_eq!(
+        [phase(50), phase(150), phase(210), phase(280), phase(310)],
+        [Phase::Load, Phase::Idle, Phase::Prefill, Phase::Decode, Phase::Idle]
+    );
 
     // llama-server: listens first, 503 while loading, ready at its first 2xx.
     let mut t = Trace(vec![], 0);
@@ -230,4 +259,25 @@ fn a_crash_without_a_failed_allocation() {
     let mut t = Trace::vllm(16 * GIB);
     t.at(220 * MS, API, Event::Exit { code: Some(143) });
     assert_eq!(t.diagnose(80 * GIB, &[], 0)[0].category, Category::None);
+}
+
+/// Reports print `name()`, scripts read the JSON: the two never differ.
+#[test]
+fn category_and_symptom_names_are_their_json_names() {
+    use super::diagnosis::{Category, Symptom};
+    let categories = [
+        Category::HeldByOtherProcess,
+        Category::DoesNotFitAtLoad,
+        Category::LongRequest,
+        Category::ConcurrentLoad,
+        Category::HostOom,
+        Category::None,
+        Category::Inconclusive,
+    ];
+    for c in categories {
+        assert_eq!(serde_json::to_value(c).unwrap(), c.name());
+    }
+    for s in [Symptom::FailedAllocation, Symptom::StartupRefusal, Symptom::OomKill, Symptom::Crash, Symptom::None] {
+        assert_eq!(serde_json::to_value(s).unwrap(), s.name());
+    }
 }

@@ -71,7 +71,9 @@ fn rm_alloc_nvos21_status_moves_at_535() {
 /// NVOS64: 40 bytes with status @32 (515) or @36 (525); 48 bytes with status @40 from 535.
 #[test]
 fn rm_alloc_nvos64_every_variant() {
-    for (l, size, status_at) in [(layout(515, 65, 1), 40, 32), (layout(525, 60, 13), 40, 36), (layout(535, 104, 5), 48, 40), (layout(595, 45, 4), 48, 40)] {
+    for (l, size, status_at) in
+        [(layout(515, 65, 1), 40, 32), (layout(525, 60, 13), 40, 36), (layout(535, 104, 5), 48, 40), (layout(595, 45, 4), 48, 40)]
+    {
         let params = Buf::new(size).u32(0, 1).u32(4, 2).u32(8, 3).u32(12, 0x3e).u32(status_at, 0);
         let a = alloc(decode_ioctl(&l, &rm(escape::RM_ALLOC, params, memory_params(&l, 4096))));
         assert_eq!(a.via, Via::RmAllocNvos64);
@@ -148,7 +150,8 @@ fn vid_heap_control_free_and_info() {
 #[test]
 fn rm_alloc_memory_is_limit_plus_one() {
     let l = layout(580, 95, 5);
-    let params = Buf::new(56).u32(0, 1).u32(4, 2).u32(8, 3).u32(12, 0x71).u64(24, 0x7f0000000000).u64(32, (64 << 20) - 1).u32(40, 0).u32(48, 5);
+    let params =
+        Buf::new(56).u32(0, 1).u32(4, 2).u32(8, 3).u32(12, 0x71).u64(24, 0x7f0000000000).u64(32, (64 << 20) - 1).u32(40, 0).u32(48, 5);
     let a = alloc(decode_ioctl(&l, &rm(escape::RM_ALLOC_MEMORY, params, vec![])));
     assert_eq!((a.via, a.memory, a.bytes, a.object), (Via::RmAllocMemory, Memory::System, 64 << 20, 3));
 }
@@ -288,7 +291,11 @@ fn request_lines_and_response_parts() {
     assert_eq!(request_line(b""), None);
     assert_eq!(response_part(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control", 96), (Some(200), false));
     assert_eq!(response_part(b"HTTP/1.1 503 Service Unavailable\r\n", 120), (Some(503), false));
-    assert_eq!(response_part(b"HTTP/1.1 200 OK\r\nA: b\r\n\r\ndata: {\"x\"", 200), (Some(200), true), "headers and first data in one write");
+    assert_eq!(
+        response_part(b"HTTP/1.1 200 OK\r\nA: b\r\n\r\ndata: {\"x\"", 200),
+        (Some(200), true),
+        "headers and first data in one write"
+    );
     assert_eq!(response_part(b"HTTP/1.1 200 OK\r\nA: b\r\n\r\n", 25), (Some(200), false), "headers alone (25 bytes)");
     assert_eq!(response_part(b"data: {\"choices\":[]}\n\n", 60), (None, true));
     assert_eq!(response_part(b"", 5), (None, true), "short writes carry data too");

@@ -98,7 +98,11 @@ fn freeing_the_device_frees_its_subtree_and_freeing_the_client_frees_all() {
 fn a_dup_keeps_memory_alive_until_its_last_handle() {
     let mut t = setup(10, false);
     t.push(alloc(10, 10, 3, DEVICE, 0xa, GIB, 0));
-    t.push(rec(11, 10, Event::DupObject { fd: 3, client: CLIENT, parent: DEVICE, object: 0xd, src_client: CLIENT, src_object: 0xa, status: 0 }));
+    t.push(rec(
+        11,
+        10,
+        Event::DupObject { fd: 3, client: CLIENT, parent: DEVICE, object: 0xd, src_client: CLIENT, src_object: 0xa, status: 0 },
+    ));
     t.push(free(12, 10, 0xa));
     let m = Model::from_records(&t);
     assert_eq!(freed(&m, 0xa), None, "the dup still refers to it");
@@ -169,10 +173,23 @@ fn dup_and_dup2_over_an_open_fd_move_references() {
 #[test]
 fn uvm_ranges_end_by_uvm_free_or_file_release() {
     let range = |ts, base| {
-        rec(ts, 10, Event::Alloc(Alloc {
-            fd: 5, via: Via::UvmCreateExternalRange, memory: Memory::Virtual, bytes: GIB, status: 0,
-            client: 0, parent: 0, object: 0, class: 0, base: Some(base), errno: None,
-        }))
+        rec(
+            ts,
+            10,
+            Event::Alloc(Alloc {
+                fd: 5,
+                via: Via::UvmCreateExternalRange,
+                memory: Memory::Virtual,
+                bytes: GIB,
+                status: 0,
+                client: 0,
+                parent: 0,
+                object: 0,
+                class: 0,
+                base: Some(base),
+                errno: None,
+            }),
+        )
     };
     let mut t = vec![process(1, 10, 1, Seen::Launched), open(2, 10, 5, 9, Device::Uvm, false), range(3, 0x1000), range(4, 0x2000)];
     t.push(rec(5, 10, Event::UvmFree { fd: 5, base: 0x1000, status: 0 }));
@@ -237,13 +254,20 @@ fn requests_from_connection_traffic() {
     assert_eq!((p.bound.clone(), p.listened), (vec![(2, 8000)], Some(5)));
     assert_eq!(m.requests.len(), 3);
     let first = &m.requests[0];
-    assert_eq!((first.arrived, first.bytes_in, first.headers_at, first.first_data_at, first.ended), (11, 400, Some(13), Some(40), Some(60)));
+    assert_eq!(
+        (first.arrived, first.bytes_in, first.headers_at, first.first_data_at, first.ended),
+        (11, 400, Some(13), Some(40), Some(60))
+    );
     assert_eq!(first.bytes_out, 300);
     // In arrival order: the second request on fd 7 (60) came before the health check (62).
     let health = &m.requests[2];
     assert_eq!((health.line.as_str(), health.status, health.first_data_at, health.ended), ("GET /health", Some(503), None, Some(64)));
     let second = &m.requests[1];
-    assert_eq!((second.headers_at, second.first_data_at, second.ended), (Some(80), Some(80), Some(90)), "headers and data together, ended by the exit");
+    assert_eq!(
+        (second.headers_at, second.first_data_at, second.ended),
+        (Some(80), Some(80), Some(90)),
+        "headers and data together, ended by the exit"
+    );
     assert_eq!(m.in_flight(62, None), 2);
     assert_eq!(m.in_flight(70, Some(&[server])), 1);
     assert_eq!(m.in_flight(95, None), 0);
@@ -259,7 +283,7 @@ proptest::proptest! {
             let ts = 10 + i as u64;
             let pid = if h % 2 == 0 { 10 } else { 20 };
             t.push(match op {
-                0 | 1 | 2 => alloc(ts, pid, 3, if h < 3 { DEVICE } else { 0x100 + h }, 0x1000 + h, bytes, 0),
+                0..=2 => alloc(ts, pid, 3, if h < 3 { DEVICE } else { 0x100 + h }, 0x1000 + h, bytes, 0),
                 3 => free(ts, pid, 0x1000 + h),
                 4 => object(ts, pid, 3, DEVICE, 0x100 + h, 0x2080),
                 5 => rec(ts, pid, Event::DupObject { fd: 3, client: CLIENT, parent: DEVICE, object: 0x2000 + h, src_client: CLIENT, src_object: 0x1000 + h, status: 0 }),
@@ -275,5 +299,15 @@ proptest::proptest! {
         }
         let live: u64 = m.live_allocations().map(|a| a.bytes).sum();
         proptest::prop_assert_eq!(live, m.live(Memory::Video));
+    }
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2000))]
+    /// Any sequence of allocations, frees, dups, closes, forks and exits keeps the books exact.
+    #[test]
+    fn any_sequence_keeps_the_books(data in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..2000)) {
+        let model = Model::from_records(&generate::records(&data));
+        proptest::prop_assert_eq!(model.check_books(), Ok(()));
     }
 }

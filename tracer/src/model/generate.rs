@@ -1,0 +1,129 @@
+//! Any bytes as a sequence of records that exercise the model: allocations, frees, dups, closes,
+//! forks and exits over a few pids, fds, files, clients and handles, so that they collide the
+//! way real ones do. The input of the model's fuzz target and of its property tests, which hold
+//! the model to [`Model::check_books`](super::Model::check_books).
+
+use crate::event::{Alloc, Device, Event, Memory, Record, Seen, Via};
+
+/// Reads the bytes as small numbers; past the end, zeros.
+struct Bytes<'a> {
+    data: &'a [u8],
+    at: usize,
+}
+
+impl Bytes<'_> {
+    fn u8(&mut self) -> u8 {
+        let b = self.data.get(self.at).copied().unwrap_or(0);
+        self.at += 1;
+        b
+    }
+    fn one_in(&mut self, n: u8) -> bool {
+        self.u8().is_multiple_of(n)
+    }
+    fn pick(&mut self, n: u8) -> u32 {
+        u32::from(self.u8() % n)
+    }
+    fn size(&mut self) -> u64 {
+        match self.u8() % 4 {
+            0 => u64::MAX - u64::from(self.u8()),
+            1 => u64::from(self.u8()) << 30,
+            _ => u64::from(self.u8()) << 20,
+        }
+    }
+}
+
+const CLIENTS: [u32; 3] = [0xc1d0_0001, 0xc1d0_0002, 0xc1d0_0003];
+const CLASS_CLIENT: u32 = 0x41;
+
+/// Records for `data`, with non-decreasing times unless the bytes ask otherwise.
+pub fn records(data: &[u8]) -> Vec<Record> {
+    let mut b = Bytes { data, at: 0 };
+    let mut out = Vec::new();
+    let mut ts = 0u64;
+    while b.at < data.len() && out.len() < 4096 {
+        let op = b.u8();
+        let pid = 1 + b.pick(4);
+        let fd = 3 + b.pick(4) as i32;
+        let client = CLIENTS[b.pick(3) as usize];
+        let handle = |b: &mut Bytes, client: u32| if b.one_in(5) { client } else { 0x100 + b.pick(8) };
+        // Mostly forward in time; sometimes backwards, as a damaged or hostile trace may be.
+        ts = if op & 0x80 != 0 && op & 0x40 != 0 { ts.saturating_sub(u64::from(b.u8())) } else { ts + u64::from(b.u8()) };
+        let event = match op % 16 {
+            0 => Event::Process {
+                ppid: 1 + b.pick(4),
+                seen: if b.one_in(2) { Seen::Forked } else { Seen::Running },
+                command: vec![format!("p{pid}")],
+            },
+            1 => Event::Exec { command: vec![format!("e{pid}")] },
+            2 => Event::Exit { code: Some(i32::from(b.u8())) },
+            3 => Event::Open {
+                fd,
+                file: u64::from(b.pick(4)),
+                device: if b.one_in(3) { Device::Uvm } else { Device::Ctl },
+                cloexec: b.one_in(2),
+            },
+            4 => Event::Dup { old_fd: fd, new_fd: 3 + b.pick(4) as i32, cloexec: b.one_in(2) },
+            5 => Event::Close { fd },
+            6 => Event::CloseRange { first: b.pick(6), last: b.pick(8), cloexec_only: b.one_in(2) },
+            7 => Event::Object { fd, client, parent: client, object: client, class: CLASS_CLIENT, status: 0 },
+            8 => {
+                let (parent, object) = (handle(&mut b, client), 0x100 + b.pick(8));
+                Event::Object { fd, client, parent, object, class: 0x80, status: 0 }
+            }
+            9 | 10 => {
+                let (parent, object) = (handle(&mut b, client), 0x100 + b.pick(8));
+                let status = if b.one_in(6) { 0x51 } else { 0 };
+                let memory = if b.one_in(4) { Memory::System } else { Memory::Video };
+                Event::Alloc(Alloc {
+                    fd,
+                    via: Via::RmAllocNvos64,
+                    memory,
+                    bytes: b.size(),
+                    status,
+                    client,
+                    parent,
+                    object,
+                    class: 0x40,
+                    base: None,
+                    errno: None,
+                })
+            }
+            11 => {
+                let object = handle(&mut b, client);
+                Event::Free { fd, via: Via::RmFree, client, parent: 0, object, status: 0 }
+            }
+            12 => {
+                let (src_client, src_object) = (CLIENTS[b.pick(3) as usize], 0x100 + b.pick(8));
+                Event::DupObject {
+                    fd,
+                    client,
+                    parent: handle(&mut b, client),
+                    object: 0x100 + b.pick(8),
+                    src_client,
+                    src_object,
+                    status: 0,
+                }
+            }
+            13 => {
+                let base = u64::from(b.pick(4)) << 21;
+                Event::Alloc(Alloc {
+                    fd,
+                    via: Via::UvmCreateExternalRange,
+                    memory: Memory::Virtual,
+                    bytes: b.size(),
+                    status: 0,
+                    client: 0,
+                    parent: 0,
+                    object: 0,
+                    class: 0,
+                    base: Some(base),
+                    errno: None,
+                })
+            }
+            14 => Event::UvmFree { fd, base: u64::from(b.pick(4)) << 21, status: 0 },
+            _ => Event::Lost { records: b.size() },
+        };
+        out.push(Record { ts, pid, tid: pid, event, raw: None });
+    }
+    out
+}

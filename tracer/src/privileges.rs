@@ -1,0 +1,88 @@
+//! Once its probes are attached and the command is started, the recorder keeps only the
+//! capabilities it still uses, so a bug in the long-running part cannot become root's.
+//!
+//! Still needed while recording: updating its own BPF maps (CAP_BPF; CAP_SYS_ADMIN on kernels
+//! older than 5.8, which lack CAP_BPF), reading other users' /proc/PID/fd and comparing their
+//! files with kcmp (CAP_SYS_PTRACE, CAP_DAC_READ_SEARCH), and passing a stop signal on to a
+//! command that runs as another user (CAP_KILL). Everything else goes: setuid, setgid, chown,
+//! file ownership overrides, modules, raw I/O, the network, mounts.
+
+use std::io;
+
+const CAP_DAC_READ_SEARCH: u32 = 2;
+const CAP_KILL: u32 = 5;
+const CAP_SYS_PTRACE: u32 = 19;
+const CAP_SYS_ADMIN: u32 = 21;
+const CAP_PERFMON: u32 = 38;
+const CAP_BPF: u32 = 39;
+
+const VERSION_3: u32 = 0x2008_0522;
+
+#[repr(C)]
+struct Header {
+    version: u32,
+    pid: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct Data {
+    effective: u32,
+    permitted: u32,
+    inheritable: u32,
+}
+
+/// The capabilities kept, as a 64-bit set, for a kernel whose highest capability is `last_cap`.
+pub fn kept(last_cap: u32) -> u64 {
+    let mut keep = [CAP_DAC_READ_SEARCH, CAP_KILL, CAP_SYS_PTRACE, CAP_PERFMON, CAP_BPF].iter().fold(0u64, |set, &c| set | 1 << c);
+    if last_cap < CAP_BPF {
+        keep |= 1 << CAP_SYS_ADMIN;
+    }
+    keep
+}
+
+fn last_cap() -> u32 {
+    std::fs::read_to_string("/proc/sys/kernel/cap_last_cap").ok().and_then(|s| s.trim().parse().ok()).unwrap_or(CAP_BPF)
+}
+
+/// Drops every other capability from the calling thread's effective, permitted and inheritable
+/// sets. Call it while the recorder has one thread: capabilities are per thread.
+pub fn keep_only_what_recording_needs() -> io::Result<()> {
+    let mut header = Header { version: VERSION_3, pid: 0 };
+    let mut data = [Data::default(); 2];
+    // SAFETY: capget fills two Data structs for version 3.
+    if unsafe { libc::syscall(libc::SYS_capget, &mut header, data.as_mut_ptr()) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let keep = kept(last_cap());
+    let (low, high) = (keep as u32, (keep >> 32) as u32);
+    for (d, mask) in data.iter_mut().zip([low, high]) {
+        d.effective &= mask;
+        d.permitted &= mask;
+        d.inheritable = 0;
+    }
+    // SAFETY: capset reads the two Data structs; it can only lower what this thread holds here.
+    if unsafe { libc::syscall(libc::SYS_capset, &header, data.as_ptr()) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn what_is_kept() {
+        let modern = kept(40);
+        for cap in [CAP_BPF, CAP_PERFMON, CAP_SYS_PTRACE, CAP_DAC_READ_SEARCH, CAP_KILL] {
+            assert!(modern & 1 << cap != 0, "{cap} kept");
+        }
+        const CAP_SETUID: u32 = 7;
+        const CAP_SYS_MODULE: u32 = 16;
+        for cap in [CAP_SYS_ADMIN, CAP_SETUID, CAP_SYS_MODULE] {
+            assert!(modern & 1 << cap == 0, "{cap} dropped");
+        }
+        assert!(kept(37) & 1 << CAP_SYS_ADMIN != 0, "before CAP_BPF existed, BPF needs CAP_SYS_ADMIN");
+    }
+}
