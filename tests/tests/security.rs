@@ -125,20 +125,15 @@ fn the_command_is_really_the_users() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
-/// A recorder started by `sudo` as nobody, tracing `sleep`; returns it and the command's pid.
-fn recorder(dir: &Path, seconds: &str) -> (Child, u32) {
-    let mut child = Command::new(gputrace_bin())
-        .args(["record", "-o"])
-        .arg(dir.join("run.trace"))
-        .args(["--", "sleep", seconds])
-        .env("SUDO_UID", NOBODY)
-        .env("SUDO_GID", NOBODY)
-        .env("SUDO_USER", "nobody")
-        .stderr(Stdio::piped())
-        .process_group(0)
-        .spawn()
-        .unwrap();
-    // Attached once it says so; the command is then its child.
+/// Starts `gputrace ARGS` and returns once it says it is tracing (its stop signals are handled
+/// from then on).
+fn start(args: &[&str], sudo_nobody: bool) -> Child {
+    let mut cmd = Command::new(gputrace_bin());
+    cmd.args(args).stderr(Stdio::piped()).process_group(0);
+    if sudo_nobody {
+        cmd.env("SUDO_UID", NOBODY).env("SUDO_GID", NOBODY).env("SUDO_USER", "nobody");
+    }
+    let mut child = cmd.spawn().unwrap();
     let mut seen = Vec::new();
     let mut byte = [0u8];
     let err = child.stderr.as_mut().unwrap();
@@ -146,6 +141,13 @@ fn recorder(dir: &Path, seconds: &str) -> (Child, u32) {
         assert_eq!(err.read(&mut byte).unwrap(), 1, "the recorder exited: {}", String::from_utf8_lossy(&seen));
         seen.push(byte[0]);
     }
+    child
+}
+
+/// A recorder started by `sudo` as nobody, tracing `sleep`; returns it and the command's pid.
+fn recorder(dir: &Path, seconds: &str) -> (Child, u32) {
+    let trace = dir.join("run.trace");
+    let child = start(&["record", "-o", trace.to_str().unwrap(), "--", "sleep", seconds], true);
     let pid = child.id();
     let command = (0..100)
         .find_map(|_| {
@@ -176,7 +178,8 @@ fn mark_as(uid: &str, phase: &str, pid: u32) -> Output {
 fn marks_only_from_who_may_mark() {
     let _root = as_root();
     let dir = scratch("marks");
-    let (mut child, command) = recorder(&dir, "3");
+    // Runs until stopped below, however slow the machine is.
+    let (mut child, command) = recorder(&dir, "600");
     let socket_dir = std::fs::metadata("/run/gputrace").unwrap();
     assert_eq!((socket_dir.uid(), socket_dir.mode() & 0o022), (0, 0), "only root writes the socket directory");
 
@@ -194,7 +197,9 @@ fn marks_only_from_who_may_mark() {
     assert_eq!(caps & (1 << CAP_SETUID | 1 << CAP_SYS_MODULE), 0, "dropped after launching: {caps:#x}");
     assert_ne!(caps & 1 << CAP_BPF, 0, "still updates its maps: {caps:#x}");
 
-    assert!(child.wait().unwrap().success());
+    // SAFETY: signal our own child; it passes SIGTERM on to `sleep`.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    assert_eq!(child.wait().unwrap().code(), Some(143), "sleep's own status: killed by SIGTERM");
     let (_, records, _) = gputrace::trace::Reader::read_all(&dir.join("run.trace")).unwrap();
     let marks: Vec<_> = records
         .iter()
@@ -219,7 +224,7 @@ fn rss_kib(pid: u32) -> u64 {
 fn a_flood_of_connections_and_a_huge_line_leave_the_recorder_responsive() {
     let _root = as_root();
     let dir = scratch("flood");
-    let (mut child, command) = recorder(&dir, "8");
+    let (mut child, command) = recorder(&dir, "600");
     let socket = format!("/run/gputrace/{}.sock", child.id());
     let before = rss_kib(child.id());
     let idle: Vec<UnixStream> = (0..500).filter_map(|_| UnixStream::connect(&socket).ok()).collect();
@@ -260,15 +265,15 @@ fn a_flood_of_connections_and_a_huge_line_leave_the_recorder_responsive() {
 fn sigterm_to_the_recorder_ends_the_command_and_returns_its_status() {
     let _root = as_root();
     let dir = scratch("sigterm");
-    let mut child = Command::new(gputrace_bin())
-        .args(["record", "-o"])
-        .arg(dir.join("run.trace"))
-        .args(["--", "sh", "-c", "trap 'exit 7' TERM; sleep 20 & wait"])
-        .stderr(Stdio::piped())
-        .process_group(0)
-        .spawn()
-        .unwrap();
-    std::thread::sleep(Duration::from_millis(1500));
+    let trace = dir.join("run.trace");
+    let ready = dir.join("ready");
+    // The shell ends its own child on TERM: nothing is left holding the recorder's stderr.
+    let script = format!("sleep 600 & trap 'kill $!; exit 7' TERM; touch {}; wait", ready.display());
+    let mut child = start(&["record", "-o", trace.to_str().unwrap(), "--", "sh", "-c", &script], false);
+    // Signalled only once the shell says its trap is set, however slow the machine.
+    while !ready.exists() {
+        std::thread::sleep(Duration::from_millis(20));
+    }
     // SAFETY: signal our own child, and only it.
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     let started = Instant::now();

@@ -87,7 +87,10 @@ pub mod stat {
     /// Records the ring buffer had no room for.
     pub const LOST: u32 = 0;
     pub const QUESTIONS: u32 = 1;
-    pub const COUNT: u32 = 2;
+    /// Map inserts the kernel refused (a full FDS or TRACED map): fds or processes that may be
+    /// followed no more.
+    pub const INSERT_FAILED: u32 = 2;
+    pub const COUNT: u32 = 3;
 }
 
 /// `Config` array index 0.
@@ -96,7 +99,9 @@ pub mod stat {
 pub struct Config {
     /// Trace every process, not only those in TRACED.
     pub trace_all: u32,
-    pub _pad: u32,
+    /// Offset of `group_dead` in sched_process_exit records (recent kernels; 6.1 has none); 0 when the kernel's
+    /// records have none, and the thread group leader's exit stands for the process's.
+    pub group_dead_at: u32,
 }
 
 /// Where, in the running kernel, `current->files->fdt->fd[n]` is (from its BTF). All zero when
@@ -243,21 +248,48 @@ pub mod escape {
     pub const RM_VID_HEAP_CONTROL: u32 = 0x4a;
     pub const REGISTER_FD: u32 = 0xc9;
     pub const IOCTL_XFER_CMD: u32 = 0xd3;
+    /// The RM escapes whose params gputrace decodes (XFER only wraps one of them).
+    pub const FOLLOWED: [u32; 6] = [RM_ALLOC_MEMORY, RM_FREE, RM_ALLOC, RM_DUP_OBJECT, RM_VID_HEAP_CONTROL, REGISTER_FD];
 }
 
-/// Whether an RM escape number with this params size is one gputrace follows. The sizes are every
-/// size the driver accepts for that escape in any version (NVOS64 was 40 bytes before 535).
+/// The params size of each followed RM escape: the one table both the kernel's filter
+/// ([`rm_escape_traced`]) and the decoder (which needs at least this many bytes) read. RM_ALLOC
+/// has three: NVOS21 (32), and NVOS64 at 40 before 535 and 48 from 535 on.
+#[inline(always)]
+pub const fn rm_params_size(nr: u32) -> Option<u32> {
+    match nr {
+        escape::RM_ALLOC_MEMORY => Some(56),
+        escape::RM_FREE => Some(16),
+        escape::RM_ALLOC => Some(32),
+        escape::RM_DUP_OBJECT => Some(28),
+        escape::RM_VID_HEAP_CONTROL => Some(184),
+        escape::REGISTER_FD => Some(4),
+        _ => None,
+    }
+}
+
+/// Whether an RM escape number with this params size is one gputrace follows: the size of
+/// [`rm_params_size`], or for RM_ALLOC any of its three.
 #[inline(always)]
 pub const fn rm_escape_traced(nr: u32, size: u32) -> bool {
-    match nr {
-        escape::RM_ALLOC_MEMORY => size == 56,
-        escape::RM_FREE => size == 16,
-        escape::RM_ALLOC => size == 32 || size == 40 || size == 48,
-        escape::RM_DUP_OBJECT => size == 28,
-        escape::RM_VID_HEAP_CONTROL => size == 184,
-        escape::REGISTER_FD => size == 4,
-        _ => false,
+    if nr == escape::RM_ALLOC {
+        return size == 32 || size == 40 || size == 48;
     }
+    match rm_params_size(nr) {
+        Some(s) => s == size,
+        None => false,
+    }
+}
+
+#[cfg(test)]
+#[test]
+fn every_followed_escape_is_traced_at_its_size() {
+    for nr in escape::FOLLOWED {
+        let size = rm_params_size(nr).expect("a size");
+        assert!(rm_escape_traced(nr, size), "{nr:#x}");
+        assert!(!rm_escape_traced(nr, size + 1), "{nr:#x}");
+    }
+    assert!(rm_escape_traced(escape::RM_ALLOC, 40) && rm_escape_traced(escape::RM_ALLOC, 48));
 }
 
 /// An RM command word worth following: `_IOWR('F', nr, size)` of a traced escape, or the XFER wrapper.

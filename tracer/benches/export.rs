@@ -8,7 +8,7 @@ use std::time::Instant;
 use gputrace::event::{Alloc, Device, Event, Memory, Record, Seen, Via};
 use gputrace::model::Model;
 use gputrace::report::{Loss, Report};
-use gputrace::trace::{Header, Reader, Writer, FORMAT, VERSION};
+use gputrace::trace::{Header, Reader, Writer};
 
 const EVENTS: u64 = 1_000_000;
 const SERVER: u32 = 4242;
@@ -17,21 +17,12 @@ const SERVER: u32 = 4242;
 /// freeing it after, with its socket traffic.
 fn write_trace(path: &Path) {
     let header = Header {
-        format: FORMAT.into(),
-        version: VERSION,
         tracer_version: "bench".into(),
-        host: String::new(),
-        kernel: String::new(),
         driver_version: Some("580.95.05".into()),
         driver_version_source: "bench".into(),
         wall_clock_start_ns: 1_800_000_000_000_000_000,
-        monotonic_start_ns: 0,
-        gpus: vec![],
-        prior_use: vec![],
-        holders_at_start: vec![],
         nvml: "bench".into(),
-        command: vec![],
-        raw: false,
+        ..Header::default()
     };
     let mut w = Writer::create(path, &header, None).unwrap();
     let mut ts = 0u64;

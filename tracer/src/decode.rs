@@ -231,15 +231,8 @@ pub fn decode_ioctl(layout: &Layout, raw: &RawIoctl) -> Option<Event> {
         (Some(Device::Uvm), uvm::ALLOC_SEMAPHORE_POOL) => 28,
         (Some(Device::Uvm), uvm::FREE) => layout.uvm_free_size as usize,
         (Some(Device::Uvm), _) => 0,
-        _ => match nr {
-            escape::RM_ALLOC => size.max(32) as usize,
-            escape::RM_FREE => 16,
-            escape::RM_VID_HEAP_CONTROL => 184,
-            escape::RM_ALLOC_MEMORY => 56,
-            escape::RM_DUP_OBJECT => 28,
-            escape::REGISTER_FD => 4,
-            _ => 0,
-        },
+        _ if nr == escape::RM_ALLOC => size.max(32) as usize,
+        _ => tracer_common::rm_params_size(nr).unwrap_or(0) as usize,
     };
     if raw.params.len() < needed {
         return Some(undecodable(raw, format!("params are {} bytes, the layout needs {needed}", raw.params.len())));

@@ -13,6 +13,7 @@ use std::path::PathBuf;
 use tracer_common::device;
 
 use crate::event::{Device, Event, Seen};
+use crate::procfs;
 
 /// What a resolver knows about running processes (the real one reads /proc and calls kcmp).
 pub trait Resolver {
@@ -349,37 +350,19 @@ pub struct ProcResolver;
 
 impl Resolver for ProcResolver {
     fn fd_path(&self, pid: u32, fd: i32) -> Option<PathBuf> {
-        std::fs::read_link(format!("/proc/{pid}/fd/{fd}")).ok()
+        procfs::fd_path(pid, fd)
     }
-
     fn same_file(&self, a: (u32, i32), b: (u32, i32)) -> bool {
-        const KCMP_FILE: libc::c_long = 0;
-        // SAFETY: kcmp only compares; invalid pids or fds return an error.
-        let rc = unsafe {
-            libc::syscall(libc::SYS_kcmp, a.0 as libc::pid_t, b.0 as libc::pid_t, KCMP_FILE, a.1 as libc::c_long, b.1 as libc::c_long)
-        };
-        rc == 0
+        procfs::same_file(a, b)
     }
-
     fn command(&self, pid: u32) -> Option<Vec<String>> {
-        use std::io::Read;
-        // A process sets its own argv, up to a quarter of its stack limit: keep what a person reads.
-        const MAX_COMMAND: u64 = 16 * 1024;
-        let mut raw = Vec::new();
-        std::fs::File::open(format!("/proc/{pid}/cmdline")).ok()?.take(MAX_COMMAND).read_to_end(&mut raw).ok()?;
-        let args: Vec<String> = raw.split(|&b| b == 0).filter(|a| !a.is_empty()).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
-        (!args.is_empty()).then_some(args)
+        procfs::command(pid)
     }
-
     fn parent(&self, pid: u32) -> Option<u32> {
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-        // The command name may hold spaces and parentheses: the fields start after the last ')'.
-        stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()
+        procfs::parent(pid)
     }
-
     fn open_fds(&self, pid: u32) -> Vec<i32> {
-        let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fd")) else { return Vec::new() };
-        dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).collect()
+        procfs::open_fds(pid)
     }
 }
 

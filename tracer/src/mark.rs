@@ -21,6 +21,7 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot, Semaphore};
 
 use crate::analysis::Phase;
+use crate::procfs;
 
 pub const SOCKET_DIR: &str = "/run/gputrace";
 /// A mark line is a few words; anything longer is refused unread.
@@ -52,16 +53,6 @@ pub fn may_mark(peer_uid: u32, invoking_uid: Option<u32>, owner_of_pid: Option<u
         return Ok(());
     }
     Err(format!("uid {peer_uid} may not mark pid {pid}: only root, the user who started this recording, or the process's owner may"))
-}
-
-/// The real uid that owns a process, from /proc/PID/status.
-fn owner(pid: u32) -> Option<u32> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status.lines().find_map(|l| l.strip_prefix("Uid:"))?.split_whitespace().next()?.parse().ok()
-}
-
-fn running(pid: u32) -> bool {
-    Path::new(&format!("/proc/{pid}")).exists()
 }
 
 /// What the recorder is asked: a checked mark, and where its answer goes.
@@ -149,7 +140,7 @@ fn remove_stale_sockets(dir: &Path) {
     for entry in entries.flatten() {
         let path = entry.path();
         let pid = path.file_stem().and_then(|s| s.to_str()).and_then(|s| s.parse::<u32>().ok());
-        if path.extension().is_some_and(|x| x == "sock") && pid.is_some_and(|pid| !running(pid)) {
+        if path.extension().is_some_and(|x| x == "sock") && pid.is_some_and(|pid| !procfs::running(pid)) {
             let _ = std::fs::remove_file(&path);
         }
     }
@@ -178,7 +169,7 @@ async fn answer(line: &[u8], peer: Option<u32>, invoking_uid: Option<u32>, to_re
         Ok(mark) => mark,
         Err(why) => return format!("ERR {why}"),
     };
-    if let Err(why) = may_mark(peer, invoking_uid, owner(pid), pid) {
+    if let Err(why) = may_mark(peer, invoking_uid, procfs::owner(pid), pid) {
         return format!("ERR {why}");
     }
     let (reply, answer) = oneshot::channel();

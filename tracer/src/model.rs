@@ -14,7 +14,9 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 
 use serde::Serialize;
 
-use crate::event::{Alloc, Device, Event, Memory, Record, Seen, Via};
+use crate::event::{Device, Event, Memory, Record, Seen, Via};
+use fds::FdRef;
+use handles::Client;
 
 pub type FileId = u64;
 pub type AllocId = usize;
@@ -161,12 +163,6 @@ pub fn display_command(argv: &[String]) -> String {
     }
 }
 
-#[derive(Clone, Copy, Debug)]
-struct FdRef {
-    file: FileId,
-    cloexec: bool,
-}
-
 #[derive(Clone, Debug, Serialize)]
 pub struct File {
     pub id: FileId,
@@ -175,55 +171,6 @@ pub struct File {
     /// Descriptors referring to it, across every process.
     pub refs: u32,
     pub released: Option<u64>,
-}
-
-#[derive(Clone, Debug)]
-struct Object {
-    parent: u32,
-    /// The allocation whose memory this handle refers to (several handles after a dup).
-    alloc: Option<AllocId>,
-}
-
-#[derive(Clone, Debug, Default)]
-struct Client {
-    file: Option<FileId>,
-    objects: HashMap<u32, Object>,
-    /// Parent handle to child handles, so freeing a subtree never scans the whole client.
-    children: HashMap<u32, HashSet<u32>>,
-}
-
-impl Client {
-    fn new(file: Option<FileId>) -> Self {
-        Client { file, ..Default::default() }
-    }
-
-    fn insert(&mut self, handle: u32, object: Object) {
-        let parent = object.parent;
-        if let Some(old) = self.objects.insert(handle, object) {
-            if let Some(siblings) = self.children.get_mut(&old.parent) {
-                siblings.remove(&handle);
-            }
-        }
-        self.children.entry(parent).or_default().insert(handle);
-    }
-
-    /// Removes `handle` and everything below it; returns them with the handle itself first.
-    fn remove_subtree(&mut self, handle: u32) -> Vec<(u32, Object)> {
-        let mut removed = Vec::new();
-        let mut stack = vec![handle];
-        while let Some(h) = stack.pop() {
-            if let Some(kids) = self.children.remove(&h) {
-                stack.extend(kids);
-            }
-            if let Some(o) = self.objects.remove(&h) {
-                if let Some(siblings) = self.children.get_mut(&o.parent) {
-                    siblings.remove(&h);
-                }
-                removed.push((h, o));
-            }
-        }
-        removed
-    }
 }
 
 #[derive(Default, Debug)]
@@ -313,6 +260,12 @@ impl Model {
         Ok(())
     }
 
+    /// The trace's time zero, given when recording began (the header's monotonic clock): that,
+    /// or the first record if one came earlier. Report and export times count from here.
+    pub fn time_zero(&self, monotonic_start_ns: u64) -> u64 {
+        monotonic_start_ns.min(self.first_ts.unwrap_or(u64::MAX))
+    }
+
     /// Live bytes of one kind across every process.
     pub fn live(&self, memory: Memory) -> u64 {
         self.processes.values().map(|p| p.usage.live.get(&memory).copied().unwrap_or(0)).fold(0, u64::saturating_add)
@@ -344,365 +297,56 @@ impl Model {
         })
     }
 
+    /// The only way in: one record at a time, each to the concern it belongs to (fds.rs: fd
+    /// tables and files; handles.rs: RM handle trees and UVM ranges; requests.rs: connections).
     pub fn apply(&mut self, r: &Record) {
         self.first_ts.get_or_insert(r.ts);
         self.last_ts = self.last_ts.max(r.ts);
         let (ts, pid) = (r.ts, r.pid);
         match &r.event {
-            Event::Process { ppid, seen, command } => {
-                let inherited = self.processes.get(ppid).map(|p| p.fds.clone());
-                let p = self.process(pid, ts);
-                p.ppid = *ppid;
-                p.seen = *seen;
-                p.command = command.clone();
-                if *seen == Seen::Forked {
-                    // fork copies the fd table: every NVIDIA file gains a reference.
-                    if let Some(fds) = inherited {
-                        for f in fds.values() {
-                            if let Some(file) = self.files.get_mut(&f.file) {
-                                file.refs += 1;
-                            }
-                        }
-                        self.process(pid, ts).fds = fds;
-                    }
-                }
-            }
-            Event::Exec { command } => {
-                let p = self.process(pid, ts);
-                p.command = command.clone();
-                let closed: Vec<i32> = p.fds.iter().filter(|(_, f)| f.cloexec).map(|(fd, _)| *fd).collect();
-                for fd in closed {
-                    self.close_fd(pid, fd, ts);
-                }
-            }
-            Event::Exit { code } => {
-                let conns: Vec<u64> = self.connections.iter().filter(|(_, (p, _))| *p == pid).map(|(c, _)| *c).collect();
-                for conn in conns {
-                    self.end_request(conn, ts);
-                    self.connections.remove(&conn);
-                }
-                let fds: Vec<i32> = self.process(pid, ts).fds.keys().copied().collect();
-                for fd in fds {
-                    self.close_fd(pid, fd, ts);
-                }
-                let p = self.process(pid, ts);
-                p.exited = Some(ts);
-                if code.is_some() {
-                    p.exit_code = *code;
-                }
-            }
-            Event::Open { fd, file, device, cloexec } => {
-                self.files.insert(*file, File { id: *file, device: *device, opened_by: pid, refs: 0, released: None });
-                self.set_fd(pid, *fd, *file, *cloexec, ts);
-            }
-            Event::FdFound { fd, file, device } => {
-                self.files.entry(*file).or_insert(File { id: *file, device: *device, opened_by: pid, refs: 0, released: None });
-                let already = self.processes.get(&pid).and_then(|p| p.fds.get(fd)).map(|f| f.file);
-                if already != Some(*file) {
-                    self.set_fd(pid, *fd, *file, false, ts);
-                }
-            }
-            Event::Dup { old_fd, new_fd, cloexec } => {
-                if let Some(old) = self.processes.get(&pid).and_then(|p| p.fds.get(old_fd)).copied() {
-                    self.set_fd(pid, *new_fd, old.file, *cloexec, ts);
-                }
-            }
+            Event::Process { ppid, seen, command } => self.on_process(pid, ts, *ppid, *seen, command),
+            Event::Exec { command } => self.on_exec(pid, ts, command),
+            Event::Exit { code } => self.on_exit(pid, ts, *code),
+            Event::Open { fd, file, device, cloexec } => self.on_open(pid, ts, *fd, *file, *device, *cloexec),
+            Event::FdFound { fd, file, device } => self.on_fd_found(pid, ts, *fd, *file, *device),
+            Event::Dup { old_fd, new_fd, cloexec } => self.on_dup(pid, ts, *old_fd, *new_fd, *cloexec),
             Event::Close { fd } => self.close_fd(pid, *fd, ts),
-            Event::CloseRange { first, last, cloexec_only } => {
-                let fds: Vec<i32> =
-                    self.process(pid, ts).fds.keys().copied().filter(|&fd| fd >= 0 && (*first..=*last).contains(&(fd as u32))).collect();
-                for fd in fds {
-                    if *cloexec_only {
-                        if let Some(f) = self.process(pid, ts).fds.get_mut(&fd) {
-                            f.cloexec = true;
-                        }
-                    } else {
-                        self.close_fd(pid, fd, ts);
-                    }
-                }
-            }
-            Event::SetCloexec { fd, cloexec } => {
-                if let Some(f) = self.process(pid, ts).fds.get_mut(fd) {
-                    f.cloexec = *cloexec;
-                }
-            }
-            Event::Object { fd, client, parent, object, class, status } => {
-                if *status != 0 {
-                    return;
-                }
-                if crate::abi::class::is_client(*class) {
-                    let file = self.file_of(pid, *fd, ts);
-                    // RM never hands out a live handle twice: an old client by that handle was
-                    // freed in a way the trace missed (lost records, a reused pid).
-                    self.free_client(*client, ts, FreedBy::Unseen);
-                    self.clients.insert(*client, Client::new(file));
-                } else {
-                    self.insert_object(*client, pid, *fd, ts, *object, Object { parent: *parent, alloc: None });
-                }
-            }
+            Event::CloseRange { first, last, cloexec_only } => self.on_close_range(pid, ts, *first, *last, *cloexec_only),
+            Event::SetCloexec { fd, cloexec } => self.set_cloexec(pid, ts, *fd, *cloexec),
+            // A failed call changed nothing in the driver.
+            Event::Object { status, .. } | Event::Free { status, .. } | Event::DupObject { status, .. } | Event::UvmFree { status, .. }
+                if *status != 0 => {}
+            Event::Object { fd, client, parent, object, class, .. } => self.on_object(pid, ts, *fd, (*client, *parent, *object), *class),
             Event::Alloc(a) => self.alloc(r, a),
-            Event::Free { client, object, status, .. } => {
-                if *status == 0 {
-                    self.free_handle(*client, *object, ts);
-                }
-            }
-            Event::DupObject { fd, client, parent, object, src_client, src_object, status } => {
-                if *status != 0 {
-                    return;
-                }
-                let alloc = self.clients.get(src_client).and_then(|c| c.objects.get(src_object)).and_then(|o| o.alloc);
-                if let Some(id) = alloc {
-                    *self.handle_refs.entry(id).or_default() += 1;
-                }
-                self.insert_object(*client, pid, *fd, ts, *object, Object { parent: *parent, alloc });
+            Event::Free { client, object, .. } => self.free_handle(*client, *object, ts),
+            Event::DupObject { fd, client, parent, object, src_client, src_object, .. } => {
+                self.on_dup_object(pid, ts, *fd, (*client, *parent, *object), (*src_client, *src_object))
             }
             Event::RegisterFd { .. } | Event::UvmMap { .. } => {}
-            Event::UvmFree { fd, base, status } => {
-                if *status != 0 {
-                    return;
-                }
-                let file = self.file_of(pid, *fd, ts);
-                if let Some(id) = file.and_then(|f| self.uvm_ranges.remove(&(f, *base))) {
-                    self.release(id, ts, FreedBy::Explicit);
-                }
-            }
+            Event::UvmFree { fd, base, .. } => self.on_uvm_free(pid, ts, *fd, *base),
             Event::Undecodable { .. } => self.undecodable += 1,
             Event::Lost { records } => add(&mut self.lost_records, *records),
             Event::Bind { port, .. } => self.process(pid, ts).bound.push((ts, *port)),
             Event::Listen { .. } => {
-                let p = self.process(pid, ts);
-                p.listened.get_or_insert(ts);
+                self.process(pid, ts).listened.get_or_insert(ts);
             }
             Event::Accept { conn, .. } => {
                 self.connections.insert(*conn, (pid, None));
             }
-            Event::Received { conn, bytes, request } => {
-                let current = self.connections.get(conn).and_then(|(_, r)| *r);
-                match (request, current) {
-                    (None, Some(id)) => add(&mut self.requests[id].bytes_in, *bytes),
-                    _ => {
-                        self.end_request(*conn, ts);
-                        let line = request.clone().unwrap_or_default();
-                        let request = Request {
-                            pid,
-                            conn: *conn,
-                            line,
-                            arrived: ts,
-                            bytes_in: *bytes,
-                            headers_at: None,
-                            status: None,
-                            first_data_at: None,
-                            bytes_out: 0,
-                            ended: None,
-                        };
-                        self.requests.push(request);
-                        self.connections.insert(*conn, (pid, Some(self.requests.len() - 1)));
-                    }
-                }
-            }
-            Event::Sent { conn, bytes, status, data } => {
-                if let Some(id) = self.connections.get(conn).and_then(|(_, r)| *r) {
-                    let r = &mut self.requests[id];
-                    add(&mut r.bytes_out, *bytes);
-                    if status.is_some() && r.headers_at.is_none() {
-                        r.headers_at = Some(ts);
-                        r.status = *status;
-                    }
-                    if *data && r.first_data_at.is_none() {
-                        r.first_data_at = Some(ts);
-                    }
-                }
-            }
-            Event::ConnClose { conn } => {
-                self.end_request(*conn, ts);
-                self.connections.remove(conn);
-            }
+            Event::Received { conn, bytes, request } => self.on_received(pid, ts, *conn, *bytes, request.as_ref()),
+            Event::Sent { conn, bytes, status, data } => self.on_sent(ts, *conn, *bytes, *status, *data),
+            Event::ConnClose { conn } => self.on_conn_close(ts, *conn),
             Event::OomKill => {
                 self.process(pid, ts).oom_killed.get_or_insert(ts);
             }
             Event::Mark { phase } => self.marks.push((ts, pid, phase.clone())),
         }
     }
-
-    fn end_request(&mut self, conn: u64, ts: u64) {
-        if let Some((_, current)) = self.connections.get_mut(&conn) {
-            if let Some(id) = current.take() {
-                self.requests[id].ended.get_or_insert(ts);
-            }
-        }
-    }
-
-    /// Requests in flight at `ts`, in the processes given (a service's), or everywhere.
-    pub fn in_flight(&self, ts: u64, pids: Option<&[u32]>) -> usize {
-        self.requests.iter().filter(|r| r.in_flight_at(ts) && pids.is_none_or(|p| p.contains(&r.pid))).count()
-    }
-
-    fn set_fd(&mut self, pid: u32, fd: i32, file: FileId, cloexec: bool, ts: u64) {
-        // Reusing a number means the old file lost that reference (dup2 onto an open fd).
-        if self.processes.get(&pid).is_some_and(|p| p.fds.contains_key(&fd)) {
-            self.close_fd(pid, fd, ts);
-        }
-        self.process(pid, ts).fds.insert(fd, FdRef { file, cloexec });
-        if let Some(f) = self.files.get_mut(&file) {
-            f.refs += 1;
-        }
-    }
-
-    fn close_fd(&mut self, pid: u32, fd: i32, ts: u64) {
-        let Some(fd_ref) = self.processes.get_mut(&pid).and_then(|p| p.fds.remove(&fd)) else {
-            return;
-        };
-        let Some(file) = self.files.get_mut(&fd_ref.file) else { return };
-        file.refs = file.refs.saturating_sub(1);
-        if file.refs == 0 && file.released.is_none() {
-            file.released = Some(ts);
-            self.release_file(fd_ref.file, ts);
-        }
-    }
-
-    /// The driver's release of an open file: every client created on it, every UVM range in it.
-    fn release_file(&mut self, file: FileId, ts: u64) {
-        let clients: Vec<u32> = self.clients.iter().filter(|(_, c)| c.file == Some(file)).map(|(h, _)| *h).collect();
-        for client in clients {
-            self.free_client(client, ts, FreedBy::FileRelease);
-        }
-        let ranges: Vec<(FileId, u64)> = self.uvm_ranges.keys().filter(|(f, _)| *f == file).copied().collect();
-        for key in ranges {
-            if let Some(id) = self.uvm_ranges.remove(&key) {
-                self.release(id, ts, FreedBy::FileRelease);
-            }
-        }
-    }
-
-    /// The file an fd of `pid` refers to; an NVIDIA fd never seen opened gets a file of its own.
-    fn file_of(&mut self, pid: u32, fd: i32, ts: u64) -> Option<FileId> {
-        if let Some(f) = self.processes.get(&pid).and_then(|p| p.fds.get(&fd)) {
-            return Some(f.file);
-        }
-        if fd < 0 {
-            return None;
-        }
-        let id = self.next_orphan_file;
-        self.next_orphan_file += 1;
-        self.files.insert(id, File { id, device: Device::Ctl, opened_by: pid, refs: 0, released: None });
-        self.set_fd(pid, fd, id, false, ts);
-        Some(id)
-    }
-
-    /// A client created before tracing began is met first through one of its objects.
-    fn client_mut(&mut self, client: u32, pid: u32, fd: i32, ts: u64) -> &mut Client {
-        if !self.clients.contains_key(&client) {
-            let file = self.file_of(pid, fd, ts);
-            self.clients.insert(client, Client::new(file));
-        }
-        self.clients.get_mut(&client).expect("inserted above")
-    }
-
-    fn alloc(&mut self, r: &Record, a: &Alloc) {
-        let (ts, pid) = (r.ts, r.pid);
-        if !a.succeeded() {
-            self.process(pid, ts).usage.failed += 1;
-            self.failures.push(FailedAllocation {
-                ts,
-                pid,
-                memory: a.memory,
-                bytes: a.bytes,
-                via: a.via,
-                status: a.status,
-                errno: a.errno,
-            });
-            return;
-        }
-        let file = match a.base {
-            Some(_) => self.file_of(pid, a.fd, ts),
-            None => self.client_mut(a.client, pid, a.fd, ts).file,
-        };
-        let id = self.allocations.len();
-        self.allocations.push(Allocation {
-            ts,
-            pid,
-            tid: r.tid,
-            memory: a.memory,
-            bytes: a.bytes,
-            via: a.via,
-            client: a.client,
-            object: a.object,
-            class: a.class,
-            file,
-            freed: None,
-        });
-        self.process(pid, ts).usage.add(a.memory, a.bytes);
-        self.handle_refs.insert(id, 1);
-        match (a.base, file) {
-            (Some(base), Some(file)) => {
-                if let Some(old) = self.uvm_ranges.insert((file, base), id) {
-                    self.release(old, ts, FreedBy::Unseen);
-                }
-            }
-            _ => {
-                let object = Object { parent: a.parent, alloc: Some(id) };
-                self.insert_object(a.client, pid, a.fd, ts, a.object, object);
-            }
-        }
-    }
-
-    /// A new handle in a client. Like a client handle, a live one is never handed out twice: what
-    /// was there before (and below it) was freed unseen, and is released now.
-    fn insert_object(&mut self, client: u32, pid: u32, fd: i32, ts: u64, handle: u32, object: Object) {
-        if let Some(c) = self.clients.get_mut(&client) {
-            for (_, o) in c.remove_subtree(handle) {
-                if let Some(id) = o.alloc {
-                    self.drop_handle(id, ts, FreedBy::Unseen);
-                }
-            }
-        }
-        self.client_mut(client, pid, fd, ts).insert(handle, object);
-    }
-
-    fn free_handle(&mut self, client: u32, object: u32, ts: u64) {
-        if client == object {
-            self.free_client(client, ts, FreedBy::Explicit);
-            return;
-        }
-        let Some(c) = self.clients.get_mut(&client) else { return };
-        for (h, o) in c.remove_subtree(object) {
-            if let Some(id) = o.alloc {
-                self.drop_handle(id, ts, if h == object { FreedBy::Explicit } else { FreedBy::Subtree });
-            }
-        }
-    }
-
-    fn free_client(&mut self, client: u32, ts: u64, how: FreedBy) {
-        let Some(c) = self.clients.remove(&client) else { return };
-        let how = if how == FreedBy::Explicit { FreedBy::Subtree } else { how };
-        for o in c.objects.into_values() {
-            if let Some(id) = o.alloc {
-                self.drop_handle(id, ts, how);
-            }
-        }
-    }
-
-    fn drop_handle(&mut self, id: AllocId, ts: u64, how: FreedBy) {
-        let refs = self.handle_refs.entry(id).or_insert(1);
-        *refs = refs.saturating_sub(1);
-        if *refs == 0 {
-            self.handle_refs.remove(&id);
-            self.release(id, ts, how);
-        }
-    }
-
-    fn release(&mut self, id: AllocId, ts: u64, how: FreedBy) {
-        let a = &mut self.allocations[id];
-        if a.freed.is_some() {
-            return;
-        }
-        a.freed = Some((ts, how));
-        let (pid, memory, bytes) = (a.pid, a.memory, a.bytes);
-        if let Some(p) = self.processes.get_mut(&pid) {
-            p.usage.remove(memory, bytes);
-        }
-    }
 }
+
+mod fds;
+mod handles;
+mod requests;
 
 pub mod generate;
 

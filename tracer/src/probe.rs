@@ -10,46 +10,66 @@ use thiserror::Error;
 use tracer_common::{stat, traced, Config, FdKey, KernelOffsets, UvmWindow};
 
 use crate::abi::Layout;
+use crate::tracefs;
 
 /// The compiled eBPF object, built by build.rs from tracer-ebpf.
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/tracer"));
 
-const TRACEFS: &str = "/sys/kernel/tracing";
+pub const TRACEFS: &str = "/sys/kernel/tracing";
+
+/// A program and the tracepoint it attaches to.
+pub struct Hook {
+    pub program: &'static str,
+    pub category: &'static str,
+    pub name: &'static str,
+    /// Without it gputrace would miss memory; an optional one only exists on some kernels and
+    /// what it sees has another way in (openat for open, dup3 for dup2 on arm64's syscall table;
+    /// close_range from 5.9).
+    pub required: bool,
+}
+
+const fn hook(program: &'static str, category: &'static str, name: &'static str) -> Hook {
+    Hook { program, category, name, required: true }
+}
+
+const fn optional(program: &'static str, category: &'static str, name: &'static str) -> Hook {
+    Hook { program, category, name, required: false }
+}
 
 /// Programs and the tracepoints they attach to, in attach order: process lifecycle first, so no
 /// child of a traced process is missed; the ioctl hooks last, once their fds can be followed.
-const HOOKS: &[(&str, &str, &str)] = &[
-    ("task_newtask", "task", "task_newtask"),
-    ("process_exec", "sched", "sched_process_exec"),
-    ("process_exit", "sched", "sched_process_exit"),
-    ("openat_enter", "syscalls", "sys_enter_openat"),
-    ("open_enter_legacy", "syscalls", "sys_enter_open"),
-    ("open_exit", "syscalls", "sys_exit_openat"),
-    ("open_exit", "syscalls", "sys_exit_open"),
-    ("close_enter", "syscalls", "sys_enter_close"),
-    ("dup_enter_plain", "syscalls", "sys_enter_dup"),
-    ("dup2_enter", "syscalls", "sys_enter_dup2"),
-    ("dup3_enter", "syscalls", "sys_enter_dup3"),
-    ("fcntl_enter", "syscalls", "sys_enter_fcntl"),
-    ("dup_exit", "syscalls", "sys_exit_dup"),
-    ("dup_exit", "syscalls", "sys_exit_dup2"),
-    ("dup_exit", "syscalls", "sys_exit_dup3"),
-    ("dup_exit", "syscalls", "sys_exit_fcntl"),
-    ("close_range_enter", "syscalls", "sys_enter_close_range"),
-    ("bind_enter", "syscalls", "sys_enter_bind"),
-    ("listen_enter", "syscalls", "sys_enter_listen"),
-    ("accept_exit", "syscalls", "sys_exit_accept"),
-    ("accept_exit", "syscalls", "sys_exit_accept4"),
-    ("read_enter", "syscalls", "sys_enter_read"),
-    ("read_enter", "syscalls", "sys_enter_recvfrom"),
-    ("read_exit", "syscalls", "sys_exit_read"),
-    ("read_exit", "syscalls", "sys_exit_recvfrom"),
-    ("write_enter", "syscalls", "sys_enter_write"),
-    ("write_enter", "syscalls", "sys_enter_sendto"),
-    ("writev_enter", "syscalls", "sys_enter_writev"),
-    ("oom_victim", "oom", "mark_victim"),
-    ("ioctl_enter", "syscalls", "sys_enter_ioctl"),
-    ("ioctl_exit", "syscalls", "sys_exit_ioctl"),
+pub const HOOKS: &[Hook] = &[
+    hook("task_newtask", "task", "task_newtask"),
+    hook("process_exec", "sched", "sched_process_exec"),
+    hook("process_exit", "sched", "sched_process_exit"),
+    hook("openat_enter", "syscalls", "sys_enter_openat"),
+    optional("open_enter_legacy", "syscalls", "sys_enter_open"),
+    hook("open_exit", "syscalls", "sys_exit_openat"),
+    optional("open_exit", "syscalls", "sys_exit_open"),
+    hook("close_enter", "syscalls", "sys_enter_close"),
+    hook("dup_enter_plain", "syscalls", "sys_enter_dup"),
+    optional("dup2_enter", "syscalls", "sys_enter_dup2"),
+    hook("dup3_enter", "syscalls", "sys_enter_dup3"),
+    hook("fcntl_enter", "syscalls", "sys_enter_fcntl"),
+    hook("dup_exit", "syscalls", "sys_exit_dup"),
+    optional("dup_exit", "syscalls", "sys_exit_dup2"),
+    hook("dup_exit", "syscalls", "sys_exit_dup3"),
+    hook("dup_exit", "syscalls", "sys_exit_fcntl"),
+    optional("close_range_enter", "syscalls", "sys_enter_close_range"),
+    hook("bind_enter", "syscalls", "sys_enter_bind"),
+    hook("listen_enter", "syscalls", "sys_enter_listen"),
+    hook("accept_exit", "syscalls", "sys_exit_accept"),
+    hook("accept_exit", "syscalls", "sys_exit_accept4"),
+    hook("read_enter", "syscalls", "sys_enter_read"),
+    hook("read_enter", "syscalls", "sys_enter_recvfrom"),
+    hook("read_exit", "syscalls", "sys_exit_read"),
+    hook("read_exit", "syscalls", "sys_exit_recvfrom"),
+    hook("write_enter", "syscalls", "sys_enter_write"),
+    hook("write_enter", "syscalls", "sys_enter_sendto"),
+    hook("writev_enter", "syscalls", "sys_enter_writev"),
+    optional("oom_victim", "oom", "mark_victim"),
+    hook("ioctl_enter", "syscalls", "sys_enter_ioctl"),
+    hook("ioctl_exit", "syscalls", "sys_exit_ioctl"),
 ];
 
 #[derive(Debug, Error)]
@@ -58,8 +78,12 @@ pub enum ProbeError {
     NotPrivileged,
     #[error("tracefs is not mounted at {TRACEFS} and mounting it failed ({0}): run `sudo mount -t tracefs nodev {TRACEFS}`")]
     NoTracefs(String),
-    #[error("the kernel has no tracepoint {0}: gputrace needs a kernel with syscall tracepoints (CONFIG_FTRACE_SYSCALLS=y)")]
+    #[error("the kernel has no syscall tracepoints ({0} is missing): gputrace needs a kernel built with CONFIG_FTRACE_SYSCALLS=y")]
+    NoSyscallTracepoints(String),
+    #[error("the kernel has no tracepoint {0}, which gputrace needs: please report this kernel (`uname -r`) to the gputrace project")]
     NoTracepoint(String),
+    #[error("this kernel lays out a tracepoint differently from what gputrace reads: {0}; please report this kernel (`uname -r`)")]
+    Layout(String),
     #[error("the kernel refused gputrace's eBPF programs: {reason}{hint}")]
     Load { reason: String, hint: &'static str },
     #[error("attaching {program} to {tracepoint} failed: {reason}")]
@@ -70,12 +94,25 @@ pub enum ProbeError {
     Map { map: &'static str, reason: String },
 }
 
-/// Checks what loading needs, before trying, so the failure is one actionable sentence.
-pub fn preflight() -> Result<(), ProbeError> {
+/// What the running kernel offers, as preflight found it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Kernel {
+    /// Optional tracepoints it lacks (arm64's syscall table has no open or dup2), not attached.
+    pub absent: Vec<String>,
+    /// Where sched_process_exit records say whether the whole process died (recent kernels); 0 when
+    /// they do not say (6.1 and older), and the thread group leader's exit stands for the process's.
+    pub group_dead_at: u32,
+}
+
+/// Checks what loading needs, before trying, so the failure is one actionable sentence: the
+/// privileges, tracefs, every required tracepoint, and the layout of every record the programs
+/// read.
+pub fn preflight() -> Result<Kernel, ProbeError> {
     if !privileged() {
         return Err(ProbeError::NotPrivileged);
     }
-    if !Path::new(TRACEFS).join("events").exists() {
+    let tracefs = Path::new(TRACEFS);
+    if !tracefs.join("events").exists() {
         let target = std::ffi::CString::new(TRACEFS).unwrap();
         let fstype = std::ffi::CString::new("tracefs").unwrap();
         // SAFETY: plain mount(2) with valid C strings.
@@ -84,12 +121,19 @@ pub fn preflight() -> Result<(), ProbeError> {
             return Err(ProbeError::NoTracefs(std::io::Error::last_os_error().to_string()));
         }
     }
-    for (_, category, name) in HOOKS {
-        if !Path::new(TRACEFS).join("events").join(category).join(name).exists() {
-            return Err(ProbeError::NoTracepoint(format!("{category}:{name}")));
+    let mut kernel = Kernel::default();
+    for hook in HOOKS {
+        let tracepoint = format!("{}:{}", hook.category, hook.name);
+        match tracefs::format(tracefs, hook.category, hook.name) {
+            Some(format) => tracefs::check(hook.category, hook.name, &format).map_err(ProbeError::Layout)?,
+            None if !hook.required => kernel.absent.push(tracepoint),
+            None if !tracefs.join("events/syscalls").exists() => return Err(ProbeError::NoSyscallTracepoints(tracepoint)),
+            None => return Err(ProbeError::NoTracepoint(tracepoint)),
         }
     }
-    Ok(())
+    let exit = tracefs::format(tracefs, "sched", "sched_process_exit").unwrap_or_default();
+    kernel.group_dead_at = tracefs::field(&exit, "group_dead").map_or(0, |f| f.offset);
+    Ok(kernel)
 }
 
 /// Root, or the capabilities that loading tracing programs needs (CAP_SYS_ADMIN covers both).
@@ -119,6 +163,8 @@ pub struct Counters {
     pub lost: u64,
     /// Questions the kernel asked about fds it had not seen opened.
     pub questions: u64,
+    /// Map inserts the kernel refused because a map was full.
+    pub insert_failed: u64,
 }
 
 fn map_err(map: &'static str) -> impl Fn(aya::maps::MapError) -> ProbeError {
@@ -127,7 +173,7 @@ fn map_err(map: &'static str) -> impl Fn(aya::maps::MapError) -> ProbeError {
 
 impl Probe {
     /// Loads the programs for a driver layout and attaches every hook.
-    pub fn load(layout: &Layout, trace_all: bool) -> Result<Probe, ProbeError> {
+    pub fn load(layout: &Layout, trace_all: bool, kernel: &Kernel) -> Result<Probe, ProbeError> {
         // The kernel accounts BPF memory by memcg on current kernels; raising the old locked-memory
         // limit only matters on old ones and may be refused (no CAP_SYS_RESOURCE): not an error.
         let unlimited = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
@@ -145,7 +191,7 @@ impl Probe {
 
         let take = |ebpf: &mut Ebpf, name: &'static str| ebpf.take_map(name).ok_or(ProbeError::MissingMap(name));
         let mut config: Array<MapData, Config> = Array::try_from(take(&mut ebpf, "CONFIG")?).map_err(map_err("CONFIG"))?;
-        config.set(0, Config { trace_all: trace_all as u32, _pad: 0 }, 0).map_err(map_err("CONFIG"))?;
+        config.set(0, Config { trace_all: trace_all as u32, group_dead_at: kernel.group_dead_at }, 0).map_err(map_err("CONFIG"))?;
         let mut windows: HashMap<MapData, u32, UvmWindow> =
             HashMap::try_from(take(&mut ebpf, "UVM_WINDOWS")?).map_err(map_err("UVM_WINDOWS"))?;
         for (cmd, window) in layout.uvm_windows() {
@@ -167,7 +213,8 @@ impl Probe {
         let events = RingBuf::try_from(take(&mut ebpf, "EVENTS")?).map_err(map_err("EVENTS"))?;
 
         let mut loaded = std::collections::HashSet::new();
-        for (program, category, name) in HOOKS {
+        for Hook { program, category, name, .. } in HOOKS.iter().filter(|h| !kernel.absent.contains(&format!("{}:{}", h.category, h.name)))
+        {
             let attach_err =
                 |reason: String| ProbeError::Attach { program: program.to_string(), tracepoint: format!("{category}:{name}"), reason };
             let tp: &mut TracePoint = ebpf
@@ -204,7 +251,7 @@ impl Probe {
 
     pub fn counters(&self) -> Counters {
         let sum = |index: u32| self.stats.get(&index, 0).map(|values| values.iter().sum()).unwrap_or(0);
-        Counters { lost: sum(stat::LOST), questions: sum(stat::QUESTIONS) }
+        Counters { lost: sum(stat::LOST), questions: sum(stat::QUESTIONS), insert_failed: sum(stat::INSERT_FAILED) }
     }
 }
 

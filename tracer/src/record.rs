@@ -15,11 +15,12 @@ use crate::abi::{DriverVersion, Layout, NEWEST_KNOWN, OLDEST_KNOWN};
 use crate::analysis::Phase;
 use crate::decode::parse_record;
 use crate::event::{Event, Record};
-use crate::files::{device_of_path, KernelUpdate, ProcResolver, Resolver};
+use crate::files::{device_of_path, KernelUpdate, ProcResolver};
 use crate::mark::{MarkRequest, MarkServer, MAX_CONNECTIONS};
 use crate::model::Model;
 use crate::pipeline::Pipeline;
 use crate::probe::{self, Probe};
+use crate::procfs;
 use crate::report::{FdFilter, Loss, Report};
 use crate::signals::StopSignals;
 use crate::trace::{Header, HolderAtStart, Writer, FORMAT, VERSION};
@@ -55,42 +56,24 @@ pub fn run(opts: Options) -> Result<Outcome> {
         find_program(program)?;
     }
     for &pid in &opts.pids {
-        if !Path::new(&format!("/proc/{pid}")).exists() {
+        if procfs::stat(pid).is_none() {
             bail!("no process has pid {pid}: check it with `ps -p {pid}`");
         }
     }
     let user = User::invoking()?;
-    probe::preflight()?;
+    let kernel = probe::preflight()?;
     raise_fd_limit();
     let (version, source) = driver_version(opts.driver_version.as_deref())?;
     let layout = layout_for(version);
 
-    let snapshot = crate::gpus::snapshot();
-    let (wall, mono) = clocks();
-    let mut header = Header {
-        format: FORMAT.into(),
-        version: VERSION,
-        tracer_version: env!("CARGO_PKG_VERSION").into(),
-        host: read_trimmed("/proc/sys/kernel/hostname"),
-        kernel: read_trimmed("/proc/sys/kernel/osrelease"),
-        driver_version: version.map(|v| v.to_string()),
-        driver_version_source: source,
-        wall_clock_start_ns: wall,
-        monotonic_start_ns: mono,
-        gpus: snapshot.gpus,
-        prior_use: snapshot.prior_use,
-        holders_at_start: holders_at_start(),
-        nvml: snapshot.note,
-        command: opts.invocation.clone(),
-        raw: opts.raw,
-    };
+    let mut header = header(&opts, version, source);
     if opts.redact {
         crate::redact::header(&mut header);
     }
     let path = opts.output.clone().unwrap_or_else(default_output);
     let writer = Writer::create(&path, &header, user.as_ref())?;
 
-    let mut probe = Probe::load(&layout, opts.all)?;
+    let mut probe = Probe::load(&layout, opts.all, &kernel)?;
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().context("starting the event loop")?;
     let mut session = Session {
         pipeline: Pipeline::new(layout, ProcResolver, opts.raw, Some(std::process::id())),
@@ -106,33 +89,7 @@ pub fn run(opts: Options) -> Result<Outcome> {
     };
     let exit_code = runtime.block_on(session.trace(&mut probe, &opts))?;
 
-    let counters = probe.counters();
-    if session.write_error.is_none() {
-        if let Err(e) = session.writer.flush() {
-            session.write_error = Some(e.to_string());
-        }
-    }
-    let loss = Loss {
-        lost_records: session.model.lost_records,
-        undecodable: session.model.undecodable + session.decode_errors,
-        damaged_lines: 0,
-        torn_tail: false,
-        write_error: session.write_error.clone(),
-    };
-    let mut summary = Report::new(&header, &session.model, path.display().to_string(), session.writer.records, loss, opts.idle_ns);
-    let filter = FdFilter { questions: counters.questions, pending_dropped: session.pipeline.files.pending_dropped };
-    if opts.json {
-        summary.fd_filter = Some(filter);
-        println!("{}", serde_json::to_string_pretty(&summary)?);
-    } else {
-        eprint!("{}", summary.text());
-        if filter.questions > 0 {
-            eprintln!(
-                "{} fds were met without their open and asked about once each; {} of their ioctls were not NVIDIA and dropped.",
-                filter.questions, filter.pending_dropped
-            );
-        }
-    }
+    session.close(&probe, &header, &path, &opts)?;
     Ok(Outcome { exit_code })
 }
 
@@ -153,6 +110,48 @@ struct Session {
 }
 
 impl Session {
+    /// Flushes the trace and prints the closing report (JSON on stdout with --json).
+    fn close(&mut self, probe: &Probe, header: &Header, path: &Path, opts: &Options) -> Result<()> {
+        let counters = probe.counters();
+        if self.write_error.is_none() {
+            if let Err(e) = self.writer.flush() {
+                self.write_error = Some(e.to_string());
+            }
+        }
+        let loss = Loss {
+            lost_records: self.model.lost_records,
+            undecodable: self.model.undecodable + self.decode_errors,
+            damaged_lines: 0,
+            torn_tail: false,
+            write_error: self.write_error.clone(),
+        };
+        let mut summary = Report::new(header, &self.model, path.display().to_string(), self.writer.records, loss, opts.idle_ns);
+        let filter = FdFilter {
+            questions: counters.questions,
+            pending_dropped: self.pipeline.files.pending_dropped,
+            map_inserts_failed: counters.insert_failed,
+        };
+        if opts.json {
+            summary.fd_filter = Some(filter);
+            println!("{}", serde_json::to_string_pretty(&summary)?);
+        } else {
+            eprint!("{}", summary.text());
+            if filter.map_inserts_failed > 0 {
+                eprintln!(
+                "gputrace: warning: the kernel refused {} map inserts (a map was full): some fds or processes may not have been followed",
+                filter.map_inserts_failed
+            );
+            }
+            if filter.questions > 0 {
+                eprintln!(
+                    "{} fds were met without their open and asked about once each; {} of their ioctls were not NVIDIA and dropped.",
+                    filter.questions, filter.pending_dropped
+                );
+            }
+        }
+        Ok(())
+    }
+
     /// Into the model and the trace. A write error stops the trace loudly, once; the model (and
     /// so the closing report) goes on, and so does the command.
     fn emit(&mut self, mut record: Record) {
@@ -220,13 +219,10 @@ impl Session {
         }
     }
 
-    async fn trace(&mut self, probe: &mut Probe, opts: &Options) -> Result<i32> {
-        let ring = probe.events.take().ok_or_else(|| anyhow!("the ring buffer was already taken"))?;
-        // SAFETY: the ring buffer's fd stays open as long as the AsyncFd that owns it.
-        let mut ring = unsafe { AsyncFd::register_with_interest(ring, Interest::READABLE) }
-            .map_err(|e| anyhow!("watching the ring buffer: {}", e.into_parts().1))?;
-
-        let attach: Vec<u32> = if opts.all { all_pids() } else { with_descendants(&opts.pids) };
+    /// Attaches to what was asked (the processes of --pid and their descendants, or everyone's
+    /// NVIDIA files with --all), launches the command, then drops what recording no longer needs.
+    fn begin(&mut self, probe: &mut Probe, opts: &Options) -> Result<Option<(tokio::process::Child, u32)>> {
+        let attach: Vec<u32> = if opts.all { procfs::all_pids() } else { procfs::with_descendants(&opts.pids) };
         for pid in attach {
             if !opts.all {
                 probe.trace_pid(pid)?;
@@ -251,7 +247,7 @@ impl Session {
             format!("`{}`", opts.command.join(" "))
         };
         eprintln!("gputrace: tracing {what}, writing {} (Ctrl-C to stop)", self.writer.path().display());
-        let mut child = match opts.command.is_empty() {
+        let child = match opts.command.is_empty() {
             true => None,
             false => Some(self.launch(probe, &opts.command)?),
         };
@@ -260,10 +256,21 @@ impl Session {
         if let Err(e) = crate::privileges::keep_only_what_recording_needs() {
             eprintln!("gputrace: warning: could not drop the capabilities recording no longer needs: {e}");
         }
+        Ok(child)
+    }
+
+    async fn trace(&mut self, probe: &mut Probe, opts: &Options) -> Result<i32> {
+        let ring = probe.events.take().ok_or_else(|| anyhow!("the ring buffer was already taken"))?;
+        // SAFETY: the ring buffer's fd stays open as long as the AsyncFd that owns it.
+        let mut ring = unsafe { AsyncFd::register_with_interest(ring, Interest::READABLE) }
+            .map_err(|e| anyhow!("watching the ring buffer: {}", e.into_parts().1))?;
+
+        // Before anything is launched: a stop signal from then on reaches the command.
+        let stops = StopSignals::install()?;
+        let mut child = self.begin(probe, opts)?;
         let invoking_uid = Some(self.user.as_ref().map_or(0, |u| u.uid));
         let marks = MarkServer::open(std::process::id(), invoking_uid);
         let (mark_tx, mut mark_rx) = tokio::sync::mpsc::channel::<MarkRequest>(MAX_CONNECTIONS);
-        let stops = StopSignals::install()?;
         let mut tick = tokio::time::interval(Duration::from_millis(100));
         let status_line = std::io::stderr().is_terminal() && !opts.json;
         let mut last_status = Instant::now();
@@ -282,7 +289,7 @@ impl Session {
                     self.flush();
                     self.check_lost(probe);
                     if !attached.is_empty() {
-                        attached.retain(|&pid| running(pid));
+                        attached.retain(|&pid| procfs::running(pid));
                         if attached.is_empty() {
                             exit_code = 0;
                             break;
@@ -403,6 +410,30 @@ fn terminal_width() -> usize {
     }
 }
 
+/// What the trace says of itself and of the machine before the first record: clocks, driver,
+/// NVML's view, and who held the device files already.
+fn header(opts: &Options, version: Option<DriverVersion>, source: String) -> Header {
+    let snapshot = crate::gpus::snapshot();
+    let (wall, mono) = clocks();
+    Header {
+        format: FORMAT.into(),
+        version: VERSION,
+        tracer_version: env!("CARGO_PKG_VERSION").into(),
+        host: read_trimmed("/proc/sys/kernel/hostname"),
+        kernel: read_trimmed("/proc/sys/kernel/osrelease"),
+        driver_version: version.map(|v| v.to_string()),
+        driver_version_source: source,
+        wall_clock_start_ns: wall,
+        monotonic_start_ns: mono,
+        gpus: snapshot.gpus,
+        prior_use: snapshot.prior_use,
+        holders_at_start: holders_at_start(),
+        nvml: snapshot.note,
+        command: opts.invocation.clone(),
+        raw: opts.raw,
+    }
+}
+
 /// Every open connection, device file and /proc entry is a descriptor: take the hard limit.
 fn raise_fd_limit() {
     // SAFETY: getrlimit/setrlimit with a valid struct.
@@ -498,55 +529,26 @@ fn join(pids: &[u32]) -> String {
     pids.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(", ")
 }
 
-/// Still running: present and not a zombie waiting for a parent that may never reap it.
-fn running(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|stat| stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next().map(|s| s != "Z")))
-        .unwrap_or(false)
-}
-
 /// Every process, other than gputrace, with NVIDIA device files open now.
 fn holders_at_start() -> Vec<HolderAtStart> {
-    let resolver = ProcResolver;
-    let mut holders: Vec<HolderAtStart> = all_pids()
+    let mut holders: Vec<HolderAtStart> = procfs::all_pids()
         .into_iter()
         .filter_map(|pid| {
-            let mut devices: Vec<String> = resolver
-                .open_fds(pid)
+            let mut devices: Vec<String> = procfs::open_fds(pid)
                 .into_iter()
-                .filter_map(|fd| resolver.fd_path(pid, fd)?.to_str().and_then(device_of_path))
+                .filter_map(|fd| procfs::fd_path(pid, fd)?.to_str().and_then(device_of_path))
                 .map(|d| format!("{d:?}").to_lowercase())
                 .collect();
             devices.sort();
             devices.dedup();
             (!devices.is_empty()).then(|| HolderAtStart {
                 pid,
-                ppid: resolver.parent(pid).unwrap_or(0),
-                command: resolver.command(pid).unwrap_or_default(),
+                ppid: procfs::parent(pid).unwrap_or(0),
+                command: procfs::command(pid).unwrap_or_default(),
                 devices,
             })
         })
         .collect();
     holders.sort_by_key(|h| h.pid);
     holders
-}
-
-fn all_pids() -> Vec<u32> {
-    let Ok(dir) = std::fs::read_dir("/proc") else { return Vec::new() };
-    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).filter(|&pid| pid != std::process::id()).collect()
-}
-
-/// The given pids and every process below them now.
-fn with_descendants(roots: &[u32]) -> Vec<u32> {
-    let resolver = ProcResolver;
-    let parents: Vec<(u32, u32)> = all_pids().into_iter().filter_map(|pid| Some((pid, resolver.parent(pid)?))).collect();
-    let mut out: Vec<u32> = roots.to_vec();
-    let mut i = 0;
-    while i < out.len() {
-        let parent = out[i];
-        out.extend(parents.iter().filter(|(pid, ppid)| *ppid == parent && !out.contains(pid)).map(|(pid, _)| *pid).collect::<Vec<_>>());
-        i += 1;
-    }
-    out
 }

@@ -87,6 +87,9 @@ pub struct FdFilter {
     pub questions: u64,
     /// ioctls on such fds sent before the answer, dropped because the fd was not NVIDIA.
     pub pending_dropped: u64,
+    /// Kernel map inserts refused because a map was full: fds or processes that may have been
+    /// followed no more.
+    pub map_inserts_failed: u64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -144,7 +147,7 @@ fn process_report(p: &Process, model: &Model, services: &Services) -> ProcessRep
 /// Contexts still holding memory at the end that no live, active service accounts for, and
 /// memory other processes held before recording.
 fn suspects(header: &Header, model: &Model, services: &Services, idle_ns: u64) -> Vec<SuspectContext> {
-    let start = header.monotonic_start_ns.min(model.first_ts.unwrap_or(u64::MAX));
+    let start = model.time_zero(header.monotonic_start_ns);
     let end = model.last_ts;
     let mut out = Vec::new();
     let mut by_file: BTreeMap<Option<u64>, Vec<&crate::model::Allocation>> = BTreeMap::new();
@@ -356,12 +359,7 @@ mod tests {
     use crate::event::{Alloc, Device, Event, Record, Seen, Via};
 
     fn header() -> Header {
-        serde_json::from_value(serde_json::json!({
-            "format": "gputrace-trace", "version": 1, "tracer_version": "t", "host": "", "kernel": "",
-            "driver_version": null, "driver_version_source": "none", "wall_clock_start_ns": 0,
-            "monotonic_start_ns": 0, "gpus": [], "prior_use": [], "nvml": "", "command": [], "raw": false
-        }))
-        .unwrap()
+        Header::default()
     }
 
     /// A process that allocated, then did nothing for longer than the threshold, is a suspect;

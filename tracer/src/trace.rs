@@ -75,18 +75,42 @@ pub struct Header {
     pub raw: bool,
 }
 
+impl Default for Header {
+    /// A header that knows nothing but its format: what tests, benchmarks and the fuzzer start
+    /// from (`Header { gpus, ..Header::default() }`).
+    fn default() -> Header {
+        Header {
+            format: FORMAT.into(),
+            version: VERSION,
+            tracer_version: String::new(),
+            host: String::new(),
+            kernel: String::new(),
+            driver_version: None,
+            driver_version_source: "none".into(),
+            wall_clock_start_ns: 0,
+            monotonic_start_ns: 0,
+            gpus: Vec::new(),
+            prior_use: Vec::new(),
+            holders_at_start: Vec::new(),
+            nvml: String::new(),
+            command: Vec::new(),
+            raw: false,
+        }
+    }
+}
+
 #[derive(Debug, Error)]
 pub enum TraceError {
-    #[error("cannot open the trace {path}: {source}")]
-    Open { path: PathBuf, source: io::Error },
+    #[error("cannot open the trace {path}: {cause}")]
+    Open { path: PathBuf, cause: io::Error },
     #[error("{path} is not a gputrace trace: its first line is not a gputrace header ({reason})")]
     NotATrace { path: PathBuf, reason: String },
     #[error("{path} is a gputrace trace of format version {found}; this gputrace reads version {VERSION}: use a gputrace at least as new as the one that recorded it")]
     Version { path: PathBuf, found: u64 },
-    #[error("reading the trace {path}: {source}")]
-    Read { path: PathBuf, source: io::Error },
-    #[error("writing the trace {path}: {source}")]
-    Write { path: PathBuf, source: io::Error },
+    #[error("reading the trace {path}: {cause}")]
+    Read { path: PathBuf, cause: io::Error },
+    #[error("writing the trace {path}: {cause}")]
+    Write { path: PathBuf, cause: io::Error },
 }
 
 pub struct Writer {
@@ -99,7 +123,7 @@ impl Writer {
     /// Creates the trace as `user` would (see [`crate::user::create_private`]): mode 0600, never
     /// through a symbolic link, never over someone else's file.
     pub fn create(path: &Path, header: &Header, user: Option<&User>) -> Result<Writer, TraceError> {
-        let file = create_private(path, user).map_err(|source| TraceError::Open { path: path.into(), source })?;
+        let file = create_private(path, user).map_err(|cause| TraceError::Open { path: path.into(), cause })?;
         let mut w = Writer { out: BufWriter::with_capacity(1 << 16, file), path: path.into(), records: 0 };
         w.line(header)?;
         w.flush()?;
@@ -107,7 +131,7 @@ impl Writer {
     }
 
     fn line<T: Serialize>(&mut self, value: &T) -> Result<(), TraceError> {
-        let err = |source| TraceError::Write { path: self.path.clone(), source };
+        let err = |cause| TraceError::Write { path: self.path.clone(), cause };
         serde_json::to_writer(&mut self.out, value).map_err(|e| err(e.into()))?;
         self.out.write_all(b"\n").map_err(err)
     }
@@ -122,7 +146,7 @@ impl Writer {
     }
 
     pub fn flush(&mut self) -> Result<(), TraceError> {
-        self.out.flush().map_err(|source| TraceError::Write { path: self.path.clone(), source })
+        self.out.flush().map_err(|cause| TraceError::Write { path: self.path.clone(), cause })
     }
 }
 
@@ -220,14 +244,14 @@ pub struct Reader {
 
 impl Reader {
     pub fn open(path: &Path) -> Result<Reader, TraceError> {
-        let file = File::open(path).map_err(|source| TraceError::Open { path: path.into(), source })?;
+        let file = File::open(path).map_err(|cause| TraceError::Open { path: path.into(), cause })?;
         let mut lines = Lines { input: BufReader::with_capacity(1 << 16, file), buf: Vec::new(), skipping: false };
         let not_a_trace = |reason: String| TraceError::NotATrace { path: path.into(), reason };
         match lines.next() {
             Ok(Some(Line::Kept)) => {}
             Ok(Some(Line::TooLong)) => return Err(not_a_trace(format!("the first line is longer than {} MiB", MAX_LINE >> 20))),
             Ok(None) => return Err(not_a_trace("the file is empty".into())),
-            Err(source) => return Err(TraceError::Read { path: path.into(), source }),
+            Err(cause) => return Err(TraceError::Read { path: path.into(), cause }),
         }
         let value: serde_json::Value = serde_json::from_slice(&lines.buf).map_err(|e| not_a_trace(e.to_string()))?;
         if value.get("format").and_then(|f| f.as_str()) != Some(FORMAT) {
@@ -265,7 +289,7 @@ impl Iterator for Reader {
                     }
                     return None;
                 }
-                Err(source) => return Some(Err(TraceError::Read { path: self.path.clone(), source })),
+                Err(cause) => return Some(Err(TraceError::Read { path: self.path.clone(), cause })),
                 Ok(Some(line)) => line,
             };
             self.line_no += 1;
@@ -295,8 +319,6 @@ mod tests {
 
     fn header() -> Header {
         Header {
-            format: FORMAT.into(),
-            version: VERSION,
             tracer_version: "test".into(),
             host: "h".into(),
             kernel: "k".into(),
@@ -304,12 +326,8 @@ mod tests {
             driver_version_source: "test".into(),
             wall_clock_start_ns: 1,
             monotonic_start_ns: 2,
-            gpus: vec![],
-            prior_use: vec![],
-            holders_at_start: vec![],
             nvml: "not asked".into(),
-            command: vec![],
-            raw: false,
+            ..Header::default()
         }
     }
 

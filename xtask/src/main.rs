@@ -7,6 +7,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 use std::time::Instant;
 
+mod vm;
+
 type Result<T> = std::result::Result<T, String>;
 
 const BPF_LINKER_VERSION: &str = "0.13.0";
@@ -123,6 +125,18 @@ fn test() -> Result<()> {
     run(Command::new("cargo").current_dir(root()).args(["clippy", "--quiet", "--release", "--all-targets", "--", "-D", "warnings"]))?;
     // A bounded run of every fuzz target: a crash fails the test run.
     fuzz(FUZZ_SECONDS_IN_TEST)?;
+    // gputrace on the kernels users run: Debian 12's arm64 and amd64 6.1, under QEMU (root: the
+    // guests' packages are installed with apt). Each guest counts as one test in the totals.
+    let mut guests = Vec::new();
+    for guest in ["arm64", "x86"] {
+        if as_root {
+            let outcome = vm::vm(guest);
+            if let Err(e) = &outcome {
+                eprintln!("xtask: the {guest} guest failed: {e}");
+            }
+            guests.push(outcome.is_ok());
+        }
+    }
     let mut child = Command::new("cargo")
         .current_dir(root())
         .args(["test", "--release"])
@@ -148,11 +162,18 @@ fn test() -> Result<()> {
         }
     }
     let status = child.wait().map_err(|e| e.to_string())?;
+    passed += guests.iter().filter(|ok| **ok).count() as u64;
+    failed += guests.iter().filter(|ok| !**ok).count() as u64;
+    if !as_root {
+        ignored += 2;
+    }
     println!("tests: {passed} passed, {failed} failed, {ignored} skipped");
-    if status.success() {
-        Ok(())
-    } else {
+    if !status.success() {
         Err(format!("cargo test failed ({status})"))
+    } else if guests.contains(&false) {
+        Err("a guest kernel's run failed (see above)".into())
+    } else {
+        Ok(())
     }
 }
 
@@ -417,7 +438,8 @@ fn main() -> ExitCode {
             Some(Ok(seconds)) => fuzz(seconds),
             Some(Err(_)) => Err("usage: cargo xtask fuzz [SECONDS per target]".into()),
         },
-        _ => Err("usage: cargo xtask setup | build | test | demo [SCENARIO [vllm|llama]] | bench | fuzz [SECONDS]".into()),
+        Some("vm") => vm::vm(args.get(1).map_or("arm64", String::as_str)),
+        _ => Err("usage: cargo xtask setup | build | test | demo [SCENARIO [vllm|llama]] | bench | fuzz [SECONDS] | vm [arm64|x86]".into()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -12,21 +12,17 @@ use gputrace::files::{KernelUpdate, Resolver};
 use gputrace::model::{generate, Model};
 use gputrace::pipeline::Pipeline;
 use gputrace::report::{Loss, Report};
-use gputrace::trace::Header;
+use gputrace::trace::{Gpu, Header};
 use tracer_common::{escape, rm_cmd};
 
 /// The driver versions whose layouts differ, and one outside the known range.
 const VERSIONS: [(u32, u32, u32); 9] =
     [(515, 65, 1), (525, 60, 13), (535, 104, 5), (545, 23, 6), (550, 40, 53), (550, 54, 14), (580, 95, 5), (590, 44, 1), (610, 1, 1)];
-const ESCAPES: [u32; 7] = [
-    escape::RM_ALLOC_MEMORY,
-    escape::RM_FREE,
-    escape::RM_ALLOC,
-    escape::RM_DUP_OBJECT,
-    escape::RM_VID_HEAP_CONTROL,
-    escape::REGISTER_FD,
-    escape::IOCTL_XFER_CMD,
-];
+/// Every followed escape, and the XFER wrapper around them.
+const ESCAPES: [u32; 7] = {
+    let f = escape::FOLLOWED;
+    [f[0], f[1], f[2], f[3], f[4], f[5], escape::IOCTL_XFER_CMD]
+};
 
 /// A /proc with nothing in it: the pipeline's questions get no answers.
 struct NoProc;
@@ -92,13 +88,8 @@ pub fn decode(data: &[u8]) {
 }
 
 fn header() -> Header {
-    serde_json::from_value(serde_json::json!({
-        "format": "gputrace-trace", "version": 1, "tracer_version": "fuzz", "host": "", "kernel": "",
-        "driver_version": null, "driver_version_source": "none", "wall_clock_start_ns": 0,
-        "monotonic_start_ns": 0, "gpus": [{"index": 0, "name": "fuzz", "total_bytes": 85899345920u64, "used_bytes": null}],
-        "prior_use": [], "nvml": "", "command": [], "raw": false
-    }))
-    .expect("a valid header")
+    let card = Gpu { index: 0, name: "fuzz".into(), total_bytes: Some(80 << 30), used_bytes: None };
+    Header { gpus: vec![card], ..Header::default() }
 }
 
 /// Everything a person runs on a model: the report in both forms and every export.

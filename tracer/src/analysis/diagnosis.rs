@@ -8,16 +8,19 @@
 //! 4. concurrent-load: several in flight, each of which alone fits.
 //!
 //! Besides: host-oom (the kernel's OOM killer), none, and inconclusive (evidence missing or lost).
+//! The evidence is typed ([`Evidence`]); each category's fix is its own function, which asks the
+//! server's family ([`ServerFamily`]) what its settings are called.
 
 use std::collections::BTreeMap;
 
 use serde::Serialize;
 use serde_json::{json, Value};
 
+use super::server::{flag, ServerFamily};
 use super::{Phase, Service, Services};
 use crate::abi::status;
 use crate::event::Memory;
-use crate::model::Model;
+use crate::model::{Model, Request};
 use crate::trace::Header;
 use crate::units::bytes;
 
@@ -59,11 +62,30 @@ pub enum Symptom {
     None,
 }
 
+impl Symptom {
+    /// The name reports and scripts use (the same as in JSON).
+    pub fn name(self) -> &'static str {
+        match self {
+            Symptom::FailedAllocation => "failed-allocation",
+            Symptom::StartupRefusal => "startup-refusal",
+            Symptom::OomKill => "oom-kill",
+            Symptom::Crash => "crash",
+            Symptom::None => "none",
+        }
+    }
+}
+
 /// Fields a script reads, and the same said in words.
 #[derive(Clone, Debug, Serialize, PartialEq)]
 pub struct Said {
     pub fields: Value,
     pub text: String,
+}
+
+impl Said {
+    fn new(fields: impl Serialize, text: String) -> Said {
+        Said { fields: serde_json::to_value(fields).unwrap_or_default(), text }
+    }
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -78,17 +100,31 @@ pub struct Diagnosis {
     pub fix: Said,
 }
 
-impl Symptom {
-    /// The name reports and scripts use (the same as in JSON).
-    pub fn name(self) -> &'static str {
-        match self {
-            Symptom::FailedAllocation => "failed-allocation",
-            Symptom::StartupRefusal => "startup-refusal",
-            Symptom::OomKill => "oom-kill",
-            Symptom::Crash => "crash",
-            Symptom::None => "none",
-        }
-    }
+/// Who held memory outside the failing service.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Holder {
+    pub pid: u32,
+    pub command: String,
+    pub bytes: u64,
+    /// "traced" (seen allocating) or "nvml" (held before recording began).
+    pub source: &'static str,
+    /// The pid NVML counted it for, when another process keeps it now.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nvml_pid: Option<u32>,
+}
+
+/// What the diagnosis saw at the failure (the `evidence.fields` of the report's JSON).
+#[derive(Clone, Debug, Serialize)]
+pub struct Evidence {
+    pub capacity_bytes: Option<u64>,
+    pub service_bytes: u64,
+    pub held_outside_bytes: u64,
+    pub holders_outside: Vec<Holder>,
+    pub free_bytes: Option<u64>,
+    pub failed_bytes: Option<u64>,
+    pub phase: Phase,
+    pub requests_in_flight: usize,
+    pub request_bytes_received: Vec<u64>,
 }
 
 struct Failure {
@@ -99,12 +135,19 @@ struct Failure {
     bytes: Option<u64>,
 }
 
-/// The value of `--flag V` or `--flag=V` on a command line.
-fn flag(command: &[String], names: &[&str]) -> Option<String> {
-    command.iter().enumerate().find_map(|(i, a)| {
-        names.iter().find_map(|n| if a == n { command.get(i + 1).cloned() } else { a.strip_prefix(&format!("{n}=")).map(String::from) })
-    })
+/// One failure with everything a fix needs.
+struct Case<'c> {
+    failure: &'c Failure,
+    service: &'c Service,
+    /// The engine's command line (the first process of the service with one) and its family.
+    engine: &'c [String],
+    family: ServerFamily,
+    in_flight: Vec<&'c Request>,
+    evidence: Evidence,
 }
+
+/// Engines that do not say how much they reserve at start are judged as reserving this much.
+const DEFAULT_RESERVE: f64 = 0.9;
 
 pub struct Diagnoser<'a> {
     header: &'a Header,
@@ -123,7 +166,7 @@ impl<'a> Diagnoser<'a> {
     }
 
     fn start(&self) -> u64 {
-        self.header.monotonic_start_ns.min(self.model.first_ts.unwrap_or(u64::MAX))
+        self.model.time_zero(self.header.monotonic_start_ns)
     }
 
     fn capacity(&self) -> Option<u64> {
@@ -142,20 +185,20 @@ impl<'a> Diagnoser<'a> {
 
     /// Memory held outside `service` at `ts`: other traced services, and what NVML said other
     /// processes held when recording began. With who holds it.
-    fn held_outside(&self, service: &Service, ts: u64) -> (u64, Vec<Value>) {
+    fn held_outside(&self, service: &Service, ts: u64) -> (u64, Vec<Holder>) {
         let mut total = self.live_at(ts, |pid| !service.pids.contains(&pid));
         let mut holders = Vec::new();
         for other in self.services.list.iter().filter(|s| s.root != service.root) {
             let held = self.live_at(ts, |pid| other.pids.contains(&pid));
             if held > 0 {
-                holders.push(json!({"pid": other.root, "command": other.name, "bytes": held, "source": "traced"}));
+                holders.push(Holder { pid: other.root, command: other.name.clone(), bytes: held, source: "traced", nvml_pid: None });
             }
         }
         for prior in self.header.prior_use.iter().filter(|p| !service.pids.contains(&p.pid)) {
             let used = prior.used_bytes.unwrap_or(0);
             total = total.saturating_add(used);
             let (pid, command) = super::prior_holder(self.header, prior, |pid| service.pids.contains(&pid));
-            holders.push(json!({"pid": pid, "command": command, "bytes": used, "source": "nvml", "nvml_pid": prior.pid}));
+            holders.push(Holder { pid, command, bytes: used, source: "nvml", nvml_pid: Some(prior.pid) });
         }
         (total, holders)
     }
@@ -217,105 +260,108 @@ impl<'a> Diagnoser<'a> {
         failures.iter().map(|f| self.diagnose_one(f)).collect()
     }
 
+    /// The case a failure makes: its service, engine, requests in flight and the figures.
+    fn case<'c>(&'c self, failure: &'c Failure, service: &'c Service) -> Case<'c> {
+        let ts = failure.ts;
+        // A death is judged by the state just before it: its exit ends its requests at once.
+        let before = if failure.symptom == Symptom::FailedAllocation { ts } else { ts.saturating_sub(1) };
+        let in_flight = self.services.in_flight(service, before);
+        let (outside, holders) = self.held_outside(service, ts);
+        let own = self.live_at(ts, |pid| service.pids.contains(&pid));
+        let capacity = self.capacity();
+        let evidence = Evidence {
+            capacity_bytes: capacity,
+            service_bytes: own,
+            held_outside_bytes: outside,
+            holders_outside: holders,
+            free_bytes: capacity.map(|c| c.saturating_sub(outside.saturating_add(own))),
+            failed_bytes: failure.bytes,
+            phase: self.services.phase(service, before),
+            requests_in_flight: in_flight.len(),
+            request_bytes_received: in_flight.iter().map(|r| r.bytes_in).collect(),
+        };
+        let root = &self.model.processes[&service.root].command;
+        let in_service = self.model.processes.values().filter(|p| service.pids.contains(&p.pid));
+        let engine = in_service.map(|p| p.command.as_slice()).find(|c| !c.is_empty()).unwrap_or(root);
+        Case { failure, service, engine, family: ServerFamily::of(engine), in_flight, evidence }
+    }
+
     fn diagnose_one(&self, f: &Failure) -> Diagnosis {
         let Some(service) = self.services.of(f.pid) else {
             return self.inconclusive(f, "the failing process belongs to no traced service".into());
         };
-        let capacity = self.capacity();
-        let ts = f.ts;
-        // A death is judged by the state just before it: its exit ends its requests at once.
-        let before = if f.symptom == Symptom::FailedAllocation { ts } else { ts.saturating_sub(1) };
-        let phase = self.services.phase(service, before);
-        let in_flight = self.services.in_flight(service, before);
-        let (outside, holders) = self.held_outside(service, ts);
-        let own = self.live_at(ts, |pid| service.pids.contains(&pid));
-        let free = capacity.map(|c| c.saturating_sub(outside.saturating_add(own)));
-        let evidence = json!({
-            "capacity_bytes": capacity,
-            "service_bytes": own,
-            "held_outside_bytes": outside,
-            "holders_outside": holders,
-            "free_bytes": free,
-            "failed_bytes": f.bytes,
-            "phase": phase.name(),
-            "requests_in_flight": in_flight.len(),
-            "request_bytes_received": in_flight.iter().map(|r| r.bytes_in).collect::<Vec<_>>(),
-        });
-        let command = &self.model.processes[&service.root].command;
-        let engine = self
-            .model
-            .processes
-            .values()
-            .filter(|p| service.pids.contains(&p.pid))
-            .map(|p| &p.command)
-            .find(|c| !c.is_empty())
-            .unwrap_or(command);
+        let case = self.case(f, service);
+        let e = &case.evidence;
+        let phase = e.phase.name();
         let mut context = match f.symptom {
-            Symptom::FailedAllocation => format!("An allocation of {} failed during {}", bytes(f.bytes.unwrap_or(0)), phase.name()),
+            Symptom::FailedAllocation => format!("An allocation of {} failed during {phase}", bytes(f.bytes.unwrap_or(0))),
             Symptom::StartupRefusal => "The server exited while loading, with no failed allocation (a refusal)".to_string(),
-            Symptom::OomKill => format!("The kernel's OOM killer killed pid {} during {}", f.pid, phase.name()),
-            Symptom::Crash | Symptom::None => format!("pid {} died with no failed allocation during {}", f.pid, phase.name()),
+            Symptom::OomKill => format!("The kernel's OOM killer killed pid {} during {phase}", f.pid),
+            Symptom::Crash | Symptom::None => format!("pid {} died with no failed allocation during {phase}", f.pid),
         };
-        if let Some(c) = capacity {
-            context += &format!("; the card has {}, {} held by this service, {} outside it", bytes(c), bytes(own), bytes(outside));
+        if let Some(c) = e.capacity_bytes {
+            let held = (bytes(e.service_bytes), bytes(e.held_outside_bytes));
+            context += &format!("; the card has {}, {} held by this service, {} outside it", bytes(c), held.0, held.1);
         }
-
-        let category = if f.symptom == Symptom::OomKill {
-            Category::HostOom
-        } else if self.lost > 0 {
-            return self
-                .inconclusive(f, format!("{context}; {} kernel records were lost, so what else held memory is not known", self.lost));
-        } else if self.held_by_other(f, outside, free, command) {
-            Category::HeldByOtherProcess
-        } else if phase == Phase::Load {
-            Category::DoesNotFitAtLoad
-        } else if in_flight.len() == 1 || self.one_much_larger(&in_flight).is_some() {
-            Category::LongRequest
-        } else if in_flight.len() > 1 {
-            Category::ConcurrentLoad
-        } else {
-            return self
-                .inconclusive(f, format!("{context}; no request was in flight, so neither one request nor concurrency explains it"));
+        let category = match self.category(&case) {
+            Ok(category) => category,
+            Err(why) => return self.inconclusive(f, format!("{context}; {why}")),
         };
-        let fix = self.fix(category, f, service, engine, &in_flight, own, outside, free, &holders);
+        let fix = match category {
+            Category::HeldByOtherProcess => fix_held(&case),
+            Category::DoesNotFitAtLoad => self.fix_load(&case),
+            Category::LongRequest => self.fix_long(&case),
+            Category::ConcurrentLoad => self.fix_concurrent(&case),
+            _ => fix_host_oom(&case),
+        };
+        let text = format!("{context}, with {} request(s) in flight.", case.in_flight.len());
         Diagnosis {
             category,
             symptom: f.symptom,
-            ts: Some(ts.saturating_sub(self.start())),
+            ts: Some(f.ts.saturating_sub(self.start())),
             pid: Some(f.pid),
             service: Some(service.name.clone()),
-            evidence: Said { text: format!("{context}, with {} request(s) in flight.", in_flight.len()), fields: evidence },
+            evidence: Said::new(&case.evidence, text),
             fix,
         }
     }
 
-    fn held_by_other(&self, f: &Failure, outside: u64, free: Option<u64>, command: &[String]) -> bool {
+    /// The category, in the order the module's doc gives; why none can be told, otherwise.
+    fn category(&self, case: &Case) -> Result<Category, String> {
+        let n = case.in_flight.len();
+        Ok(if case.failure.symptom == Symptom::OomKill {
+            Category::HostOom
+        } else if self.lost > 0 {
+            return Err(format!("{} kernel records were lost, so what else held memory is not known", self.lost));
+        } else if self.held_by_other(case) {
+            Category::HeldByOtherProcess
+        } else if case.evidence.phase == Phase::Load {
+            Category::DoesNotFitAtLoad
+        } else if n == 1 || one_much_larger(&case.in_flight).is_some() {
+            Category::LongRequest
+        } else if n > 1 {
+            Category::ConcurrentLoad
+        } else {
+            return Err("no request was in flight, so neither one request nor concurrency explains it".into());
+        })
+    }
+
+    fn held_by_other(&self, case: &Case) -> bool {
+        let (outside, free) = (case.evidence.held_outside_bytes, case.evidence.free_bytes);
         if outside == 0 {
             return false;
         }
-        match (f.symptom, f.bytes, free) {
+        match (case.failure.symptom, case.failure.bytes, free) {
             // Freeing what is held outside would have made room.
             (Symptom::FailedAllocation, Some(b), Some(free)) => free < b && free.saturating_add(outside) >= b,
             (Symptom::FailedAllocation, Some(b), None) => outside >= b,
             // A refusal at start: what others held exceeds what the engine leaves unused.
             (Symptom::StartupRefusal, _, _) => {
-                let util: f64 = flag(command, &["--gpu-memory-utilization"]).and_then(|v| v.parse().ok()).unwrap_or(0.9);
-                self.capacity().is_none_or(|c| outside as f64 >= c as f64 * (1.0 - util))
+                let reserve = reserve_of(case);
+                self.capacity().is_none_or(|c| outside as f64 >= c as f64 * (1.0 - reserve))
             }
             _ => false,
         }
-    }
-
-    /// The in-flight request that received far more than the others (4x their median), if any.
-    fn one_much_larger<'r>(&self, in_flight: &[&'r crate::model::Request]) -> Option<&'r crate::model::Request> {
-        if in_flight.len() < 2 {
-            return None;
-        }
-        let mut sizes: Vec<u64> = in_flight.iter().map(|r| r.bytes_in).collect();
-        sizes.sort();
-        let largest = *sizes.last()?;
-        let median_of_rest = sizes[(sizes.len() - 1) / 2];
-        (largest >= median_of_rest.max(1).saturating_mul(4)).then(|| *in_flight.iter().max_by_key(|r| r.bytes_in).unwrap())
     }
 
     fn inconclusive(&self, f: &Failure, why: String) -> Diagnosis {
@@ -333,140 +379,182 @@ impl<'a> Diagnoser<'a> {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn fix(
-        &self,
-        category: Category,
-        f: &Failure,
-        service: &Service,
-        engine: &[String],
-        in_flight: &[&crate::model::Request],
-        own: u64,
-        outside: u64,
-        free: Option<u64>,
-        holders: &[Value],
-    ) -> Said {
-        let vllm = engine.iter().any(|a| a.contains("vllm"));
-        match category {
-            Category::HeldByOtherProcess => {
-                let biggest = holders.iter().max_by_key(|h| h["bytes"].as_u64().unwrap_or(0)).cloned().unwrap_or(json!({}));
-                let pid = biggest["pid"].as_u64().unwrap_or(0);
-                Said {
-                    text: format!(
-                        "Stop pid {pid} (`{}`), which holds {} outside this server: `kill {pid}`. Then start the server again.",
-                        biggest["command"].as_str().unwrap_or("?"),
-                        bytes(biggest["bytes"].as_u64().unwrap_or(outside))
-                    ),
-                    fields: json!({"kill": pid, "holders": holders, "held_outside_bytes": outside}),
-                }
-            }
-            Category::DoesNotFitAtLoad => {
-                let wanted = own.saturating_add(f.bytes.unwrap_or(0));
-                let params = wanted as f64 / 2.0 / 1e9;
-                let shortfall = f.bytes.unwrap_or(0).saturating_sub(free.unwrap_or(0));
-                // A smaller reserve helps only when the model itself fit: vLLM refusing at start
-                // (its budget exceeds what is free), or a failure after the weights were loaded.
-                let reserve = if vllm && f.symptom == Symptom::StartupRefusal {
-                    let util: f64 = flag(engine, &["--gpu-memory-utilization"]).and_then(|v| v.parse().ok()).unwrap_or(0.9);
-                    let fits = self.capacity().zip(free).map(|(c, free)| (free as f64 / c as f64 * 100.0).floor() / 100.0);
-                    fits.map(|u| format!("; or lower --gpu-memory-utilization from {util} to {u}, what is free")).unwrap_or_default()
-                } else if !vllm && own > f.bytes.unwrap_or(u64::MAX) {
-                    let ctx = flag(engine, &["-c", "--ctx-size", "--ctx"]).unwrap_or_else(|| "its default".into());
-                    format!("; the weights fit, so a smaller context reserve may: lower -c (now {ctx})")
-                } else {
-                    String::new()
-                };
-                Said {
-                    text: format!(
-                        "Loading needed at least {} ({:.1}B parameters at FP16) on a {} card: use a smaller model or quantize it (about {} at 8-bit, {} at 4-bit){reserve}.",
-                        bytes(wanted),
-                        params,
-                        self.capacity().map(bytes).unwrap_or_else(|| "?".into()),
-                        bytes(wanted / 2),
-                        bytes(wanted / 4)
-                    ),
-                    fields: json!({"load_bytes": wanted, "parameters_fp16_billions": (params * 10.0).round() / 10.0, "bytes_8bit": wanted / 2, "bytes_4bit": wanted / 4, "shortfall_bytes": shortfall}),
-                }
-            }
-            Category::LongRequest => {
-                let culprit = self.one_much_larger(in_flight).or_else(|| in_flight.first().copied());
-                let failed_in = culprit.map(|r| r.bytes_in).unwrap_or(0);
-                let served = self
-                    .model
-                    .requests
-                    .iter()
-                    .filter(|r| service.pids.contains(&r.pid) && r.first_data_at.is_some_and(|d| d < f.ts))
-                    .map(|r| r.bytes_in)
-                    .max()
-                    .unwrap_or(0);
-                let flag_text = if vllm {
-                    "--max-model-len".to_string()
-                } else {
-                    match flag(engine, &["-c", "--ctx-size", "--ctx"]) {
-                        Some(c) => {
-                            let suggested = (c.parse::<f64>().unwrap_or(0.0) * served as f64 / failed_in.max(1) as f64) as u64;
-                            format!("-c (now {c}; about {suggested} keeps the longest prompt that was served)")
-                        }
-                        None => "-c".into(),
-                    }
-                };
-                Said {
-                    text: format!(
-                        "One request of {} received failed while prompts up to {} were served: lower the maximum context ({flag_text}) so requests that long are refused cleanly instead of failing the server.",
-                        bytes(failed_in),
-                        bytes(served)
-                    ),
-                    fields: json!({"failed_request_bytes": failed_in, "largest_served_request_bytes": served, "flag": if vllm { "--max-model-len" } else { "-c" }}),
-                }
-            }
-            Category::ConcurrentLoad => {
-                let prefill = |a: &&crate::model::Allocation| {
-                    a.memory == Memory::Video && service.pids.contains(&a.pid) && self.services.phase(service, a.ts) == Phase::Prefill
-                };
-                let prefill_live: u64 = self
-                    .model
-                    .allocations
-                    .iter()
-                    .filter(prefill)
-                    .filter(|a| a.ts <= f.ts && a.freed.is_none_or(|(t, _)| t > f.ts))
-                    .map(|a| a.bytes)
-                    .fold(0, u64::saturating_add);
-                // What one request costs: what a prefill allocated while it was alone in flight.
-                let mut alone: BTreeMap<u64, u64> = BTreeMap::new();
-                // The timeline's count rules most allocations out without looking at requests.
-                for a in self.model.allocations.iter().filter(prefill).filter(|a| a.ts < f.ts) {
-                    if self.services.in_flight_count(service, a.ts) != 1 {
-                        continue;
-                    }
-                    if let [only] = self.services.in_flight(service, a.ts)[..] {
-                        crate::model::add(alone.entry(only.arrived).or_default(), a.bytes);
-                    }
-                }
-                let n = in_flight.len().max(1) as u64;
-                let measured = alone.values().copied().max();
-                let per_request = measured.unwrap_or(prefill_live.saturating_add(f.bytes.unwrap_or(0)) / n).max(1);
-                let room = free.unwrap_or(0).saturating_add(prefill_live);
-                let cap = (room / per_request).clamp(1, n.saturating_sub(1).max(1));
-                let flag_text = if vllm { format!("--max-num-seqs {cap}") } else { format!("-np {cap}") };
-                let how = if measured.is_some() { "one request alone needed" } else { "the batch needed, per request," };
-                Said {
-                    text: format!(
-                        "{n} requests were in flight; {how} {}, and {} was free for requests: cap concurrency at {cap} ({flag_text}, or LiteLLM max_parallel_requests: {cap} in front of it).",
-                        bytes(per_request),
-                        bytes(room)
-                    ),
-                    fields: json!({"in_flight": n, "bytes_per_request": per_request, "per_request_measured_alone": measured.is_some(), "room_bytes": room, "max_concurrency": cap, "flag": flag_text, "litellm_max_parallel_requests": cap}),
-                }
-            }
-            Category::HostOom => Said {
-                text: format!(
-                    "The kernel's OOM killer killed pid {}: host memory ran out, not the GPU's (on unified-memory machines GPU memory is host RAM). Give it more host memory (the cgroup's limit), or load a smaller or quantized model{}.",
-                    f.pid,
-                    if vllm { ", or lower --gpu-memory-utilization" } else { "" }
-                ),
-                fields: json!({"killed_pid": f.pid}),
-            },
-            Category::None | Category::Inconclusive => Said { fields: json!({}), text: String::new() },
+    /// Smaller model or quantization; a smaller reserve where the engine reserves up front and
+    /// refused, or a smaller context where the weights fit.
+    fn fix_load(&self, case: &Case) -> Said {
+        #[derive(Serialize)]
+        struct Fields {
+            load_bytes: u64,
+            parameters_fp16_billions: f64,
+            bytes_8bit: u64,
+            bytes_4bit: u64,
+            shortfall_bytes: u64,
         }
+        let (e, failed) = (&case.evidence, case.failure.bytes.unwrap_or(0));
+        let wanted = e.service_bytes.saturating_add(failed);
+        let params = wanted as f64 / 2.0 / 1e9;
+        let reserve = match (case.family.reserve(), case.family.context()) {
+            // A smaller reserve helps only when the model itself fit: the engine refusing at start
+            // (its budget exceeds what is free).
+            (Some((name, _)), _) if case.failure.symptom == Symptom::StartupRefusal => {
+                let fits = self.capacity().zip(e.free_bytes).map(|(c, free)| (free as f64 / c as f64 * 100.0).floor() / 100.0);
+                fits.map(|u| format!("; or lower {name} from {} to {u}, what is free", reserve_of(case))).unwrap_or_default()
+            }
+            // Or a failure after the weights were loaded: the context reserve is what did not fit.
+            (None, Some((setting, names))) if case.failure.bytes.is_some_and(|b| e.service_bytes > b) => {
+                let now = flag(case.engine, names).unwrap_or_else(|| "its default".into());
+                format!("; the weights fit, so a smaller context reserve may: lower {} (now {now})", setting.name())
+            }
+            _ => String::new(),
+        };
+        let card = self.capacity().map(bytes).unwrap_or_else(|| "?".into());
+        let text = format!(
+            "Loading needed at least {} ({params:.1}B parameters at FP16) on a {card} card: use a smaller model or quantize it (about {} at 8-bit, {} at 4-bit){reserve}.",
+            bytes(wanted),
+            bytes(wanted / 2),
+            bytes(wanted / 4)
+        );
+        let fields = Fields {
+            load_bytes: wanted,
+            parameters_fp16_billions: (params * 10.0).round() / 10.0,
+            bytes_8bit: wanted / 2,
+            bytes_4bit: wanted / 4,
+            shortfall_bytes: failed.saturating_sub(e.free_bytes.unwrap_or(0)),
+        };
+        Said::new(fields, text)
     }
+
+    /// A lower maximum context, scaled from the longest prompt that was served.
+    fn fix_long(&self, case: &Case) -> Said {
+        #[derive(Serialize)]
+        struct Fields<'s> {
+            failed_request_bytes: u64,
+            largest_served_request_bytes: u64,
+            flag: &'s str,
+        }
+        let culprit = one_much_larger(&case.in_flight).or_else(|| case.in_flight.first().copied());
+        let failed_in = culprit.map(|r| r.bytes_in).unwrap_or(0);
+        let served_before = |r: &&Request| case.service.pids.contains(&r.pid) && r.first_data_at.is_some_and(|d| d < case.failure.ts);
+        let served = self.model.requests.iter().filter(served_before).map(|r| r.bytes_in).max().unwrap_or(0);
+        let (setting, how) = match case.family.context() {
+            Some((setting, names)) => {
+                let how = match flag(case.engine, names) {
+                    Some(now) => {
+                        let suggested = (now.parse::<f64>().unwrap_or(0.0) * served as f64 / failed_in.max(1) as f64) as u64;
+                        format!("{} (now {now}; about {suggested} keeps the longest prompt that was served)", setting.name())
+                    }
+                    None => setting.name().to_string(),
+                };
+                (setting.name(), how)
+            }
+            None => ("", "the server's setting for it".to_string()),
+        };
+        let text = format!(
+            "One request of {} received failed while prompts up to {} were served: lower the maximum context ({how}) so requests that long are refused cleanly instead of failing the server.",
+            bytes(failed_in),
+            bytes(served)
+        );
+        Said::new(Fields { failed_request_bytes: failed_in, largest_served_request_bytes: served, flag: setting }, text)
+    }
+
+    /// A concurrency cap computed from what one request costs: what a prefill allocated while it
+    /// was alone in flight, else the batch's share.
+    fn fix_concurrent(&self, case: &Case) -> Said {
+        #[derive(Serialize)]
+        struct Fields {
+            in_flight: u64,
+            bytes_per_request: u64,
+            per_request_measured_alone: bool,
+            room_bytes: u64,
+            max_concurrency: u64,
+            flag: String,
+            litellm_max_parallel_requests: u64,
+        }
+        let (service, ts) = (case.service, case.failure.ts);
+        let prefill = |a: &&crate::model::Allocation| {
+            a.memory == Memory::Video && service.pids.contains(&a.pid) && self.services.phase(service, a.ts) == Phase::Prefill
+        };
+        let live = |a: &&crate::model::Allocation| a.ts <= ts && a.freed.is_none_or(|(t, _)| t > ts);
+        let prefill_live = self.model.allocations.iter().filter(prefill).filter(live).map(|a| a.bytes).fold(0, u64::saturating_add);
+        let mut alone: BTreeMap<u64, u64> = BTreeMap::new();
+        // The timeline's count rules most allocations out without looking at requests.
+        for a in self.model.allocations.iter().filter(prefill).filter(|a| a.ts < ts) {
+            if self.services.in_flight_count(service, a.ts) != 1 {
+                continue;
+            }
+            if let [only] = self.services.in_flight(service, a.ts)[..] {
+                crate::model::add(alone.entry(only.arrived).or_default(), a.bytes);
+            }
+        }
+        let n = case.in_flight.len().max(1) as u64;
+        let measured = alone.values().copied().max();
+        let per_request = measured.unwrap_or(prefill_live.saturating_add(case.failure.bytes.unwrap_or(0)) / n).max(1);
+        let room = case.evidence.free_bytes.unwrap_or(0).saturating_add(prefill_live);
+        let cap = (room / per_request).clamp(1, n.saturating_sub(1).max(1));
+        let setting = case.family.concurrency().map_or_else(|| format!("the server's concurrency limit at {cap}"), |s| s.with(cap));
+        let how = if measured.is_some() { "one request alone needed" } else { "the batch needed, per request," };
+        let text = format!(
+            "{n} requests were in flight; {how} {}, and {} was free for requests: cap concurrency at {cap} ({setting}, or LiteLLM max_parallel_requests: {cap} in front of it).",
+            bytes(per_request),
+            bytes(room)
+        );
+        let fields = Fields {
+            in_flight: n,
+            bytes_per_request: per_request,
+            per_request_measured_alone: measured.is_some(),
+            room_bytes: room,
+            max_concurrency: cap,
+            flag: setting,
+            litellm_max_parallel_requests: cap,
+        };
+        Said::new(fields, text)
+    }
+}
+
+/// The fraction the engine reserves: its flag's value, or its default.
+fn reserve_of(case: &Case) -> f64 {
+    match case.family.reserve() {
+        Some((name, default)) => flag(case.engine, &[name]).and_then(|v| v.parse().ok()).unwrap_or(default),
+        None => DEFAULT_RESERVE,
+    }
+}
+
+/// The in-flight request that received far more than the others (4x their median), if any.
+fn one_much_larger<'r>(in_flight: &[&'r Request]) -> Option<&'r Request> {
+    if in_flight.len() < 2 {
+        return None;
+    }
+    let mut sizes: Vec<u64> = in_flight.iter().map(|r| r.bytes_in).collect();
+    sizes.sort();
+    let largest = *sizes.last()?;
+    let median_of_rest = sizes[(sizes.len() - 1) / 2];
+    (largest >= median_of_rest.max(1).saturating_mul(4)).then(|| in_flight.iter().max_by_key(|r| r.bytes_in).copied()).flatten()
+}
+
+/// Stop the biggest holder outside the service.
+fn fix_held(case: &Case) -> Said {
+    #[derive(Serialize)]
+    struct Fields<'h> {
+        kill: u32,
+        holders: &'h [Holder],
+        held_outside_bytes: u64,
+    }
+    let e = &case.evidence;
+    let biggest = e.holders_outside.iter().max_by_key(|h| h.bytes);
+    let (pid, command, held) = biggest.map_or((0, "?", e.held_outside_bytes), |h| (h.pid, h.command.as_str(), h.bytes));
+    let text = format!(
+        "Stop pid {pid} (`{command}`), which holds {} outside this server: `kill {pid}`. Then start the server again.",
+        bytes(held)
+    );
+    Said::new(Fields { kill: pid, holders: &e.holders_outside, held_outside_bytes: e.held_outside_bytes }, text)
+}
+
+/// Host memory ran out: more of it, or a smaller model (or reserve).
+fn fix_host_oom(case: &Case) -> Said {
+    let reserve = case.family.reserve().map(|(name, _)| format!(", or lower {name}")).unwrap_or_default();
+    let pid = case.failure.pid;
+    let text = format!(
+        "The kernel's OOM killer killed pid {pid}: host memory ran out, not the GPU's (on unified-memory machines GPU memory is host RAM). Give it more host memory (the cgroup's limit), or load a smaller or quantized model{reserve}."
+    );
+    Said::new(json!({"killed_pid": pid}), text)
 }

@@ -10,15 +10,6 @@ const MS: u64 = 1_000_000;
 
 fn header(capacity: u64, prior: &[(u32, u64)]) -> Header {
     Header {
-        format: "gputrace-trace".into(),
-        version: 1,
-        tracer_version: "test".into(),
-        host: String::new(),
-        kernel: String::new(),
-        driver_version: None,
-        driver_version_source: "none".into(),
-        wall_clock_start_ns: 0,
-        monotonic_start_ns: 0,
         gpus: vec![Gpu { index: 0, name: "test".into(), total_bytes: Some(capacity), used_bytes: None }],
         prior_use: prior
             .iter()
@@ -29,8 +20,7 @@ fn header(capacity: u64, prior: &[(u32, u64)]) -> Header {
             .map(|&(pid, _)| HolderAtStart { pid, ppid: 1, command: vec!["old-server".into()], devices: vec!["ctl".into()] })
             .collect(),
         nvml: "ok".into(),
-        command: vec![],
-        raw: false,
+        ..Header::default()
     }
 }
 

@@ -1,0 +1,231 @@
+//! File descriptors: opens of NVIDIA device files, closes, dups, close-on-exec, close_range.
+
+use super::*;
+
+#[derive(Clone, Copy)]
+struct Opening {
+    flags: i32,
+    device: u8,
+    path: [u8; PATH_MAX],
+}
+#[map]
+static OPENS: LruHashMap<u64, Opening> = LruHashMap::with_max_entries(1 << 12, 0);
+
+#[derive(Clone, Copy)]
+struct Duping {
+    old_fd: i32,
+    cloexec: i32,
+    state: u8,
+}
+#[map]
+static DUPS: LruHashMap<u64, Duping> = LruHashMap::with_max_entries(1 << 12, 0);
+
+const O_CLOEXEC: i32 = 0o2000000;
+const F_DUPFD: u64 = 0;
+const F_SETFD: u64 = 2;
+const F_DUPFD_CLOEXEC: u64 = 1030;
+const FD_CLOEXEC: u64 = 1;
+
+/// `/dev/nvidiactl`, `/dev/nvidia-uvm`, `/dev/nvidia<N>`; anything else (including
+/// nvidia-uvm-tools, nvidia-modeset, nvidia-caps) is not followed.
+#[inline(always)]
+fn classify(path: &[u8; PATH_MAX]) -> Option<u8> {
+    const PREFIX: &[u8; 11] = b"/dev/nvidia";
+    let mut i = 0;
+    while i < PREFIX.len() {
+        if path[i] != PREFIX[i] {
+            return None;
+        }
+        i += 1;
+    }
+    let rest = &path[11..];
+    if rest[..4] == *b"ctl\0" {
+        return Some(device::CTL);
+    }
+    if rest[..5] == *b"-uvm\0" {
+        return Some(device::UVM);
+    }
+    let mut j = 0;
+    while j < 4 {
+        let c = rest[j];
+        if c == 0 {
+            return if j > 0 { Some(device::GPU) } else { None };
+        }
+        if !c.is_ascii_digit() {
+            return None;
+        }
+        j += 1;
+    }
+    None
+}
+
+/// `path_arg` and `flags_arg`: which syscall arguments they are (openat has a directory first).
+fn open_enter(ctx: &TracePointContext, path_arg: usize, flags_arg: usize) -> u32 {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    if !is_traced((pid_tgid >> 32) as u32) {
+        return 0;
+    }
+    let filename = sys_arg(ctx, path_arg);
+    let mut opening = Opening { flags: sys_arg(ctx, flags_arg) as i32, device: 0, path: [0; PATH_MAX] };
+    if unsafe { bpf_probe_read_user_str_bytes(filename as *const u8, &mut opening.path) }.is_err() {
+        return 0;
+    }
+    let Some(device) = classify(&opening.path) else {
+        return 0;
+    };
+    opening.device = device;
+    remember(OPENS.insert(&pid_tgid, &opening, 0));
+    0
+}
+
+#[tracepoint]
+pub fn openat_enter(ctx: TracePointContext) -> u32 {
+    open_enter(&ctx, 1, 2)
+}
+
+#[tracepoint]
+pub fn open_enter_legacy(ctx: TracePointContext) -> u32 {
+    open_enter(&ctx, 0, 1)
+}
+
+#[tracepoint]
+pub fn open_exit(ctx: TracePointContext) -> u32 {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let Some(opening) = (unsafe { OPENS.get(&pid_tgid) }).copied() else {
+        return 0;
+    };
+    let _ = OPENS.remove(&pid_tgid);
+    let fd = sys_ret(&ctx);
+    if fd < 0 {
+        return 0;
+    }
+    remember(FDS.insert(&FdKey { tgid: (pid_tgid >> 32) as u32, fd: fd as u32 }, &opening.device, 0));
+    let record = OpenRecord {
+        header: header(kind::OPEN),
+        fd: fd as i32,
+        flags: opening.flags,
+        file: file_of(fd as u32),
+        device: opening.device,
+        _pad: [0; 7],
+        path: opening.path,
+    };
+    if EVENTS.output::<OpenRecord>(&record, 0).is_err() {
+        bump(stat::LOST);
+    }
+    0
+}
+
+/// Forgets what `fd` was; tells userspace when it was an NVIDIA file (a reference dropped), or
+/// when it may be one inherited by a child whose fds userspace has not copied yet.
+#[inline(always)]
+fn forget_fd(tgid: u32, fd: u32) {
+    let key = FdKey { tgid, fd };
+    match unsafe { FDS.get(&key) } {
+        Some(&state) => {
+            let _ = FDS.remove(&key);
+            if is_nvidia(state) {
+                send_fd_record(kind::CLOSE, fd as i64, 0, 0);
+            } else if state == device::CONN {
+                send_fd_record(kind::CONN_CLOSE, fd as i64, 0, 0);
+            }
+        }
+        None => {
+            if unsafe { TRACED.get(&tgid) } == Some(&traced::INHERITING) {
+                send_fd_record(kind::CLOSE, fd as i64, 1, 0);
+            }
+        }
+    }
+}
+
+#[tracepoint]
+pub fn close_enter(ctx: TracePointContext) -> u32 {
+    let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    forget_fd(tgid, sys_arg(&ctx, 0) as u32);
+    0
+}
+
+fn dup_enter(ctx: &TracePointContext, new_fd: Option<u32>, cloexec: i32) -> u32 {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let tgid = (pid_tgid >> 32) as u32;
+    let old_fd = sys_arg(ctx, 0) as u32;
+    if let Some(new_fd) = new_fd {
+        if new_fd == old_fd {
+            return 0;
+        }
+        // dup2/dup3 onto an open fd closes it first.
+        forget_fd(tgid, new_fd);
+    }
+    if let Some(&state) = unsafe { FDS.get(&FdKey { tgid, fd: old_fd }) } {
+        remember(DUPS.insert(&pid_tgid, &Duping { old_fd: old_fd as i32, cloexec, state }, 0));
+    }
+    0
+}
+
+#[tracepoint]
+pub fn dup_enter_plain(ctx: TracePointContext) -> u32 {
+    dup_enter(&ctx, None, 0)
+}
+
+#[tracepoint]
+pub fn dup2_enter(ctx: TracePointContext) -> u32 {
+    let new_fd = sys_arg(&ctx, 1) as u32;
+    dup_enter(&ctx, Some(new_fd), 0)
+}
+
+#[tracepoint]
+pub fn dup3_enter(ctx: TracePointContext) -> u32 {
+    let new_fd = sys_arg(&ctx, 1) as u32;
+    let flags = sys_arg(&ctx, 2) as i32;
+    dup_enter(&ctx, Some(new_fd), flags & O_CLOEXEC)
+}
+
+#[tracepoint]
+pub fn fcntl_enter(ctx: TracePointContext) -> u32 {
+    let fcntl_cmd = sys_arg(&ctx, 1);
+    match fcntl_cmd {
+        F_DUPFD => dup_enter(&ctx, None, 0),
+        F_DUPFD_CLOEXEC => dup_enter(&ctx, None, O_CLOEXEC),
+        F_SETFD => {
+            let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+            let fd = sys_arg(&ctx, 0) as u32;
+            if let Some(&state) = unsafe { FDS.get(&FdKey { tgid, fd }) } {
+                if is_nvidia(state) {
+                    let value = sys_arg(&ctx, 2);
+                    send_fd_record(kind::SET_CLOEXEC, fd as i64, (value & FD_CLOEXEC) as i64, 0);
+                }
+            }
+            0
+        }
+        _ => 0,
+    }
+}
+
+/// Exit of dup, dup2, dup3 and fcntl: the new fd shares the old one's file.
+#[tracepoint]
+pub fn dup_exit(ctx: TracePointContext) -> u32 {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let Some(duping) = (unsafe { DUPS.get(&pid_tgid) }).copied() else {
+        return 0;
+    };
+    let _ = DUPS.remove(&pid_tgid);
+    let new_fd = sys_ret(&ctx);
+    if new_fd < 0 {
+        return 0;
+    }
+    remember(FDS.insert(&FdKey { tgid: (pid_tgid >> 32) as u32, fd: new_fd as u32 }, &duping.state, 0));
+    if is_nvidia(duping.state) || duping.state == device::CONN {
+        send_fd_record(kind::DUP, duping.old_fd as i64, new_fd, duping.cloexec as i64);
+    }
+    0
+}
+
+/// The range may be huge (3..~0), so userspace, which mirrors FDS, does the forgetting.
+#[tracepoint]
+pub fn close_range_enter(ctx: TracePointContext) -> u32 {
+    if !is_traced((bpf_get_current_pid_tgid() >> 32) as u32) {
+        return 0;
+    }
+    let (first, last, flags) = (sys_arg(&ctx, 0), sys_arg(&ctx, 1), sys_arg(&ctx, 2));
+    send_fd_record(kind::CLOSE_RANGE, first as i64, last as u32 as i64, flags as i64);
+    0
+}

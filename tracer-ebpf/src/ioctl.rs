@@ -1,0 +1,170 @@
+//! ioctl enter and exit: the NVIDIA escapes and UVM commands, their params copied to the ring
+//! buffer; an unknown fd with an NVIDIA-looking command is asked about once.
+
+use super::*;
+
+#[derive(Clone, Copy)]
+struct Inflight {
+    arg: u64,
+    file: u64,
+    fd: i32,
+    cmd: u32,
+    device: u8,
+    flags: u8,
+}
+/// Entry state kept until the syscall exits, keyed by pid_tgid. LRU so a thread killed inside a
+/// syscall cannot leak entries.
+#[map]
+static IOCTLS: LruHashMap<u64, Inflight> = LruHashMap::with_max_entries(1 << 14, 0);
+
+/// Per UVM command, the bytes to copy for the running driver version (written by userspace).
+#[map]
+static UVM_WINDOWS: HashMap<u32, UvmWindow> = HashMap::with_max_entries(16, 0);
+/// Per RM class, the size of its allocation params for the running driver version.
+#[map]
+static CLASS_PARAMS: HashMap<u32, u32> = HashMap::with_max_entries(64, 0);
+
+#[tracepoint]
+pub fn ioctl_enter(ctx: TracePointContext) -> u32 {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let tgid = (pid_tgid >> 32) as u32;
+    let fd = sys_arg(&ctx, 0);
+    let cmd = sys_arg(&ctx, 1) as u32;
+    let key = FdKey { tgid, fd: fd as u32 };
+    let looks_nvidia = |cmd: u32| rm_command_traced(cmd) || uvm_command_traced(cmd);
+    let (state, flags) = match unsafe { FDS.get(&key) } {
+        Some(&device::NOT_NVIDIA) | Some(&device::CONN) => return 0,
+        Some(&device::PENDING) => {
+            if !looks_nvidia(cmd) {
+                return 0;
+            }
+            (device::PENDING, ioctl_flag::PENDING)
+        }
+        Some(&device::UVM) => {
+            if !uvm_command_traced(cmd) {
+                return 0;
+            }
+            (device::UVM, 0)
+        }
+        Some(&state) => {
+            if !rm_command_traced(cmd) {
+                return 0;
+            }
+            (state, 0)
+        }
+        None => {
+            if !looks_nvidia(cmd) || !is_traced(tgid) {
+                return 0;
+            }
+            // Inherited, dup'ed before tracing or received over a socket: ask once.
+            if FDS.insert(&key, &device::PENDING, BPF_NOEXIST as u64).is_err() {
+                return 0;
+            }
+            bump(stat::QUESTIONS);
+            (device::PENDING, ioctl_flag::QUESTION)
+        }
+    };
+    let file = if flags == ioctl_flag::QUESTION { file_of(fd as u32) } else { 0 };
+    let inflight = Inflight { arg: sys_arg(&ctx, 2), file, fd: fd as i32, cmd, device: state, flags };
+    remember(IOCTLS.insert(&pid_tgid, &inflight, 0));
+    0
+}
+
+#[tracepoint]
+pub fn ioctl_exit(ctx: TracePointContext) -> u32 {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let Some(inflight) = (unsafe { IOCTLS.get(&pid_tgid) }).copied() else {
+        return 0;
+    };
+    let _ = IOCTLS.remove(&pid_tgid);
+    let ret = sys_ret(&ctx);
+    let Some(mut entry) = EVENTS.reserve::<IoctlRecord>(0) else {
+        bump(stat::LOST);
+        return 0;
+    };
+    let record = entry.as_mut_ptr();
+    let ok = unsafe { fill_ioctl(&mut *record, &inflight, ret) };
+    if ok {
+        entry.submit(0);
+    } else {
+        entry.discard(0);
+    }
+    0
+}
+
+/// Returns false when the record is not worth sending (an XFER wrapping an untraced escape).
+#[inline(always)]
+unsafe fn fill_ioctl(record: &mut IoctlRecord, inflight: &Inflight, ret: i64) -> bool {
+    record.header = header(kind::IOCTL);
+    record.fd = inflight.fd;
+    record.cmd = inflight.cmd;
+    record.arg = inflight.arg;
+    record.ret = ret;
+    record.device = inflight.device;
+    record.flags = inflight.flags;
+    record._pad = [0; 2];
+    record.params_len = 0;
+    record.class_len = 0;
+    record.file = inflight.file;
+    record.escape_cmd = inflight.cmd;
+    let params = record.params.as_mut_ptr();
+
+    if uvm_command_traced(inflight.cmd) {
+        let Some(window) = (unsafe { UVM_WINDOWS.get(&inflight.cmd) }).copied() else {
+            return false;
+        };
+        let head = window.head_len.min(PARAMS_MAX as u32);
+        let mut ok = read_user(params, PARAMS_MAX, inflight.arg, head);
+        if head as usize + 16 <= PARAMS_MAX {
+            let tail_dst = unsafe { params.add(head as usize) };
+            ok &= read_user(tail_dst, 16, inflight.arg + window.tail_offset as u64, window.tail_len);
+        }
+        record.params_len = head + window.tail_len;
+        if !ok {
+            record.flags |= ioctl_flag::PARAMS_FAULT;
+        }
+        return true;
+    }
+
+    let mut src = inflight.arg;
+    let mut size = ioc_size(inflight.cmd);
+    let mut nr = ioc_nr(inflight.cmd);
+    if nr == escape::IOCTL_XFER_CMD {
+        let mut xfer = [0u8; XFER_SIZE];
+        if !read_user(xfer.as_mut_ptr(), XFER_SIZE, inflight.arg, XFER_SIZE as u32) {
+            record.flags |= ioctl_flag::PARAMS_FAULT;
+            return true;
+        }
+        nr = u32::from_ne_bytes([xfer[0], xfer[1], xfer[2], xfer[3]]);
+        size = u32::from_ne_bytes([xfer[4], xfer[5], xfer[6], xfer[7]]);
+        src = u64::from_ne_bytes([xfer[8], xfer[9], xfer[10], xfer[11], xfer[12], xfer[13], xfer[14], xfer[15]]);
+        if !rm_escape_traced(nr, size) {
+            return false;
+        }
+        record.escape_cmd = rm_cmd(nr, size);
+        record.flags |= ioctl_flag::XFER;
+    }
+    if !read_user(params, PARAMS_MAX, src, size) {
+        record.flags |= ioctl_flag::PARAMS_FAULT;
+        return true;
+    }
+    record.params_len = size;
+
+    if nr == escape::RM_ALLOC {
+        // NVOS21 and NVOS64 share hClass@12 and pAllocParms@16. RM copies the class's own
+        // size, not paramsSize, so the size comes from the class table.
+        let p = &record.params;
+        let class = u32::from_ne_bytes([p[12], p[13], p[14], p[15]]);
+        let alloc_params = u64::from_ne_bytes([p[16], p[17], p[18], p[19], p[20], p[21], p[22], p[23]]);
+        if let Some(&class_len) = unsafe { CLASS_PARAMS.get(&class) } {
+            if alloc_params != 0 {
+                if read_user(record.class_params.as_mut_ptr(), CLASS_PARAMS_MAX, alloc_params, class_len) {
+                    record.class_len = class_len;
+                } else {
+                    record.flags |= ioctl_flag::CLASS_FAULT;
+                }
+            }
+        }
+    }
+    true
+}

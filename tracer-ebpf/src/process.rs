@@ -1,0 +1,74 @@
+//! Processes: a traced process's children are traced from their fork, execs are named, exits
+//! end a process, and the OOM killer's victims are recorded.
+
+use super::*;
+
+const CLONE_THREAD: u64 = 0x10000;
+
+/// Runs in the parent. A new process (not a thread) of a traced process is traced too.
+#[tracepoint]
+pub fn task_newtask(ctx: TracePointContext) -> u32 {
+    let clone_flags: u64 = arg(&ctx, NEWTASK_CLONE_FLAGS);
+    if clone_flags & CLONE_THREAD != 0 {
+        return 0;
+    }
+    let parent = (bpf_get_current_pid_tgid() >> 32) as u32;
+    if !is_traced(parent) {
+        return 0;
+    }
+    let child: i32 = arg(&ctx, NEWTASK_PID);
+    remember(TRACED.insert(&(child as u32), &traced::INHERITING, 0));
+    send_fd_record(kind::FORK, child as i64, 0, 0);
+    0
+}
+
+#[tracepoint]
+pub fn process_exec(ctx: TracePointContext) -> u32 {
+    if !is_traced((bpf_get_current_pid_tgid() >> 32) as u32) {
+        return 0;
+    }
+    let Some(mut entry) = EVENTS.reserve::<ExecRecord>(0) else {
+        bump(stat::LOST);
+        return 0;
+    };
+    let record = unsafe { &mut *entry.as_mut_ptr() };
+    record.header = header(kind::EXEC);
+    record.filename = [0; 64];
+    let data_loc: u32 = arg(&ctx, EXEC_FILENAME_LOC);
+    let src = unsafe { (aya_ebpf::EbpfContext::as_ptr(&ctx) as *const u8).add((data_loc & 0xffff) as usize) };
+    let _ = unsafe { bpf_probe_read_kernel_str_bytes(src, &mut record.filename) };
+    entry.submit(0);
+    0
+}
+
+/// Runs for every thread that exits; only the end of the whole process counts.
+#[tracepoint]
+pub fn process_exit(ctx: TracePointContext) -> u32 {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let tgid = (pid_tgid >> 32) as u32;
+    let group_dead_at = CONFIG.get(0).map_or(0, |c| c.group_dead_at) as usize;
+    let whole_process = match group_dead_at {
+        // Kernels whose records do not say (6.1): the thread group leader's exit stands for it.
+        0 => pid_tgid as u32 == tgid,
+        at => arg::<u8>(&ctx, at) != 0,
+    };
+    if !whole_process {
+        return 0;
+    }
+    if !is_traced(tgid) {
+        return 0;
+    }
+    let _ = TRACED.remove(&tgid);
+    send_fd_record(kind::EXIT, 0, 0, 0);
+    0
+}
+
+/// The kernel's OOM killer chose a victim: recorded when it is a traced process.
+#[tracepoint]
+pub fn oom_victim(ctx: TracePointContext) -> u32 {
+    let victim: i32 = arg(&ctx, OOM_VICTIM_PID);
+    if is_traced(victim as u32) {
+        send_fd_record(kind::OOM_VICTIM, victim as i64, 0, 0);
+    }
+    0
+}

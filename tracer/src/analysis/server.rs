@@ -1,0 +1,139 @@
+//! Inference servers by family: what each calls the settings a fix changes, and their defaults.
+//! Adding an engine is one variant here; the diagnosis only asks.
+
+use serde::Serialize;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ServerFamily {
+    Vllm,
+    LlamaCpp,
+    Sglang,
+    Tgi,
+    Ollama,
+    Unknown,
+}
+
+/// How a family takes a setting: a command-line flag, or an environment variable.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Setting {
+    Flag(&'static str),
+    Env(&'static str),
+}
+
+impl Setting {
+    /// As a person types it with `value`: `--max-num-seqs 8`, `OLLAMA_NUM_PARALLEL=8`.
+    pub fn with(self, value: impl std::fmt::Display) -> String {
+        match self {
+            Setting::Flag(f) => format!("{f} {value}"),
+            Setting::Env(e) => format!("{e}={value}"),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Setting::Flag(n) | Setting::Env(n) => n,
+        }
+    }
+}
+
+impl ServerFamily {
+    pub const ALL: [ServerFamily; 5] =
+        [ServerFamily::Vllm, ServerFamily::LlamaCpp, ServerFamily::Sglang, ServerFamily::Tgi, ServerFamily::Ollama];
+
+    /// The family of the process that runs a command line. Words, not substrings, for llama.cpp:
+    /// a vLLM serving `meta-llama/...` is still vLLM.
+    pub fn of(command: &[String]) -> ServerFamily {
+        let words: Vec<&str> = command.iter().map(|a| a.rsplit('/').next().unwrap_or(a)).collect();
+        let any = |f: &dyn Fn(&str) -> bool| words.iter().any(|w| f(w));
+        if any(&|w| w.contains("vllm")) {
+            ServerFamily::Vllm
+        } else if any(&|w| w.contains("sglang")) {
+            ServerFamily::Sglang
+        } else if any(&|w| w.starts_with("text-generation-")) {
+            ServerFamily::Tgi
+        } else if any(&|w| w == "ollama") {
+            ServerFamily::Ollama
+        } else if any(&|w| w == "llama" || w.starts_with("llama-server") || w.starts_with("llama.cpp")) {
+            ServerFamily::LlamaCpp
+        } else {
+            ServerFamily::Unknown
+        }
+    }
+
+    /// The setting that caps one request's context, and the names its current value may be
+    /// given under.
+    pub fn context(self) -> Option<(Setting, &'static [&'static str])> {
+        Some(match self {
+            ServerFamily::Vllm => (Setting::Flag("--max-model-len"), &["--max-model-len"]),
+            ServerFamily::LlamaCpp => (Setting::Flag("-c"), &["-c", "--ctx-size", "--ctx"]),
+            ServerFamily::Sglang => (Setting::Flag("--context-length"), &["--context-length"]),
+            ServerFamily::Tgi => (Setting::Flag("--max-total-tokens"), &["--max-total-tokens"]),
+            ServerFamily::Ollama => (Setting::Env("OLLAMA_CONTEXT_LENGTH"), &[]),
+            ServerFamily::Unknown => return None,
+        })
+    }
+
+    /// The setting that caps requests served at once.
+    pub fn concurrency(self) -> Option<Setting> {
+        Some(match self {
+            ServerFamily::Vllm => Setting::Flag("--max-num-seqs"),
+            ServerFamily::LlamaCpp => Setting::Flag("-np"),
+            ServerFamily::Sglang => Setting::Flag("--max-running-requests"),
+            ServerFamily::Tgi => Setting::Flag("--max-concurrent-requests"),
+            ServerFamily::Ollama => Setting::Env("OLLAMA_NUM_PARALLEL"),
+            ServerFamily::Unknown => return None,
+        })
+    }
+
+    /// Engines that reserve a fraction of the GPU at start (weights and KV cache together):
+    /// the flag and its default.
+    pub fn reserve(self) -> Option<(&'static str, f64)> {
+        match self {
+            ServerFamily::Vllm => Some(("--gpu-memory-utilization", 0.9)),
+            ServerFamily::Sglang => Some(("--mem-fraction-static", 0.88)),
+            _ => None,
+        }
+    }
+}
+
+/// The value of `--flag V` or `--flag=V` on a command line, under any of `names`.
+pub fn flag(command: &[String], names: &[&str]) -> Option<String> {
+    command.iter().enumerate().find_map(|(i, a)| {
+        names.iter().find_map(|n| if a == n { command.get(i + 1).cloned() } else { a.strip_prefix(&format!("{n}=")).map(String::from) })
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn argv(s: &str) -> Vec<String> {
+        s.split(' ').map(String::from).collect()
+    }
+
+    #[test]
+    fn families_by_their_command_lines() {
+        assert_eq!(
+            ServerFamily::of(&argv("python3 -m vllm.entrypoints.openai.api_server --model meta-llama/Llama-3-8B")),
+            ServerFamily::Vllm
+        );
+        assert_eq!(ServerFamily::of(&argv("/opt/llama.cpp/build/bin/llama-server -m m.gguf -c 4096")), ServerFamily::LlamaCpp);
+        assert_eq!(ServerFamily::of(&argv("fake-server --server llama --port 1")), ServerFamily::LlamaCpp);
+        assert_eq!(ServerFamily::of(&argv("python -m sglang.launch_server --model-path x")), ServerFamily::Sglang);
+        assert_eq!(ServerFamily::of(&argv("text-generation-launcher --model-id x")), ServerFamily::Tgi);
+        assert_eq!(ServerFamily::of(&argv("/usr/local/bin/ollama serve")), ServerFamily::Ollama);
+        assert_eq!(ServerFamily::of(&argv("python serve.py")), ServerFamily::Unknown);
+    }
+
+    #[test]
+    fn every_known_family_names_its_settings() {
+        for family in ServerFamily::ALL {
+            assert!(family.context().is_some() && family.concurrency().is_some(), "{family:?}");
+        }
+        assert_eq!(ServerFamily::LlamaCpp.concurrency().unwrap().with(4), "-np 4");
+        assert_eq!(ServerFamily::Ollama.concurrency().unwrap().with(4), "OLLAMA_NUM_PARALLEL=4");
+        assert_eq!(flag(&argv("x --gpu-memory-utilization=0.8"), &["--gpu-memory-utilization"]).as_deref(), Some("0.8"));
+        assert_eq!(flag(&argv("x -c 4096"), &["-c", "--ctx-size"]).as_deref(), Some("4096"));
+    }
+}

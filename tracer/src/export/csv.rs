@@ -1,0 +1,71 @@
+//! CSV: one row per allocation, failed ones too, for scripts and spreadsheets.
+
+use std::io::{self, Write};
+
+use super::rows;
+use crate::analysis::Services;
+use crate::model::{FreedBy, Model};
+use crate::trace::Header;
+
+fn freed_by(f: Option<(u64, FreedBy)>) -> &'static str {
+    match f.map(|(_, how)| how) {
+        Some(FreedBy::Explicit) => "explicit",
+        Some(FreedBy::Subtree) => "subtree",
+        Some(FreedBy::FileRelease) => "file_release",
+        Some(FreedBy::Unseen) => "unseen",
+        None => "never",
+    }
+}
+
+fn csv_field(text: &str) -> String {
+    if text.contains([',', '"', '\n']) {
+        format!("\"{}\"", text.replace('"', "\"\""))
+    } else {
+        text.to_string()
+    }
+}
+
+/// One row per allocation (failed ones too, with their status). Times are ns since the trace start.
+pub fn csv(header: &Header, model: &Model, out: &mut dyn Write) -> io::Result<()> {
+    let start = model.time_zero(header.monotonic_start_ns);
+    let services = Services::new(model);
+    writeln!(out, "allocated_ns,freed_ns,pid,command,service,context,kind,bytes,phase,requests_in_flight,freed_by,status")?;
+    for r in rows(model, &services) {
+        let a = r.allocation;
+        let context = if a.client != 0 { format!("client {:#x}", a.client) } else { "uvm".into() };
+        writeln!(
+            out,
+            "{},{},{},{},{},{},{},{},{},{},{},0",
+            a.ts.saturating_sub(start),
+            a.freed.map(|(t, _)| t.saturating_sub(start).to_string()).unwrap_or_default(),
+            a.pid,
+            csv_field(&r.command),
+            csv_field(&r.service),
+            context,
+            a.memory.name(),
+            a.bytes,
+            r.phase.name(),
+            r.in_flight,
+            freed_by(a.freed),
+        )?;
+    }
+    for f in &model.failures {
+        let command = model.processes.get(&f.pid).map(|p| p.command_line()).unwrap_or_default();
+        let service = services.of(f.pid).map(|s| s.name.clone()).unwrap_or_default();
+        let in_flight = services.of(f.pid).map(|s| services.in_flight_count(s, f.ts)).unwrap_or(0);
+        writeln!(
+            out,
+            "{},,{},{},{},,{},{},{},{},failed,{:#x}",
+            f.ts.saturating_sub(start),
+            f.pid,
+            csv_field(&command),
+            csv_field(&service),
+            f.memory.name(),
+            f.bytes,
+            services.phase_of(f.pid, f.ts).name(),
+            in_flight,
+            f.status
+        )?;
+    }
+    Ok(())
+}

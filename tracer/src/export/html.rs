@@ -1,0 +1,207 @@
+//! One self-contained HTML page (no network, no external scripts or fonts): verdict and fix, a
+//! timeline of memory by process and by phase with the capacity line and a marker at each failure
+//! (zoom with the wheel, pan by dragging), the contexts never freed, and per-process and per-phase
+//! tables. The page itself is page.html; this fills in its `@@NAME@@` places.
+
+use std::io::{self, Write};
+
+use serde_json::{json, Value};
+
+use super::{live_changes, saturate};
+use crate::analysis::{Phase, Services};
+use crate::event::Memory;
+use crate::model::Model;
+use crate::report::Report;
+use crate::trace::Header;
+use crate::units::bytes;
+
+const PAGE: &str = include_str!("page.html");
+
+fn escape(text: &str) -> String {
+    text.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
+}
+
+/// Writes `template` with each `@@NAME@@` replaced by its value, in one pass: a value (a command
+/// line, say) is never searched for places itself.
+fn fill(template: &str, values: &[(&str, &str)], out: &mut dyn Write) -> io::Result<()> {
+    let mut rest = template;
+    while let Some(start) = rest.find("@@") {
+        let after = &rest[start + 2..];
+        let Some(end) = after.find("@@") else { break };
+        let name = &after[..end];
+        match values.iter().find(|(n, _)| *n == name) {
+            Some((_, value)) => {
+                out.write_all(&rest.as_bytes()[..start])?;
+                out.write_all(value.as_bytes())?;
+                rest = &after[end + 2..];
+            }
+            None => {
+                out.write_all(&rest.as_bytes()[..start + 2])?;
+                rest = after;
+            }
+        }
+    }
+    out.write_all(rest.as_bytes())
+}
+
+/// Stacked series for the HTML chart: per stretch of time its peak and its end state (so drops
+/// show where they happen), at most 2 x `points` instants.
+fn stacked(changes: &[(u64, usize, i128)], names: &[String], first: u64, last: u64, points: u64) -> Vec<(u64, Vec<i128>)> {
+    let width = ((last - first) / points).max(1);
+    let mut live: Vec<i128> = vec![0; names.len()];
+    let mut out: Vec<(u64, Vec<i128>)> = vec![(first, live.clone())];
+    let mut bucket_peak: Option<(u64, Vec<i128>)> = None;
+    let mut bucket = 0;
+    let mut last_change = first;
+    for &(ts, series, delta) in changes {
+        let b = ts.saturating_sub(first) / width;
+        if b != bucket {
+            let peak = bucket_peak.take();
+            if let Some((peak_ts, _)) = &peak {
+                let end_state = (last_change.max(*peak_ts), live.clone());
+                out.extend(peak);
+                out.push(end_state);
+            }
+            bucket = b;
+        }
+        last_change = ts;
+        live[series] += delta;
+        let total: i128 = live.iter().sum();
+        if bucket_peak.as_ref().is_none_or(|(_, v)| total >= v.iter().sum::<i128>()) {
+            bucket_peak = Some((ts, live.clone()));
+        }
+    }
+    out.extend(bucket_peak);
+    out.push((last_change, live.clone()));
+    out.push((last, live));
+    out
+}
+
+/// The chart's data: both stacked series (by process and by phase), the capacity and the markers.
+fn chart(header: &Header, model: &Model, services: &Services) -> Value {
+    let first = model.first_ts.unwrap_or(header.monotonic_start_ns);
+    let last = model.last_ts.max(first.saturating_add(1));
+    let changes: Vec<_> = live_changes(model, services).into_iter().filter(|c| c.memory != Memory::Virtual).collect();
+    let mut pids: Vec<u32> = changes.iter().map(|c| c.pid).collect();
+    pids.sort();
+    pids.dedup();
+    let label = |pid: u32| format!("{pid} {}", model.processes.get(&pid).map(|p| p.command_line()).unwrap_or_default());
+    let process_names: Vec<String> = pids.iter().map(|&p| label(p)).collect();
+    let phase_names: Vec<String> = Phase::ALL.iter().map(|p| p.name().to_string()).collect();
+    // Changes name their series by index: a trace has far more changes than series.
+    let by_process: Vec<(u64, usize, i128)> =
+        changes.iter().map(|c| (c.ts, pids.binary_search(&c.pid).expect("listed above"), c.delta)).collect();
+    let by_phase: Vec<(u64, usize, i128)> =
+        changes.iter().map(|c| (c.ts, Phase::ALL.iter().position(|p| *p == c.phase).expect("a phase"), c.delta)).collect();
+    let series = |changes: &[(u64, usize, i128)], names: &[String]| {
+        let points: Vec<Value> = stacked(changes, names, first, last, 1000)
+            .into_iter()
+            .map(|(t, v)| json!([t.saturating_sub(first) as f64 / 1e9, v.into_iter().map(saturate).collect::<Vec<_>>()]))
+            .collect();
+        json!({"names": names, "points": points})
+    };
+    let at = |ts: u64| ts.saturating_sub(first) as f64 / 1e9;
+    let mut markers: Vec<Value> =
+        model.failures.iter().map(|f| json!({"t": at(f.ts), "label": format!("failed: {} (pid {})", bytes(f.bytes), f.pid)})).collect();
+    markers.extend(
+        model.processes.values().filter_map(|p| Some(json!({"t": at(p.oom_killed?), "label": format!("OOM kill: pid {}", p.pid)}))),
+    );
+    json!({
+        "capacity": header.gpus.first().and_then(|g| g.total_bytes),
+        "end": at(last),
+        "process": series(&by_process, &process_names),
+        "phase": series(&by_phase, &phase_names),
+        "markers": markers,
+    })
+}
+
+/// The verdict box and the tables under the chart.
+fn verdict_and_tables(report: &Report) -> (String, String) {
+    let d = &report.diagnosis;
+    let (category, symptom) = (d.category.name(), d.symptom.name());
+    let b = bytes;
+    let mut tables = String::new();
+    if !report.contexts_never_freed.is_empty() {
+        tables += "<h2>Contexts never freed</h2><table><tr><th>pid</th><th>command</th><th>bytes</th><th>why</th></tr>";
+        for c in &report.contexts_never_freed {
+            tables +=
+                &format!("<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>", c.pid, escape(&c.command), b(c.bytes), escape(&c.why));
+        }
+        tables += "</table>";
+    }
+    tables += "<h2>Processes</h2><table><tr><th>pid</th><th>command</th><th>allocations</th><th>allocated</th><th>freed</th><th>peak</th><th>live at end</th><th>failed</th></tr>";
+    for p in &report.processes {
+        tables += &format!(
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            p.pid,
+            escape(&p.command),
+            p.allocations,
+            b(p.bytes_allocated),
+            b(p.bytes_freed),
+            b(p.bytes_peak),
+            b(p.bytes_live),
+            p.failed_allocations
+        );
+    }
+    tables +=
+        "</table><h2>Bytes allocated by phase</h2><table><tr><th>pid</th><th>load</th><th>prefill</th><th>decode</th><th>idle</th></tr>";
+    for p in &report.processes {
+        let get = |ph: &str| b(p.by_phase.get(ph).copied().unwrap_or(0));
+        tables += &format!(
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            p.pid,
+            get("load"),
+            get("prefill"),
+            get("decode"),
+            get("idle")
+        );
+    }
+    tables += "</table>";
+    let verdict = if category == "none" {
+        format!("<div class=\"verdict ok\"><h1>No out-of-memory</h1><p>{}</p></div>", escape(&d.evidence.text))
+    } else {
+        format!(
+            "<div class=\"verdict\"><h1>{} <small>({})</small></h1><p>{}</p><p class=\"fix\"><b>Fix:</b> {}</p></div>",
+            escape(category),
+            escape(symptom),
+            escape(&d.evidence.text),
+            escape(&d.fix.text)
+        )
+    };
+    (verdict, tables)
+}
+
+pub fn html(header: &Header, model: &Model, report: &Report, out: &mut dyn Write) -> io::Result<()> {
+    let services = Services::new(model);
+    let data = chart(header, model, &services).to_string().replace("</", "<\\/");
+    let (verdict, tables) = verdict_and_tables(report);
+    let loss = if report.loss.is_lossless() {
+        "Lost events: 0.".to_string()
+    } else {
+        format!("INCOMPLETE: {} records lost in the kernel.", report.loss.lost_records)
+    };
+    let values = [
+        ("TITLE", escape(report.diagnosis.category.name())),
+        ("VERDICT", verdict),
+        ("TRACE", escape(&report.trace)),
+        ("DRIVER", escape(header.driver_version.as_deref().unwrap_or("unknown"))),
+        ("EVENTS", report.events.to_string()),
+        ("LOSS", loss),
+        ("TABLES", tables),
+        ("DATA", data),
+    ];
+    let values: Vec<(&str, &str)> = values.iter().map(|(n, v)| (*n, v.as_str())).collect();
+    fill(PAGE, &values, out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn places_are_filled_once_and_values_never_rescanned() {
+        let mut out = Vec::new();
+        fill("<t>@@A@@</t>@@B@@ @@C@@", &[("A", "x@@B@@y"), ("B", "<b>")], &mut out).unwrap();
+        assert_eq!(String::from_utf8(out).unwrap(), "<t>x@@B@@y</t><b> @@C@@", "an unknown place stays as written");
+    }
+}

@@ -1,0 +1,145 @@
+//! Fd tables and open files: which NVIDIA file each fd of each process refers to, and the
+//! driver's release of a file when its last descriptor goes (close, dup2 over it, close-on-exec,
+//! exit, in every process that shares it after fork).
+
+use super::{File, FileId, FreedBy, Model};
+use crate::event::{Device, Seen};
+
+#[derive(Clone, Copy, Debug)]
+pub(super) struct FdRef {
+    pub(super) file: FileId,
+    pub(super) cloexec: bool,
+}
+
+impl Model {
+    pub(super) fn on_process(&mut self, pid: u32, ts: u64, ppid: u32, seen: Seen, command: &[String]) {
+        let inherited = self.processes.get(&ppid).map(|p| p.fds.clone());
+        let p = self.process(pid, ts);
+        p.ppid = ppid;
+        p.seen = seen;
+        p.command = command.to_vec();
+        if seen != Seen::Forked {
+            return;
+        }
+        // fork copies the fd table: every NVIDIA file gains a reference.
+        if let Some(fds) = inherited {
+            for f in fds.values() {
+                if let Some(file) = self.files.get_mut(&f.file) {
+                    file.refs += 1;
+                }
+            }
+            self.process(pid, ts).fds = fds;
+        }
+    }
+
+    pub(super) fn on_exec(&mut self, pid: u32, ts: u64, command: &[String]) {
+        let p = self.process(pid, ts);
+        p.command = command.to_vec();
+        let closed: Vec<i32> = p.fds.iter().filter(|(_, f)| f.cloexec).map(|(fd, _)| *fd).collect();
+        for fd in closed {
+            self.close_fd(pid, fd, ts);
+        }
+    }
+
+    pub(super) fn on_exit(&mut self, pid: u32, ts: u64, code: Option<i32>) {
+        self.end_connections_of(pid, ts);
+        let fds: Vec<i32> = self.process(pid, ts).fds.keys().copied().collect();
+        for fd in fds {
+            self.close_fd(pid, fd, ts);
+        }
+        let p = self.process(pid, ts);
+        p.exited = Some(ts);
+        if code.is_some() {
+            p.exit_code = code;
+        }
+    }
+
+    pub(super) fn on_open(&mut self, pid: u32, ts: u64, fd: i32, file: FileId, device: Device, cloexec: bool) {
+        self.files.insert(file, File { id: file, device, opened_by: pid, refs: 0, released: None });
+        self.set_fd(pid, fd, file, cloexec, ts);
+    }
+
+    pub(super) fn on_fd_found(&mut self, pid: u32, ts: u64, fd: i32, file: FileId, device: Device) {
+        self.files.entry(file).or_insert(File { id: file, device, opened_by: pid, refs: 0, released: None });
+        let already = self.processes.get(&pid).and_then(|p| p.fds.get(&fd)).map(|f| f.file);
+        if already != Some(file) {
+            self.set_fd(pid, fd, file, false, ts);
+        }
+    }
+
+    pub(super) fn on_dup(&mut self, pid: u32, ts: u64, old_fd: i32, new_fd: i32, cloexec: bool) {
+        if let Some(old) = self.processes.get(&pid).and_then(|p| p.fds.get(&old_fd)).copied() {
+            self.set_fd(pid, new_fd, old.file, cloexec, ts);
+        }
+    }
+
+    pub(super) fn on_close_range(&mut self, pid: u32, ts: u64, first: u32, last: u32, cloexec_only: bool) {
+        let fds: Vec<i32> =
+            self.process(pid, ts).fds.keys().copied().filter(|&fd| fd >= 0 && (first..=last).contains(&(fd as u32))).collect();
+        for fd in fds {
+            if cloexec_only {
+                self.set_cloexec(pid, ts, fd, true);
+            } else {
+                self.close_fd(pid, fd, ts);
+            }
+        }
+    }
+
+    pub(super) fn set_cloexec(&mut self, pid: u32, ts: u64, fd: i32, cloexec: bool) {
+        if let Some(f) = self.process(pid, ts).fds.get_mut(&fd) {
+            f.cloexec = cloexec;
+        }
+    }
+
+    pub(super) fn set_fd(&mut self, pid: u32, fd: i32, file: FileId, cloexec: bool, ts: u64) {
+        // Reusing a number means the old file lost that reference (dup2 onto an open fd).
+        if self.processes.get(&pid).is_some_and(|p| p.fds.contains_key(&fd)) {
+            self.close_fd(pid, fd, ts);
+        }
+        self.process(pid, ts).fds.insert(fd, FdRef { file, cloexec });
+        if let Some(f) = self.files.get_mut(&file) {
+            f.refs += 1;
+        }
+    }
+
+    pub(super) fn close_fd(&mut self, pid: u32, fd: i32, ts: u64) {
+        let Some(fd_ref) = self.processes.get_mut(&pid).and_then(|p| p.fds.remove(&fd)) else {
+            return;
+        };
+        let Some(file) = self.files.get_mut(&fd_ref.file) else { return };
+        file.refs = file.refs.saturating_sub(1);
+        if file.refs == 0 && file.released.is_none() {
+            file.released = Some(ts);
+            self.release_file(fd_ref.file, ts);
+        }
+    }
+
+    /// The driver's release of an open file: every client created on it, every UVM range in it.
+    fn release_file(&mut self, file: FileId, ts: u64) {
+        let clients: Vec<u32> = self.clients.iter().filter(|(_, c)| c.file == Some(file)).map(|(h, _)| *h).collect();
+        for client in clients {
+            self.free_client(client, ts, FreedBy::FileRelease);
+        }
+        let ranges: Vec<(FileId, u64)> = self.uvm_ranges.keys().filter(|(f, _)| *f == file).copied().collect();
+        for key in ranges {
+            if let Some(id) = self.uvm_ranges.remove(&key) {
+                self.release(id, ts, FreedBy::FileRelease);
+            }
+        }
+    }
+
+    /// The file an fd of `pid` refers to; an NVIDIA fd never seen opened gets a file of its own.
+    pub(super) fn file_of(&mut self, pid: u32, fd: i32, ts: u64) -> Option<FileId> {
+        if let Some(f) = self.processes.get(&pid).and_then(|p| p.fds.get(&fd)) {
+            return Some(f.file);
+        }
+        if fd < 0 {
+            return None;
+        }
+        let id = self.next_orphan_file;
+        self.next_orphan_file += 1;
+        self.files.insert(id, File { id, device: Device::Ctl, opened_by: pid, refs: 0, released: None });
+        self.set_fd(pid, fd, id, false, ts);
+        Some(id)
+    }
+}

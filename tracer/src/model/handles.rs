@@ -1,0 +1,200 @@
+//! RM clients and their handle trees, UVM ranges, and the allocations they keep alive:
+//! RM_FREE of a handle frees its subtree, of a client handle the whole client; RM_DUP_OBJECT adds
+//! a handle to the same memory, which lives until its last handle goes.
+
+use std::collections::{HashMap, HashSet};
+
+use super::{AllocId, Allocation, FailedAllocation, FileId, FreedBy, Model};
+use crate::event::{Alloc, Record};
+
+#[derive(Clone, Debug)]
+pub(super) struct Object {
+    pub(super) parent: u32,
+    /// The allocation whose memory this handle refers to (several handles after a dup).
+    pub(super) alloc: Option<AllocId>,
+}
+
+#[derive(Clone, Debug, Default)]
+pub(super) struct Client {
+    pub(super) file: Option<FileId>,
+    pub(super) objects: HashMap<u32, Object>,
+    /// Parent handle to child handles, so freeing a subtree never scans the whole client.
+    children: HashMap<u32, HashSet<u32>>,
+}
+
+impl Client {
+    pub(super) fn new(file: Option<FileId>) -> Self {
+        Client { file, ..Default::default() }
+    }
+
+    fn insert(&mut self, handle: u32, object: Object) {
+        let parent = object.parent;
+        if let Some(old) = self.objects.insert(handle, object) {
+            if let Some(siblings) = self.children.get_mut(&old.parent) {
+                siblings.remove(&handle);
+            }
+        }
+        self.children.entry(parent).or_default().insert(handle);
+    }
+
+    /// Removes `handle` and everything below it; returns them with the handle itself first.
+    fn remove_subtree(&mut self, handle: u32) -> Vec<(u32, Object)> {
+        let mut removed = Vec::new();
+        let mut stack = vec![handle];
+        while let Some(h) = stack.pop() {
+            if let Some(kids) = self.children.remove(&h) {
+                stack.extend(kids);
+            }
+            if let Some(o) = self.objects.remove(&h) {
+                if let Some(siblings) = self.children.get_mut(&o.parent) {
+                    siblings.remove(&h);
+                }
+                removed.push((h, o));
+            }
+        }
+        removed
+    }
+}
+
+impl Model {
+    pub(super) fn on_object(&mut self, pid: u32, ts: u64, fd: i32, (client, parent, object): (u32, u32, u32), class: u32) {
+        if crate::abi::class::is_client(class) {
+            let file = self.file_of(pid, fd, ts);
+            // RM never hands out a live handle twice: an old client by that handle was freed in
+            // a way the trace missed (lost records, a reused pid).
+            self.free_client(client, ts, FreedBy::Unseen);
+            self.clients.insert(client, Client::new(file));
+        } else {
+            self.insert_object(client, pid, fd, ts, object, Object { parent, alloc: None });
+        }
+    }
+
+    pub(super) fn on_dup_object(&mut self, pid: u32, ts: u64, fd: i32, (client, parent, object): (u32, u32, u32), src: (u32, u32)) {
+        let alloc = self.clients.get(&src.0).and_then(|c| c.objects.get(&src.1)).and_then(|o| o.alloc);
+        if let Some(id) = alloc {
+            *self.handle_refs.entry(id).or_default() += 1;
+        }
+        self.insert_object(client, pid, fd, ts, object, Object { parent, alloc });
+    }
+
+    pub(super) fn on_uvm_free(&mut self, pid: u32, ts: u64, fd: i32, base: u64) {
+        let file = self.file_of(pid, fd, ts);
+        if let Some(id) = file.and_then(|f| self.uvm_ranges.remove(&(f, base))) {
+            self.release(id, ts, FreedBy::Explicit);
+        }
+    }
+
+    /// A client created before tracing began is met first through one of its objects.
+    fn client_mut(&mut self, client: u32, pid: u32, fd: i32, ts: u64) -> &mut Client {
+        if !self.clients.contains_key(&client) {
+            let file = self.file_of(pid, fd, ts);
+            self.clients.insert(client, Client::new(file));
+        }
+        self.clients.get_mut(&client).expect("inserted above")
+    }
+
+    pub(super) fn alloc(&mut self, r: &Record, a: &Alloc) {
+        let (ts, pid) = (r.ts, r.pid);
+        if !a.succeeded() {
+            self.process(pid, ts).usage.failed += 1;
+            self.failures.push(FailedAllocation {
+                ts,
+                pid,
+                memory: a.memory,
+                bytes: a.bytes,
+                via: a.via,
+                status: a.status,
+                errno: a.errno,
+            });
+            return;
+        }
+        let file = match a.base {
+            Some(_) => self.file_of(pid, a.fd, ts),
+            None => self.client_mut(a.client, pid, a.fd, ts).file,
+        };
+        let id = self.allocations.len();
+        self.allocations.push(Allocation {
+            ts,
+            pid,
+            tid: r.tid,
+            memory: a.memory,
+            bytes: a.bytes,
+            via: a.via,
+            client: a.client,
+            object: a.object,
+            class: a.class,
+            file,
+            freed: None,
+        });
+        self.process(pid, ts).usage.add(a.memory, a.bytes);
+        self.handle_refs.insert(id, 1);
+        match (a.base, file) {
+            (Some(base), Some(file)) => {
+                if let Some(old) = self.uvm_ranges.insert((file, base), id) {
+                    self.release(old, ts, FreedBy::Unseen);
+                }
+            }
+            _ => {
+                let object = Object { parent: a.parent, alloc: Some(id) };
+                self.insert_object(a.client, pid, a.fd, ts, a.object, object);
+            }
+        }
+    }
+
+    /// A new handle in a client. Like a client handle, a live one is never handed out twice: what
+    /// was there before (and below it) was freed unseen, and is released now.
+    fn insert_object(&mut self, client: u32, pid: u32, fd: i32, ts: u64, handle: u32, object: Object) {
+        if let Some(c) = self.clients.get_mut(&client) {
+            for (_, o) in c.remove_subtree(handle) {
+                if let Some(id) = o.alloc {
+                    self.drop_handle(id, ts, FreedBy::Unseen);
+                }
+            }
+        }
+        self.client_mut(client, pid, fd, ts).insert(handle, object);
+    }
+
+    pub(super) fn free_handle(&mut self, client: u32, object: u32, ts: u64) {
+        if client == object {
+            self.free_client(client, ts, FreedBy::Explicit);
+            return;
+        }
+        let Some(c) = self.clients.get_mut(&client) else { return };
+        for (h, o) in c.remove_subtree(object) {
+            if let Some(id) = o.alloc {
+                self.drop_handle(id, ts, if h == object { FreedBy::Explicit } else { FreedBy::Subtree });
+            }
+        }
+    }
+
+    pub(super) fn free_client(&mut self, client: u32, ts: u64, how: FreedBy) {
+        let Some(c) = self.clients.remove(&client) else { return };
+        let how = if how == FreedBy::Explicit { FreedBy::Subtree } else { how };
+        for o in c.objects.into_values() {
+            if let Some(id) = o.alloc {
+                self.drop_handle(id, ts, how);
+            }
+        }
+    }
+
+    fn drop_handle(&mut self, id: AllocId, ts: u64, how: FreedBy) {
+        let refs = self.handle_refs.entry(id).or_insert(1);
+        *refs = refs.saturating_sub(1);
+        if *refs == 0 {
+            self.handle_refs.remove(&id);
+            self.release(id, ts, how);
+        }
+    }
+
+    pub(super) fn release(&mut self, id: AllocId, ts: u64, how: FreedBy) {
+        let a = &mut self.allocations[id];
+        if a.freed.is_some() {
+            return;
+        }
+        a.freed = Some((ts, how));
+        let (pid, memory, bytes) = (a.pid, a.memory, a.bytes);
+        if let Some(p) = self.processes.get_mut(&pid) {
+            p.usage.remove(memory, bytes);
+        }
+    }
+}
