@@ -1,5 +1,5 @@
 //! The driver ABI as the fake GPU and the workloads speak it, per presented driver version.
-//! Written from shared/reference/nvidia-ioctl-abi.md independently of gputrace's own tables, so a
+//! Written from the driver's headers independently of gputrace's own tables (tracer/src/abi.rs), so a
 //! wrong offset on either side shows up as a disagreement in the end-to-end tests.
 
 /// The driver versions the fake GPU can present.

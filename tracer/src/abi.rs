@@ -1,6 +1,7 @@
 //! The NVIDIA driver's ioctl ABI as data: what moves between driver versions, the memory classes,
 //! the status codes. Offsets are the ones verified by compiling against NVIDIA's open kernel module
-//! headers (see shared/reference/nvidia-ioctl-abi.md and abi-offsets/).
+//! headers per release tag (NVIDIA's open-gpu-kernel-modules: `src/common/sdk/nvidia/inc/nvos.h`
+//! for the RM structs, `kernel-open/nvidia-uvm/uvm_ioctl.h` for UVM).
 
 use std::fmt;
 use std::path::Path;

@@ -1,5 +1,6 @@
 //! Inference servers that use the fake GPU the way the real ones use a GPU
-//! (shared/reference/inference-server-memory.md), with real sockets on 127.0.0.1.
+//! (vLLM binds early and listens after load; llama-server listens first and answers 503 while
+//! loading), with real sockets on 127.0.0.1.
 //!
 //! `fake-server --server vllm --port P [--model-gib 16] [--util 0.9] [--truth FILE]`
 //!   An API server process that binds the port at once but listens only after the engine
