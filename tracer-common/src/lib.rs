@@ -133,7 +133,6 @@ pub struct IoctlRecord {
     pub fd: i32,
     /// The request as the process passed it.
     pub cmd: u32,
-    pub arg: u64,
     /// ioctl()'s return value.
     pub ret: i64,
     /// The command the params belong to: `cmd`, or the XFER wrapper's inner escape re-encoded

@@ -91,10 +91,9 @@ pub fn open_enter_legacy(ctx: TracePointContext) -> u32 {
 #[tracepoint]
 pub fn open_exit(ctx: TracePointContext) -> u32 {
     let pid_tgid = bpf_get_current_pid_tgid();
-    let Some(opening) = (unsafe { OPENS.get(&pid_tgid) }).copied() else {
+    let Some(opening) = take(&OPENS, pid_tgid) else {
         return 0;
     };
-    let _ = OPENS.remove(&pid_tgid);
     let fd = sys_ret(&ctx);
     if fd < 0 {
         return 0;
@@ -204,10 +203,9 @@ pub fn fcntl_enter(ctx: TracePointContext) -> u32 {
 #[tracepoint]
 pub fn dup_exit(ctx: TracePointContext) -> u32 {
     let pid_tgid = bpf_get_current_pid_tgid();
-    let Some(duping) = (unsafe { DUPS.get(&pid_tgid) }).copied() else {
+    let Some(duping) = take(&DUPS, pid_tgid) else {
         return 0;
     };
-    let _ = DUPS.remove(&pid_tgid);
     let new_fd = sys_ret(&ctx);
     if new_fd < 0 {
         return 0;

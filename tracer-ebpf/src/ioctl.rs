@@ -73,10 +73,9 @@ pub fn ioctl_enter(ctx: TracePointContext) -> u32 {
 #[tracepoint]
 pub fn ioctl_exit(ctx: TracePointContext) -> u32 {
     let pid_tgid = bpf_get_current_pid_tgid();
-    let Some(inflight) = (unsafe { IOCTLS.get(&pid_tgid) }).copied() else {
+    let Some(inflight) = take(&IOCTLS, pid_tgid) else {
         return 0;
     };
-    let _ = IOCTLS.remove(&pid_tgid);
     let ret = sys_ret(&ctx);
     let Some(mut entry) = EVENTS.reserve::<IoctlRecord>(0) else {
         bump(stat::LOST);
@@ -98,7 +97,6 @@ unsafe fn fill_ioctl(record: &mut IoctlRecord, inflight: &Inflight, ret: i64) ->
     record.header = header(kind::IOCTL);
     record.fd = inflight.fd;
     record.cmd = inflight.cmd;
-    record.arg = inflight.arg;
     record.ret = ret;
     record.device = inflight.device;
     record.flags = inflight.flags;

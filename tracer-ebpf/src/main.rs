@@ -45,6 +45,15 @@ fn bump(index: u32) {
     }
 }
 
+/// What a syscall's entry left for its exit, forgotten as it is taken (LRU maps, so a thread
+/// killed inside a syscall cannot leak entries).
+#[inline(always)]
+fn take<T: Copy>(map: &LruHashMap<u64, T>, key: u64) -> Option<T> {
+    let value = unsafe { map.get(&key) }.copied()?;
+    let _ = map.remove(&key);
+    Some(value)
+}
+
 /// Counts a refused map insert (the map is full): userspace reports them.
 #[inline(always)]
 fn remember<E>(inserted: Result<(), E>) {

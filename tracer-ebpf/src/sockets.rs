@@ -95,10 +95,9 @@ pub fn read_enter(ctx: TracePointContext) -> u32 {
 #[tracepoint]
 pub fn read_exit(ctx: TracePointContext) -> u32 {
     let pid_tgid = bpf_get_current_pid_tgid();
-    let Some(reading) = (unsafe { READS.get(&pid_tgid) }).copied() else {
+    let Some(reading) = take(&READS, pid_tgid) else {
         return 0;
     };
-    let _ = READS.remove(&pid_tgid);
     let len = sys_ret(&ctx);
     if len > 0 {
         send_sock_io(reading.fd, true, len, reading.buf);

@@ -9,7 +9,7 @@ use tracer_common::{
     device, escape, ioc_nr, ioc_size, ioctl_flag, kind, uvm, ExecRecord, FdRecord, Header, IoctlRecord, OpenRecord, SockRecord,
 };
 
-use crate::abi::{class, offsets as o, Layout};
+use crate::abi::{class, offsets as o, DriverVersion, Layout};
 use crate::event::{Alloc, Device, Event, Memory, Via};
 
 #[derive(Debug, Error, PartialEq)]
@@ -282,10 +282,14 @@ fn status_or_errno(raw: &RawIoctl, status: u32) -> u32 {
 }
 
 fn decode_rm_alloc(layout: &Layout, raw: &RawIoctl, p: &Fields, size: u32) -> Option<Event> {
+    // The struct's size says its generation: a 48-byte NVOS64 is 535's even when the trace was
+    // decoded with an older version's layout (a --driver-version given wrong).
     let status_at = if size == 32 {
         layout.nvos21_status
+    } else if size == layout.nvos64_size {
+        layout.nvos64_status
     } else if size == 48 {
-        40
+        Layout::for_version(DriverVersion::new(535, 0, 0)).nvos64_status
     } else {
         layout.nvos64_status
     };

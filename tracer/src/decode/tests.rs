@@ -223,7 +223,6 @@ fn ioctl_record_bytes(escape_cmd: u32, flags: u8, params: &[u8]) -> Vec<u8> {
         header: Header { kind: kind::IOCTL, tgid: 100, tid: 101, _pad: 0, ts_ns: 5_000 },
         fd: 4,
         cmd: rm_cmd(escape::IOCTL_XFER_CMD, 16),
-        arg: 0x7fff0000,
         ret: 0,
         escape_cmd,
         params_len: params.len() as u32,
