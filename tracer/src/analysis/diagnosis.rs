@@ -216,12 +216,14 @@ impl<'a> Diagnoser<'a> {
                 failures.push(Failure { ts, pid: p.pid, symptom: Symptom::OomKill, bytes: None });
             }
         }
-        // A server that exited badly with no failure above: a refusal during load, or a crash.
+        // A server that exited badly with no failure above: a refusal during load, or a crash. Only
+        // one that had begun with the GPU: a command that never opened a device file (`false`,
+        // a typo in its flags) failed for reasons that are not memory.
         for s in &self.services.list {
             let root = &self.model.processes[&s.root];
             let (Some(code), Some(ts)) = (root.exit_code, root.exited) else { continue };
             let explained = failures.iter().any(|f| s.pids.contains(&f.pid) && f.ts <= ts);
-            if code == 0 || explained {
+            if code == 0 || explained || !self.touched_gpu(s) {
                 continue;
             }
             let symptom = if code > 128 && code != 130 && code != 143 {
@@ -235,6 +237,12 @@ impl<'a> Diagnoser<'a> {
         }
         failures.sort_by_key(|f| f.ts);
         failures
+    }
+
+    /// Whether any process of the service opened an NVIDIA device file or allocated.
+    fn touched_gpu(&self, service: &Service) -> bool {
+        self.model.files.values().any(|f| service.pids.contains(&f.opened_by))
+            || self.model.allocations.iter().any(|a| service.pids.contains(&a.pid))
     }
 
     /// Every failure, in time order; `none` when nothing failed.

@@ -1,6 +1,6 @@
 use super::diagnosis::{Category, Diagnoser, Symptom};
 use super::*;
-use crate::event::{Alloc, Event, Memory, Record, Seen, Via};
+use crate::event::{Alloc, Device, Event, Memory, Record, Seen, Via};
 use crate::trace::{Gpu, Header, HolderAtStart, PriorUse};
 
 const GIB: u64 = 1 << 30;
@@ -211,10 +211,25 @@ fn a_stale_holder_comes_before_a_long_request() {
 fn a_refusal_at_start_explained_by_another_holder() {
     let mut t = Trace(vec![], 0);
     t.at(0, API, Event::Process { ppid: 1, seen: Seen::Launched, command: vec!["vllm".into()] });
+    // vLLM initialises CUDA (opens the device files) before it checks what is free.
+    t.at(MS, API, Event::Open { fd: 3, file: 1, device: Device::Ctl, cloexec: false });
     t.at(5 * MS, API, Event::Exit { code: Some(1) });
     let d = &t.diagnose(80 * GIB, &[(4242, 71 * GIB)], 0)[0];
     assert_eq!((d.category, d.symptom), (Category::HeldByOtherProcess, Symptom::StartupRefusal));
     assert_eq!(d.evidence.fields["held_outside_bytes"], 71 * GIB);
+}
+
+/// `gputrace record -- false`, or a server that dies of a bad flag before touching the GPU: no
+/// out-of-memory verdict, whatever else held memory.
+#[test]
+fn an_exit_that_never_touched_the_gpu_is_no_oom() {
+    for code in [1, 3, 139] {
+        let mut t = Trace(vec![], 0);
+        t.at(0, API, Event::Process { ppid: 1, seen: Seen::Launched, command: vec!["false".into()] });
+        t.at(5 * MS, API, Event::Exit { code: Some(code) });
+        let d = &t.diagnose(80 * GIB, &[(4242, 71 * GIB)], 0)[0];
+        assert_eq!((d.category, d.symptom), (Category::None, Symptom::None), "exit {code}");
+    }
 }
 
 #[test]
