@@ -64,6 +64,17 @@ fn output_files_are_opened_with_the_invoking_users_rights() {
     assert!(stderr(&out).contains("is a symbolic link"), "{}", stderr(&out));
     assert_eq!(std::fs::read_to_string(&precious).unwrap(), "root's data\n");
 
+    // A hard link planted to the user's own file (fs.protected_hardlinks may be 0): refused too.
+    let own = dir.join("nobodys-notes");
+    std::fs::write(&own, "nobody's data\n").unwrap();
+    std::os::unix::fs::chown(&own, Some(65534), Some(65534)).unwrap();
+    let planted = dir.join("gputrace-hardlinked.trace");
+    std::fs::hard_link(&own, &planted).unwrap();
+    let out = as_sudo_nobody(&["record", "-o", planted.to_str().unwrap(), "--", "true"], &dir);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("has other hard links"), "{}", stderr(&out));
+    assert_eq!(std::fs::read_to_string(&own).unwrap(), "nobody's data\n");
+
     let trace = dir.join("mine.trace");
     let out = as_sudo_nobody(&["record", "-o", trace.to_str().unwrap(), "--", "true"], &dir);
     assert!(out.status.success(), "{}", stderr(&out));

@@ -145,7 +145,8 @@ fn group_list(name: &str, gid: u32) -> Vec<u32> {
 
 /// Creates (or replaces) an output file the way a careful shell redirection would, as `user`:
 /// - a new file is created exclusively, mode 0600, never through a symbolic link;
-/// - an existing regular file is replaced only when it belongs to the writer;
+/// - an existing regular file is replaced only when it belongs to the writer and has no other
+///   hard link;
 /// - a character device the writer may open (/dev/null) is written as is;
 /// - anything else (a symbolic link, a FIFO, a directory, someone else's file) is refused.
 pub fn create_private(path: &Path, user: Option<&User>) -> io::Result<File> {
@@ -193,6 +194,11 @@ fn open_private(path: &Path) -> io::Result<File> {
     }
     if !meta.file_type().is_file() {
         return Err(refuse(format!("{} exists and is not a regular file: choose another name", path.display())));
+    }
+    // Another name for the same file may have been planted (a hard link to the user's own
+    // ~/.bashrc at the default trace name in /tmp, where fs.protected_hardlinks is 0).
+    if meta.nlink() > 1 {
+        return Err(refuse(format!("{} has other hard links: gputrace will not replace it; choose another name", path.display())));
     }
     if meta.uid() != me {
         return Err(refuse(format!(
@@ -286,6 +292,11 @@ mod tests {
         let e = create_private(&link, None).unwrap_err().to_string();
         assert!(e.contains("is a symbolic link"), "{e}");
         assert_eq!(std::fs::read_to_string(&target).unwrap(), "keep");
+        let linked = dir.join("linked.trace");
+        std::fs::hard_link(&target, &linked).unwrap();
+        let e = create_private(&linked, None).unwrap_err().to_string();
+        assert!(e.contains("has other hard links"), "{e}");
+        assert_eq!(std::fs::read_to_string(&target).unwrap(), "keep", "a planted hard link never truncates its file");
         let fifo = dir.join("fifo");
         let c = CString::new(fifo.to_str().unwrap()).unwrap();
         // SAFETY: mkfifo with a valid path.
