@@ -391,38 +391,50 @@ fn fuzz(seconds: u64) -> Result<()> {
         .env(var, flags))?;
     let work = root().join("target/fuzz");
     println!("\n{:<8} {:>12} {:>10} {:>8} {:>8}", "target", "executions", "per s", "corpus", "crashes");
-    let mut crashed = Vec::new();
+    let mut failed = Vec::new();
     for target in FUZZ_TARGETS {
         let corpus = work.join("corpus").join(target);
         let artifacts = work.join("artifacts").join(target);
         std::fs::create_dir_all(&corpus).map_err(|e| e.to_string())?;
         std::fs::create_dir_all(&artifacts).map_err(|e| e.to_string())?;
+        // Git keeps no empty folder: a target without saved regressions has none in a clean clone,
+        // and libFuzzer exits on a seed folder that is missing.
         let regressions = root().join("tests/fuzz/regressions").join(target);
+        let artifacts_before = count_entries(&artifacts);
         let out = Command::new(root().join("target").join(&host).join("release").join(format!("fuzz-{target}")))
             .arg(format!("-max_total_time={seconds}"))
             .arg(format!("-artifact_prefix={}/", artifacts.display()))
             .args(["-rss_limit_mb=2048", "-max_len=65536", "-print_final_stats=1"])
             .arg(&corpus)
-            .arg(&regressions)
+            .args(regressions.is_dir().then_some(&regressions))
             .output()
             .map_err(|e| format!("cannot run the {target} fuzz target: {e}"))?;
         let log = String::from_utf8_lossy(&out.stderr);
         let stat = |name: &str| log.lines().find_map(|l| l.strip_prefix(name)?.trim().parse::<u64>().ok()).unwrap_or(0);
         let runs = stat("stat::number_of_executed_units:");
-        let entries = std::fs::read_dir(&corpus).map(|d| d.count()).unwrap_or(0);
-        let crash = !out.status.success();
-        println!("{target:<8} {runs:>12} {:>10} {entries:>8} {:>8}", runs / seconds.max(1), u8::from(crash));
-        if crash {
+        let entries = count_entries(&corpus);
+        // A crash is an input libFuzzer saved; any other failure is the harness's, said as such.
+        let crashes = count_entries(&artifacts).saturating_sub(artifacts_before);
+        println!("{target:<8} {runs:>12} {:>10} {entries:>8} {crashes:>8}", runs / seconds.max(1));
+        if !out.status.success() {
             let tail: Vec<&str> = log.lines().rev().take(40).collect();
             eprintln!("{}", tail.into_iter().rev().collect::<Vec<_>>().join("\n"));
-            crashed.push(format!("{target} (input in {})", artifacts.display()));
+            failed.push(if crashes > 0 {
+                format!("{target} found {crashes} crashing input(s), saved in {}", artifacts.display())
+            } else {
+                format!("{target} stopped without a crash ({}); its log is above", out.status)
+            });
         }
     }
-    if crashed.is_empty() {
+    if failed.is_empty() {
         Ok(())
     } else {
-        Err(format!("the fuzzer found crashes: {}; copy each input into tests/fuzz/regressions/TARGET and fix it", crashed.join(", ")))
+        Err(format!("fuzzing failed: {}; copy each crashing input into tests/fuzz/regressions/TARGET and fix it", failed.join("; ")))
     }
+}
+
+fn count_entries(dir: &Path) -> usize {
+    std::fs::read_dir(dir).map(|d| d.count()).unwrap_or(0)
 }
 
 fn main() -> ExitCode {
