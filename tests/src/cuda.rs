@@ -20,7 +20,7 @@ pub enum Path {
     RmAllocNvos21,
     /// RM_VID_HEAP_CONTROL ALLOC_SIZE.
     VidHeap,
-    /// mmap'ed host memory pinned through RM_ALLOC_MEMORY of class 0x71 on /dev/nvidia0.
+    /// mmap'ed host memory pinned through RM_ALLOC_MEMORY of class 0x71 on /dev/nvidiaN.
     HostPinned,
     /// Address space only: RM_ALLOC NVOS64 of NV50_MEMORY_VIRTUAL (cuMemAddressReserve).
     VirtualReserve,
@@ -36,7 +36,8 @@ pub struct Buffer {
 pub struct Gpu {
     abi: Abi,
     pub ctl: File,
-    pub gpu0: File,
+    /// /dev/nvidiaN of the GPU this context is on.
+    pub gpu_file: File,
     pub uvm: File,
     pub client: u32,
     pub device: u32,
@@ -69,11 +70,12 @@ fn check(status: u32) -> Result<(), Status> {
 
 impl Gpu {
     /// Opens the device files, asks the driver its version (NV_ESC_CHECK_VERSION_STR, as libcuda
-    /// does) and sets up a context.
-    pub fn open() -> Result<Gpu, String> {
-        let files = (open("/dev/nvidiactl"), open("/dev/nvidia0"), open("/dev/nvidia-uvm"));
-        let (Ok(ctl), Ok(gpu0), Ok(uvm)) = files else {
-            return Err("cannot open /dev/nvidiactl, /dev/nvidia0 and /dev/nvidia-uvm: run inside `fakegpu run`".into());
+    /// does) and sets up a context on GPU `instance` (its /dev/nvidiaN and its RM device).
+    pub fn open(instance: u32) -> Result<Gpu, String> {
+        let node = format!("/dev/nvidia{instance}");
+        let files = (open("/dev/nvidiactl"), open(&node), open("/dev/nvidia-uvm"));
+        let (Ok(ctl), Ok(gpu_file), Ok(uvm)) = files else {
+            return Err(format!("cannot open /dev/nvidiactl, {node} and /dev/nvidia-uvm: run inside `fakegpu run`"));
         };
         let mut query = [0u8; 72];
         put32(&mut query, 0, b'2' as u32);
@@ -82,7 +84,7 @@ impl Gpu {
         let mut gpu = Gpu {
             abi: Abi::for_version(&version),
             ctl,
-            gpu0,
+            gpu_file,
             uvm,
             client: 0,
             device: 0,
@@ -92,21 +94,23 @@ impl Gpu {
         };
         let setup = |gpu: &mut Gpu| -> Result<(), Status> {
             gpu.client = gpu.rm_alloc(false, 0, 0, class::ROOT_CLIENT, &mut [])?;
-            gpu.device = gpu.rm_alloc(true, gpu.client, gpu.client, class::DEVICE, &mut [0u8; 56])?;
+            let mut device = [0u8; 56];
+            put32(&mut device, 0, instance);
+            gpu.device = gpu.rm_alloc(true, gpu.client, gpu.client, class::DEVICE, &mut device)?;
             gpu.subdevice = gpu.rm_alloc(true, gpu.client, gpu.device, class::SUBDEVICE, &mut [0u8; 4])?;
             let vaspace_size = if gpu.abi.major >= 580 { 56 } else { 48 };
             gpu.vaspace = gpu.rm_alloc(true, gpu.client, gpu.device, class::VASPACE, &mut vec![0u8; vaspace_size])?;
             gpu.uvm_call(uvm::INITIALIZE, &mut [0u8; 16], 8)?;
             let mut register = (gpu.ctl.as_raw_fd() as u32).to_le_bytes();
-            ioctl(&gpu.gpu0, rm_cmd(esc::REGISTER_FD, 4), register.as_mut_ptr())
+            ioctl(&gpu.gpu_file, rm_cmd(esc::REGISTER_FD, 4), register.as_mut_ptr())
         };
         setup(&mut gpu).map_err(|s| format!("setting up the context failed with status {s:#x}"))?;
         Ok(gpu)
     }
 
     /// A context built elsewhere, over device files received from another process.
-    pub fn adopt(version: &str, ctl: File, gpu0: File, uvm: File, client: u32, device: u32) -> Gpu {
-        Gpu { abi: Abi::for_version(version), ctl, gpu0, uvm, client, device, subdevice: 0, vaspace: 0, next_va: 0x7e00_0000_0000 }
+    pub fn adopt(version: &str, ctl: File, gpu_file: File, uvm: File, client: u32, device: u32) -> Gpu {
+        Gpu { abi: Abi::for_version(version), ctl, gpu_file, uvm, client, device, subdevice: 0, vaspace: 0, next_va: 0x7e00_0000_0000 }
     }
 
     /// The driver version, as CHECK_VERSION_STR reported it.
@@ -197,7 +201,7 @@ impl Gpu {
                 put64(&mut p, 24, host as u64);
                 put64(&mut p, 32, bytes - 1);
                 put32(&mut p, 48, self.ctl.as_raw_fd() as u32);
-                ioctl(&self.gpu0, rm_cmd(esc::RM_ALLOC_MEMORY, 56), p.as_mut_ptr())?;
+                ioctl(&self.gpu_file, rm_cmd(esc::RM_ALLOC_MEMORY, 56), p.as_mut_ptr())?;
                 check(get32(&p, 40))?;
                 Ok(Buffer { handle: get32(&p, 8), va: None, bytes })
             }

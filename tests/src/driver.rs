@@ -1,6 +1,6 @@
 //! The fake NVIDIA driver behind the FUSE files: RM clients and handle trees, memory that is only
-//! accounted (so an 80 GiB card and a 16 GiB model are realistic), UVM ranges, and the driver's
-//! own ground truth. Semantics follow the open kernel modules: RM_FREE frees a subtree (a client
+//! accounted (so an 80 GiB card and a 16 GiB model are realistic) per GPU, each GPU opened as an
+//! RM device by its instance (NV0080's deviceId), UVM ranges, and the driver's own ground truth. Semantics follow the open kernel modules: RM_FREE frees a subtree (a client
 //! handle frees the client), freeing an unknown handle is NV_OK, dups are reference counted, and
 //! releasing an nvidiactl file frees every client created on it.
 
@@ -14,8 +14,9 @@ use crate::fuse::{Caller, Files, IoctlReply};
 use crate::truth::{monotonic_ns, DriverLine, DriverOp, Log};
 
 pub const CTL_INODE: u64 = 2;
-pub const GPU0_INODE: u64 = 3;
 pub const UVM_INODE: u64 = 4;
+/// /dev/nvidiaN is inode GPU_INODES + N.
+pub const GPU_INODES: u64 = 16;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Kind {
@@ -38,6 +39,8 @@ impl Kind {
 struct Memory {
     /// The process that allocated it, for the fake NVML's per-process figures.
     pid: u32,
+    /// The GPU whose video memory it takes (None for system and virtual memory).
+    gpu: Option<usize>,
     client: u32,
     object: u32,
     kind: Kind,
@@ -48,6 +51,8 @@ struct Memory {
 struct Object {
     parent: u32,
     memory: Option<u64>,
+    /// A device's GPU, inherited by everything under it.
+    gpu: Option<usize>,
 }
 
 struct Client {
@@ -64,7 +69,8 @@ struct OpenFile {
 
 pub struct Config {
     pub version: String,
-    pub video_capacity: u64,
+    /// Each GPU's video memory: /dev/nvidia0, /dev/nvidia1...
+    pub gpus: Vec<u64>,
     pub system_capacity: u64,
     /// A unified-memory part (DGX Spark): NVML reports no device memory.
     pub unified: bool,
@@ -73,9 +79,12 @@ pub struct Config {
 pub struct Driver {
     abi: Abi,
     version: String,
-    video_capacity: u64,
+    gpus: Vec<u64>,
     system_capacity: u64,
-    used: HashMap<&'static str, u64>,
+    /// Video memory in use on each GPU, and system memory.
+    video_used: Vec<u64>,
+    system_used: u64,
+    names: Vec<(&'static str, u64)>,
     files: HashMap<u64, OpenFile>,
     clients: HashMap<u32, Client>,
     memory: HashMap<u64, Memory>,
@@ -93,11 +102,10 @@ pub struct Driver {
 
 fn device_name(inode: u64) -> String {
     match inode {
-        CTL_INODE => "ctl",
-        GPU0_INODE => "gpu",
-        _ => "uvm",
+        CTL_INODE => "ctl".into(),
+        UVM_INODE => "uvm".into(),
+        _ => format!("gpu{}", inode - GPU_INODES),
     }
-    .into()
 }
 
 fn read_mem(tid: u32, addr: u64, len: usize) -> Option<Vec<u8>> {
@@ -122,12 +130,16 @@ const EFAULT: i32 = -libc::EFAULT;
 
 impl Driver {
     pub fn new(config: &Config, log_path: Option<&Path>) -> std::io::Result<Driver> {
+        // Names live as long as the mount: a handful of short strings, leaked once.
+        let gpu_names = (0..config.gpus.len()).map(|n| (&*Box::leak(format!("nvidia{n}").into_boxed_str()), GPU_INODES + n as u64));
         Ok(Driver {
             abi: Abi::for_version(&config.version),
             version: config.version.clone(),
-            video_capacity: config.video_capacity,
+            gpus: config.gpus.clone(),
             system_capacity: config.system_capacity,
-            used: HashMap::new(),
+            video_used: vec![0; config.gpus.len()],
+            system_used: 0,
+            names: [("nvidiactl", CTL_INODE), ("nvidia-uvm", UVM_INODE)].into_iter().chain(gpu_names).collect(),
             files: HashMap::new(),
             clients: HashMap::new(),
             memory: HashMap::new(),
@@ -152,17 +164,22 @@ impl Driver {
     /// Written whole to a temporary file and renamed, so a reader never sees half of it.
     fn write_state(&self) -> std::io::Result<()> {
         let Some(path) = &self.state_path else { return Ok(()) };
-        let mut per_pid: HashMap<u32, u64> = HashMap::new();
-        for m in self.memory.values().filter(|m| m.kind == Kind::Video) {
-            *per_pid.entry(m.pid).or_default() += m.bytes;
-        }
-        let mut processes: Vec<(u32, u64)> = per_pid.into_iter().collect();
-        processes.sort();
-        let name = if self.unified { "NVIDIA GB10" } else { "NVIDIA H100 80GB HBM3" };
-        let state = serde_json::json!({
-            "version": self.version, "name": name, "total": self.video_capacity,
-            "used": self.video_used(), "unified": self.unified, "processes": processes,
-        });
+        let devices: Vec<serde_json::Value> = self
+            .gpus
+            .iter()
+            .enumerate()
+            .map(|(gpu, &total)| {
+                let mut per_pid: HashMap<u32, u64> = HashMap::new();
+                for m in self.memory.values().filter(|m| m.gpu == Some(gpu)) {
+                    *per_pid.entry(m.pid).or_default() += m.bytes;
+                }
+                let mut processes: Vec<(u32, u64)> = per_pid.into_iter().collect();
+                processes.sort();
+                let name = if self.unified { "NVIDIA GB10".to_string() } else { format!("NVIDIA H100 {}GB HBM3", total >> 30) };
+                serde_json::json!({"name": name, "total": total, "used": self.video_used[gpu], "processes": processes})
+            })
+            .collect();
+        let state = serde_json::json!({"version": self.version, "unified": self.unified, "devices": devices});
         let tmp = path.with_extension("tmp");
         std::fs::write(&tmp, state.to_string())?;
         std::fs::rename(tmp, path)
@@ -189,26 +206,28 @@ impl Driver {
         self.log.write(&DriverLine { ts: monotonic_ns(), pid, tid: caller.tid, op });
     }
 
-    fn capacity(&self, kind: Kind) -> u64 {
+    /// Room left for `kind` on `gpu` (video memory is per GPU; the host's is shared).
+    fn room(&self, kind: Kind, gpu: usize) -> u64 {
         match kind {
-            Kind::Video => self.video_capacity,
-            Kind::System => self.system_capacity,
+            Kind::Video => self.gpus[gpu].saturating_sub(self.video_used[gpu]),
+            Kind::System => self.system_capacity.saturating_sub(self.system_used),
             Kind::Virtual => u64::MAX,
         }
     }
 
-    fn used_mut(&mut self, kind: Kind) -> &mut u64 {
-        let key = match kind {
-            Kind::Video => "video",
-            Kind::System => "system",
-            Kind::Virtual => "virtual",
+    fn account(&mut self, kind: Kind, gpu: usize, bytes: i128) {
+        let used = match kind {
+            Kind::Video => &mut self.video_used[gpu],
+            Kind::System => &mut self.system_used,
+            Kind::Virtual => return,
         };
-        self.used.entry(key).or_default()
+        *used = (*used as i128 + bytes) as u64;
     }
 
-    /// Video bytes in use now (the fake NVML's answer).
-    pub fn video_used(&self) -> u64 {
-        self.used.get("video").copied().unwrap_or(0)
+    /// The GPU of `parent` in `client`: the device it is or is under. RM refuses memory outside
+    /// a device; the fake puts it on GPU 0.
+    fn gpu_under(&self, client: u32, parent: u32) -> usize {
+        self.clients.get(&client).and_then(|c| c.objects.get(&parent)).and_then(|o| o.gpu).unwrap_or(0)
     }
 
     fn new_object_handle(&mut self) -> u32 {
@@ -217,21 +236,22 @@ impl Driver {
         h
     }
 
-    /// Allocates accounted memory; None when it does not fit. `rm` is the RM identity (client,
-    /// object, class), zeros for UVM.
-    fn take(&mut self, caller: Caller, rm: (u32, u32, u32), kind: Kind, bytes: u64, via: &str) -> Result<u64, u32> {
+    /// Allocates accounted memory on `gpu`; None when it does not fit. `rm` is the RM identity
+    /// (client, object, class), zeros for UVM.
+    fn take(&mut self, caller: Caller, rm: (u32, u32, u32), kind: Kind, gpu: usize, bytes: u64, via: &str) -> Result<u64, u32> {
         let (client, object, class) = rm;
-        let fits = self.used_mut(kind).checked_add(bytes).is_some_and(|total| total <= self.capacity(kind));
+        let fits = bytes <= self.room(kind, gpu);
         let status = if fits { status::OK } else { status::NO_MEMORY };
-        self.record(caller, DriverOp::Alloc { client, object, class, kind: kind.name(), bytes, status, via: via.into() });
+        let on = (kind == Kind::Video).then_some(gpu);
+        self.record(caller, DriverOp::Alloc { client, object, class, kind: kind.name(), bytes, status, via: via.into(), gpu: on });
         if !fits {
             return Err(status::NO_MEMORY);
         }
-        *self.used_mut(kind) += bytes;
+        self.account(kind, gpu, i128::from(bytes));
         let id = self.next_memory;
         self.next_memory += 1;
         let pid = self.tgid(caller.tid);
-        self.memory.insert(id, Memory { pid, client, object, kind, bytes, handles: 1 });
+        self.memory.insert(id, Memory { pid, gpu: on, client, object, kind, bytes, handles: 1 });
         let _ = self.write_state();
         Ok(id)
     }
@@ -243,8 +263,7 @@ impl Driver {
             return;
         }
         let m = self.memory.remove(&id).unwrap();
-        let used = self.used_mut(m.kind);
-        *used -= m.bytes;
+        self.account(m.kind, m.gpu.unwrap_or(0), -i128::from(m.bytes));
         self.record(caller, DriverOp::Free { client: m.client, object: m.object, kind: m.kind.name(), bytes: m.bytes, how: how.into() });
         let _ = self.write_state();
     }
@@ -290,9 +309,10 @@ impl Driver {
         }
     }
 
-    fn insert_object(&mut self, client: u32, handle: u32, parent: u32, memory: Option<u64>) {
+    fn insert_object(&mut self, client: u32, handle: u32, parent: u32, memory: Option<u64>, gpu: Option<usize>) {
+        let gpu = gpu.or_else(|| self.clients.get(&client)?.objects.get(&parent)?.gpu);
         if let Some(c) = self.clients.get_mut(&client) {
-            c.objects.insert(handle, Object { parent, memory });
+            c.objects.insert(handle, Object { parent, memory, gpu });
         }
     }
 
@@ -339,17 +359,28 @@ impl Driver {
         }
         let size = self.class_params_size(hclass);
         let class_params = if size > 0 { read_mem(caller.tid, params, size).ok_or(status::INVALID_ARGUMENT)? } else { vec![] };
+        // A device opens the GPU its deviceId names; an instance with no GPU is refused.
+        let device = if hclass == class::DEVICE {
+            let instance = get32(&class_params, 0) as usize;
+            if instance >= self.gpus.len() {
+                return Err(status::INVALID_ARGUMENT);
+            }
+            Some(instance)
+        } else {
+            None
+        };
         let kind = match hclass {
             class::LOCAL_USER => Some(Kind::Video),
             class::SYSTEM => Some(Kind::System),
             class::NV50_MEMORY_VIRTUAL => Some(Kind::Virtual),
             _ => None,
         };
+        let gpu = self.gpu_under(root, parent);
         let memory = match kind {
-            Some(kind) => Some(self.take(caller, (root, new, hclass), kind, get64(&class_params, 64), "rm_alloc")?),
+            Some(kind) => Some(self.take(caller, (root, new, hclass), kind, gpu, get64(&class_params, 64), "rm_alloc")?),
             None => None,
         };
-        self.insert_object(root, new, parent, memory);
+        self.insert_object(root, new, parent, memory, device);
         Ok(())
     }
 
@@ -382,8 +413,9 @@ impl Driver {
                 } else {
                     (Kind::System, class::SYSTEM)
                 };
-                let id = self.take(caller, (root, handle, hclass), kind, size, "vid_heap_control")?;
-                self.insert_object(root, handle, parent, Some(id));
+                let gpu = self.gpu_under(root, parent);
+                let id = self.take(caller, (root, handle, hclass), kind, gpu, size, "vid_heap_control")?;
+                self.insert_object(root, handle, parent, Some(id), None);
                 put64(p, 104, 0x2_0000_0000 + id * 0x1000_0000);
                 Ok(())
             })(),
@@ -406,8 +438,9 @@ impl Driver {
                 put32(p, 8, new);
             }
             let kind = if hclass == class::LOCAL_USER || (flags >> 8) & 0xf == 2 { Kind::Video } else { Kind::System };
-            let id = self.take(caller, (root, new, hclass), kind, limit + 1, "rm_alloc_memory")?;
-            self.insert_object(root, new, parent, Some(id));
+            let gpu = self.gpu_under(root, parent);
+            let id = self.take(caller, (root, new, hclass), kind, gpu, limit + 1, "rm_alloc_memory")?;
+            self.insert_object(root, new, parent, Some(id), None);
             Ok(())
         })();
         put32(p, 40, status.err().unwrap_or(status::OK));
@@ -432,7 +465,7 @@ impl Driver {
             if let Some(id) = memory {
                 self.memory.get_mut(&id).unwrap().handles += 1;
             }
-            self.insert_object(client, new, parent, memory);
+            self.insert_object(client, new, parent, memory, None);
             Ok(())
         })();
         put32(p, 24, status.err().unwrap_or(status::OK));
@@ -452,7 +485,7 @@ impl Driver {
             (esc::RM_VID_HEAP_CONTROL, 184) if on_ctl => self.vid_heap(caller, p),
             (esc::RM_DUP_OBJECT, 28) if on_ctl => self.dup(p),
             (esc::RM_CONTROL, 32) if on_ctl => put32(p, 28, status::OK),
-            (esc::RM_ALLOC_MEMORY, 56) if inode == GPU0_INODE => self.alloc_memory(caller, p),
+            (esc::RM_ALLOC_MEMORY, 56) if inode >= GPU_INODES => self.alloc_memory(caller, p),
             (esc::REGISTER_FD, 4) => {}
             (esc::CHECK_VERSION_STR, 72) => {
                 put32(p, 4, 1);
@@ -505,11 +538,11 @@ impl Driver {
         let (base, length) = (get64(p, 0), get64(p, 8));
         match cmd {
             uvm::CREATE_EXTERNAL_RANGE => {
-                let id = self.take(caller, (0, 0, 0), Kind::Virtual, length, "uvm_create_external_range")?;
+                let id = self.take(caller, (0, 0, 0), Kind::Virtual, 0, length, "uvm_create_external_range")?;
                 self.add_range(fh, base, length, Some(id))
             }
             uvm::ALLOC_SEMAPHORE_POOL => {
-                let id = self.take(caller, (0, 0, 0), Kind::System, length, "uvm_alloc_semaphore_pool")?;
+                let id = self.take(caller, (0, 0, 0), Kind::System, 0, length, "uvm_alloc_semaphore_pool")?;
                 self.add_range(fh, base, length, Some(id))
             }
             uvm::MAP_EXTERNAL_ALLOCATION => {
@@ -545,7 +578,7 @@ impl Driver {
 
 impl Files for Driver {
     fn names(&self) -> &[(&'static str, u64)] {
-        &[("nvidiactl", CTL_INODE), ("nvidia0", GPU0_INODE), ("nvidia-uvm", UVM_INODE)]
+        &self.names
     }
 
     fn open(&mut self, caller: Caller, inode: u64) -> u64 {
@@ -625,7 +658,7 @@ mod tests {
             static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
             let n = N.fetch_add(1, Ordering::SeqCst);
             let log = std::env::temp_dir().join(format!("fakegpu-driver-test-{}-{n}.jsonl", std::process::id()));
-            let config = Config { version: version.into(), video_capacity: video, system_capacity: 4 * GIB, unified: false };
+            let config = Config { version: version.into(), gpus: vec![video, GIB], system_capacity: 4 * GIB, unified: false };
             let mut driver = Driver::new(&config, Some(&log)).unwrap();
             let ctl = driver.open(me(), CTL_INODE);
             Rig { driver, log, abi: Abi::for_version(version), ctl }
@@ -645,6 +678,17 @@ mod tests {
         fn alloc(&mut self, client: u32, parent: u32, hclass: u32, bytes: u64) -> (u32, u32) {
             let mut params = vec![0u8; self.abi.memory_params_size.max(56)];
             put64(&mut params, 64, bytes);
+            self.alloc_with(client, parent, hclass, &mut params)
+        }
+
+        /// A device of GPU `instance` (NV0080's deviceId); returns (handle, status).
+        fn device(&mut self, client: u32, instance: u32) -> (u32, u32) {
+            let mut params = vec![0u8; 56];
+            put32(&mut params, 0, instance);
+            self.alloc_with(client, client, class::DEVICE, &mut params)
+        }
+
+        fn alloc_with(&mut self, client: u32, parent: u32, hclass: u32, params: &mut [u8]) -> (u32, u32) {
             let mut p = vec![0u8; self.abi.nvos64_size];
             put32(&mut p, 0, client);
             put32(&mut p, 4, parent);
@@ -698,12 +742,12 @@ mod tests {
         let (a, status) = rig.alloc(client, subdevice, class::LOCAL_USER, GIB);
         assert_eq!(status, status::OK);
         let (b, _) = rig.alloc(client, device, class::LOCAL_USER, 2 * GIB);
-        assert_eq!(rig.driver.video_used(), 3 * GIB);
+        assert_eq!(rig.driver.video_used[0], 3 * GIB);
         assert_eq!(rig.free(client, subdevice), status::OK);
         assert_eq!(rig.frees(), vec![(a, "subtree".into())]);
         assert_eq!(rig.free(client, client), status::OK);
         assert_eq!(rig.frees(), vec![(a, "subtree".into()), (b, "subtree".into())]);
-        assert_eq!(rig.driver.video_used(), 0);
+        assert_eq!(rig.driver.video_used[0], 0);
         // Freeing what does not exist is NV_OK, as RS_COMPATABILITY_MODE makes it.
         assert_eq!(rig.free(client, 0xdead), status::OK);
     }
@@ -723,9 +767,9 @@ mod tests {
         assert_eq!(get32(&p, 24), status::OK);
         let alias = get32(&p, 8);
         rig.free(client, memory);
-        assert_eq!(rig.driver.video_used(), GIB, "the dup still holds it");
+        assert_eq!(rig.driver.video_used[0], GIB, "the dup still holds it");
         rig.free(client, alias);
-        assert_eq!(rig.driver.video_used(), 0);
+        assert_eq!(rig.driver.video_used[0], 0);
         assert_eq!(rig.frees(), vec![(memory, "explicit".into())]);
     }
 
@@ -752,9 +796,32 @@ mod tests {
         let (device, _) = rig.alloc(client, client, class::DEVICE, 0);
         assert_eq!(rig.alloc(client, device, class::LOCAL_USER, 3 * GIB).1, status::OK);
         assert_eq!(rig.alloc(client, device, class::LOCAL_USER, 2 * GIB).1, status::NO_MEMORY);
-        assert_eq!(rig.driver.video_used(), 3 * GIB, "a failed allocation takes nothing");
+        assert_eq!(rig.driver.video_used[0], 3 * GIB, "a failed allocation takes nothing");
         assert_eq!(rig.alloc(client, 0xbad, class::LOCAL_USER, 1).1, status::INVALID_OBJECT_PARENT);
         assert_eq!(rig.alloc(0xbad, 0xbad, class::LOCAL_USER, 1).1, status::INVALID_CLIENT);
+    }
+
+    /// Each GPU has its own video memory, chosen by the device's instance; the host's is shared.
+    #[test]
+    fn each_gpu_is_a_device_instance_with_its_own_memory() {
+        let mut rig = Rig::new("580.95.05", 8 * GIB);
+        let client = rig.client();
+        let ((gpu0, _), (gpu1, _)) = (rig.device(client, 0), rig.device(client, 1));
+        let (subdevice1, _) = rig.alloc(client, gpu1, class::SUBDEVICE, 0);
+        assert_eq!(rig.alloc(client, subdevice1, class::LOCAL_USER, 2 * GIB).1, status::NO_MEMORY, "GPU 1 has 1 GiB");
+        assert_eq!(rig.alloc(client, gpu0, class::LOCAL_USER, 2 * GIB).1, status::OK, "GPU 0 has 8 GiB");
+        assert_eq!(rig.alloc(client, subdevice1, class::LOCAL_USER, GIB).1, status::OK);
+        assert_eq!(rig.driver.video_used, vec![2 * GIB, GIB]);
+        assert_eq!(rig.device(client, 2).1, status::INVALID_ARGUMENT, "there is no third GPU");
+        let gpus: Vec<Option<usize>> = read_lines::<DriverLine>(&rig.log)
+            .unwrap()
+            .into_iter()
+            .filter_map(|l| match l.op {
+                DriverOp::Alloc { gpu, .. } => Some(gpu),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(gpus, vec![Some(1), Some(0), Some(1)], "the log says which GPU each allocation asked of");
     }
 
     /// Every presented version writes status where that version's layout has it.
@@ -787,7 +854,7 @@ mod tests {
         let mut rig = Rig::new("580.95.05", 80 * GIB);
         let mut p = vec![0u8; 56];
         assert_eq!(rig.rm(rig.ctl, esc::RM_ALLOC_MEMORY, &mut p), -libc::EINVAL, "RM_ALLOC_MEMORY is for /dev/nvidiaN");
-        let gpu = rig.driver.open(me(), GPU0_INODE);
+        let gpu = rig.driver.open(me(), GPU_INODES);
         let mut free = vec![0u8; 16];
         assert_eq!(rig.rm(gpu, esc::RM_FREE, &mut free), -libc::EINVAL, "RM_FREE is for /dev/nvidiactl");
     }

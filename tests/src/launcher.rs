@@ -1,5 +1,5 @@
 //! `fakegpu run`: a private mount namespace whose /dev has the fake driver's files at
-//! /dev/nvidiactl, /dev/nvidia0 and /dev/nvidia-uvm, and /proc/driver/nvidia/version as a real
+//! /dev/nvidiactl, /dev/nvidia0 (one /dev/nvidiaN per GPU) and /dev/nvidia-uvm, and /proc/driver/nvidia/version as a real
 //! host has it; the command runs inside, and everything is torn down after it, even on failure.
 //! The host's /dev is never touched: /dev is devtmpfs, shared with the host even in a private
 //! namespace, so a tmpfs is put over it first.
@@ -46,8 +46,13 @@ fn mount(source: &str, target: &str, fstype: Option<&str>, flags: libc::c_ulong,
     Ok(())
 }
 
+/// The device files of a driver with `gpus` GPUs, as named in /dev.
+fn device_files(gpus: usize) -> Vec<String> {
+    ["nvidiactl".to_string(), "nvidia-uvm".to_string()].into_iter().chain((0..gpus).map(|n| format!("nvidia{n}"))).collect()
+}
+
 /// Builds the namespace's /dev on a staging tmpfs, then moves it over /dev.
-fn private_dev() -> Result<()> {
+fn private_dev(files: &[String]) -> Result<()> {
     // SAFETY: unshare of the mount namespace for this (single-threaded) process.
     if unsafe { libc::unshare(libc::CLONE_NEWNS) } != 0 {
         bail!("unshare(CLONE_NEWNS): {} (the fake GPU needs root)", std::io::Error::last_os_error());
@@ -74,7 +79,7 @@ fn private_dev() -> Result<()> {
             std::os::unix::fs::symlink(to, stage.join(link))?;
         }
         std::fs::create_dir(stage.join(".fakegpu"))?;
-        for name in ["nvidiactl", "nvidia0", "nvidia-uvm"] {
+        for name in files {
             std::fs::write(stage.join(name), b"")?;
         }
         mount(&stage_str, "/dev", None, libc::MS_MOVE, None)
@@ -140,7 +145,8 @@ pub fn run(run: Run) -> Result<i32> {
     if run.command.is_empty() {
         bail!("no command: `fakegpu run [options] -- CMD ARGS...`");
     }
-    private_dev().context("building the namespace's /dev")?;
+    let files = device_files(run.config.gpus.len());
+    private_dev(&files).context("building the namespace's /dev")?;
     std::fs::create_dir_all(FUSE_DIR)?;
     let session = Session::mount(Path::new(FUSE_DIR))?;
     let mut driver = Driver::new(&run.config, run.driver_log.as_deref()).context("opening the driver log")?;
@@ -155,7 +161,7 @@ pub fn run(run: Run) -> Result<i32> {
         serving_flag.store(false, Ordering::SeqCst);
         result
     });
-    for name in ["nvidiactl", "nvidia0", "nvidia-uvm"] {
+    for name in &files {
         mount(&format!("{FUSE_DIR}/{name}"), &format!("/dev/{name}"), None, libc::MS_BIND, None)?;
     }
     driver_version_file(&run.config.version)?;
@@ -189,9 +195,9 @@ pub fn run(run: Run) -> Result<i32> {
     while open_files.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(10));
     }
-    for target in ["/dev/nvidiactl", "/dev/nvidia0", "/dev/nvidia-uvm", FUSE_DIR] {
+    for target in files.iter().map(|f| format!("/dev/{f}")).chain([FUSE_DIR.to_string()]) {
         // SAFETY: umount2 of a path in our private namespace.
-        unsafe { libc::umount2(c(target).as_ptr(), libc::MNT_DETACH) };
+        unsafe { libc::umount2(c(&target).as_ptr(), libc::MNT_DETACH) };
     }
     drop(session);
     // Unmounting ends the server's read loop; if it does not, the namespace goes with us anyway.

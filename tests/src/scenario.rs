@@ -12,13 +12,16 @@ use anyhow::{anyhow, bail, Context, Result};
 
 use crate::serve::GIB;
 
-pub const NAMES: [&str; 6] = ["clean", "held-by-other-process", "does-not-fit-at-load", "long-request", "concurrent-load", "host-oom"];
+pub const NAMES: [&str; 7] =
+    ["clean", "held-by-other-process", "does-not-fit-at-load", "long-request", "concurrent-load", "host-oom", "tensor-parallel"];
 pub const SERVERS: [&str; 2] = ["vllm", "llama"];
 
-/// The card each scenario runs on: (device memory, unified).
-pub fn card(name: &str, server: &str) -> (u64, bool) {
+/// The GPUs each scenario runs on: (each one's device memory, unified). The tensor-parallel
+/// scenario's node has a smaller last card.
+pub fn card(name: &str, server: &str) -> (Vec<u64>, bool) {
     let video = if server == "llama" { 24 * GIB } else { 80 * GIB };
-    (video, name == "host-oom")
+    let gpus = if name == "tensor-parallel" { vec![video, video, video, video / 5 * 3] } else { vec![video] };
+    (gpus, name == "host-oom")
 }
 
 /// One line: what the scenario does.
@@ -33,6 +36,10 @@ pub fn describe(name: &str, server: &str) -> &'static str {
         ("long-request", _) => "short prompts are served, one long prompt fails mid-prefill",
         ("concurrent-load", _) => "each request alone fits, a burst of them at once does not",
         ("host-oom", _) => "a unified-memory server in a memory-limited cgroup is killed by the kernel's OOM killer while loading",
+        ("tensor-parallel", "vllm") => {
+            "four tensor-parallel ranks, one per GPU; the rank on the smaller fourth card runs out loading its shard"
+        }
+        ("tensor-parallel", _) => "the weights split over four GPUs from one process; the smaller fourth card runs out",
         _ => "?",
     }
 }
@@ -140,6 +147,11 @@ pub fn inside(name: &str, server: &str, dir: &Path, gputrace: &Path) -> Result<(
         "does-not-fit-at-load" => {
             let model = if llama { "30" } else { "96" };
             wait_for(t.record(&t.server_cmd(server, port, &["--model-gib", model]))?, limit)
+        }
+        "tensor-parallel" => {
+            // A shard of 3/4 of a big card: it fits three of them, not the fourth (3/5 of one).
+            let (model, split) = if llama { ("60", ["--tensor-split", "1,1,1,1"]) } else { ("200", ["--tensor-parallel-size", "4"]) };
+            wait_for(t.record(&t.server_cmd(server, port, &["--model-gib", model, split[0], split[1]]))?, limit)
         }
         "long-request" => {
             let rec = t.record(&t.server_cmd(server, port, &[]))?;

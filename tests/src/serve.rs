@@ -125,11 +125,12 @@ pub struct ModelSpec {
 }
 
 /// Free device memory as cudaMemGetInfo would report it; the fake NVML's state stands in.
-pub fn free_device_memory() -> Option<(u64, u64)> {
+pub fn free_device_memory(gpu: usize) -> Option<(u64, u64)> {
     let path = std::env::var("FAKEGPU_STATE").unwrap_or_else(|_| "/dev/fakegpu-state.json".into());
     let state: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()?;
-    let total = state["total"].as_u64()?;
-    Some((total - state["used"].as_u64()?, total))
+    let device = &state["devices"][gpu];
+    let total = device["total"].as_u64()?;
+    Some((total - device["used"].as_u64()?, total))
 }
 
 pub fn gib(bytes: u64) -> String {

@@ -11,7 +11,8 @@ use serde::{Deserialize, Serialize};
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum DriverOp {
-    /// An allocation request and its outcome. `kind` is video, system or virtual.
+    /// An allocation request and its outcome. `kind` is video, system or virtual; `gpu` is the
+    /// GPU whose video memory it asked for.
     Alloc {
         client: u32,
         object: u32,
@@ -20,6 +21,8 @@ pub enum DriverOp {
         bytes: u64,
         status: u32,
         via: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        gpu: Option<usize>,
     },
     /// Memory that went back: its last handle was freed. `how`: explicit, subtree or release.
     Free {

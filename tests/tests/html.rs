@@ -20,19 +20,18 @@ fn chromium(dir: &Path, args: &[&str], page: &Path) -> std::process::Output {
         .expect("running chromium")
 }
 
-#[test]
-#[ignore = "needs root: `sudo cargo xtask test` runs it"]
-fn the_html_report_of_a_failure_renders_with_its_verdict_and_marker() {
-    let _root = as_root();
+/// Runs a scenario, exports its HTML report; the page's directory and path. None (said) where
+/// there is no chromium outside CI.
+fn page_of(scenario: &str) -> Option<(std::path::PathBuf, std::path::PathBuf)> {
     if Command::new("chromium").arg("--version").output().is_err() {
         assert!(std::env::var("CI").as_deref() != Ok("true"), "chromium is missing: `cargo xtask test` installs it");
         eprintln!("skipping: no chromium (apt-get install chromium chromium-driver)");
-        return;
+        return None;
     }
-    let dir = std::env::temp_dir().join(format!("gputrace-html-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("gputrace-html-{scenario}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let run = Command::new(env!("CARGO_BIN_EXE_fakegpu"))
-        .args(["scenario", "long-request", "--server", "vllm", "--dir"])
+        .args(["scenario", scenario, "--server", "vllm", "--dir"])
         .arg(&dir)
         .arg("--gputrace")
         .arg(gputrace_bin())
@@ -43,6 +42,14 @@ fn the_html_report_of_a_failure_renders_with_its_verdict_and_marker() {
     let export =
         Command::new(gputrace_bin()).args(["export", "--format", "html", "-o"]).arg(&page).arg(dir.join("run.trace")).output().unwrap();
     assert!(export.status.success(), "{}", String::from_utf8_lossy(&export.stderr));
+    Some((dir, page))
+}
+
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn the_html_report_of_a_failure_renders_with_its_verdict_and_marker() {
+    let _root = as_root();
+    let Some((dir, page)) = page_of("long-request") else { return };
     let html = std::fs::read_to_string(&page).unwrap();
     // Self-contained: nothing fetched (the SVG namespace URI is a name, not a fetch).
     let fetched = html.replace("http://www.w3.org/2000/svg", "");
@@ -67,5 +74,24 @@ fn the_html_report_of_a_failure_renders_with_its_verdict_and_marker() {
     if let Ok(keep) = std::env::var("GPUTRACE_KEEP_SCREENSHOT") {
         std::fs::copy(&shot, keep).unwrap();
     }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// With several GPUs the page has a chart per GPU and opens on the one the verdict is about, with
+/// that GPU's capacity; a GPU table lists them all.
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn the_html_report_of_a_tensor_parallel_failure_opens_on_the_failing_gpu() {
+    let _root = as_root();
+    let Some((dir, page)) = page_of("tensor-parallel") else { return };
+    let dom = chromium(&dir, &["--dump-dom", "--window-size=1200,900"], &page);
+    let dom = String::from_utf8_lossy(&dom.stdout);
+    for gpu in ["all GPUs", "GPU 0", "GPU 3"] {
+        assert!(dom.contains(&format!(">{gpu}</button>")), "a button for {gpu}");
+    }
+    assert!(dom.contains("class=\"on\">GPU 3</button>"), "GPU 3 shown first");
+    assert!(dom.contains("GPU 3 capacity 48.0 GiB"), "the failing GPU's own capacity line");
+    assert!(dom.contains("class=\"failure\""), "its failure marker");
+    assert!(dom.contains("<h2>GPUs</h2>"));
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -82,6 +82,21 @@ fn agrees_with_ground_truth(o: &Outcome, what: &str) {
         _ => None,
     }));
     assert_eq!(traced, driver, "{what}: gputrace's allocations against the driver's");
+    // Each video allocation on the GPU the driver took it from: (pid, bytes, ok, gpu), counted.
+    let driver_gpus = o.driver.iter().filter(|l| traced_pids.contains(&l.pid)).filter_map(|l| match &l.op {
+        DriverOp::Alloc { kind, bytes, status, gpu, .. } if kind == "video" => Some((l.pid, *bytes, *status == 0, gpu.map(|g| g as u32))),
+        _ => None,
+    });
+    let allocated = o.model.allocations.iter().filter(|a| a.memory == Memory::Video).map(|a| (a.pid, a.bytes, true, a.gpu));
+    let failed = o.model.failures.iter().filter(|f| f.memory == Memory::Video).map(|f| (f.pid, f.bytes, false, f.gpu));
+    let counted = |items: &mut dyn Iterator<Item = (u32, u64, bool, Option<u32>)>| {
+        let mut m = BTreeMap::new();
+        for i in items {
+            *m.entry(i).or_insert(0) += 1;
+        }
+        m
+    };
+    assert_eq!(counted(&mut allocated.chain(failed)), counted(&mut driver_gpus.into_iter()), "{what}: the GPU of every video allocation");
     // The workload's own account of the recorded processes (an earlier server that held the GPU
     // before recording began is in its file too).
     let recorded = |w: &&Value| traced_pids.contains(&(w["pid"].as_u64().unwrap_or(0) as u32));
@@ -207,13 +222,21 @@ fn exports_are_well_formed(o: &Outcome, what: &str) {
     assert!(used.is_subset(&named), "{what}: every process named: {:?} vs {:?}", used, named);
     let failures = events.iter().filter(|e| e["name"] == "failed allocation").count();
     assert_eq!(failures, o.model.failures.len(), "{what}: an instant for every failed allocation");
+    // A track group per GPU memory was traced on, with its own counter and its failures.
+    let gpu_tracks: std::collections::BTreeSet<u64> =
+        events.iter().filter(|e| e["name"] == "live video memory").map(|e| e["pid"].as_u64().unwrap()).collect();
+    let traced_gpus: std::collections::BTreeSet<Option<u32>> =
+        o.model.allocations.iter().filter(|a| a.memory == Memory::Video && a.gpu.is_some()).map(|a| a.gpu).collect();
+    assert_eq!(gpu_tracks.len(), traced_gpus.len(), "{what}: GPU tracks {gpu_tracks:?} for {traced_gpus:?}");
+    let here = events.iter().filter(|e| e["name"] == "out of memory here").count();
+    assert_eq!(here, o.model.failures.iter().filter(|f| f.gpu.is_some()).count(), "{what}: failures on their GPU's track");
     let ooms = events.iter().filter(|e| e["name"] == "OOM kill").count();
     assert_eq!(ooms, o.model.processes.values().filter(|p| p.oom_killed.is_some()).count(), "{what}");
 
     let csv = export("csv");
     let mut lines = csv.lines();
     let columns = lines.next().unwrap().split(',').count();
-    assert_eq!(columns, 12, "{what}");
+    assert_eq!(columns, 13, "{what}");
     let rows: Vec<&str> = lines.collect();
     assert_eq!(rows.len(), o.model.allocations.len() + o.model.failures.len(), "{what}: one row per allocation");
     for row in rows {
@@ -226,7 +249,7 @@ fn exports_are_well_formed(o: &Outcome, what: &str) {
                 _ => {}
             }
         }
-        assert_eq!(fields + 1, 12, "{what}: {row}");
+        assert_eq!(fields + 1, 13, "{what}: {row}");
         let freed_by = row.rsplit(',').nth(1).unwrap();
         assert!(["explicit", "subtree", "file_release", "never", "failed"].contains(&freed_by), "{what}: {row}");
     }
@@ -244,6 +267,7 @@ fn diagnosed_right(o: &Outcome, name: &str, server: &str, what: &str) {
         ("held-by-other-process", "vllm") => ("held-by-other-process", "startup-refusal"),
         ("held-by-other-process", _) => ("held-by-other-process", "failed-allocation"),
         ("host-oom", _) => ("host-oom", "oom-kill"),
+        ("tensor-parallel", _) => ("does-not-fit-at-load", "failed-allocation"),
         (other, _) => (other, "failed-allocation"),
     };
     assert_eq!((d["category"].as_str(), d["symptom"].as_str()), (Some(category), Some(symptom)), "{what}: {d:#}");
@@ -285,6 +309,23 @@ fn diagnosed_right(o: &Outcome, name: &str, server: &str, what: &str) {
             if name == "does-not-fit-at-load" {
                 assert!(fix["load_bytes"].as_u64().unwrap() > o.header.gpus[0].total_bytes.unwrap(), "{what}: more than the card");
             }
+            if name == "tensor-parallel" {
+                // Judged on the fourth, smaller card, with its capacity: what it needed fits any
+                // of the other three.
+                let (small, big) = (o.header.gpus[3].total_bytes.unwrap(), o.header.gpus[0].total_bytes.unwrap());
+                assert_eq!((d["gpu"].as_u64(), e["gpu"].as_u64()), (Some(3), Some(3)), "{what}");
+                assert_eq!(e["capacity_bytes"].as_u64(), Some(small), "{what}: GPU 3's capacity");
+                assert_eq!(e["service_gpus"], serde_json::json!([0, 1, 2, 3]), "{what}");
+                let load = fix["load_bytes"].as_u64().unwrap();
+                assert!(load > small && load < big, "{what}: {load} needed on GPU 3");
+                let flag = if server == "vllm" { "--tensor-parallel-size, now 4" } else { "--tensor-split, now 1,1,1,1" };
+                assert!(d["fix"]["text"].as_str().unwrap().contains(flag), "{what}: {}", d["fix"]["text"]);
+                let gpus = o.summary["gpus"].as_array().unwrap();
+                assert_eq!(gpus.len(), 4, "{what}: {gpus:?}");
+                let failed: Vec<u64> = gpus.iter().map(|g| g["failed_allocations"].as_u64().unwrap()).collect();
+                assert_eq!(failed, [0, 0, 0, 1], "{what}");
+                assert!(gpus.iter().all(|g| g["peak_bytes"].as_u64().unwrap() <= g["capacity_bytes"].as_u64().unwrap()), "{what}");
+            }
         }
     }
 }
@@ -305,7 +346,7 @@ fn check(name: &str, server: &str) {
             assert_eq!(o.model.live(Memory::Video), 0, "{what}: everything freed when the server stopped");
             assert!(workload_events(&o, "response").all(|r| r["status"] == "HTTP/1.1 200 OK"), "{what}: every request served");
         }
-        "does-not-fit-at-load" => {
+        "does-not-fit-at-load" | "tensor-parallel" => {
             assert_eq!(failures.len(), 1, "{what}");
             assert_eq!(failed_phase.as_deref(), Some("load"), "{what}");
             assert_eq!(failures[0].status, 0x51, "{what}: NV_ERR_NO_MEMORY");
@@ -384,10 +425,12 @@ scenarios! {
     vllm_long_request: "long-request", "vllm";
     vllm_concurrent_load: "concurrent-load", "vllm";
     vllm_host_oom: "host-oom", "vllm";
+    vllm_tensor_parallel: "tensor-parallel", "vllm";
     llama_clean: "clean", "llama";
     llama_held_by_other_process: "held-by-other-process", "llama";
     llama_does_not_fit_at_load: "does-not-fit-at-load", "llama";
     llama_long_request: "long-request", "llama";
     llama_concurrent_load: "concurrent-load", "llama";
     llama_host_oom: "host-oom", "llama";
+    llama_tensor_parallel: "tensor-parallel", "llama";
 }

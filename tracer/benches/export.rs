@@ -32,8 +32,8 @@ fn write_trace(path: &Path) {
     };
     put(&mut w, Event::Process { ppid: 1, seen: Seen::Launched, command: vec!["server".into()] });
     put(&mut w, Event::Open { fd: 3, file: 1, device: Device::Ctl, cloexec: true });
-    put(&mut w, Event::Object { fd: 3, client: 1, parent: 0, object: 1, class: 0x41, status: 0 });
-    put(&mut w, Event::Object { fd: 3, client: 1, parent: 1, object: 2, class: 0x80, status: 0 });
+    put(&mut w, Event::Object { fd: 3, client: 1, parent: 0, object: 1, class: 0x41, status: 0, gpu: None });
+    put(&mut w, Event::Object { fd: 3, client: 1, parent: 1, object: 2, class: 0x80, status: 0, gpu: None });
     let alloc = |object: u32, bytes: u64| {
         Event::Alloc(Alloc {
             fd: 3,

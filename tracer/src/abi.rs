@@ -210,6 +210,8 @@ pub mod offsets {
     pub const ALLOC_PARENT: usize = 4;
     pub const ALLOC_NEW: usize = 8;
     pub const ALLOC_CLASS: usize = 12;
+    // NV0080_ALLOC_PARAMETERS (class params of NV01_DEVICE_0)
+    pub const DEVICE_ID: usize = 0;
     // NVOS00 (RM_FREE)
     pub const FREE_ROOT: usize = 0;
     pub const FREE_PARENT: usize = 4;

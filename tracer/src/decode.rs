@@ -306,7 +306,8 @@ fn decode_rm_alloc(layout: &Layout, raw: &RawIoctl, p: &Fields, size: u32) -> Op
         _ => {
             // A new client's handle is hObjectNew; it is its own root.
             let client = if class::is_client(hclass) { object } else { client };
-            return Some(Event::Object { fd: raw.fd, client, parent, object, class: hclass, status });
+            let gpu = if hclass == class::DEVICE { Fields(&raw.class_params).u32(o::DEVICE_ID) } else { None };
+            return Some(Event::Object { fd: raw.fd, client, parent, object, class: hclass, status, gpu });
         }
     };
     let c = Fields(&raw.class_params);

@@ -149,6 +149,10 @@ pub enum Event {
         object: u32,
         class: u32,
         status: u32,
+        /// For a device (NV01_DEVICE_0): the GPU it opens, NV0080's `deviceId` (the device
+        /// instance). Everything allocated under the device is on that GPU.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        gpu: Option<u32>,
     },
     /// Memory, or address space, requested from the driver; `status` != 0 means it failed.
     Alloc(Alloc),

@@ -49,6 +49,9 @@ pub struct Allocation {
     pub class: u32,
     /// The open file the memory lives on (the client's nvidiactl file, or the UVM file).
     pub file: Option<FileId>,
+    /// The GPU (RM device instance) it was allocated under; None when its device was created
+    /// before tracing began, or for UVM ranges.
+    pub gpu: Option<u32>,
     pub freed: Option<(u64, FreedBy)>,
 }
 
@@ -61,6 +64,8 @@ pub struct FailedAllocation {
     pub via: Via,
     pub status: u32,
     pub errno: Option<i32>,
+    /// The GPU it was asked of, as for [`Allocation::gpu`].
+    pub gpu: Option<u32>,
 }
 
 #[derive(Clone, Debug, Default, Serialize)]
@@ -71,6 +76,8 @@ pub struct Usage {
     pub freed: BTreeMap<Memory, u64>,
     /// Highest video + system bytes live at once.
     pub peak_physical: u64,
+    /// Highest bytes of each kind live at once.
+    pub peak: BTreeMap<Memory, u64>,
     pub allocations: u64,
     pub failed: u64,
 }
@@ -85,6 +92,9 @@ impl Usage {
         add(self.allocated.entry(memory).or_default(), bytes);
         self.allocations += 1;
         self.peak_physical = self.peak_physical.max(self.physical_live());
+        let live = self.live[&memory];
+        let peak = self.peak.entry(memory).or_default();
+        *peak = (*peak).max(live);
     }
     fn remove(&mut self, memory: Memory, bytes: u64) {
         let live = self.live.entry(memory).or_default();
@@ -316,7 +326,9 @@ impl Model {
             // A failed call changed nothing in the driver.
             Event::Object { status, .. } | Event::Free { status, .. } | Event::DupObject { status, .. } | Event::UvmFree { status, .. }
                 if *status != 0 => {}
-            Event::Object { fd, client, parent, object, class, .. } => self.on_object(pid, ts, *fd, (*client, *parent, *object), *class),
+            Event::Object { fd, client, parent, object, class, gpu, .. } => {
+                self.on_object(pid, ts, *fd, (*client, *parent, *object), *class, *gpu)
+            }
             Event::Alloc(a) => self.alloc(r, a),
             Event::Free { client, object, .. } => self.free_handle(*client, *object, ts),
             Event::DupObject { fd, client, parent, object, src_client, src_object, .. } => {

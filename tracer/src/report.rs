@@ -22,6 +22,26 @@ pub struct KindTotals {
     pub allocated: u64,
     pub freed: u64,
     pub live: u64,
+    /// The most of this kind live at once.
+    pub peak: u64,
+}
+
+/// One GPU: what NVML said of it and the video memory traced on it. `gpu` is None for memory
+/// whose device was set up before tracing began (which GPU it is on cannot be told).
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct GpuReport {
+    pub gpu: Option<u32>,
+    pub name: Option<String>,
+    pub capacity_bytes: Option<u64>,
+    /// What NVML counted for processes on it when recording began.
+    pub held_before_bytes: u64,
+    /// Traced video memory: the most live at once (and when), and live at the end.
+    pub peak_bytes: u64,
+    pub peak_ts: Option<u64>,
+    pub live_bytes: u64,
+    pub failed_allocations: u64,
+    /// Processes that allocated on it.
+    pub pids: Vec<u32>,
 }
 
 /// Physical bytes are video + system; virtual address space is only in `by_kind`.
@@ -102,6 +122,7 @@ pub struct Report {
     pub diagnosis: Diagnosis,
     /// Every failure, in time order.
     pub diagnoses: Vec<Diagnosis>,
+    pub gpus: Vec<GpuReport>,
     pub processes: Vec<ProcessReport>,
     pub contexts_never_freed: Vec<SuspectContext>,
     pub loss: Loss,
@@ -119,7 +140,7 @@ fn process_report(p: &Process, model: &Model, services: &Services) -> ProcessRep
         .iter()
         .map(|m| {
             let get = |map: &BTreeMap<Memory, u64>| map.get(m).copied().unwrap_or(0);
-            (m.name(), KindTotals { allocated: get(&u.allocated), freed: get(&u.freed), live: get(&u.live) })
+            (m.name(), KindTotals { allocated: get(&u.allocated), freed: get(&u.freed), live: get(&u.live), peak: get(&u.peak) })
         })
         .collect();
     let mut by_phase: BTreeMap<&'static str, u64> = Phase::ALL.iter().map(|ph| (ph.name(), 0)).collect();
@@ -142,6 +163,55 @@ fn process_report(p: &Process, model: &Model, services: &Services) -> ProcessRep
         exit_code: p.exit_code,
         exited: p.exited.is_some(),
     }
+}
+
+/// Every GPU NVML described and every GPU memory was traced on, in order (memory on a GPU that
+/// cannot be told last): each one's own peak, so a tensor-parallel rank that filled up shows.
+fn gpu_reports(header: &Header, model: &Model) -> Vec<GpuReport> {
+    let start = model.time_zero(header.monotonic_start_ns);
+    let mut keys: Vec<Option<u32>> = header.gpus.iter().map(|g| Some(g.index)).collect();
+    keys.extend(model.allocations.iter().filter(|a| a.memory == Memory::Video).map(|a| a.gpu));
+    keys.extend(model.failures.iter().filter(|f| f.memory == Memory::Video).map(|f| f.gpu));
+    keys.sort_by_key(|k| (k.is_none(), *k));
+    keys.dedup();
+    keys.into_iter()
+        .map(|gpu| {
+            let card = gpu.and_then(|g| header.gpus.iter().find(|c| c.index == g));
+            let video = || model.allocations.iter().filter(move |a| a.gpu == gpu && a.memory == Memory::Video);
+            let mut changes: Vec<(u64, i128)> = video()
+                .flat_map(|a| [Some((a.ts, i128::from(a.bytes))), a.freed.map(|(t, _)| (t, -i128::from(a.bytes)))].into_iter().flatten())
+                .collect();
+            // Frees before allocations at the same instant: a peak is never counted twice.
+            changes.sort_by_key(|&(t, d)| (t, d > 0));
+            let (mut live, mut peak, mut peak_ts) = (0i128, 0i128, None);
+            for (t, d) in changes {
+                live += d;
+                if live > peak {
+                    (peak, peak_ts) = (live, Some(t.saturating_sub(start)));
+                }
+            }
+            let mut pids: Vec<u32> = video().map(|a| a.pid).collect();
+            pids.sort();
+            pids.dedup();
+            let clamp = |v: i128| v.clamp(0, u64::MAX.into()) as u64;
+            GpuReport {
+                gpu,
+                name: card.map(|c| c.name.clone()),
+                capacity_bytes: card.and_then(|c| c.total_bytes),
+                held_before_bytes: header
+                    .prior_use
+                    .iter()
+                    .filter(|p| Some(p.gpu) == gpu)
+                    .map(|p| p.used_bytes.unwrap_or(0))
+                    .fold(0, u64::saturating_add),
+                peak_bytes: clamp(peak),
+                peak_ts,
+                live_bytes: clamp(live),
+                failed_allocations: model.failures.iter().filter(|f| f.gpu == gpu && f.memory == Memory::Video).count() as u64,
+                pids,
+            }
+        })
+        .collect()
 }
 
 /// Contexts still holding memory at the end that no live, active service accounts for, and
@@ -257,6 +327,7 @@ impl Report {
             diagnosis: diagnoses[0].clone(),
             contexts_never_freed: suspects(header, model, services, idle_ns),
             diagnoses,
+            gpus: gpu_reports(header, model),
             processes,
             loss,
             fd_filter: None,
@@ -287,22 +358,47 @@ impl Report {
         }
         let seconds = self.duration_ns as f64 / 1e9;
         let _ = writeln!(out, "\n{} events over {seconds:.1} s in {}", self.events, self.trace);
-        if !self.processes.is_empty() {
+        let traced = |g: &&GpuReport| g.peak_bytes > 0 || g.held_before_bytes > 0 || g.failed_allocations > 0;
+        if self.gpus.iter().filter(traced).count() > 0 {
             let _ = writeln!(
                 out,
-                "\n{:>8}  {:<28} {:>7} {:>11} {:>11} {:>11} {:>11} {:>6}",
-                "PID", "COMMAND", "ALLOCS", "ALLOCATED", "FREED", "PEAK", "LIVE", "FAILED"
+                "\n{:<5} {:<24} {:>11} {:>11} {:>11} {:>9} {:>11} {:>6}",
+                "GPU", "NAME", "CAPACITY", "BEFORE", "PEAK", "AT", "LIVE", "FAILED"
             );
-            for p in &self.processes {
+            for g in self.gpus.iter().filter(traced) {
                 let _ = writeln!(
                     out,
-                    "{:>8}  {:<28} {:>7} {:>11} {:>11} {:>11} {:>11} {:>6}",
+                    "{:<5} {:<24} {:>11} {:>11} {:>11} {:>9} {:>11} {:>6}",
+                    g.gpu.map_or("?".into(), |i| i.to_string()),
+                    clip(g.name.as_deref().unwrap_or(if g.gpu.is_some() { "?" } else { "(device set up before tracing)" }), 24),
+                    g.capacity_bytes.map_or("?".into(), bytes),
+                    bytes(g.held_before_bytes),
+                    bytes(g.peak_bytes),
+                    g.peak_ts.map_or("-".into(), |t| format!("{:.2} s", t as f64 / 1e9)),
+                    bytes(g.live_bytes),
+                    g.failed_allocations
+                );
+            }
+        }
+        if !self.processes.is_empty() {
+            // PEAK is video memory, what runs out on a discrete GPU; pinned host memory beside it.
+            let _ = writeln!(
+                out,
+                "\n{:>8}  {:<28} {:>7} {:>11} {:>11} {:>11} {:>11} {:>11} {:>6}",
+                "PID", "COMMAND", "ALLOCS", "ALLOCATED", "FREED", "PEAK", "HOST PEAK", "LIVE", "FAILED"
+            );
+            for p in &self.processes {
+                let peak = |kind: Memory| bytes(p.by_kind.get(kind.name()).map_or(0, |k| k.peak));
+                let _ = writeln!(
+                    out,
+                    "{:>8}  {:<28} {:>7} {:>11} {:>11} {:>11} {:>11} {:>11} {:>6}",
                     p.pid,
                     clip(&p.command, 28),
                     p.allocations,
                     bytes(p.bytes_allocated),
                     bytes(p.bytes_freed),
-                    bytes(p.bytes_peak),
+                    peak(Memory::Video),
+                    peak(Memory::System),
                     bytes(p.bytes_live),
                     p.failed_allocations
                 );

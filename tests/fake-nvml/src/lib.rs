@@ -1,7 +1,8 @@
 //! A stand-in for libnvidia-ml.so.1 with the NVML entry points gputrace uses, its figures read
-//! from the state file the fake driver keeps (`$FAKEGPU_STATE`, default /dev/fakegpu-state.json).
-//! In unified-memory mode device memory info is NVML_ERROR_NOT_SUPPORTED, as on DGX Spark, while
-//! per-process figures still answer.
+//! from the state file the fake driver keeps (`$FAKEGPU_STATE`, default /dev/fakegpu-state.json),
+//! one device per GPU of the fake driver, indexed as its device instances. In unified-memory mode
+//! device memory info is NVML_ERROR_NOT_SUPPORTED, as on DGX Spark, while per-process figures
+//! still answer.
 #![allow(non_snake_case)]
 
 use std::ffi::c_char;
@@ -19,10 +20,15 @@ const ERROR_DRIVER_NOT_LOADED: Return = 9;
 #[derive(Deserialize)]
 struct State {
     version: String,
+    unified: bool,
+    devices: Vec<Device>,
+}
+
+#[derive(Deserialize)]
+struct Device {
     name: String,
     total: u64,
     used: u64,
-    unified: bool,
     processes: Vec<(u32, u64)>,
 }
 
@@ -31,11 +37,19 @@ fn state() -> Option<State> {
     serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()
 }
 
-/// The one device's handle: any non-null pointer will do, NVML handles are opaque.
-static DEVICE: u8 = 0;
+/// Device handles: NVML's are opaque pointers; here the address of one byte per device.
+const MAX_DEVICES: usize = 64;
+static DEVICES: [u8; MAX_DEVICES] = [0; MAX_DEVICES];
 
-fn device_ok(device: *const u8) -> bool {
-    std::ptr::eq(device, &DEVICE)
+/// The state and the device a handle names, when both exist.
+fn device(handle: *const u8) -> Result<(State, usize), Return> {
+    let s = state().ok_or(ERROR_UNINITIALIZED)?;
+    let index = (handle as usize).wrapping_sub(DEVICES.as_ptr() as usize);
+    if index < s.devices.len() && std::ptr::eq(handle, &DEVICES[index]) {
+        Ok((s, index))
+    } else {
+        Err(ERROR_INVALID_ARGUMENT)
+    }
 }
 
 /// SAFETY: `out` is null or has `length` writable bytes (NVML's contract for string outputs).
@@ -92,8 +106,9 @@ pub unsafe extern "C" fn nvmlDeviceGetCount_v2(count: *mut u32) -> Return {
     if count.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
+    let Some(s) = state() else { return ERROR_UNINITIALIZED };
     // SAFETY: checked non-null; the caller owns it.
-    unsafe { *count = 1 };
+    unsafe { *count = s.devices.len().min(MAX_DEVICES) as u32 };
     SUCCESS
 }
 
@@ -101,11 +116,12 @@ pub unsafe extern "C" fn nvmlDeviceGetCount_v2(count: *mut u32) -> Return {
 /// Pointer arguments follow NVML's API: valid for what it writes, or null where NVML allows it.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex_v2(index: u32, device: *mut *const u8) -> Return {
-    if index != 0 || device.is_null() {
+    let Some(s) = state() else { return ERROR_UNINITIALIZED };
+    if index as usize >= s.devices.len().min(MAX_DEVICES) || device.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
     // SAFETY: checked non-null; the caller owns it.
-    unsafe { *device = &DEVICE };
+    unsafe { *device = &DEVICES[index as usize] };
     SUCCESS
 }
 
@@ -113,10 +129,9 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex_v2(index: u32, device: *mut 
 /// Pointer arguments follow NVML's API: valid for what it writes, or null where NVML allows it.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetName(device: *const u8, name: *mut c_char, length: u32) -> Return {
-    match state() {
-        Some(s) if device_ok(device) => unsafe { copy_str(&s.name, name, length) },
-        Some(_) => ERROR_INVALID_ARGUMENT,
-        None => ERROR_UNINITIALIZED,
+    match self::device(device) {
+        Ok((s, i)) => unsafe { copy_str(&s.devices[i].name, name, length) },
+        Err(e) => e,
     }
 }
 
@@ -140,15 +155,19 @@ pub struct MemoryV2 {
 /// Pointer arguments follow NVML's API: valid for what it writes, or null where NVML allows it.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(device: *const u8, memory: *mut Memory) -> Return {
-    let Some(s) = state() else { return ERROR_UNINITIALIZED };
-    if !device_ok(device) || memory.is_null() {
+    let (s, i) = match self::device(device) {
+        Ok(found) => found,
+        Err(e) => return e,
+    };
+    if memory.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
     if s.unified {
         return ERROR_NOT_SUPPORTED;
     }
+    let d = &s.devices[i];
     // SAFETY: checked non-null; the caller owns it.
-    unsafe { *memory = Memory { total: s.total, free: s.total - s.used, used: s.used } };
+    unsafe { *memory = Memory { total: d.total, free: d.total - d.used, used: d.used } };
     SUCCESS
 }
 
@@ -156,17 +175,21 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(device: *const u8, memory: *mut
 /// Pointer arguments follow NVML's API: valid for what it writes, or null where NVML allows it.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(device: *const u8, memory: *mut MemoryV2) -> Return {
-    let Some(s) = state() else { return ERROR_UNINITIALIZED };
-    if !device_ok(device) || memory.is_null() {
+    let (s, i) = match self::device(device) {
+        Ok(found) => found,
+        Err(e) => return e,
+    };
+    if memory.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
     if s.unified {
         return ERROR_NOT_SUPPORTED;
     }
+    let d = &s.devices[i];
     // SAFETY: checked non-null; the caller set `version` and owns the rest.
     unsafe {
         let version = (*memory).version;
-        *memory = MemoryV2 { version, total: s.total, reserved: 0, free: s.total - s.used, used: s.used };
+        *memory = MemoryV2 { version, total: d.total, reserved: 0, free: d.total - d.used, used: d.used };
     }
     SUCCESS
 }
@@ -184,18 +207,22 @@ pub struct ProcessInfo {
 /// Pointer arguments follow NVML's API: valid for what it writes, or null where NVML allows it.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(device: *const u8, count: *mut u32, infos: *mut ProcessInfo) -> Return {
-    let Some(s) = state() else { return ERROR_UNINITIALIZED };
-    if !device_ok(device) || count.is_null() {
+    let (s, i) = match self::device(device) {
+        Ok(found) => found,
+        Err(e) => return e,
+    };
+    if count.is_null() {
         return ERROR_INVALID_ARGUMENT;
     }
+    let processes = &s.devices[i].processes;
     // SAFETY: checked non-null; `infos` has room for `*count` entries as NVML's contract says.
     unsafe {
         let room = *count as usize;
-        *count = s.processes.len() as u32;
-        if room < s.processes.len() || (infos.is_null() && !s.processes.is_empty()) {
+        *count = processes.len() as u32;
+        if room < processes.len() || (infos.is_null() && !processes.is_empty()) {
             return ERROR_INSUFFICIENT_SIZE;
         }
-        for (i, (pid, used)) in s.processes.iter().enumerate() {
+        for (i, (pid, used)) in processes.iter().enumerate() {
             *infos.add(i) = ProcessInfo { pid: *pid, used_gpu_memory: *used, gpu_instance_id: u32::MAX, compute_instance_id: u32::MAX };
         }
     }

@@ -9,12 +9,15 @@
 //!   graph capture. Streaming responses send headers at once and data at time-to-first-token.
 //!   Decode allocates nothing; a prefill batch larger than any before allocates activations.
 //!   An engine that runs out of memory dies, and the API server with it. An engine that finds
-//!   too little free memory at start refuses without allocating.
+//!   too little free memory at start refuses without allocating. With `--tensor-parallel-size N`
+//!   the engine is rank 0 on GPU 0 and starts a worker per further rank, each on its own GPU,
+//!   each loading 1/N of the weights and its own KV cache; a rank that fails takes the engine down.
 //! `fake-server --server llama --port P [--model-gib 14] [--ctx 16384] [--parallel 4] [--helper]`
 //!   Listens first and answers 503 while loading; one weights buffer, one KV buffer sized by
 //!   the context, compute buffers (device and pinned host), a VMM-style scratch pool that grows
 //!   on big prompts and never shrinks; headers at time-to-first-token. Out of memory at load
 //!   exits 1; at run time it aborts. `--helper` forks a child that keeps the device files.
+//!   `--tensor-split 1,1` splits the weights evenly over that many GPUs, from one process.
 //!   `--touch-host-mib N` reads N MiB of "model file" into host memory per weights GiB while
 //!   loading (the host RAM spike that gets servers OOM-killed on unified-memory machines).
 
@@ -44,6 +47,10 @@ struct Args {
     parallel: u64,
     helper: bool,
     touch_host_mib: u64,
+    /// GPUs the model is sharded over: vLLM's tensor-parallel ranks, llama's --tensor-split.
+    shards: u32,
+    /// A vLLM worker's rank (and GPU).
+    rank: u32,
     truth: Option<String>,
     raw: Vec<String>,
 }
@@ -62,6 +69,12 @@ fn parse_args() -> Args {
         parallel: value("--parallel").and_then(|v| v.parse().ok()).unwrap_or(4),
         helper: raw.iter().any(|a| a == "--helper"),
         touch_host_mib: value("--touch-host-mib").and_then(|v| v.parse().ok()).unwrap_or(0),
+        shards: value("--tensor-parallel-size")
+            .and_then(|v| v.parse().ok())
+            .or_else(|| value("--tensor-split").map(|v| v.split(',').count() as u32))
+            .unwrap_or(1)
+            .max(1),
+        rank: value("--rank").and_then(|v| v.parse().ok()).unwrap_or(0),
         truth: value("--truth"),
         server,
         raw,
@@ -237,18 +250,16 @@ struct Waiting {
     completion: Completion,
 }
 
-/// The engine: holds the GPU, loads, then runs prefill batches and decode steps.
-fn vllm_engine(args: &Args, truth: &Truth) -> ExitCode {
+/// One rank's load on its own GPU: the free-memory check, its share of the weights, the profiling
+/// burst, its KV cache, graph capture. The GPU, or the exit status of a rank that failed.
+fn vllm_load(args: &Args, truth: &Truth) -> Result<Gpu, ExitCode> {
     let model = spec(args);
-    let mut gpu = match Gpu::open() {
-        Ok(g) => g,
-        Err(e) => {
-            eprintln!("fake-server engine: {e}");
-            return ExitCode::from(1);
-        }
-    };
-    truth.note("phase", json!({"phase": "load"}));
-    let (free, total) = free_device_memory().unwrap_or((80 * GIB, 80 * GIB));
+    let mut gpu = Gpu::open(args.rank).map_err(|e| {
+        eprintln!("fake-server rank {}: {e}", args.rank);
+        ExitCode::from(1)
+    })?;
+    truth.note("phase", json!({"phase": "load", "rank": args.rank}));
+    let (free, total) = free_device_memory(args.rank as usize).unwrap_or((80 * GIB, 80 * GIB));
     let requested = (total as f64 * args.util) as u64;
     if free < requested {
         eprintln!(
@@ -256,26 +267,27 @@ fn vllm_engine(args: &Args, truth: &Truth) -> ExitCode {
             gib(free), gib(total), args.util, gib(requested)
         );
         truth.note("refused", json!({"free": free, "requested": requested}));
-        return ExitCode::from(1);
+        return Err(ExitCode::from(1));
     }
     let mut host = Vec::new();
     let oom = |bytes: u64| {
-        eprintln!("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {}.", gib(bytes));
+        eprintln!("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {} on GPU {}.", gib(bytes), args.rank);
         ExitCode::from(1)
     };
-    // Weights: about one cudaMalloc per large parameter.
+    // Weights: about one cudaMalloc per large parameter; each rank holds its shard.
     let param = 512 * MIB;
-    for _ in 0..model.weights.div_ceil(param) {
+    let shard = model.weights / u64::from(args.shards);
+    for _ in 0..shard.div_ceil(param) {
         touch_host(args.touch_host_mib / 2, &mut host);
         if alloc(&mut gpu, truth, Path::RmAlloc, param, "load", 0).is_none() {
-            return oom(param);
+            return Err(oom(param));
         }
     }
     std::thread::sleep(Duration::from_millis(100));
     // profile_run: a burst up to the activation peak, then a burst of frees (empty_cache).
     let burst: Vec<Buffer> = (0..8).filter_map(|_| alloc(&mut gpu, truth, Path::RmAlloc, 256 * MIB, "load", 0)).collect();
     if burst.len() < 8 {
-        return oom(256 * MIB);
+        return Err(oom(256 * MIB));
     }
     for b in &burst {
         let _ = gpu.free(b);
@@ -283,21 +295,79 @@ fn vllm_engine(args: &Args, truth: &Truth) -> ExitCode {
     }
     // KV cache: the rest of the budget, one identical block per layer.
     let peak = 8 * 256 * MIB;
-    let kv_total = requested.saturating_sub(model.weights + peak);
+    let kv_total = requested.saturating_sub(shard + peak);
     let block = (kv_total / model.layers) & !(2 * MIB - 1);
     for _ in 0..model.layers {
         if alloc(&mut gpu, truth, Path::RmAlloc, block, "load", 0).is_none() {
             eprintln!("ValueError: No available memory for the cache blocks.");
-            return ExitCode::from(1);
+            return Err(ExitCode::from(1));
         }
     }
     // CUDA graph capture, largest first, above the budget.
     for i in 0..20u64 {
         if alloc(&mut gpu, truth, Path::RmAlloc, (96 - 3 * i) * MIB, "load", 0).is_none() {
-            return oom((96 - 3 * i) * MIB);
+            return Err(oom((96 - 3 * i) * MIB));
         }
     }
-    drop(host);
+    Ok(gpu)
+}
+
+/// A tensor-parallel worker: loads its rank, says READY, and holds its GPU until its engine goes
+/// (its stdin closes).
+fn vllm_worker(args: &Args, truth: &Truth) -> ExitCode {
+    if let Err(code) = vllm_load(args, truth) {
+        return code;
+    }
+    println!("READY");
+    let _ = std::io::stdout().flush();
+    let _ = std::io::stdin().lock().lines().count();
+    ExitCode::SUCCESS
+}
+
+/// The engine: rank 0, with a worker per further rank; loads, then runs prefill batches and
+/// decode steps. A rank that fails to load takes every rank down, as vLLM's executor does.
+fn vllm_engine(args: &Args, truth: &Truth) -> ExitCode {
+    let model = spec(args);
+    let me = std::env::current_exe().expect("own path");
+    let mut workers = Vec::new();
+    for rank in 1..args.shards {
+        // The engine's own arguments, its role replaced.
+        let mut worker_args: Vec<String> = Vec::new();
+        let mut raw = args.raw.iter();
+        while let Some(a) = raw.next() {
+            if a == "--role" {
+                raw.next();
+            } else {
+                worker_args.push(a.clone());
+            }
+        }
+        worker_args.extend(["--role".into(), "worker".into(), "--rank".into(), rank.to_string()]);
+        match Command::new(&me).args(&worker_args).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn() {
+            Ok(w) => workers.push(w),
+            Err(e) => {
+                eprintln!("fake-server engine: cannot start worker {rank}: {e}");
+                return ExitCode::from(1);
+            }
+        }
+    }
+    let stop = |workers: &mut Vec<std::process::Child>, code: ExitCode| {
+        for w in workers.iter_mut() {
+            let _ = w.kill();
+            let _ = w.wait();
+        }
+        code
+    };
+    let mut gpu = match vllm_load(args, truth) {
+        Ok(g) => g,
+        Err(code) => return stop(&mut workers, code),
+    };
+    for (i, w) in workers.iter_mut().enumerate() {
+        let mut line = String::new();
+        if BufReader::new(w.stdout.take().unwrap()).read_line(&mut line).unwrap_or(0) == 0 || line.trim() != "READY" {
+            eprintln!("RuntimeError: worker {} failed to load; shutting down every rank", i + 1);
+            return stop(&mut workers, ExitCode::from(1));
+        }
+    }
     truth.note("phase", json!({"phase": "idle"}));
     println!("READY");
     let _ = std::io::stdout().flush();
@@ -418,32 +488,43 @@ fn llama(args: &Args, truth: Arc<Truth>) -> ExitCode {
             }
         });
     }
-    let mut g = match Gpu::open() {
-        Ok(g) => g,
-        Err(e) => {
-            eprintln!("fake-server: {e}");
-            return ExitCode::from(1);
+    // One context per GPU the weights are split over; the KV cache and buffers on GPU 0.
+    let mut contexts = Vec::new();
+    for gpu in 0..args.shards {
+        match Gpu::open(gpu) {
+            Ok(g) => contexts.push(g),
+            Err(e) => {
+                eprintln!("fake-server: {e}");
+                return ExitCode::from(1);
+            }
         }
-    };
+    }
     truth.note("phase", json!({"phase": "load"}));
     let mut host = Vec::new();
     for _ in 0..args.model_gib {
         touch_host(args.touch_host_mib, &mut host);
     }
-    let load_fail = |what: &str, bytes: u64| {
-        eprintln!("ggml_backend_cuda_buffer_type_alloc_buffer: allocating {} on device 0: cudaMalloc failed: out of memory", gib(bytes));
+    let load_fail = |what: &str, bytes: u64, device: usize| {
+        eprintln!(
+            "ggml_backend_cuda_buffer_type_alloc_buffer: allocating {} on device {device}: cudaMalloc failed: out of memory",
+            gib(bytes)
+        );
         eprintln!("llama_model_load: error loading model: {what}\nmain: exiting due to model loading error");
         ExitCode::from(1)
     };
-    if alloc(&mut g, &truth, Path::VidHeap, model.weights, "load", 0).is_none() {
-        return load_fail("unable to allocate CUDA0 buffer", model.weights);
+    let share = model.weights / u64::from(args.shards);
+    for (device, g) in contexts.iter_mut().enumerate() {
+        if alloc(g, &truth, Path::VidHeap, share, "load", 0).is_none() {
+            return load_fail(&format!("unable to allocate CUDA{device} buffer"), share, device);
+        }
     }
+    let mut g = contexts.remove(0);
     let kv_bytes = args.ctx * model.kv_per_token;
     let Some(kv) = alloc(&mut g, &truth, Path::VidHeap, kv_bytes, "load", 0) else {
-        return load_fail("failed to allocate buffer for kv cache", kv_bytes);
+        return load_fail("failed to allocate buffer for kv cache", kv_bytes, 0);
     };
     if alloc(&mut g, &truth, Path::VidHeap, 512 * MIB, "load", 0).is_none() {
-        return load_fail("failed to allocate compute pp buffers", 512 * MIB);
+        return load_fail("failed to allocate compute pp buffers", 512 * MIB, 0);
     }
     let _ = alloc(&mut g, &truth, Path::HostPinned, 128 * MIB, "load", 0);
     if g.semaphore_pool(2 * MIB).is_ok() {
@@ -529,6 +610,7 @@ fn main() -> ExitCode {
     match (server, args.role.as_str()) {
         ("llama", _) => llama(&args, truth),
         (_, "engine") => vllm_engine(&args, &truth),
+        (_, "worker") => vllm_worker(&args, &truth),
         _ => vllm_api(&args, &truth),
     }
 }

@@ -52,7 +52,7 @@ const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
 
 fn paths(truth: &mut Truth) -> Result<(), String> {
-    let mut gpu = Gpu::open()?;
+    let mut gpu = Gpu::open(0)?;
     let weights = truth.alloc(&mut gpu, Path::RmAlloc, 2 * GIB).ok_or("RmAlloc failed")?;
     let scratch = truth.alloc(&mut gpu, Path::RmAllocNvos21, 64 * MIB).ok_or("RmAllocNvos21 failed")?;
     let kv = truth.alloc(&mut gpu, Path::VidHeap, GIB).ok_or("VidHeap failed")?;
@@ -77,7 +77,7 @@ fn paths(truth: &mut Truth) -> Result<(), String> {
 }
 
 fn fork_holder(truth: &mut Truth, hold_ms: u64) -> Result<(), String> {
-    let mut gpu = Gpu::open()?;
+    let mut gpu = Gpu::open(0)?;
     truth.alloc(&mut gpu, Path::RmAlloc, 4 * GIB).ok_or("alloc failed")?;
     // SAFETY: fork in a single-threaded program; the child only sleeps and exits.
     match unsafe { libc::fork() } {
@@ -128,7 +128,7 @@ fn storm(count: u64) -> Result<(), String> {
 }
 
 fn oom(truth: &mut Truth, bytes: u64) -> Result<(), String> {
-    let mut gpu = Gpu::open()?;
+    let mut gpu = Gpu::open(0)?;
     truth.alloc(&mut gpu, Path::RmAlloc, GIB).ok_or("first alloc failed")?;
     match truth.alloc(&mut gpu, Path::RmAlloc, bytes) {
         Some(_) => Err("the oversized allocation unexpectedly fit".into()),
@@ -137,7 +137,7 @@ fn oom(truth: &mut Truth, bytes: u64) -> Result<(), String> {
 }
 
 fn hold(truth: &mut Truth, ms: u64) -> Result<(), String> {
-    let mut gpu = Gpu::open()?;
+    let mut gpu = Gpu::open(0)?;
     let first = truth.alloc(&mut gpu, Path::RmAlloc, 2 * GIB).ok_or("alloc failed")?;
     std::thread::sleep(std::time::Duration::from_millis(ms));
     truth.alloc(&mut gpu, Path::VidHeap, GIB).ok_or("alloc failed")?;
@@ -200,7 +200,7 @@ fn receive_fds(socket: i32, count: usize, payload: &mut [u8]) -> Result<Vec<i32>
 }
 
 fn pass_fd(truth: &mut Truth) -> Result<(), String> {
-    let mut gpu = Gpu::open()?;
+    let mut gpu = Gpu::open(0)?;
     truth.alloc(&mut gpu, Path::RmAlloc, 2 * GIB).ok_or("alloc failed")?;
     let mut pair = [0; 2];
     // SAFETY: socketpair fills two fds; ours is close-on-exec, the receiver's end is inherited.
@@ -219,7 +219,7 @@ fn pass_fd(truth: &mut Truth) -> Result<(), String> {
     payload[0..4].copy_from_slice(&gpu.client.to_le_bytes());
     payload[4..8].copy_from_slice(&gpu.device.to_le_bytes());
     payload[8..12].copy_from_slice(&gpu.version_major().to_le_bytes());
-    send_fds(pair[0], &[gpu.ctl.as_raw_fd(), gpu.gpu0.as_raw_fd(), gpu.uvm.as_raw_fd()], &payload)?;
+    send_fds(pair[0], &[gpu.ctl.as_raw_fd(), gpu.gpu_file.as_raw_fd(), gpu.uvm.as_raw_fd()], &payload)?;
     let mut ack = [0u8; 1];
     // SAFETY: read one byte from our end.
     unsafe { libc::read(pair[0], ack.as_mut_ptr().cast(), 1) };

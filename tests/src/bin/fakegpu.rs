@@ -1,5 +1,6 @@
-//! `fakegpu run [--driver-version V] [--video GiB] [--system GiB] [--unified] [--log FILE] -- CMD ARGS...`
-//! Runs CMD with a fake NVIDIA GPU at /dev/nvidia*, in a private mount namespace (root only).
+//! `fakegpu run [--driver-version V] [--video GiB[,GiB...]] [--system GiB] [--unified] [--log FILE] -- CMD ARGS...`
+//! Runs CMD with fake NVIDIA GPUs at /dev/nvidia* (one per `--video` size), in a private mount
+//! namespace (root only).
 //! `fakegpu scenario NAME --server vllm|llama --dir DIR`: runs a named scenario under gputrace.
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -9,7 +10,7 @@ use fakegpu::launcher::{run, Run};
 use fakegpu::{parse_bytes, scenario};
 
 fn usage() -> ExitCode {
-    eprintln!("usage: fakegpu run [--driver-version 580.95.05] [--video 80GiB] [--system 256GiB] [--unified] [--log FILE] -- CMD ARGS...");
+    eprintln!("usage: fakegpu run [--driver-version 580.95.05] [--video 80GiB[,80GiB...]] [--system 256GiB] [--unified] [--log FILE] -- CMD ARGS...");
     eprintln!("       fakegpu scenario NAME --server vllm|llama --dir DIR [--gputrace PATH]");
     eprintln!("       fakegpu scenarios    (lists them)");
     ExitCode::from(2)
@@ -42,8 +43,8 @@ fn scenario(args: &[String]) -> ExitCode {
         eprintln!("fakegpu: cannot create {}: {e}", dir.display());
         return ExitCode::from(2);
     }
-    let (video, unified) = scenario::card(&name, &server);
-    let config = Config { version: "580.95.05".into(), video_capacity: video, system_capacity: 256 << 30, unified };
+    let (gpus, unified) = scenario::card(&name, &server);
+    let config = Config { version: "580.95.05".into(), gpus, system_capacity: 256 << 30, unified };
     let me = std::env::current_exe().expect("own path").display().to_string();
     let command = vec![me, "inside-scenario".into(), name, server, dir.display().to_string(), gputrace.display().to_string()];
     exit(run(Run { config, driver_log: Some(dir.join("driver.jsonl")), command }))
@@ -67,7 +68,7 @@ fn main() -> ExitCode {
         Some("run") => {}
         _ => return usage(),
     }
-    let mut config = Config { version: "580.95.05".into(), video_capacity: 80 << 30, system_capacity: 256 << 30, unified: false };
+    let mut config = Config { version: "580.95.05".into(), gpus: vec![80 << 30], system_capacity: 256 << 30, unified: false };
     let mut log = None;
     let mut i = 1;
     while i < args.len() && args[i] != "--" {
@@ -79,9 +80,10 @@ fn main() -> ExitCode {
         let value = args.get(i + 1).cloned().unwrap_or_default();
         match args[i].as_str() {
             "--driver-version" => config.version = value,
-            "--video" => match parse_bytes(&value) {
-                Some(b) => config.video_capacity = b,
-                None => return usage(),
+            // One GPU per size: `--video 80GiB,80GiB,48GiB`.
+            "--video" => match value.split(',').map(parse_bytes).collect::<Option<Vec<u64>>>() {
+                Some(gpus) if !gpus.is_empty() => config.gpus = gpus,
+                _ => return usage(),
             },
             "--system" => match parse_bytes(&value) {
                 Some(b) => config.system_capacity = b,

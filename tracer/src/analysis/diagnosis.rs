@@ -21,7 +21,7 @@ use super::{Phase, Service, Services};
 use crate::abi::status;
 use crate::event::Memory;
 use crate::model::{Model, Request};
-use crate::trace::Header;
+use crate::trace::{Gpu, Header, PriorUse};
 use crate::units::bytes;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -96,6 +96,8 @@ pub struct Diagnosis {
     pub ts: Option<u64>,
     pub pid: Option<u32>,
     pub service: Option<String>,
+    /// The GPU it happened on (as in the evidence), when one can be told.
+    pub gpu: Option<u32>,
     pub evidence: Said,
     pub fix: Said,
 }
@@ -113,9 +115,15 @@ pub struct Holder {
     pub nvml_pid: Option<u32>,
 }
 
-/// What the diagnosis saw at the failure (the `evidence.fields` of the report's JSON).
+/// What the diagnosis saw at the failure (the `evidence.fields` of the report's JSON). Figures
+/// are for the GPU the failure happened on: every other GPU's memory is beside the point.
 #[derive(Clone, Debug, Serialize)]
 pub struct Evidence {
+    /// The failing GPU (the RM device instance); None when it cannot be told (see [`Diagnoser::gpu_of`]).
+    pub gpu: Option<u32>,
+    pub gpu_name: Option<String>,
+    /// The GPUs the service allocated on: several for a tensor-parallel server.
+    pub service_gpus: Vec<u32>,
     pub capacity_bytes: Option<u64>,
     pub service_bytes: u64,
     pub held_outside_bytes: u64,
@@ -133,6 +141,8 @@ struct Failure {
     symptom: Symptom,
     /// Bytes the failed allocation asked for.
     bytes: Option<u64>,
+    /// The GPU the failed allocation was asked of; None for a death, which names no GPU.
+    gpu: Option<u32>,
 }
 
 /// One failure with everything a fix needs.
@@ -169,32 +179,79 @@ impl<'a> Diagnoser<'a> {
         self.model.time_zero(self.header.monotonic_start_ns)
     }
 
-    fn capacity(&self) -> Option<u64> {
-        self.header.gpus.first().and_then(|g| g.total_bytes)
+    /// The GPU NVML described as `gpu`; with no GPU named, the only one there is.
+    fn card(&self, gpu: Option<u32>) -> Option<&Gpu> {
+        match gpu {
+            Some(g) => self.header.gpus.iter().find(|c| c.index == g),
+            None => self.header.gpus.iter().find(|_| self.header.gpus.len() == 1),
+        }
     }
 
-    /// Video memory live at `ts`, by the processes `keep` selects.
-    fn live_at(&self, ts: u64, keep: impl Fn(u32) -> bool) -> u64 {
+    fn capacity(&self, gpu: Option<u32>) -> Option<u64> {
+        self.card(gpu).and_then(|c| c.total_bytes)
+    }
+
+    /// Whether memory on `memory_gpu` counts for `gpu`. Memory whose device was created before
+    /// tracing has no GPU: it counts wherever there is only one GPU to be on.
+    fn counts_on(&self, memory_gpu: Option<u32>, gpu: Option<u32>) -> bool {
+        match (gpu, memory_gpu) {
+            (None, _) => true,
+            (Some(g), Some(m)) => g == m,
+            (Some(_), None) => self.header.gpus.len() <= 1,
+        }
+    }
+
+    /// Video memory live at `ts` on `gpu` (every GPU for None), by the processes `keep` selects.
+    fn live_at(&self, ts: u64, gpu: Option<u32>, keep: impl Fn(u32) -> bool) -> u64 {
         self.model
             .allocations
             .iter()
-            .filter(|a| a.memory == Memory::Video && a.ts <= ts && a.freed.is_none_or(|(f, _)| f > ts) && keep(a.pid))
+            .filter(|a| a.memory == Memory::Video && a.ts <= ts && a.freed.is_none_or(|(f, _)| f > ts))
+            .filter(|a| self.counts_on(a.gpu, gpu) && keep(a.pid))
             .map(|a| a.bytes)
             .fold(0, u64::saturating_add)
     }
 
-    /// Memory held outside `service` at `ts`: other traced services, and what NVML said other
-    /// processes held when recording began. With who holds it.
-    fn held_outside(&self, service: &Service, ts: u64) -> (u64, Vec<Holder>) {
-        let mut total = self.live_at(ts, |pid| !service.pids.contains(&pid));
+    /// The GPUs `service` allocated on, or asked to.
+    fn gpus_of(&self, service: &Service) -> Vec<u32> {
+        let allocated = self.model.allocations.iter().filter(|a| service.pids.contains(&a.pid)).filter_map(|a| a.gpu);
+        let failed = self.model.failures.iter().filter(|f| service.pids.contains(&f.pid)).filter_map(|f| f.gpu);
+        let mut gpus: Vec<u32> = allocated.chain(failed).collect();
+        gpus.sort();
+        gpus.dedup();
+        gpus
+    }
+
+    /// The GPU a failure is judged on: the failed allocation's; for a death (which names none),
+    /// the service's only GPU, or of several the one with least room left at that moment.
+    fn gpu_of(&self, failure: &Failure, service: &Service, service_gpus: &[u32]) -> Option<u32> {
+        if failure.gpu.is_some() {
+            return failure.gpu;
+        }
+        match service_gpus {
+            [] => self.header.gpus.iter().find(|_| self.header.gpus.len() == 1).map(|c| c.index),
+            [only] => Some(*only),
+            several => several.iter().copied().min_by_key(|&g| {
+                let held = self.held_outside(service, failure.ts, Some(g)).0;
+                let own = self.live_at(failure.ts, Some(g), |pid| service.pids.contains(&pid));
+                self.capacity(Some(g)).map_or(u64::MAX, |c| c.saturating_sub(held.saturating_add(own)))
+            }),
+        }
+    }
+
+    /// Memory held outside `service` at `ts` on `gpu`: other traced services, and what NVML said
+    /// other processes held there when recording began. With who holds it.
+    fn held_outside(&self, service: &Service, ts: u64, gpu: Option<u32>) -> (u64, Vec<Holder>) {
+        let mut total = self.live_at(ts, gpu, |pid| !service.pids.contains(&pid));
         let mut holders = Vec::new();
         for other in self.services.list.iter().filter(|s| s.root != service.root) {
-            let held = self.live_at(ts, |pid| other.pids.contains(&pid));
+            let held = self.live_at(ts, gpu, |pid| other.pids.contains(&pid));
             if held > 0 {
                 holders.push(Holder { pid: other.root, command: other.name.clone(), bytes: held, source: "traced", nvml_pid: None });
             }
         }
-        for prior in self.header.prior_use.iter().filter(|p| !service.pids.contains(&p.pid)) {
+        let on_gpu = |p: &&PriorUse| gpu.is_none_or(|g| p.gpu == g);
+        for prior in self.header.prior_use.iter().filter(|p| !service.pids.contains(&p.pid)).filter(on_gpu) {
             let used = prior.used_bytes.unwrap_or(0);
             total = total.saturating_add(used);
             let (pid, command) = super::prior_holder(self.header, prior, |pid| service.pids.contains(&pid));
@@ -209,11 +266,11 @@ impl<'a> Diagnoser<'a> {
             .failures
             .iter()
             .filter(|f| status::is_out_of_memory(f.status) && f.memory != Memory::Virtual)
-            .map(|f| Failure { ts: f.ts, pid: f.pid, symptom: Symptom::FailedAllocation, bytes: Some(f.bytes) })
+            .map(|f| Failure { ts: f.ts, pid: f.pid, symptom: Symptom::FailedAllocation, bytes: Some(f.bytes), gpu: f.gpu })
             .collect();
         for p in self.model.processes.values() {
             if let Some(ts) = p.oom_killed {
-                failures.push(Failure { ts, pid: p.pid, symptom: Symptom::OomKill, bytes: None });
+                failures.push(Failure { ts, pid: p.pid, symptom: Symptom::OomKill, bytes: None, gpu: None });
             }
         }
         // A server that exited badly with no failure above: a refusal during load, or a crash. Only
@@ -233,7 +290,7 @@ impl<'a> Diagnoser<'a> {
             } else {
                 continue;
             };
-            failures.push(Failure { ts, pid: s.root, symptom, bytes: None });
+            failures.push(Failure { ts, pid: s.root, symptom, bytes: None, gpu: None });
         }
         failures.sort_by_key(|f| f.ts);
         failures
@@ -261,6 +318,7 @@ impl<'a> Diagnoser<'a> {
                 ts: None,
                 pid: None,
                 service: None,
+                gpu: None,
                 evidence: Said { fields, text },
                 fix: Said { fields: json!({}), text: "Nothing to change.".into() },
             }];
@@ -274,10 +332,15 @@ impl<'a> Diagnoser<'a> {
         // A death is judged by the state just before it: its exit ends its requests at once.
         let before = if failure.symptom == Symptom::FailedAllocation { ts } else { ts.saturating_sub(1) };
         let in_flight = self.services.in_flight(service, before);
-        let (outside, holders) = self.held_outside(service, ts);
-        let own = self.live_at(ts, |pid| service.pids.contains(&pid));
-        let capacity = self.capacity();
+        let service_gpus = self.gpus_of(service);
+        let gpu = self.gpu_of(failure, service, &service_gpus);
+        let (outside, holders) = self.held_outside(service, ts, gpu);
+        let own = self.live_at(ts, gpu, |pid| service.pids.contains(&pid));
+        let capacity = self.capacity(gpu);
         let evidence = Evidence {
+            gpu,
+            gpu_name: self.card(gpu).map(|c| c.name.clone()),
+            service_gpus,
             capacity_bytes: capacity,
             service_bytes: own,
             held_outside_bytes: outside,
@@ -307,6 +370,9 @@ impl<'a> Diagnoser<'a> {
             Symptom::OomKill => format!("The kernel's OOM killer killed pid {} during {phase}", f.pid),
             Symptom::Crash | Symptom::None => format!("pid {} died with no failed allocation during {phase}", f.pid),
         };
+        if let Some(g) = e.gpu.filter(|_| self.header.gpus.len() > 1 || e.service_gpus.len() > 1) {
+            context += &format!(" on GPU {g}");
+        }
         if let Some(c) = e.capacity_bytes {
             let held = (bytes(e.service_bytes), bytes(e.held_outside_bytes));
             context += &format!("; the card has {}, {} held by this service, {} outside it", bytes(c), held.0, held.1);
@@ -329,6 +395,7 @@ impl<'a> Diagnoser<'a> {
             ts: Some(f.ts.saturating_sub(self.start())),
             pid: Some(f.pid),
             service: Some(service.name.clone()),
+            gpu: case.evidence.gpu,
             evidence: Said::new(&case.evidence, text),
             fix,
         }
@@ -366,7 +433,7 @@ impl<'a> Diagnoser<'a> {
             // A refusal at start: what others held exceeds what the engine leaves unused.
             (Symptom::StartupRefusal, _, _) => {
                 let reserve = reserve_of(case);
-                self.capacity().is_none_or(|c| outside as f64 >= c as f64 * (1.0 - reserve))
+                case.evidence.capacity_bytes.is_none_or(|c| outside as f64 >= c as f64 * (1.0 - reserve))
             }
             _ => false,
         }
@@ -379,6 +446,7 @@ impl<'a> Diagnoser<'a> {
             ts: Some(f.ts.saturating_sub(self.start())),
             pid: Some(f.pid),
             service: self.services.of(f.pid).map(|s| s.name.clone()),
+            gpu: f.gpu,
             evidence: Said { fields: json!({"lost_records": self.lost}), text: why },
             fix: Said {
                 fields: json!({}),
@@ -397,15 +465,18 @@ impl<'a> Diagnoser<'a> {
             bytes_8bit: u64,
             bytes_4bit: u64,
             shortfall_bytes: u64,
+            gpus: usize,
         }
         let (e, failed) = (&case.evidence, case.failure.bytes.unwrap_or(0));
+        // What the failing GPU needed; a sharded (tensor-parallel) model needs as much on each.
         let wanted = e.service_bytes.saturating_add(failed);
-        let params = wanted as f64 / 2.0 / 1e9;
+        let gpus = e.service_gpus.len().max(1);
+        let params = wanted as f64 * gpus as f64 / 2.0 / 1e9;
         let reserve = match (case.family.reserve(), case.family.context()) {
             // A smaller reserve helps only when the model itself fit: the engine refusing at start
             // (its budget exceeds what is free).
             (Some((name, _)), _) if case.failure.symptom == Symptom::StartupRefusal => {
-                let fits = self.capacity().zip(e.free_bytes).map(|(c, free)| (free as f64 / c as f64 * 100.0).floor() / 100.0);
+                let fits = e.capacity_bytes.zip(e.free_bytes).map(|(c, free)| (free as f64 / c as f64 * 100.0).floor() / 100.0);
                 fits.map(|u| format!("; or lower {name} from {} to {u}, what is free", reserve_of(case))).unwrap_or_default()
             }
             // Or a failure after the weights were loaded: the context reserve is what did not fit.
@@ -415,19 +486,34 @@ impl<'a> Diagnoser<'a> {
             }
             _ => String::new(),
         };
-        let card = self.capacity().map(bytes).unwrap_or_else(|| "?".into());
-        let text = format!(
-            "Loading needed at least {} ({params:.1}B parameters at FP16) on a {card} card: use a smaller model or quantize it (about {} at 8-bit, {} at 4-bit){reserve}.",
-            bytes(wanted),
-            bytes(wanted / 2),
-            bytes(wanted / 4)
-        );
+        let card = e.capacity_bytes.map(bytes).unwrap_or_else(|| "?".into());
+        let text = match (e.gpu, gpus) {
+            (Some(g), 2..) => {
+                let more = case.family.sharding().map_or_else(String::new, |(setting, names)| {
+                    let now = flag(case.engine, names).unwrap_or_else(|| gpus.to_string());
+                    format!(", or shard it over more GPUs ({}, now {now})", setting.name())
+                });
+                format!(
+                    "Loading needed at least {} on GPU {g}, a {card} card, one of the {gpus} GPUs the model is sharded over ({params:.1}B parameters at FP16 in all): use a smaller model or quantize it (about {} per GPU at 8-bit, {} at 4-bit){more}{reserve}.",
+                    bytes(wanted),
+                    bytes(wanted / 2),
+                    bytes(wanted / 4)
+                )
+            }
+            _ => format!(
+                "Loading needed at least {} ({params:.1}B parameters at FP16) on a {card} card: use a smaller model or quantize it (about {} at 8-bit, {} at 4-bit){reserve}.",
+                bytes(wanted),
+                bytes(wanted / 2),
+                bytes(wanted / 4)
+            ),
+        };
         let fields = Fields {
             load_bytes: wanted,
             parameters_fp16_billions: (params * 10.0).round() / 10.0,
             bytes_8bit: wanted / 2,
             bytes_4bit: wanted / 4,
             shortfall_bytes: failed.saturating_sub(e.free_bytes.unwrap_or(0)),
+            gpus,
         };
         Said::new(fields, text)
     }

@@ -86,6 +86,18 @@ impl ServerFamily {
         })
     }
 
+    /// The setting that shards a model over several GPUs (tensor parallelism), and the names its
+    /// current value may be given under.
+    pub fn sharding(self) -> Option<(Setting, &'static [&'static str])> {
+        Some(match self {
+            ServerFamily::Vllm => (Setting::Flag("--tensor-parallel-size"), &["--tensor-parallel-size", "-tp"]),
+            ServerFamily::LlamaCpp => (Setting::Flag("--tensor-split"), &["--tensor-split", "-ts"]),
+            ServerFamily::Sglang => (Setting::Flag("--tp-size"), &["--tp-size", "--tensor-parallel-size"]),
+            ServerFamily::Tgi => (Setting::Flag("--num-shard"), &["--num-shard"]),
+            ServerFamily::Ollama | ServerFamily::Unknown => return None,
+        })
+    }
+
     /// Engines that reserve a fraction of the GPU at start (weights and KV cache together):
     /// the flag and its default.
     pub fn reserve(self) -> Option<(&'static str, f64)> {

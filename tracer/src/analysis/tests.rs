@@ -51,6 +51,10 @@ impl Trace {
         self
     }
     fn alloc(&mut self, ts: u64, pid: u32, bytes: u64, status: u32) -> &mut Self {
+        self.alloc_in(ts, pid, 1, bytes, status)
+    }
+    /// An allocation in `client`, under its device (the handle client + 0x100).
+    fn alloc_in(&mut self, ts: u64, pid: u32, client: u32, bytes: u64, status: u32) -> &mut Self {
         self.1 += 1;
         let a = Alloc {
             fd: 3,
@@ -58,8 +62,8 @@ impl Trace {
             memory: Memory::Video,
             bytes,
             status,
-            client: 1,
-            parent: 2,
+            client,
+            parent: client + 0x100,
             object: self.1,
             class: 0x40,
             base: None,
@@ -285,4 +289,67 @@ fn category_and_symptom_names_are_their_json_names() {
     for s in [Symptom::FailedAllocation, Symptom::StartupRefusal, Symptom::OomKill, Symptom::Crash, Symptom::None] {
         assert_eq!(serde_json::to_value(s).unwrap(), s.name());
     }
+}
+
+/// A tensor-parallel vLLM: the engine's two workers each load `shard` onto their own GPU (0: 80
+/// GiB, 1: 48 GiB); another server holds `other` on GPU 0 and NVML saw 2 GiB held on GPU 1 before
+/// recording. Then `failing_pid` fails to allocate `bytes`; the diagnosis of it.
+fn tensor_parallel(shard: u64, other: u64, failing_pid: u32, bytes: u64) -> super::diagnosis::Diagnosis {
+    const OTHER: u32 = 300;
+    let mut t = Trace::vllm(0);
+    t.0.retain(|r| !matches!(r.event, Event::Alloc(_)));
+    t.at(
+        0,
+        API,
+        Event::Process {
+            ppid: 1,
+            seen: Seen::Launched,
+            command: "vllm serve m --tensor-parallel-size 2".split(' ').map(String::from).collect(),
+        },
+    );
+    t.0.remove(0);
+    t.at(1, OTHER, Event::Process { ppid: 1, seen: Seen::Running, command: vec!["other-server".into()] });
+    let worker = |t: &mut Trace, pid: u32, gpu: u32, ts: u64| {
+        let client = 0xc1d0_0000 + pid;
+        t.at(ts, pid, Event::Object { fd: 3, client, parent: client, object: client, class: 0x41, status: 0, gpu: None });
+        t.at(ts, pid, Event::Object { fd: 3, client, parent: client, object: client + 0x100, class: 0x80, status: 0, gpu: Some(gpu) });
+        client
+    };
+    for (pid, gpu) in [(110, 0), (111, 1)] {
+        t.at(3, pid, Event::Process { ppid: ENGINE, seen: Seen::Forked, command: vec!["VllmWorker".into(), format!("rank{gpu}")] });
+        let client = worker(&mut t, pid, gpu, 4);
+        t.alloc_in(10 + u64::from(gpu), pid, client, shard, 0);
+    }
+    let client = worker(&mut t, OTHER, 0, 5);
+    t.alloc_in(12, OTHER, client, other, 0);
+    t.alloc_in(50 * MS, failing_pid, 0xc1d0_0000 + failing_pid, bytes, 0x51);
+    t.0.sort_by_key(|r| r.ts);
+    let model = Model::from_records(&t.0);
+    let mut h = header(80 * GIB, &[]);
+    h.gpus.push(Gpu { index: 1, name: "smaller".into(), total_bytes: Some(48 * GIB), used_bytes: None });
+    h.prior_use.push(PriorUse { pid: 400, gpu: 1, used_bytes: Some(2 * GIB), command: vec!["gone".into()] });
+    Diagnoser::new(&h, &model, 0).diagnose().remove(0)
+}
+
+#[test]
+fn a_tensor_parallel_rank_is_judged_on_its_own_gpu() {
+    // Rank 1 fills its 48 GiB card: 40 GiB loaded, 2 GiB held before, 10 GiB asked: freeing the
+    // 2 GiB would not make room. GPU 0's other server (30 GiB) is beside the point: judged against
+    // GPU 0's capacity, or all GPUs together, it would be blamed.
+    let d = tensor_parallel(40 * GIB, 30 * GIB, 111, 10 * GIB);
+    let f = &d.evidence.fields;
+    assert_eq!((d.category, d.gpu), (Category::DoesNotFitAtLoad, Some(1)), "{}", d.evidence.text);
+    assert_eq!(f["capacity_bytes"], 48 * GIB);
+    assert_eq!(f["service_bytes"], 40 * GIB, "only what the service holds on GPU 1");
+    assert_eq!(f["held_outside_bytes"], 2 * GIB, "NVML's figure for GPU 1, not the other server on GPU 0");
+    assert_eq!(f["service_gpus"], serde_json::json!([0, 1]));
+    assert!(d.evidence.text.contains("on GPU 1"), "{}", d.evidence.text);
+    assert!(d.fix.text.contains("GPU 1") && d.fix.text.contains("--tensor-parallel-size, now 2"), "{}", d.fix.text);
+    assert_eq!(d.fix.fields["gpus"], 2);
+
+    // Rank 0 on the 80 GiB card: 40 GiB its own, 30 GiB the other server's, 20 GiB asked for.
+    let d = tensor_parallel(40 * GIB, 30 * GIB, 110, 20 * GIB);
+    assert_eq!((d.category, d.gpu), (Category::HeldByOtherProcess, Some(0)), "{}", d.evidence.text);
+    assert_eq!(d.fix.fields["kill"], 300);
+    assert_eq!(d.evidence.fields["held_outside_bytes"], 30 * GIB, "GPU 1's 2 GiB held before recording is not on GPU 0");
 }

@@ -107,8 +107,20 @@ fn rm_alloc_of_a_client_is_an_object_rooted_at_itself() {
     let params = Buf::new(32).u32(0, 0).u32(4, 0).u32(8, 0xc1d00042).u32(12, 0x41);
     assert_eq!(
         decode_ioctl(&l, &rm(escape::RM_ALLOC, params, vec![])),
-        Some(Event::Object { fd: 7, client: 0xc1d00042, parent: 0, object: 0xc1d00042, class: 0x41, status: 0 })
+        Some(Event::Object { fd: 7, client: 0xc1d00042, parent: 0, object: 0xc1d00042, class: 0x41, status: 0, gpu: None })
     );
+}
+
+#[test]
+fn rm_alloc_of_a_device_names_its_gpu() {
+    let l = layout(580, 95, 5);
+    let params = Buf::new(48).u32(0, 0xc1d00042).u32(4, 0xc1d00042).u32(8, 0xde00).u32(12, 0x80);
+    let event = decode_ioctl(&l, &rm(escape::RM_ALLOC, params, Buf::new(4).u32(0, 3).0));
+    assert!(matches!(event, Some(Event::Object { class: 0x80, gpu: Some(3), .. })), "{event:?}");
+    // Its params were not read (a fault): the device is still an object, its GPU unknown.
+    let params = Buf::new(48).u32(0, 0xc1d00042).u32(4, 0xc1d00042).u32(8, 0xde00).u32(12, 0x80);
+    let event = decode_ioctl(&l, &rm(escape::RM_ALLOC, params, vec![]));
+    assert!(matches!(event, Some(Event::Object { class: 0x80, gpu: None, .. })), "{event:?}");
 }
 
 #[test]

@@ -17,6 +17,11 @@ fn freed_by(f: Option<(u64, FreedBy)>) -> &'static str {
     }
 }
 
+/// The GPU's index; empty where it cannot be told.
+fn gpu(gpu: Option<u32>) -> String {
+    gpu.map(|g| g.to_string()).unwrap_or_default()
+}
+
 fn csv_field(text: &str) -> String {
     if text.contains([',', '"', '\n']) {
         format!("\"{}\"", text.replace('"', "\"\""))
@@ -29,19 +34,20 @@ fn csv_field(text: &str) -> String {
 pub fn csv(header: &Header, model: &Model, out: &mut dyn Write) -> io::Result<()> {
     let start = model.time_zero(header.monotonic_start_ns);
     let services = Services::new(model);
-    writeln!(out, "allocated_ns,freed_ns,pid,command,service,context,kind,bytes,phase,requests_in_flight,freed_by,status")?;
+    writeln!(out, "allocated_ns,freed_ns,pid,command,service,context,gpu,kind,bytes,phase,requests_in_flight,freed_by,status")?;
     for r in rows(model, &services) {
         let a = r.allocation;
         let context = if a.client != 0 { format!("client {:#x}", a.client) } else { "uvm".into() };
         writeln!(
             out,
-            "{},{},{},{},{},{},{},{},{},{},{},0",
+            "{},{},{},{},{},{},{},{},{},{},{},{},0",
             a.ts.saturating_sub(start),
             a.freed.map(|(t, _)| t.saturating_sub(start).to_string()).unwrap_or_default(),
             a.pid,
             csv_field(&r.command),
             csv_field(&r.service),
             context,
+            gpu(a.gpu),
             a.memory.name(),
             a.bytes,
             r.phase.name(),
@@ -55,11 +61,12 @@ pub fn csv(header: &Header, model: &Model, out: &mut dyn Write) -> io::Result<()
         let in_flight = services.of(f.pid).map(|s| services.in_flight_count(s, f.ts)).unwrap_or(0);
         writeln!(
             out,
-            "{},,{},{},{},,{},{},{},{},failed,{:#x}",
+            "{},,{},{},{},,{},{},{},{},{},failed,{:#x}",
             f.ts.saturating_sub(start),
             f.pid,
             csv_field(&command),
             csv_field(&service),
+            gpu(f.gpu),
             f.memory.name(),
             f.bytes,
             services.phase_of(f.pid, f.ts).name(),

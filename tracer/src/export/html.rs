@@ -1,7 +1,7 @@
 //! One self-contained HTML page (no network, no external scripts or fonts): verdict and fix, a
 //! timeline of memory by process and by phase with the capacity line and a marker at each failure
-//! (zoom with the wheel, pan by dragging), the contexts never freed, and per-process and per-phase
-//! tables. The page itself is page.html; this fills in its `@@NAME@@` places.
+//! (zoom with the wheel, pan by dragging), one such timeline per GPU where there are several, the
+//! contexts never freed, and per-GPU, per-process and per-phase tables. The page itself is page.html; this fills in its `@@NAME@@` places.
 
 use std::io::{self, Write};
 
@@ -77,41 +77,73 @@ fn stacked(changes: &[(u64, usize, i128)], names: &[String], first: u64, last: u
     out
 }
 
-/// The chart's data: both stacked series (by process and by phase), the capacity and the markers.
-fn chart(header: &Header, model: &Model, services: &Services) -> Value {
+/// The chart's data: both stacked series (by process and by phase), the capacity and the markers;
+/// with several GPUs the same for each GPU, the page opening on the one the verdict is about.
+fn chart(header: &Header, model: &Model, services: &Services, report: &Report) -> Value {
     let first = model.first_ts.unwrap_or(header.monotonic_start_ns);
     let last = model.last_ts.max(first.saturating_add(1));
     let changes: Vec<_> = live_changes(model, services).into_iter().filter(|c| c.memory != Memory::Virtual).collect();
-    let mut pids: Vec<u32> = changes.iter().map(|c| c.pid).collect();
-    pids.sort();
-    pids.dedup();
-    let label = |pid: u32| format!("{pid} {}", model.processes.get(&pid).map(|p| p.command_line()).unwrap_or_default());
-    let process_names: Vec<String> = pids.iter().map(|&p| label(p)).collect();
-    let phase_names: Vec<String> = Phase::ALL.iter().map(|p| p.name().to_string()).collect();
-    // Changes name their series by index: a trace has far more changes than series.
-    let by_process: Vec<(u64, usize, i128)> =
-        changes.iter().map(|c| (c.ts, pids.binary_search(&c.pid).expect("listed above"), c.delta)).collect();
-    let by_phase: Vec<(u64, usize, i128)> =
-        changes.iter().map(|c| (c.ts, Phase::ALL.iter().position(|p| *p == c.phase).expect("a phase"), c.delta)).collect();
-    let series = |changes: &[(u64, usize, i128)], names: &[String]| {
-        let points: Vec<Value> = stacked(changes, names, first, last, 1000)
-            .into_iter()
-            .map(|(t, v)| json!([t.saturating_sub(first) as f64 / 1e9, v.into_iter().map(saturate).collect::<Vec<_>>()]))
-            .collect();
-        json!({"names": names, "points": points})
-    };
     let at = |ts: u64| ts.saturating_sub(first) as f64 / 1e9;
-    let mut markers: Vec<Value> =
-        model.failures.iter().map(|f| json!({"t": at(f.ts), "label": format!("failed: {} (pid {})", bytes(f.bytes), f.pid)})).collect();
-    markers.extend(
-        model.processes.values().filter_map(|p| Some(json!({"t": at(p.oom_killed?), "label": format!("OOM kill: pid {}", p.pid)}))),
-    );
+    let failures =
+        model.failures.iter().map(|f| (f.gpu, json!({"t": at(f.ts), "label": format!("failed: {} (pid {})", bytes(f.bytes), f.pid)})));
+    let kills =
+        model.processes.values().filter_map(|p| Some((None, json!({"t": at(p.oom_killed?), "label": format!("OOM kill: pid {}", p.pid)}))));
+    let markers: Vec<(Option<u32>, Value)> = failures.chain(kills).collect();
+    // One view: the changes `keep` selects, stacked by process and by phase.
+    let view = |keep: &dyn Fn(&super::Change) -> bool, capacity: Option<u64>, gpu: Option<u32>| {
+        let changes: Vec<&super::Change> = changes.iter().filter(|c| keep(c)).collect();
+        let mut pids: Vec<u32> = changes.iter().map(|c| c.pid).collect();
+        pids.sort();
+        pids.dedup();
+        let label = |pid: u32| format!("{pid} {}", model.processes.get(&pid).map(|p| p.command_line()).unwrap_or_default());
+        let process_names: Vec<String> = pids.iter().map(|&p| label(p)).collect();
+        let phase_names: Vec<String> = Phase::ALL.iter().map(|p| p.name().to_string()).collect();
+        // Changes name their series by index: a trace has far more changes than series.
+        let by_process: Vec<(u64, usize, i128)> =
+            changes.iter().map(|c| (c.ts, pids.binary_search(&c.pid).expect("listed above"), c.delta)).collect();
+        let by_phase: Vec<(u64, usize, i128)> =
+            changes.iter().map(|c| (c.ts, Phase::ALL.iter().position(|p| *p == c.phase).expect("a phase"), c.delta)).collect();
+        let series = |changes: &[(u64, usize, i128)], names: &[String]| {
+            let points: Vec<Value> = stacked(changes, names, first, last, 1000)
+                .into_iter()
+                .map(|(t, v)| json!([at(t), v.into_iter().map(saturate).collect::<Vec<_>>()]))
+                .collect();
+            json!({"names": names, "points": points})
+        };
+        let markers: Vec<&Value> = markers.iter().filter(|(g, _)| gpu.is_none() || g.is_none() || *g == gpu).map(|(_, m)| m).collect();
+        json!({
+            "capacity": capacity,
+            "process": series(&by_process, &process_names),
+            "phase": series(&by_phase, &phase_names),
+            "markers": markers,
+        })
+    };
+    let single = report.gpus.len() <= 1;
+    let all = view(&|_| true, if single { report.gpus.first().and_then(|g| g.capacity_bytes) } else { None }, None);
+    let per_gpu: Vec<(Option<u32>, Value)> = if single {
+        Vec::new()
+    } else {
+        report
+            .gpus
+            .iter()
+            .filter(|g| g.peak_bytes > 0 || g.failed_allocations > 0)
+            .map(|g| {
+                let label = match g.gpu {
+                    Some(i) => format!("GPU {i}"),
+                    None => "GPU ?".to_string(),
+                };
+                let mut v = view(&|c| c.gpu == g.gpu && c.memory == Memory::Video, g.capacity_bytes, g.gpu);
+                v["label"] = json!(label);
+                (g.gpu, v)
+            })
+            .collect()
+    };
+    let initial = report.diagnosis.gpu.and_then(|d| per_gpu.iter().position(|(g, _)| *g == Some(d)));
     json!({
-        "capacity": header.gpus.first().and_then(|g| g.total_bytes),
         "end": at(last),
-        "process": series(&by_process, &process_names),
-        "phase": series(&by_phase, &phase_names),
-        "markers": markers,
+        "all": all,
+        "gpus": per_gpu.into_iter().map(|(_, v)| v).collect::<Vec<_>>(),
+        "initial": initial,
     })
 }
 
@@ -126,6 +158,22 @@ fn verdict_and_tables(report: &Report) -> (String, String) {
         for c in &report.contexts_never_freed {
             tables +=
                 &format!("<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>", c.pid, escape(&c.command), b(c.bytes), escape(&c.why));
+        }
+        tables += "</table>";
+    }
+    if report.gpus.len() > 1 {
+        tables += "<h2>GPUs</h2><table><tr><th>gpu</th><th>name</th><th>capacity</th><th>held before recording</th><th>peak traced</th><th>live at end</th><th>failed</th></tr>";
+        for g in &report.gpus {
+            tables += &format!(
+                "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+                g.gpu.map_or("?".into(), |i| i.to_string()),
+                escape(g.name.as_deref().unwrap_or("?")),
+                g.capacity_bytes.map_or("?".into(), b),
+                b(g.held_before_bytes),
+                b(g.peak_bytes),
+                b(g.live_bytes),
+                g.failed_allocations
+            );
         }
         tables += "</table>";
     }
@@ -173,7 +221,7 @@ fn verdict_and_tables(report: &Report) -> (String, String) {
 
 pub fn html(header: &Header, model: &Model, report: &Report, out: &mut dyn Write) -> io::Result<()> {
     let services = Services::new(model);
-    let data = chart(header, model, &services).to_string().replace("</", "<\\/");
+    let data = chart(header, model, &services, report).to_string().replace("</", "<\\/");
     let (verdict, tables) = verdict_and_tables(report);
     let loss = if report.loss.is_lossless() {
         "Lost events: 0.".to_string()

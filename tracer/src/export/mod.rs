@@ -43,6 +43,7 @@ pub struct Change {
     pub ts: u64,
     pub pid: u32,
     pub memory: Memory,
+    pub gpu: Option<u32>,
     /// The phase the allocation was made in (its free counts against the same phase).
     pub phase: Phase,
     pub delta: i128,
@@ -55,9 +56,9 @@ pub fn live_changes(model: &Model, services: &Services) -> Vec<Change> {
     for a in &model.allocations {
         let phase = services.phase_of(a.pid, a.ts);
         let bytes = i128::from(a.bytes);
-        changes.push(Change { ts: a.ts, pid: a.pid, memory: a.memory, phase, delta: bytes });
+        changes.push(Change { ts: a.ts, pid: a.pid, memory: a.memory, gpu: a.gpu, phase, delta: bytes });
         if let Some((t, _)) = a.freed {
-            changes.push(Change { ts: t, pid: a.pid, memory: a.memory, phase, delta: -bytes });
+            changes.push(Change { ts: t, pid: a.pid, memory: a.memory, gpu: a.gpu, phase, delta: -bytes });
         }
     }
     changes.sort_by_key(|c| (c.ts, c.delta > 0));

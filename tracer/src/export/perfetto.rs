@@ -1,6 +1,7 @@
 //! Chrome Trace Event JSON, which Perfetto and chrome://tracing open: a track group per process,
-//! counters of live memory by kind and by phase, the card's capacity, slices for phases and
-//! requests, instants for failures, OOM kills and suspect contexts. Times are wall-clock µs.
+//! counters of live memory by kind and by phase, a track group per GPU with its video memory,
+//! capacity and failures, slices for phases and requests, instants for failures, OOM kills and
+//! suspect contexts. Times are wall-clock µs.
 
 use std::collections::BTreeMap;
 use std::io::{self, Write};
@@ -14,8 +15,14 @@ use crate::model::Model;
 use crate::report::Report;
 use crate::trace::Header;
 
-/// The track group of the GPU itself (no process has pid 0).
+/// The track group of every GPU together, with the verdict (no process has pid 0).
 const GPU: u32 = 0;
+/// Each GPU's own track group: above any pid (pid_max is at most 2^22).
+const GPU_TRACKS: u32 = 1 << 30;
+
+fn gpu_track(gpu: Option<u32>) -> u32 {
+    gpu.map_or(GPU, |g| GPU_TRACKS.saturating_add(g))
+}
 
 /// Writes events one at a time into the `traceEvents` array.
 struct Emitter<'w> {
@@ -54,13 +61,17 @@ pub fn perfetto(header: &Header, model: &Model, report: &Report, out: &mut dyn W
     let mut e = Emitter { out, first: true, wall_start_ns: header.wall_clock_start_ns, mono_start_ns: header.monotonic_start_ns };
     let first_ts = model.first_ts.unwrap_or(header.monotonic_start_ns);
     let last_ts = model.last_ts.max(first_ts);
-    e.emit(json!({"name": "process_name", "ph": "M", "pid": GPU, "args": {"name": "GPU"}}))?;
+    e.emit(json!({"name": "process_name", "ph": "M", "pid": GPU, "args": {"name": "GPUs"}}))?;
     for p in model.processes.values() {
         e.emit(json!({"name": "process_name", "ph": "M", "pid": p.pid, "args": {"name": format!("{} {}", p.pid, p.command_line())}}))?;
     }
-    if let Some(capacity) = header.gpus.first().and_then(|g| g.total_bytes) {
-        for ts in [first_ts, last_ts] {
-            e.emit(json!({"name": "capacity", "ph": "C", "pid": GPU, "ts": e.us(ts), "args": {"bytes": capacity}}))?;
+    for g in report.gpus.iter().filter(|g| g.gpu.is_some()) {
+        let name = format!("GPU {} {}", g.gpu.unwrap_or(0), g.name.as_deref().unwrap_or(""));
+        e.emit(json!({"name": "process_name", "ph": "M", "pid": gpu_track(g.gpu), "args": {"name": name.trim_end()}}))?;
+        if let Some(capacity) = g.capacity_bytes {
+            for ts in [first_ts, last_ts] {
+                e.emit(json!({"name": "capacity", "ph": "C", "pid": gpu_track(g.gpu), "ts": e.us(ts), "args": {"bytes": capacity}}))?;
+            }
         }
     }
     counters(&mut e, model, &services)?;
@@ -79,6 +90,7 @@ fn counters(e: &mut Emitter, model: &Model, services: &Services) -> io::Result<(
     let mut by_kind: BTreeMap<u32, BTreeMap<&str, i128>> = BTreeMap::new();
     let mut by_phase: BTreeMap<u32, BTreeMap<&str, i128>> = BTreeMap::new();
     let mut total: BTreeMap<&str, i128> = Memory::ALL.iter().map(|m| (m.name(), 0)).collect();
+    let mut on_gpu: BTreeMap<u32, i128> = BTreeMap::new();
     for c in live_changes(model, services) {
         let kinds = by_kind.entry(c.pid).or_insert_with(|| Memory::ALL.iter().map(|m| (m.name(), 0)).collect());
         *kinds.entry(c.memory.name()).or_default() += c.delta;
@@ -86,6 +98,12 @@ fn counters(e: &mut Emitter, model: &Model, services: &Services) -> io::Result<(
         let ts = e.us(c.ts);
         e.emit(json!({"name": "live memory", "ph": "C", "pid": c.pid, "ts": ts, "args": clamped(kinds)}))?;
         e.emit(json!({"name": "live memory", "ph": "C", "pid": GPU, "ts": ts, "args": clamped(&total)}))?;
+        if c.memory == Memory::Video && c.gpu.is_some() {
+            let live = on_gpu.entry(gpu_track(c.gpu)).or_default();
+            *live += c.delta;
+            let args = json!({"bytes": saturate(*live)});
+            e.emit(json!({"name": "live video memory", "ph": "C", "pid": gpu_track(c.gpu), "ts": ts, "args": args}))?;
+        }
         if c.memory != Memory::Virtual {
             let root = services.of(c.pid).map_or(c.pid, |s| s.root);
             let phases = by_phase.entry(root).or_insert_with(|| Phase::ALL.iter().map(|p| (p.name(), 0)).collect());
@@ -166,6 +184,10 @@ fn instants(e: &mut Emitter, model: &Model, services: &Services, report: &Report
         let args = json!({"bytes": f.bytes, "kind": f.memory.name(), "status": status.0, "status_name": status.1, "phase": services.phase_of(f.pid, f.ts).name()});
         let ts = e.us(f.ts);
         e.emit(json!({"name": "failed allocation", "cat": "failure", "ph": "i", "s": "p", "pid": f.pid, "ts": ts, "args": args}))?;
+        if f.gpu.is_some() {
+            let args = json!({"bytes": f.bytes, "pid": f.pid});
+            e.emit(json!({"name": "out of memory here", "cat": "failure", "ph": "i", "s": "p", "pid": gpu_track(f.gpu), "ts": ts, "args": args}))?;
+        }
     }
     for p in model.processes.values() {
         if let Some(ts) = p.oom_killed {

@@ -66,10 +66,10 @@ pub fn records(data: &[u8]) -> Vec<Record> {
             4 => Event::Dup { old_fd: fd, new_fd: 3 + b.pick(4) as i32, cloexec: b.one_in(2) },
             5 => Event::Close { fd },
             6 => Event::CloseRange { first: b.pick(6), last: b.pick(8), cloexec_only: b.one_in(2) },
-            7 => Event::Object { fd, client, parent: client, object: client, class: CLASS_CLIENT, status: 0 },
+            7 => Event::Object { fd, client, parent: client, object: client, class: CLASS_CLIENT, status: 0, gpu: None },
             8 => {
                 let (parent, object) = (handle(&mut b, client), 0x100 + b.pick(8));
-                Event::Object { fd, client, parent, object, class: 0x80, status: 0 }
+                Event::Object { fd, client, parent, object, class: 0x80, status: 0, gpu: Some(b.pick(3)) }
             }
             9 | 10 => {
                 let (parent, object) = (handle(&mut b, client), 0x100 + b.pick(8));

@@ -12,6 +12,8 @@ pub(super) struct Object {
     pub(super) parent: u32,
     /// The allocation whose memory this handle refers to (several handles after a dup).
     pub(super) alloc: Option<AllocId>,
+    /// The GPU it belongs to: a device's own, inherited by everything below it.
+    pub(super) gpu: Option<u32>,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -57,7 +59,15 @@ impl Client {
 }
 
 impl Model {
-    pub(super) fn on_object(&mut self, pid: u32, ts: u64, fd: i32, (client, parent, object): (u32, u32, u32), class: u32) {
+    pub(super) fn on_object(
+        &mut self,
+        pid: u32,
+        ts: u64,
+        fd: i32,
+        (client, parent, object): (u32, u32, u32),
+        class: u32,
+        gpu: Option<u32>,
+    ) {
         if crate::abi::class::is_client(class) {
             let file = self.file_of(pid, fd, ts);
             // RM never hands out a live handle twice: an old client by that handle was freed in
@@ -65,8 +75,14 @@ impl Model {
             self.free_client(client, ts, FreedBy::Unseen);
             self.clients.insert(client, Client::new(file));
         } else {
-            self.insert_object(client, pid, fd, ts, object, Object { parent, alloc: None });
+            let gpu = gpu.or_else(|| self.gpu_of(client, parent));
+            self.insert_object(client, pid, fd, ts, object, Object { parent, alloc: None, gpu });
         }
+    }
+
+    /// The GPU of the object `handle` of `client`: the device it is, or is under.
+    fn gpu_of(&self, client: u32, handle: u32) -> Option<u32> {
+        self.clients.get(&client)?.objects.get(&handle)?.gpu
     }
 
     pub(super) fn on_dup_object(&mut self, pid: u32, ts: u64, fd: i32, (client, parent, object): (u32, u32, u32), src: (u32, u32)) {
@@ -74,7 +90,8 @@ impl Model {
         if let Some(id) = alloc {
             *self.handle_refs.entry(id).or_default() += 1;
         }
-        self.insert_object(client, pid, fd, ts, object, Object { parent, alloc });
+        let gpu = alloc.and_then(|id| self.allocations[id].gpu).or_else(|| self.gpu_of(client, parent));
+        self.insert_object(client, pid, fd, ts, object, Object { parent, alloc, gpu });
     }
 
     pub(super) fn on_uvm_free(&mut self, pid: u32, ts: u64, fd: i32, base: u64) {
@@ -95,6 +112,7 @@ impl Model {
 
     pub(super) fn alloc(&mut self, r: &Record, a: &Alloc) {
         let (ts, pid) = (r.ts, r.pid);
+        let gpu = self.gpu_of(a.client, a.parent);
         if !a.succeeded() {
             self.process(pid, ts).usage.failed += 1;
             self.failures.push(FailedAllocation {
@@ -105,6 +123,7 @@ impl Model {
                 via: a.via,
                 status: a.status,
                 errno: a.errno,
+                gpu,
             });
             return;
         }
@@ -124,6 +143,7 @@ impl Model {
             object: a.object,
             class: a.class,
             file,
+            gpu,
             freed: None,
         });
         self.process(pid, ts).usage.add(a.memory, a.bytes);
@@ -135,7 +155,7 @@ impl Model {
                 }
             }
             _ => {
-                let object = Object { parent: a.parent, alloc: Some(id) };
+                let object = Object { parent: a.parent, alloc: Some(id), gpu };
                 self.insert_object(a.client, pid, a.fd, ts, a.object, object);
             }
         }

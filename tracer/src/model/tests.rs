@@ -19,7 +19,7 @@ fn open(ts: u64, pid: u32, fd: i32, file: u64, device: Device, cloexec: bool) ->
 
 fn object(ts: u64, pid: u32, fd: i32, parent: u32, object: u32, class: u32) -> Record {
     let client = if class == 0x41 { object } else { CLIENT };
-    rec(ts, pid, Event::Object { fd, client, parent, object, class, status: 0 })
+    rec(ts, pid, Event::Object { fd, client, parent, object, class, status: 0, gpu: None })
 }
 
 fn alloc(ts: u64, pid: u32, fd: i32, parent: u32, object: u32, bytes: u64, status: u32) -> Record {
@@ -310,4 +310,20 @@ proptest::proptest! {
         let model = Model::from_records(&generate::records(&data));
         proptest::prop_assert_eq!(model.check_books(), Ok(()));
     }
+}
+
+/// Memory belongs to the GPU of the device it is under, through a subdevice too; a dup of it
+/// under another device is still the same memory on the same GPU.
+#[test]
+fn allocations_belong_to_their_devices_gpu() {
+    let mut t = setup(10, false);
+    t[3] = rec(4, 10, Event::Object { fd: 3, client: CLIENT, parent: CLIENT, object: DEVICE, class: 0x80, status: 0, gpu: Some(2) });
+    t.push(object(5, 10, 3, DEVICE, 0x5000, 0x2080));
+    t.push(alloc(6, 10, 3, 0x5000, 0xa, GIB, 0));
+    t.push(alloc(7, 10, 3, DEVICE, 0xb, GIB, 0x51));
+    t.push(alloc(8, 10, 3, 0x9999, 0xc, GIB, 0));
+    let model = Model::from_records(&t);
+    assert_eq!(model.allocations[0].gpu, Some(2), "under the subdevice of GPU 2's device");
+    assert_eq!(model.failures[0].gpu, Some(2));
+    assert_eq!(model.allocations[1].gpu, None, "under a parent never seen: the GPU cannot be told");
 }
