@@ -4,6 +4,7 @@
 //! and runs [`inside`] there; DIR gets the trace (`run.trace`), gputrace's JSON summary
 //! (`record.json`), the driver's log (`driver.jsonl`) and the workload's (`workload.jsonl`).
 
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -49,9 +50,23 @@ struct Tools {
     server: PathBuf,
     load: PathBuf,
     dir: PathBuf,
+    /// How NVML answers the recorder: "none" takes the fake NVML away from it.
+    nvml: String,
 }
 
 impl Tools {
+    /// gputrace as given; the fake servers and load generator beside this binary.
+    fn new(dir: &Path, gputrace: &Path, nvml: &str) -> Result<Tools> {
+        let here = std::env::current_exe()?.parent().ok_or_else(|| anyhow!("no directory"))?.to_path_buf();
+        Ok(Tools {
+            gputrace: gputrace.to_path_buf(),
+            server: here.join("fake-server"),
+            load: here.join("fake-load"),
+            dir: dir.to_path_buf(),
+            nvml: nvml.to_string(),
+        })
+    }
+
     fn server_cmd(&self, server: &str, port: u16, extra: &[&str]) -> Command {
         let mut c = Command::new(&self.server);
         c.args(["--server", server, "--port", &port.to_string(), "--truth"]).arg(self.dir.join("workload.jsonl")).args(extra);
@@ -64,6 +79,9 @@ impl Tools {
         let mut c = Command::new(&self.gputrace);
         c.args(["record", "--json", "-o"]).arg(self.dir.join("run.trace")).arg("--").arg(command.get_program()).args(command.get_args());
         c.stdout(std::fs::File::create(self.dir.join("record.json"))?).stderr(log(&self.dir, "server.log"));
+        if self.nvml == "none" {
+            c.env_remove("LD_LIBRARY_PATH");
+        }
         c.spawn().context("starting gputrace record")
     }
 
@@ -127,11 +145,9 @@ fn memory_cgroup(bytes: u64) -> Result<PathBuf> {
     bail!("no memory cgroup could be made (cgroup v1 memory controller or v2 memory.max)")
 }
 
-/// Runs one scenario inside the fake GPU's namespace.
-pub fn inside(name: &str, server: &str, dir: &Path, gputrace: &Path) -> Result<()> {
-    let here = std::env::current_exe()?.parent().ok_or_else(|| anyhow!("no directory"))?.to_path_buf();
-    let t =
-        Tools { gputrace: gputrace.to_path_buf(), server: here.join("fake-server"), load: here.join("fake-load"), dir: dir.to_path_buf() };
+/// Runs one scenario inside the fake GPU's namespace, NVML answering the recorder as `nvml` says.
+pub fn inside(name: &str, server: &str, nvml: &str, dir: &Path, gputrace: &Path) -> Result<()> {
+    let t = Tools::new(dir, gputrace, nvml)?;
     let llama = server == "llama";
     let port = 8000 + (std::process::id() % 1000) as u16;
     let limit = Duration::from_secs(60);
@@ -198,4 +214,52 @@ pub fn inside(name: &str, server: &str, dir: &Path, gputrace: &Path) -> Result<(
         }
         other => bail!("no scenario {other:?}: choose one of {}", NAMES.join(", ")),
     }
+}
+
+/// The hosts `gputrace doctor` is tried on: what holds the GPU when it is asked.
+pub const DOCTOR_SETUPS: [&str; 3] = ["clean", "orphaned-engine", "forked-child"];
+/// How NVML answers there: a discrete GPU, unified memory (no device totals), or no NVML at all.
+pub const NVML_MODES: [&str; 3] = ["discrete", "unified", "none"];
+
+/// Sets up `setup` inside the fake GPU's namespace, beside a benign holder (a stand-in for
+/// nvidia-persistenced), then runs `gputrace doctor --json`. DIR gets doctor.json, its exit
+/// status in doctor.rc, and the pids that matter in pids.json.
+pub fn doctor_inside(setup: &str, nvml: &str, dir: &Path, gputrace: &Path) -> Result<()> {
+    let t = Tools::new(dir, gputrace, nvml)?;
+    let port = 8000 + (std::process::id() % 1000) as u16;
+    let benign = Command::new("bash")
+        .args(["-c", "exec 3<>/dev/nvidiactl; exec -a nvidia-persistenced sleep 600"])
+        .stdout(Stdio::null())
+        .spawn()
+        .context("starting the benign holder")?;
+    let server = if setup == "forked-child" { "llama" } else { "vllm" };
+    // Its own process group, as a shell starts a job: what "orphaned" is judged by.
+    let mut started = t.server_cmd(server, port, if server == "llama" { &["--helper"] } else { &[] });
+    started.process_group(0);
+    let mut root = started.spawn().context("starting the server")?;
+    t.load(server, port, &["--sequential", "512"])?;
+    let child = children(root.id()).first().copied().ok_or_else(|| anyhow!("the server started no child"))?;
+    if setup != "clean" {
+        // SIGKILL: vLLM's engine is orphaned; llama's forked helper keeps the files.
+        root.kill()?;
+        root.wait()?;
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let pids = serde_json::json!({"server": root.id(), "child": child, "benign": benign.id()});
+    std::fs::write(dir.join("pids.json"), pids.to_string())?;
+    let mut doctor = Command::new(&t.gputrace);
+    doctor.args(["doctor", "--json"]).stdout(std::fs::File::create(dir.join("doctor.json"))?).stderr(log(dir, "doctor.log"));
+    if t.nvml == "none" {
+        doctor.env_remove("LD_LIBRARY_PATH");
+    }
+    let status = doctor.status().context("running gputrace doctor")?;
+    std::fs::write(dir.join("doctor.rc"), status.code().unwrap_or(-1).to_string())?;
+    // And as a person reads it.
+    let mut text = Command::new(&t.gputrace);
+    text.arg("doctor").stdout(std::fs::File::create(dir.join("doctor.txt"))?).stderr(log(dir, "doctor.log"));
+    if t.nvml == "none" {
+        text.env_remove("LD_LIBRARY_PATH");
+    }
+    text.status().context("running gputrace doctor")?;
+    Ok(())
 }

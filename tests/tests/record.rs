@@ -317,3 +317,35 @@ fn a_failed_allocation_is_recorded_with_its_status() {
     assert_eq!(p["exit_code"], 1);
     std::fs::remove_dir_all(&run.dir).ok();
 }
+
+/// No out-of-memory verdict for a command that failed for other reasons: `false`, a shell's
+/// `exit 3`, and a server that exits 1 before touching the GPU (its port is taken), each recorded
+/// on the fake GPU.
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn a_command_that_fails_without_the_gpu_gets_no_oom_verdict() {
+    let _root = as_root();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port().to_string();
+    let server = [env!("CARGO_BIN_EXE_fake-server"), "--server", "vllm", "--port", &port];
+    for (command, code) in [(&["false"][..], 1), (&["sh", "-c", "exit 3"][..], 3), (&server[..], 1)] {
+        let dir = std::env::temp_dir().join(format!("gputrace-no-oom-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_fakegpu"))
+            .args(["run", "--video", "80GiB", "--"])
+            .arg(gputrace_bin())
+            .args(["record", "--json", "-o"])
+            .arg(dir.join("run.trace"))
+            .arg("--")
+            .args(command)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(code), "{command:?}: the command's status: {}", String::from_utf8_lossy(&out.stderr));
+        let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{command:?}: {e}"));
+        let d = &summary["diagnosis"];
+        assert_eq!(d["category"], "none", "{command:?}: {d:#}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+    drop(taken);
+}

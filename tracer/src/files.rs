@@ -55,6 +55,31 @@ pub fn device_of_path(path: &str) -> Option<Device> {
     }
 }
 
+/// Every process, other than gputrace, with NVIDIA device files open now: a /proc scan, what
+/// `fuser -v /dev/nvidia*` shows.
+pub fn nvidia_holders() -> Vec<crate::trace::HolderAtStart> {
+    let mut holders: Vec<crate::trace::HolderAtStart> = procfs::all_pids()
+        .into_iter()
+        .filter_map(|pid| {
+            let mut devices: Vec<String> = procfs::open_fds(pid)
+                .into_iter()
+                .filter_map(|fd| procfs::fd_path(pid, fd)?.to_str().and_then(device_of_path))
+                .map(|d| format!("{d:?}").to_lowercase())
+                .collect();
+            devices.sort();
+            devices.dedup();
+            (!devices.is_empty()).then(|| crate::trace::HolderAtStart {
+                pid,
+                ppid: procfs::parent(pid).unwrap_or(0),
+                command: procfs::command(pid).unwrap_or_default(),
+                devices,
+            })
+        })
+        .collect();
+    holders.sort_by_key(|h| h.pid);
+    holders
+}
+
 fn kernel_state(device: Device) -> u8 {
     match device {
         Device::Ctl => device::CTL,

@@ -21,7 +21,7 @@ pub fn snapshot() -> Snapshot {
         Err(e) => Snapshot {
             gpus: vec![],
             prior_use: vec![],
-            note: format!("NVML unavailable ({e}): GPU capacity and memory held before tracing began are unknown"),
+            note: format!("NVML unavailable ({e}): GPU capacity and what each process holds are unknown"),
         },
     }
 }

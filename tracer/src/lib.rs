@@ -6,6 +6,7 @@ pub mod abi;
 pub mod analysis;
 pub mod btf;
 pub mod decode;
+pub mod doctor;
 pub mod event;
 pub mod export;
 pub mod files;

@@ -20,6 +20,16 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Who holds each GPU now, which holder is stale and why, and what to kill: no tracing, about
+    /// a second. Exits 1 when something stale was found.
+    Doctor {
+        /// Print the findings as JSON (schema in docs/doctor-schema.md)
+        #[arg(long)]
+        json: bool,
+        /// A holder up this long with no CPU and no listening socket gets a note
+        #[arg(long, value_name = "MINUTES", default_value_t = 10)]
+        idle_minutes: u64,
+    },
     /// Run a command (or attach to running processes) and record every GPU memory allocation and free.
     Record {
         /// Where to write the trace [default: gputrace-YYYYmmdd-HHMMSS.trace]
@@ -138,6 +148,16 @@ fn print_report(path: PathBuf, json: bool, idle_minutes: u64, redact: bool) -> a
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Doctor { json, idle_minutes } => {
+            let findings = gputrace::doctor::assess(&gputrace::doctor::observe(), idle_minutes);
+            if json {
+                serde_json::to_string_pretty(&findings).map(|text| println!("{text}")).map_err(anyhow::Error::from)
+            } else {
+                print!("{}", findings.text());
+                Ok(())
+            }
+            .map(|()| ExitCode::from(findings.exit_code()))
+        }
         Command::Record { output, pids, all, driver_version, raw, json, idle_minutes, redact, command } => {
             let opts = gputrace::record::Options {
                 output,

@@ -8,20 +8,111 @@ use std::path::PathBuf;
 pub const MAX_COMMAND: u64 = 16 * 1024;
 
 /// The fields of /proc/PID/stat gputrace uses.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct Stat {
     /// R, S, D, Z, T...
     pub state: char,
     pub ppid: u32,
+    /// Process group and session: a job's members share its leader's pid.
+    pub pgrp: u32,
+    pub session: u32,
+    /// User + system CPU time, in clock ticks.
+    pub cpu_ticks: u64,
+    /// When it started, in clock ticks since boot.
+    pub start_ticks: u64,
 }
 
 /// Parses /proc/PID/stat. The command name may hold spaces and parentheses: the fields start
-/// after the last ')'.
+/// after the last ')' (field 3, the state); a line cut short yields what it holds.
 pub fn parse_stat(text: &str) -> Option<Stat> {
-    let mut fields = text.rsplit_once(')')?.1.split_whitespace();
-    let state = fields.next()?.chars().next()?;
-    let ppid = fields.next()?.parse().ok()?;
-    Some(Stat { state, ppid })
+    let fields: Vec<&str> = text.rsplit_once(')')?.1.split_whitespace().collect();
+    let number = |i: usize| fields.get(i).and_then(|f| f.parse::<u64>().ok()).unwrap_or(0);
+    Some(Stat {
+        state: fields.first()?.chars().next()?,
+        ppid: fields.get(1)?.parse().ok()?,
+        pgrp: number(2) as u32,
+        session: number(3) as u32,
+        cpu_ticks: number(11).saturating_add(number(12)),
+        start_ticks: number(19),
+    })
+}
+
+/// Clock ticks per second, the unit of /proc's times.
+pub fn ticks_per_second() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if hz > 0 {
+        hz as u64
+    } else {
+        100
+    }
+}
+
+/// Seconds since boot, from /proc/uptime.
+pub fn uptime_seconds() -> Option<f64> {
+    read_bounded("/proc/uptime", 128)?.split_whitespace().next()?.parse().ok()
+}
+
+/// A /proc file's text, at most `limit` bytes of it.
+fn read_bounded(path: &str, limit: u64) -> Option<String> {
+    let mut raw = Vec::new();
+    std::fs::File::open(path).ok()?.take(limit).read_to_end(&mut raw).ok()?;
+    Some(String::from_utf8_lossy(&raw).into_owned())
+}
+
+/// Its control group path (cgroup v2's line, else the first v1 line): where a container shows.
+pub fn cgroup(pid: u32) -> Option<String> {
+    let text = read_bounded(&format!("/proc/{pid}/cgroup"), 16 * 1024)?;
+    let path = |l: &str| l.splitn(3, ':').nth(2).map(String::from);
+    text.lines().find(|l| l.starts_with("0::")).and_then(path).or_else(|| text.lines().next().and_then(path))
+}
+
+/// The container a cgroup path names: the 64-hex id Docker, containerd, CRI-O and Podman put in
+/// it, shortened as `docker ps` shows it.
+pub fn container_of(cgroup: &str) -> Option<String> {
+    cgroup
+        .split(['/', '-', '.', ':'])
+        .find(|part| part.len() == 64 && part.bytes().all(|b| b.is_ascii_hexdigit()))
+        .map(|id| id[..12].to_string())
+}
+
+/// TCP ports the process listens on (IPv4 and IPv6), from the socket inodes its fds hold and
+/// its network namespace's tables.
+pub fn listening_ports(pid: u32) -> Vec<u16> {
+    let inodes: Vec<u64> = open_fds(pid)
+        .into_iter()
+        .filter_map(|fd| fd_path(pid, fd)?.to_str()?.strip_prefix("socket:[")?.strip_suffix(']')?.parse().ok())
+        .collect();
+    if inodes.is_empty() {
+        return Vec::new();
+    }
+    let mut ports: Vec<u16> = ["tcp", "tcp6"]
+        .iter()
+        .filter_map(|table| read_bounded(&format!("/proc/{pid}/net/{table}"), 8 << 20))
+        .flat_map(|text| parse_listening(&text, &inodes))
+        .collect();
+    ports.sort();
+    ports.dedup();
+    ports
+}
+
+/// The local ports of /proc/net/tcp lines in state LISTEN (0A) whose inode is one of `inodes`.
+fn parse_listening(text: &str, inodes: &[u64]) -> Vec<u16> {
+    text.lines()
+        .skip(1)
+        .filter_map(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let (local, state, inode) = (f.get(1)?, f.get(3)?, f.get(9)?.parse::<u64>().ok()?);
+            (*state == "0A" && inodes.contains(&inode)).then(|| u16::from_str_radix(local.rsplit(':').next()?, 16).ok()).flatten()
+        })
+        .collect()
+}
+
+/// The host's memory: MemTotal and MemAvailable, in bytes (what "free" means on unified memory).
+pub fn meminfo() -> Option<(u64, u64)> {
+    let text = read_bounded("/proc/meminfo", 64 * 1024)?;
+    let kib = |name: &str| text.lines().find_map(|l| l.strip_prefix(name)?.split_whitespace().next()?.parse::<u64>().ok());
+    Some((kib("MemTotal:")?.saturating_mul(1024), kib("MemAvailable:")?.saturating_mul(1024)))
 }
 
 pub fn stat(pid: u32) -> Option<Stat> {
@@ -103,9 +194,23 @@ mod tests {
 
     #[test]
     fn stat_fields_after_the_last_parenthesis() {
-        assert_eq!(parse_stat("42 (a) b (c)) S 7 42 42 0"), Some(Stat { state: 'S', ppid: 7 }));
-        assert_eq!(parse_stat("43 (zombie) Z 1 43"), Some(Stat { state: 'Z', ppid: 1 }));
+        let line = "42 (a) b (c)) S 7 40 39 0 -1 4194560 10 0 0 0 250 50 0 0 20 0 3 0 12345 0 0";
+        let s = parse_stat(line).unwrap();
+        assert_eq!((s.state, s.ppid, s.pgrp, s.session, s.cpu_ticks, s.start_ticks), ('S', 7, 40, 39, 300, 12345));
+        assert_eq!(parse_stat("43 (zombie) Z 1 43"), Some(Stat { state: 'Z', ppid: 1, pgrp: 43, ..Stat::default() }));
         assert_eq!(parse_stat("garbage"), None);
+    }
+
+    #[test]
+    fn listening_sockets_and_containers() {
+        let tcp = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 0100007F:1F40 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 555 1 0 100 0 0 10 0
+   1: 0100007F:1F41 0100007F:9C40 01 00000000:00000000 00:00000000 00000000     0        0 556 1 0 100 0 0 10 0
+   2: 00000000:0016 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 999 1 0 100 0 0 10 0";
+        assert_eq!(parse_listening(tcp, &[555, 556]), vec![8000], "listening, and its own socket only");
+        let docker = "/system.slice/docker-4f2a9c1e0b7d3a5f6e8c9b0a1d2e3f4a5b6c7d8e9f0a1b2c3d4e5f6a7b8c9d0e.scope";
+        assert_eq!(container_of(docker).as_deref(), Some("4f2a9c1e0b7d"));
+        assert_eq!(container_of("/user.slice/user-1000.slice/session-3.scope"), None);
     }
 
     #[test]

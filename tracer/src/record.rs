@@ -15,7 +15,7 @@ use crate::abi::{DriverVersion, Layout, NEWEST_KNOWN, OLDEST_KNOWN};
 use crate::analysis::Phase;
 use crate::decode::parse_record;
 use crate::event::{Event, Record};
-use crate::files::{device_of_path, KernelUpdate, ProcResolver};
+use crate::files::{KernelUpdate, ProcResolver};
 use crate::mark::{MarkRequest, MarkServer, MAX_CONNECTIONS};
 use crate::model::Model;
 use crate::pipeline::Pipeline;
@@ -23,7 +23,7 @@ use crate::probe::{self, Probe};
 use crate::procfs;
 use crate::report::{FdFilter, Loss, Report};
 use crate::signals::StopSignals;
-use crate::trace::{Header, HolderAtStart, Writer, FORMAT, VERSION};
+use crate::trace::{Header, Writer, FORMAT, VERSION};
 use crate::units::bytes;
 use crate::user::User;
 
@@ -427,7 +427,7 @@ fn header(opts: &Options, version: Option<DriverVersion>, source: String) -> Hea
         monotonic_start_ns: mono,
         gpus: snapshot.gpus,
         prior_use: snapshot.prior_use,
-        holders_at_start: holders_at_start(),
+        holders_at_start: crate::files::nvidia_holders(),
         nvml: snapshot.note,
         command: opts.invocation.clone(),
         raw: opts.raw,
@@ -527,28 +527,4 @@ fn default_output() -> PathBuf {
 
 fn join(pids: &[u32]) -> String {
     pids.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(", ")
-}
-
-/// Every process, other than gputrace, with NVIDIA device files open now.
-fn holders_at_start() -> Vec<HolderAtStart> {
-    let mut holders: Vec<HolderAtStart> = procfs::all_pids()
-        .into_iter()
-        .filter_map(|pid| {
-            let mut devices: Vec<String> = procfs::open_fds(pid)
-                .into_iter()
-                .filter_map(|fd| procfs::fd_path(pid, fd)?.to_str().and_then(device_of_path))
-                .map(|d| format!("{d:?}").to_lowercase())
-                .collect();
-            devices.sort();
-            devices.dedup();
-            (!devices.is_empty()).then(|| HolderAtStart {
-                pid,
-                ppid: procfs::parent(pid).unwrap_or(0),
-                command: procfs::command(pid).unwrap_or_default(),
-                devices,
-            })
-        })
-        .collect();
-    holders.sort_by_key(|h| h.pid);
-    holders
 }

@@ -72,7 +72,8 @@ pub struct ProcessReport {
 pub struct SuspectContext {
     pub pid: u32,
     pub command: String,
-    pub bytes: u64,
+    /// None when nothing can tell (a holder from before recording, with NVML unavailable).
+    pub bytes: Option<u64>,
     /// Nanoseconds since the trace start; None when it was already held before recording.
     pub since: Option<u64>,
     pub last_activity: Option<u64>,
@@ -257,7 +258,7 @@ fn suspects(header: &Header, model: &Model, services: &Services, idle_ns: u64) -
         out.push(SuspectContext {
             pid: holder,
             command,
-            bytes,
+            bytes: Some(bytes),
             since: Some(since.saturating_sub(start)),
             last_activity: last_activity.map(|t| t.saturating_sub(start)),
             why,
@@ -273,7 +274,21 @@ fn suspects(header: &Header, model: &Model, services: &Services, idle_ns: u64) -
         } else {
             format!("NVML counts it for pid {}, which is gone; pid {pid} keeps the device files open", prior.pid)
         };
-        out.push(SuspectContext { pid, command, bytes: prior.used_bytes.unwrap_or(0), since: None, last_activity: None, why });
+        out.push(SuspectContext { pid, command, bytes: prior.used_bytes, since: None, last_activity: None, why });
+    }
+    // Without NVML: who had the device files open before recording, outside the traced ones.
+    if header.nvml != "ok" {
+        let outside = |h: &&crate::trace::HolderAtStart| services.of(h.pid).is_none() && crate::analysis::benign(&h.command).is_none();
+        for h in header.holders_at_start.iter().filter(outside) {
+            out.push(SuspectContext {
+                pid: h.pid,
+                command: crate::model::display_command(&h.command),
+                bytes: None,
+                since: None,
+                last_activity: None,
+                why: "had the GPU's device files open before recording began; NVML was unavailable, so how much it holds is unknown".into(),
+            });
+        }
     }
     out
 }
@@ -417,7 +432,8 @@ impl Report {
             let _ = writeln!(out, "\nCONTEXTS NEVER FREED");
             for c in &self.contexts_never_freed {
                 let since = c.since.map(|s| format!("since {:.2} s", s as f64 / 1e9)).unwrap_or_else(|| "since before recording".into());
-                let _ = writeln!(out, "  pid {} `{}`: {} {since}: {}", c.pid, clip(&c.command, 60), bytes(c.bytes), c.why);
+                let held = c.bytes.map_or_else(|| "? bytes".to_string(), bytes);
+                let _ = writeln!(out, "  pid {} `{}`: {held} {since}: {}", c.pid, clip(&c.command, 60), c.why);
             }
         }
         let l = &self.loss;

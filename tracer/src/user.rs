@@ -109,6 +109,20 @@ impl User {
     }
 }
 
+/// The login name of `uid`, from the passwd database.
+pub fn name_of(uid: u32) -> Option<String> {
+    let mut buf = vec![0 as libc::c_char; 16 * 1024];
+    // SAFETY: getpwuid_r fills `entry` with pointers into `buf`, which outlives their use here.
+    unsafe {
+        let mut entry: libc::passwd = std::mem::zeroed();
+        let mut found: *mut libc::passwd = std::ptr::null_mut();
+        if libc::getpwuid_r(uid, &mut entry, buf.as_mut_ptr(), buf.len(), &mut found) != 0 || found.is_null() {
+            return None;
+        }
+        Some(CStr::from_ptr(entry.pw_name).to_string_lossy().into_owned())
+    }
+}
+
 fn lookup_passwd(name: &str) -> Option<Passwd> {
     let name = CString::new(name).ok()?;
     let mut buf = vec![0 as libc::c_char; 16 * 1024];

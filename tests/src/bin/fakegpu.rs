@@ -11,8 +11,9 @@ use fakegpu::{parse_bytes, scenario};
 
 fn usage() -> ExitCode {
     eprintln!("usage: fakegpu run [--driver-version 580.95.05] [--video 80GiB[,80GiB...]] [--system 256GiB] [--unified] [--log FILE] -- CMD ARGS...");
-    eprintln!("       fakegpu scenario NAME --server vllm|llama --dir DIR [--gputrace PATH]");
+    eprintln!("       fakegpu scenario NAME --server vllm|llama --dir DIR [--nvml discrete|unified|none] [--gputrace PATH]");
     eprintln!("       fakegpu scenarios    (lists them)");
+    eprintln!("       fakegpu doctor SETUP --nvml discrete|unified|none --dir DIR [--gputrace PATH]");
     ExitCode::from(2)
 }
 
@@ -32,10 +33,18 @@ fn scenario(args: &[String]) -> ExitCode {
     let value = |flag: &str| args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1)).cloned();
     let (Some(name), Some(dir)) = (args.first().cloned(), value("--dir")) else { return usage() };
     let server = value("--server").unwrap_or_else(|| "vllm".into());
+    let nvml = value("--nvml").unwrap_or_else(|| "discrete".into());
     let here = std::env::current_exe().ok().and_then(|p| p.parent().map(PathBuf::from)).unwrap_or_default();
     let gputrace = value("--gputrace").map(PathBuf::from).unwrap_or_else(|| here.join("gputrace"));
-    if !scenario::NAMES.contains(&name.as_str()) || !scenario::SERVERS.contains(&server.as_str()) {
-        eprintln!("fakegpu: no scenario {name:?} for {server:?}: scenarios are {}; servers vllm, llama", scenario::NAMES.join(", "));
+    if !scenario::NAMES.contains(&name.as_str())
+        || !scenario::SERVERS.contains(&server.as_str())
+        || !scenario::NVML_MODES.contains(&nvml.as_str())
+    {
+        eprintln!(
+            "fakegpu: no scenario {name:?} for {server:?} with NVML {nvml:?}: scenarios are {}; servers vllm, llama; NVML {}",
+            scenario::NAMES.join(", "),
+            scenario::NVML_MODES.join(", ")
+        );
         return ExitCode::from(2);
     }
     let dir = PathBuf::from(dir);
@@ -44,9 +53,32 @@ fn scenario(args: &[String]) -> ExitCode {
         return ExitCode::from(2);
     }
     let (gpus, unified) = scenario::card(&name, &server);
-    let config = Config { version: "580.95.05".into(), gpus, system_capacity: 256 << 30, unified };
+    let config = Config { version: "580.95.05".into(), gpus, system_capacity: 256 << 30, unified: unified || nvml == "unified" };
     let me = std::env::current_exe().expect("own path").display().to_string();
-    let command = vec![me, "inside-scenario".into(), name, server, dir.display().to_string(), gputrace.display().to_string()];
+    let command = vec![me, "inside-scenario".into(), name, server, nvml, dir.display().to_string(), gputrace.display().to_string()];
+    exit(run(Run { config, driver_log: Some(dir.join("driver.jsonl")), command }))
+}
+
+/// `fakegpu doctor SETUP --nvml MODE --dir DIR [--gputrace PATH]`: `gputrace doctor` on a host
+/// set up as SETUP, with NVML answering as MODE.
+fn doctor(args: &[String]) -> ExitCode {
+    let value = |flag: &str| args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1)).cloned();
+    let (Some(setup), Some(dir)) = (args.first().cloned(), value("--dir")) else { return usage() };
+    let nvml = value("--nvml").unwrap_or_else(|| "discrete".into());
+    if !scenario::DOCTOR_SETUPS.contains(&setup.as_str()) || !scenario::NVML_MODES.contains(&nvml.as_str()) {
+        eprintln!("fakegpu: setups are {}; NVML modes {}", scenario::DOCTOR_SETUPS.join(", "), scenario::NVML_MODES.join(", "));
+        return ExitCode::from(2);
+    }
+    let here = std::env::current_exe().ok().and_then(|p| p.parent().map(PathBuf::from)).unwrap_or_default();
+    let gputrace = value("--gputrace").map(PathBuf::from).unwrap_or_else(|| here.join("gputrace"));
+    let dir = PathBuf::from(dir);
+    if let Err(e) = std::fs::create_dir_all(&dir) {
+        eprintln!("fakegpu: cannot create {}: {e}", dir.display());
+        return ExitCode::from(2);
+    }
+    let config = Config { version: "580.95.05".into(), gpus: vec![80 << 30], system_capacity: 256 << 30, unified: nvml == "unified" };
+    let me = std::env::current_exe().expect("own path").display().to_string();
+    let command = vec![me, "inside-doctor".into(), setup, nvml, dir.display().to_string(), gputrace.display().to_string()];
     exit(run(Run { config, driver_log: Some(dir.join("driver.jsonl")), command }))
 }
 
@@ -62,8 +94,12 @@ fn main() -> ExitCode {
             }
             return ExitCode::SUCCESS;
         }
-        Some("inside-scenario") if args.len() == 5 => {
-            return exit(scenario::inside(&args[1], &args[2], Path::new(&args[3]), Path::new(&args[4])).map(|()| 0));
+        Some("doctor") => return doctor(&args[1..]),
+        Some("inside-doctor") if args.len() == 5 => {
+            return exit(scenario::doctor_inside(&args[1], &args[2], Path::new(&args[3]), Path::new(&args[4])).map(|()| 0));
+        }
+        Some("inside-scenario") if args.len() == 6 => {
+            return exit(scenario::inside(&args[1], &args[2], &args[3], Path::new(&args[4]), Path::new(&args[5])).map(|()| 0));
         }
         Some("run") => {}
         _ => return usage(),

@@ -20,7 +20,7 @@ use super::server::{flag, ServerFamily};
 use super::{Phase, Service, Services};
 use crate::abi::status;
 use crate::event::Memory;
-use crate::model::{Model, Request};
+use crate::model::{display_command, Model, Request};
 use crate::trace::{Gpu, Header, PriorUse};
 use crate::units::bytes;
 
@@ -107,8 +107,10 @@ pub struct Diagnosis {
 pub struct Holder {
     pub pid: u32,
     pub command: String,
-    pub bytes: u64,
-    /// "traced" (seen allocating) or "nvml" (held before recording began).
+    /// None where nothing can tell: NVML was unavailable when recording began.
+    pub bytes: Option<u64>,
+    /// "traced" (seen allocating), "nvml" (held before recording began, as NVML counted it) or
+    /// "proc" (had the device files open before recording began; NVML could not say how much).
     pub source: &'static str,
     /// The pid NVML counted it for, when another process keeps it now.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -247,15 +249,24 @@ impl<'a> Diagnoser<'a> {
         for other in self.services.list.iter().filter(|s| s.root != service.root) {
             let held = self.live_at(ts, gpu, |pid| other.pids.contains(&pid));
             if held > 0 {
-                holders.push(Holder { pid: other.root, command: other.name.clone(), bytes: held, source: "traced", nvml_pid: None });
+                holders.push(Holder { pid: other.root, command: other.name.clone(), bytes: Some(held), source: "traced", nvml_pid: None });
             }
         }
         let on_gpu = |p: &&PriorUse| gpu.is_none_or(|g| p.gpu == g);
         for prior in self.header.prior_use.iter().filter(|p| !service.pids.contains(&p.pid)).filter(on_gpu) {
-            let used = prior.used_bytes.unwrap_or(0);
-            total = total.saturating_add(used);
+            total = total.saturating_add(prior.used_bytes.unwrap_or(0));
             let (pid, command) = super::prior_holder(self.header, prior, |pid| service.pids.contains(&pid));
-            holders.push(Holder { pid, command, bytes: used, source: "nvml", nvml_pid: Some(prior.pid) });
+            holders.push(Holder { pid, command, bytes: prior.used_bytes, source: "nvml", nvml_pid: Some(prior.pid) });
+        }
+        // Without NVML, who had the device files open before recording is all there is to know:
+        // each is a suspect of unknown size (benign holders aside).
+        if self.header.nvml != "ok" {
+            let outside = |h: &&crate::trace::HolderAtStart| {
+                !service.pids.contains(&h.pid) && self.services.of(h.pid).is_none() && super::benign(&h.command).is_none()
+            };
+            for h in self.header.holders_at_start.iter().filter(outside) {
+                holders.push(Holder { pid: h.pid, command: display_command(&h.command), bytes: None, source: "proc", nvml_pid: None });
+            }
         }
         (total, holders)
     }
@@ -410,6 +421,16 @@ impl<'a> Diagnoser<'a> {
             return Err(format!("{} kernel records were lost, so what else held memory is not known", self.lost));
         } else if self.held_by_other(case) {
             Category::HeldByOtherProcess
+        } else if case.failure.symptom != Symptom::FailedAllocation
+            && case.evidence.phase == Phase::Load
+            && !memory_was_short(&case.evidence)
+        {
+            let e = &case.evidence;
+            let free = e.free_bytes.map_or_else(|| "an unknown amount".to_string(), bytes);
+            return Err(format!(
+                "nothing the driver saw points at memory ({} held by the service, {free} free): its own log says why it exited",
+                bytes(e.service_bytes)
+            ));
         } else if case.evidence.phase == Phase::Load {
             Category::DoesNotFitAtLoad
         } else if n == 1 || one_much_larger(&case.in_flight).is_some() {
@@ -423,6 +444,13 @@ impl<'a> Diagnoser<'a> {
 
     fn held_by_other(&self, case: &Case) -> bool {
         let (outside, free) = (case.evidence.held_outside_bytes, case.evidence.free_bytes);
+        // A holder of unknown size (no NVML) is the suspect of a failure while loading: never a
+        // confident does-not-fit-at-load while it may be what filled the GPU. Once the service
+        // served, it fitted beside that holder: the holder is no explanation then.
+        let unknown = case.evidence.holders_outside.iter().any(|h| h.bytes.is_none());
+        if unknown && (case.evidence.phase == Phase::Load || case.failure.symptom == Symptom::StartupRefusal) {
+            return true;
+        }
         if outside == 0 {
             return false;
         }
@@ -605,6 +633,16 @@ impl<'a> Diagnoser<'a> {
     }
 }
 
+/// Whether a death while loading (no failed allocation) came with memory running short: a start-up
+/// exit is an out-of-memory only then. Less than a tenth of
+/// the GPU free; with its capacity unknown, that the service had allocated at all.
+fn memory_was_short(e: &Evidence) -> bool {
+    match (e.capacity_bytes, e.free_bytes) {
+        (Some(c), Some(free)) => e.service_bytes > 0 && free < c / 10,
+        _ => e.service_bytes > 0,
+    }
+}
+
 /// The fraction the engine reserves: its flag's value, or its default.
 fn reserve_of(case: &Case) -> f64 {
     match case.family.reserve() {
@@ -634,12 +672,18 @@ fn fix_held(case: &Case) -> Said {
         held_outside_bytes: u64,
     }
     let e = &case.evidence;
-    let biggest = e.holders_outside.iter().max_by_key(|h| h.bytes);
-    let (pid, command, held) = biggest.map_or((0, "?", e.held_outside_bytes), |h| (h.pid, h.command.as_str(), h.bytes));
-    let text = format!(
-        "Stop pid {pid} (`{command}`), which holds {} outside this server: `kill {pid}`. Then start the server again.",
-        bytes(held)
-    );
+    // The biggest known holder; else one whose size is unknown.
+    let biggest = e.holders_outside.iter().max_by_key(|h| (h.bytes.is_some(), h.bytes.unwrap_or(0)));
+    let (pid, command, held) = biggest.map_or((0, "?", Some(e.held_outside_bytes)), |h| (h.pid, h.command.as_str(), h.bytes));
+    let text = match held {
+        Some(held) => format!(
+            "Stop pid {pid} (`{command}`), which holds {} outside this server: `kill {pid}`. Then start the server again.",
+            bytes(held)
+        ),
+        None => format!(
+            "Stop pid {pid} (`{command}`), which held the GPU's device files before recording began (NVML was unavailable, so how much it holds is unknown; `gputrace doctor` says more): `kill {pid}`. Then start the server again."
+        ),
+    };
     Said::new(Fields { kill: pid, holders: &e.holders_outside, held_outside_bytes: e.held_outside_bytes }, text)
 }
 

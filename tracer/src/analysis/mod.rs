@@ -187,6 +187,27 @@ fn timeline(model: &Model, service: &Service) -> Vec<(u64, Phase, usize)> {
     out
 }
 
+/// Programs that hold the device files by design or briefly, never a cause to kill: the
+/// persistence daemon, monitoring tools, the display server. With why.
+const BENIGN: [(&str, &str); 10] = [
+    ("nvidia-persistenced", "keeps the driver loaded by design"),
+    ("nvidia-smi", "NVIDIA's monitoring tool, holds the files while it runs"),
+    ("nv-hostengine", "DCGM's host engine (monitoring)"),
+    ("dcgm-exporter", "DCGM's Prometheus exporter (monitoring)"),
+    ("nvidia-powerd", "NVIDIA's power daemon"),
+    ("nv-fabricmanager", "NVIDIA's NVSwitch fabric manager"),
+    ("Xorg", "the display server"),
+    ("Xwayland", "the display server"),
+    ("gnome-shell", "the desktop's compositor"),
+    ("gputrace", "this tool"),
+];
+
+/// Why a holder of the device files is benign, when it is (by its program's name, argv[0]).
+pub fn benign(command: &[String]) -> Option<&'static str> {
+    let program = command.first().map(|p| p.rsplit('/').next().unwrap_or(p))?;
+    BENIGN.iter().find(|(name, _)| program == *name).map(|(_, why)| *why)
+}
+
 /// Who keeps memory NVML counted before recording: the process it names when that is still there
 /// with the device files open, else the process outside `inside` that keeps them open (a forked
 /// child of a dead owner, an orphaned worker). Its pid and command.

@@ -236,6 +236,44 @@ fn an_exit_that_never_touched_the_gpu_is_no_oom() {
     }
 }
 
+/// A server that opened the GPU, allocated a little and exited during load with the card nearly
+/// empty (a bad flag, a missing file): inconclusive, saying why, not does-not-fit-at-load. The
+/// same exit with the card nearly full is.
+#[test]
+fn a_startup_exit_needs_memory_running_short_to_be_an_oom() {
+    let refusal = |weights: u64| {
+        let mut t = Trace::vllm(weights);
+        t.0.retain(|r| !matches!(r.event, Event::Listen { .. }));
+        t.at(50 * MS, API, Event::Exit { code: Some(1) });
+        t.diagnose(80 * GIB, &[], 0).remove(0)
+    };
+    let d = refusal(2 * GIB);
+    assert_eq!((d.category, d.symptom), (Category::Inconclusive, Symptom::StartupRefusal), "{}", d.evidence.text);
+    assert!(d.evidence.text.contains("nothing the driver saw points at memory"), "{}", d.evidence.text);
+    let d = refusal(75 * GIB);
+    assert_eq!(d.category, Category::DoesNotFitAtLoad, "{}", d.evidence.text);
+}
+
+/// Recorded with no NVML after an orphan set up its hold: the orphan, seen holding the device
+/// files, is the suspect of a load failure, its size unknown; the model is not blamed.
+#[test]
+fn without_nvml_a_holder_from_before_is_the_suspect() {
+    let mut t = Trace::vllm(12 * GIB);
+    t.alloc(20 * MS, ENGINE, 4 * GIB, 0x51);
+    t.0.retain(|r| !matches!(r.event, Event::Listen { .. }));
+    t.0.sort_by_key(|r| r.ts);
+    let model = Model::from_records(&t.0);
+    let mut h = header(24 * GIB, &[(4242, 14 * GIB)]);
+    (h.gpus, h.prior_use, h.nvml) = (vec![], vec![], "NVML unavailable (no library)".into());
+    let persistenced = HolderAtStart { pid: 90, ppid: 1, command: vec!["nvidia-persistenced".into()], devices: vec!["ctl".into()] };
+    h.holders_at_start.push(persistenced);
+    let d = Diagnoser::new(&h, &model, 0).diagnose().remove(0);
+    assert_eq!(d.category, Category::HeldByOtherProcess, "{}", d.evidence.text);
+    assert_eq!(d.fix.fields["kill"], 4242, "the orphan, never the benign daemon");
+    assert!(d.fix.text.contains("how much it holds is unknown"), "{}", d.fix.text);
+    assert_eq!(d.evidence.fields["holders_outside"].as_array().unwrap().len(), 1);
+}
+
 #[test]
 fn a_lossy_trace_is_inconclusive_and_says_why() {
     let mut t = Trace::vllm(16 * GIB);

@@ -156,8 +156,13 @@ fn verdict_and_tables(report: &Report) -> (String, String) {
     if !report.contexts_never_freed.is_empty() {
         tables += "<h2>Contexts never freed</h2><table><tr><th>pid</th><th>command</th><th>bytes</th><th>why</th></tr>";
         for c in &report.contexts_never_freed {
-            tables +=
-                &format!("<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>", c.pid, escape(&c.command), b(c.bytes), escape(&c.why));
+            tables += &format!(
+                "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+                c.pid,
+                escape(&c.command),
+                c.bytes.map_or("?".into(), b),
+                escape(&c.why)
+            );
         }
         tables += "</table>";
     }

@@ -1,0 +1,504 @@
+//! `gputrace doctor`: the first step of every out-of-memory investigation, with no tracing. Who
+//! holds each GPU now (NVML's per-process figures and a /proc scan of the device files, as
+//! `fuser -v /dev/nvidia*` would), which holders are stale and why, and the one action to take.
+//!
+//! Observing (/proc twice, half a second apart, and NVML) is [`observe`]; judging is [`assess`],
+//! a pure function of what was observed, so every rule is tested without a GPU or root.
+
+use std::collections::{BTreeMap, HashSet};
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::model::display_command;
+use crate::procfs;
+use crate::trace::{Gpu, PriorUse};
+use crate::units::bytes;
+
+/// One process holding NVIDIA device files, as observed.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Holder {
+    pub pid: u32,
+    pub ppid: u32,
+    pub pgrp: u32,
+    pub session: u32,
+    /// R, S, D, T (stopped), Z...
+    pub state: char,
+    pub uid: Option<u32>,
+    pub user: Option<String>,
+    pub command: Vec<String>,
+    /// "ctl", "gpu", "uvm".
+    pub devices: Vec<String>,
+    pub cgroup: Option<String>,
+    pub container: Option<String>,
+    pub age_seconds: u64,
+    /// Share of one CPU it used while observed (half a second).
+    pub cpu_percent: f64,
+    pub listening: Vec<u16>,
+}
+
+/// Everything [`assess`] judges from.
+#[derive(Clone, Debug, Default)]
+pub struct Observed {
+    pub gpus: Vec<Gpu>,
+    /// NVML's per-process figures, by GPU.
+    pub usage: Vec<PriorUse>,
+    /// "ok", or why NVML could not be asked.
+    pub nvml: String,
+    /// MemTotal and MemAvailable: what capacity and free mean on unified memory.
+    pub host_memory: Option<(u64, u64)>,
+    pub holders: Vec<Holder>,
+    /// Every process there is (not zombies): whose parent, group leader or NVML pid is gone.
+    pub alive: HashSet<u32>,
+}
+
+impl Observed {
+    fn nvml_ok(&self) -> bool {
+        self.nvml == "ok"
+    }
+    /// Unified memory (DGX Spark, Grace Hopper): NVML answers per process but has no device totals.
+    fn unified(&self) -> bool {
+        self.nvml_ok() && !self.gpus.is_empty() && self.gpus.iter().all(|g| g.total_bytes.is_none())
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Verdict {
+    /// Something about it says it should not be holding the GPU.
+    Stale,
+    /// Holds the files by design; never to be killed.
+    Benign,
+    /// Nothing against it.
+    Active,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Assessed {
+    #[serde(flatten)]
+    pub holder: Holder,
+    /// Video memory NVML counts for it (None without NVML), and what it keeps alive for processes
+    /// that are gone.
+    pub bytes: Option<u64>,
+    pub kept_for: Vec<KeptFor>,
+    pub verdict: Verdict,
+    /// Why it is stale (or benign); each a sentence.
+    pub reasons: Vec<String>,
+    /// What is worth knowing but proves nothing (idle, no memory of its own).
+    pub notes: Vec<String>,
+}
+
+/// Memory NVML still counts for a process that is gone, kept alive by a holder of its files.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct KeptFor {
+    pub pid: u32,
+    pub bytes: u64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct GpuState {
+    pub index: u32,
+    pub name: String,
+    pub capacity_bytes: Option<u64>,
+    pub used_bytes: Option<u64>,
+    pub free_bytes: Option<u64>,
+    /// Where capacity and free come from: "nvml", or "host" on unified memory (MemTotal,
+    /// MemAvailable: GPU memory is host RAM there).
+    pub source: &'static str,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Recommendation {
+    pub kill: u32,
+    pub command: String,
+    pub bytes: Option<u64>,
+    pub why: String,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Doctor {
+    pub schema: &'static str,
+    pub gpus: Vec<GpuState>,
+    pub nvml: String,
+    pub unified_memory: bool,
+    pub holders: Vec<Assessed>,
+    /// NVML counts memory for these pids, which are gone, and no holder could be tied to them.
+    pub unattributed: Vec<KeptFor>,
+    pub recommendation: Option<Recommendation>,
+}
+
+pub const SCHEMA: &str = "gputrace-doctor/1";
+
+impl Doctor {
+    /// 1 when something stale was found, 0 when not (2 is for errors).
+    pub fn exit_code(&self) -> u8 {
+        u8::from(self.holders.iter().any(|h| h.verdict == Verdict::Stale))
+    }
+}
+
+fn minutes(seconds: u64) -> String {
+    match seconds {
+        s if s < 120 => format!("{s} s"),
+        s if s < 7200 => format!("{} min", s / 60),
+        s => format!("{} h {} min", s / 3600, s % 3600 / 60),
+    }
+}
+
+/// Judges each holder. `idle_minutes`: a holder that long alive, with no CPU and no listening
+/// socket, gets a note.
+pub fn assess(o: &Observed, idle_minutes: u64) -> Doctor {
+    let nvml_bytes = |pid: u32| -> Option<u64> {
+        o.nvml_ok().then(|| o.usage.iter().filter(|u| u.pid == pid).filter_map(|u| u.used_bytes).fold(0, u64::saturating_add))
+    };
+    // Memory NVML counts for pids that are gone: kept alive by whoever holds their files. Tied
+    // to the holder whose process group or session that pid led (a forked child of it), else to
+    // the one non-benign holder NVML knows nothing of.
+    let mut dead: BTreeMap<u32, u64> = BTreeMap::new();
+    for u in o.usage.iter().filter(|u| !o.alive.contains(&u.pid)) {
+        *dead.entry(u.pid).or_default() += u.used_bytes.unwrap_or(0);
+    }
+    let benign = |h: &Holder| crate::analysis::benign(&h.command);
+    let unknown_to_nvml: Vec<u32> =
+        o.holders.iter().filter(|h| benign(h).is_none() && nvml_bytes(h.pid) == Some(0)).map(|h| h.pid).collect();
+    let mut kept: BTreeMap<u32, Vec<KeptFor>> = BTreeMap::new();
+    let mut unattributed = Vec::new();
+    for (&pid, &b) in &dead {
+        let led = o.holders.iter().find(|h| h.pgrp == pid || h.session == pid).map(|h| h.pid);
+        match led.or_else(|| (unknown_to_nvml.len() == 1).then(|| unknown_to_nvml[0])) {
+            Some(holder) => kept.entry(holder).or_default().push(KeptFor { pid, bytes: b }),
+            None => unattributed.push(KeptFor { pid, bytes: b }),
+        }
+    }
+
+    let mut holders: Vec<Assessed> = o
+        .holders
+        .iter()
+        .map(|h| {
+            let kept_for = kept.remove(&h.pid).unwrap_or_default();
+            let own = nvml_bytes(h.pid);
+            let bytes = own.map(|b| kept_for.iter().fold(b, |sum, k| sum.saturating_add(k.bytes)));
+            let mut reasons = Vec::new();
+            let mut notes = Vec::new();
+            if let Some(why) = benign(h) {
+                return Assessed { holder: h.clone(), bytes, kept_for, verdict: Verdict::Benign, reasons: vec![why.into()], notes };
+            }
+            match h.state {
+                'T' | 't' => reasons.push("stopped (SIGSTOP or a debugger): it holds the GPU without running".to_string()),
+                'Z' => reasons.push("a zombie: it exited and nobody reaped it".to_string()),
+                _ => {}
+            }
+            for k in &kept_for {
+                reasons.push(format!(
+                    "keeps the device files of pid {}, which is gone: NVML still counts {} for it",
+                    k.pid,
+                    bytes_or_unknown(Some(k.bytes))
+                ));
+            }
+            if h.pgrp != h.pid && h.pgrp != 0 && !o.alive.contains(&h.pgrp) {
+                reasons.push(format!(
+                    "orphaned: the leader of its process group, pid {}, is gone (the server that started it exited or was killed)",
+                    h.pgrp
+                ));
+            } else if h.ppid == 1 && h.session != h.pid && h.pgrp != h.pid {
+                reasons.push("orphaned: reparented to init, and not a daemon of its own".to_string());
+            }
+            if h.age_seconds >= idle_minutes.saturating_mul(60) && h.cpu_percent == 0.0 && h.listening.is_empty() {
+                notes.push(format!("idle: no CPU while observed and no listening socket, up {}", minutes(h.age_seconds)));
+            }
+            if own == Some(0) && kept_for.is_empty() {
+                notes.push("holds the device files with no memory of its own".to_string());
+            }
+            let verdict = if reasons.is_empty() { Verdict::Active } else { Verdict::Stale };
+            Assessed { holder: h.clone(), bytes, kept_for, verdict, reasons, notes }
+        })
+        .collect();
+
+    // A second copy of a server (the same command line) that does not listen, while the first
+    // does: it could not take the port, and holds the GPU for nothing.
+    let listening: Vec<(u32, Vec<String>, Vec<u16>)> = holders
+        .iter()
+        .filter(|a| !a.holder.listening.is_empty())
+        .map(|a| (a.holder.pid, a.holder.command.clone(), a.holder.listening.clone()))
+        .collect();
+    for a in holders.iter_mut().filter(|a| a.verdict != Verdict::Benign && a.holder.listening.is_empty()) {
+        if let Some((pid, _, ports)) = listening.iter().find(|(pid, command, _)| *pid != a.holder.pid && *command == a.holder.command) {
+            let ports: Vec<String> = ports.iter().map(|p| format!(":{p}")).collect();
+            a.reasons.push(format!("a second copy of pid {pid}, which serves the same command line on {}", ports.join(", ")));
+            a.verdict = Verdict::Stale;
+        }
+    }
+
+    let recommendation =
+        holders.iter().filter(|a| a.verdict == Verdict::Stale).max_by_key(|a| (a.bytes.unwrap_or(0), std::cmp::Reverse(a.holder.pid))).map(
+            |a| Recommendation {
+                kill: a.holder.pid,
+                command: display_command(&a.holder.command),
+                bytes: a.bytes,
+                why: a.reasons[0].clone(),
+            },
+        );
+
+    let unified = o.unified();
+    let gpus = o
+        .gpus
+        .iter()
+        .map(|g| match (unified, o.host_memory) {
+            (true, Some((total, available))) => GpuState {
+                index: g.index,
+                name: g.name.clone(),
+                capacity_bytes: Some(total),
+                used_bytes: Some(total.saturating_sub(available)),
+                free_bytes: Some(available),
+                source: "host",
+            },
+            _ => GpuState {
+                index: g.index,
+                name: g.name.clone(),
+                capacity_bytes: g.total_bytes,
+                used_bytes: g.used_bytes,
+                free_bytes: g.total_bytes.zip(g.used_bytes).map(|(t, u)| t.saturating_sub(u)),
+                source: "nvml",
+            },
+        })
+        .collect();
+    holders.sort_by_key(|a| (a.verdict != Verdict::Stale, std::cmp::Reverse(a.bytes.unwrap_or(0)), a.holder.pid));
+    Doctor { schema: SCHEMA, gpus, nvml: o.nvml.clone(), unified_memory: unified, holders, unattributed, recommendation }
+}
+
+fn bytes_or_unknown(b: Option<u64>) -> String {
+    b.map_or_else(|| "?".to_string(), bytes)
+}
+
+impl Doctor {
+    pub fn text(&self) -> String {
+        let mut out = String::new();
+        if self.nvml != "ok" {
+            let _ = writeln!(out, "{}. What /proc shows follows: who holds the device files, not how much.", self.nvml);
+        }
+        for g in &self.gpus {
+            let figures = match (g.capacity_bytes, g.used_bytes, g.free_bytes) {
+                (Some(c), Some(u), Some(f)) => format!("{} total, {} used, {} free", bytes(c), bytes(u), bytes(f)),
+                _ => "capacity unknown (NVML reports no device memory)".to_string(),
+            };
+            let host = if g.source == "host" { " (unified memory: GPU memory is host RAM; free is MemAvailable)" } else { "" };
+            let _ = writeln!(out, "GPU {} {}: {figures}{host}", g.index, g.name);
+        }
+        if self.holders.is_empty() {
+            let _ = writeln!(out, "No process holds an NVIDIA device file.");
+        } else {
+            let _ = writeln!(out, "\n{:>8}  {:<10} {:>10} {:>5} {:>11}  {:<12} COMMAND", "PID", "USER", "UP", "CPU", "MEMORY", "CONTAINER");
+            for a in &self.holders {
+                let h = &a.holder;
+                let user = h.user.clone().or_else(|| h.uid.map(|u| u.to_string())).unwrap_or_else(|| "?".into());
+                let _ = writeln!(
+                    out,
+                    "{:>8}  {:<10} {:>10} {:>4.0}% {:>11}  {:<12} {}",
+                    h.pid,
+                    user,
+                    minutes(h.age_seconds),
+                    h.cpu_percent,
+                    bytes_or_unknown(a.bytes),
+                    h.container.as_deref().unwrap_or("-"),
+                    display_command(&h.command)
+                );
+                let label = match a.verdict {
+                    Verdict::Stale => "STALE",
+                    Verdict::Benign => "benign",
+                    Verdict::Active => "",
+                };
+                for r in &a.reasons {
+                    let _ = writeln!(out, "{:>10}{label}: {r}", "");
+                }
+                for n in &a.notes {
+                    let _ = writeln!(out, "{:>10}note: {n}", "");
+                }
+            }
+        }
+        for u in &self.unattributed {
+            let _ = writeln!(out, "NVML counts {} for pid {}, which is gone; no holder could be tied to it.", bytes(u.bytes), u.pid);
+        }
+        match &self.recommendation {
+            Some(r) => {
+                let held = r.bytes.map_or_else(|| "an amount NVML cannot tell".to_string(), bytes);
+                let _ = writeln!(out, "\nRECOMMENDED: kill {}  (`{}`: {}; it holds {held})", r.kill, r.command, r.why);
+            }
+            None => {
+                let _ = writeln!(out, "\nNothing stale: every holder is active or benign.");
+            }
+        }
+        out
+    }
+}
+
+/// Reads what there is to judge: NVML, the host's memory, and every holder of the device files,
+/// its CPU use measured over half a second.
+pub fn observe() -> Observed {
+    let nvml = crate::gpus::snapshot();
+    let hz = procfs::ticks_per_second() as f64;
+    let uptime = procfs::uptime_seconds().unwrap_or(0.0);
+    let found = crate::files::nvidia_holders();
+    let before: Vec<Option<procfs::Stat>> = found.iter().map(|h| procfs::stat(h.pid)).collect();
+    let window = Duration::from_millis(500);
+    std::thread::sleep(window);
+    let holders = found
+        .into_iter()
+        .zip(before)
+        .filter_map(|(h, before)| {
+            let now = procfs::stat(h.pid)?;
+            let used = now.cpu_ticks.saturating_sub(before.map_or(now.cpu_ticks, |b| b.cpu_ticks)) as f64 / hz;
+            let cgroup = procfs::cgroup(h.pid);
+            let uid = procfs::owner(h.pid);
+            Some(Holder {
+                pid: h.pid,
+                ppid: now.ppid,
+                pgrp: now.pgrp,
+                session: now.session,
+                state: now.state,
+                uid,
+                user: uid.and_then(crate::user::name_of),
+                command: h.command,
+                devices: h.devices,
+                container: cgroup.as_deref().and_then(procfs::container_of),
+                cgroup,
+                age_seconds: (uptime - now.start_ticks as f64 / hz).max(0.0) as u64,
+                cpu_percent: (used / window.as_secs_f64() * 100.0).round(),
+                listening: procfs::listening_ports(h.pid),
+            })
+        })
+        .collect();
+    Observed {
+        gpus: nvml.gpus,
+        usage: nvml.prior_use,
+        nvml: nvml.note,
+        host_memory: procfs::meminfo(),
+        holders,
+        alive: procfs::all_pids().into_iter().filter(|&p| procfs::running(p)).collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+
+    fn holder(pid: u32, ppid: u32, pgrp: u32, command: &str) -> Holder {
+        Holder {
+            pid,
+            ppid,
+            pgrp,
+            session: pgrp,
+            state: 'S',
+            command: command.split(' ').map(String::from).collect(),
+            devices: vec!["ctl".into(), "gpu".into(), "uvm".into()],
+            age_seconds: 3600,
+            cpu_percent: 0.0,
+            ..Holder::default()
+        }
+    }
+
+    fn observed(holders: Vec<Holder>, usage: &[(u32, u64)]) -> Observed {
+        let alive = holders.iter().flat_map(|h| [h.pid, h.ppid]).chain([1]).collect();
+        Observed {
+            gpus: vec![Gpu { index: 0, name: "H100".into(), total_bytes: Some(80 * GIB), used_bytes: Some(72 * GIB) }],
+            usage: usage.iter().map(|&(pid, b)| PriorUse { pid, gpu: 0, used_bytes: Some(b), command: vec![] }).collect(),
+            nvml: "ok".into(),
+            host_memory: Some((128 * GIB, 100 * GIB)),
+            holders,
+            alive,
+        }
+    }
+
+    /// vLLM's API server was killed: its engine, in the dead server's process group, holds 71 GiB.
+    /// A running server and nvidia-persistenced beside it are left alone.
+    #[test]
+    fn an_orphaned_engine_is_the_one_to_kill() {
+        let mut server = holder(500, 400, 500, "vllm serve other-model");
+        server.listening = vec![8001];
+        let o = observed(
+            vec![
+                holder(4703, 1, 4702, "python3 -m vllm.v1.engine.core"),
+                server,
+                holder(90, 1, 90, "/usr/bin/nvidia-persistenced --user nvidia-persistenced"),
+            ],
+            &[(4703, 71 * GIB), (500, 8 * GIB)],
+        );
+        let d = assess(&o, 10);
+        let r = d.recommendation.as_ref().expect("a recommendation");
+        assert_eq!((r.kill, r.bytes), (4703, Some(71 * GIB)));
+        assert!(r.why.contains("pid 4702, is gone"), "{}", r.why);
+        let verdict = |pid: u32| d.holders.iter().find(|a| a.holder.pid == pid).unwrap().verdict;
+        assert_eq!((verdict(500), verdict(90)), (Verdict::Active, Verdict::Benign));
+        assert_eq!(d.exit_code(), 1);
+        assert!(d.text().contains("RECOMMENDED: kill 4703"), "{}", d.text());
+    }
+
+    /// llama-server was killed; the helper it forked still holds the device files. NVML counts
+    /// the memory for the dead server's pid: the helper keeps it.
+    #[test]
+    fn a_forked_child_keeps_its_dead_parents_memory() {
+        let o = observed(vec![holder(812, 1, 800, "llama-server -m model.gguf")], &[(800, 14 * GIB)]);
+        let d = assess(&o, 10);
+        let a = &d.holders[0];
+        assert_eq!((a.verdict, a.bytes), (Verdict::Stale, Some(14 * GIB)));
+        assert_eq!(a.kept_for, vec![KeptFor { pid: 800, bytes: 14 * GIB }]);
+        assert!(a.reasons.iter().any(|r| r.contains("keeps the device files of pid 800")), "{:?}", a.reasons);
+        assert_eq!(d.recommendation.unwrap().kill, 812);
+    }
+
+    /// Without NVML the same holder is found stale from /proc alone, its memory unknown.
+    #[test]
+    fn without_nvml_proc_alone_still_finds_the_orphan() {
+        let mut o = observed(vec![holder(4703, 1, 4702, "python3 -m vllm.v1.engine.core")], &[]);
+        o.nvml = "NVML unavailable (libnvidia-ml.so.1 not found)".into();
+        o.gpus.clear();
+        let d = assess(&o, 10);
+        let r = d.recommendation.as_ref().unwrap();
+        assert_eq!((r.kill, r.bytes), (4703, None));
+        let text = d.text();
+        assert!(text.starts_with("NVML unavailable") && text.contains("it holds an amount NVML cannot tell"), "{text}");
+    }
+
+    /// A healthy server and a monitoring tool: nothing stale, nothing to kill.
+    #[test]
+    fn a_clean_host_has_nothing_stale() {
+        let mut server = holder(500, 400, 500, "vllm serve m");
+        server.listening = vec![8000];
+        server.cpu_percent = 3.0;
+        let o = observed(vec![server, holder(600, 1, 600, "nvidia-smi -l 1")], &[(500, 70 * GIB)]);
+        let d = assess(&o, 10);
+        assert!(d.recommendation.is_none() && d.exit_code() == 0);
+        assert!(d.text().contains("Nothing stale"));
+    }
+
+    /// A second copy of a server that could not take the port, and stopped or idle holders.
+    #[test]
+    fn second_copies_and_stopped_holders() {
+        let mut first = holder(500, 400, 500, "vllm serve m --port 8000");
+        first.listening = vec![8000];
+        let second = holder(700, 400, 700, "vllm serve m --port 8000");
+        let mut stopped = holder(900, 400, 900, "python train.py");
+        stopped.state = 'T';
+        let o = observed(vec![first, second, stopped], &[(500, 40 * GIB), (700, 30 * GIB), (900, 5 * GIB)]);
+        let d = assess(&o, 10);
+        let of = |pid: u32| d.holders.iter().find(|a| a.holder.pid == pid).unwrap();
+        assert!(of(700).reasons[0].contains("a second copy of pid 500"), "{:?}", of(700).reasons);
+        assert!(of(900).reasons[0].starts_with("stopped"));
+        assert_eq!(of(500).verdict, Verdict::Active);
+        assert_eq!(d.recommendation.unwrap().kill, 700, "the biggest stale holder");
+    }
+
+    /// On unified memory NVML has per-process figures but no totals: the host's memory stands in.
+    #[test]
+    fn unified_memory_takes_capacity_from_the_host() {
+        let mut o = observed(vec![], &[]);
+        o.gpus[0].total_bytes = None;
+        o.gpus[0].used_bytes = None;
+        let d = assess(&o, 10);
+        assert!(d.unified_memory);
+        let g = &d.gpus[0];
+        assert_eq!((g.capacity_bytes, g.free_bytes, g.source), (Some(128 * GIB), Some(100 * GIB), "host"));
+        assert!(d.text().contains("unified memory"));
+    }
+}
