@@ -63,6 +63,13 @@ fn the_html_report_of_a_failure_renders_with_its_verdict_and_marker() {
     assert!(dom.contains("long-request") && dom.contains("--max-model-len"), "the verdict and its fix");
     assert!(dom.contains("<path") && dom.contains("class=\"failure\""), "a chart with the failure marker");
     assert!(dom.contains("capacity 80.0 GiB"));
+    // Under the chart, the service's phases as bands and its requests in flight; the marker
+    // says the verdict.
+    assert!(dom.contains("class=\"band\"") && dom.contains("class=\"in-flight\""), "phase bands and the in-flight lane");
+    for phase in ["load", "prefill", "decode", "idle"] {
+        assert!(dom.contains(&format!("<title>{phase}</title>")), "a band of {phase}");
+    }
+    assert!(dom.contains("): long-request</text>"), "the failure marker with its verdict");
 
     let shot = dir.join("report.png");
     let logged =
@@ -93,5 +100,19 @@ fn the_html_report_of_a_tensor_parallel_failure_opens_on_the_failing_gpu() {
     assert!(dom.contains("GPU 3 capacity 48.0 GiB"), "the failing GPU's own capacity line");
     assert!(dom.contains("class=\"failure\""), "its failure marker");
     assert!(dom.contains("<h2>GPUs</h2>"));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// On unified memory (the host-oom scenario) the host's available memory is drawn over the chart:
+/// it is the GPU's too; the OOM kill's marker says host-oom.
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn the_html_report_on_unified_memory_shows_the_hosts_available_memory() {
+    let _root = as_root();
+    let Some((dir, page)) = page_of("host-oom") else { return };
+    let dom = chromium(&dir, &["--dump-dom", "--window-size=1200,900"], &page);
+    let dom = String::from_utf8_lossy(&dom.stdout);
+    assert!(dom.contains("class=\"host\"") && dom.contains("host memory available"), "the host's available memory");
+    assert!(dom.contains(": host-oom</text>"), "the OOM kill's marker with its verdict");
     std::fs::remove_dir_all(&dir).ok();
 }

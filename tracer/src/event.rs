@@ -248,6 +248,51 @@ pub enum Event {
     Mark {
         phase: String,
     },
+    /// What NVML and the host said at this moment (sampled a few times a second, off the event
+    /// path): the driver's own accounting, beside the traced allocations. Pid 0.
+    Sample(Sample),
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Sample {
+    /// Each GPU's used device memory, where NVML reports it (not on unified memory).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpus: Vec<GpuUse>,
+    /// Each process's memory on each GPU, as NVML counts it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub processes: Vec<ProcessUse>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<HostMemory>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GpuUse {
+    pub gpu: u32,
+    pub used_bytes: u64,
+}
+
+/// A process's memory on a GPU, as NVML counts it (its context's own memory included).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ProcessUse {
+    pub pid: u32,
+    pub gpu: u32,
+    pub used_bytes: Option<u64>,
+    /// Its command line, the first time it is met (empty if it could not be read).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub command: Vec<String>,
+}
+
+/// The host's memory (/proc/meminfo, /proc/pressure/memory): on unified memory (DGX Spark) it is
+/// the GPU's memory too.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct HostMemory {
+    pub total_bytes: u64,
+    /// MemAvailable: what can be had without swapping.
+    pub available_bytes: u64,
+    pub swap_free_bytes: u64,
+    /// PSI: the share of the last 10 s some task waited for memory, where the kernel has PSI.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pressure_some_avg10: Option<f64>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -1,10 +1,14 @@
-//! What NVML says when tracing starts: each GPU's capacity, and the memory each process already
-//! held, which no ioctl traced from now on can show.
+//! What NVML says: when tracing starts, each GPU's capacity and the memory each process already
+//! held, which no ioctl traced from now on can show; while recording, samples of the same beside
+//! the host's memory ([`Sampler`]).
+
+use std::collections::HashSet;
 
 use nvml_wrapper::enums::device::UsedGpuMemory;
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::Nvml;
 
+use crate::event::{GpuUse, HostMemory, Sample};
 use crate::files::{ProcResolver, Resolver};
 use crate::trace::{Gpu, PriorUse};
 
@@ -50,4 +54,57 @@ fn ask() -> Result<(Vec<Gpu>, Vec<PriorUse>), NvmlError> {
         }
     }
     Ok((gpus, prior_use))
+}
+
+/// Samples NVML and the host's memory: each GPU's used memory, each process's, MemAvailable and
+/// memory pressure. Owned by one thread, off the event path; each call costs a few NVML calls
+/// and two small /proc reads.
+pub struct Sampler {
+    nvml: Option<Nvml>,
+    /// Pids whose command line was already given.
+    named: HashSet<u32>,
+}
+
+impl Sampler {
+    pub fn new() -> Sampler {
+        Sampler { nvml: Nvml::init().ok(), named: HashSet::new() }
+    }
+
+    pub fn sample(&mut self) -> Sample {
+        let mut sample = Sample { host: host_memory(), ..Sample::default() };
+        let Some(nvml) = &self.nvml else { return sample };
+        for index in 0..nvml.device_count().unwrap_or(0) {
+            let Ok(device) = nvml.device_by_index(index) else { continue };
+            if let Ok(memory) = device.memory_info() {
+                sample.gpus.push(GpuUse { gpu: index, used_bytes: memory.used });
+            }
+            for process in device.running_compute_processes().unwrap_or_default() {
+                let used_bytes = match process.used_gpu_memory {
+                    UsedGpuMemory::Used(bytes) => Some(bytes),
+                    UsedGpuMemory::Unavailable => None,
+                };
+                let command =
+                    if self.named.insert(process.pid) { ProcResolver.command(process.pid).unwrap_or_default() } else { Vec::new() };
+                sample.processes.push(PriorUse { pid: process.pid, gpu: index, used_bytes, command });
+            }
+        }
+        sample
+    }
+}
+
+impl Default for Sampler {
+    fn default() -> Self {
+        Sampler::new()
+    }
+}
+
+/// MemTotal, MemAvailable, SwapFree, and PSI's memory "some avg10" where the kernel has PSI.
+fn host_memory() -> Option<HostMemory> {
+    let (total_bytes, available_bytes) = crate::procfs::meminfo()?;
+    Some(HostMemory {
+        total_bytes,
+        available_bytes,
+        swap_free_bytes: crate::procfs::meminfo_field("SwapFree:").unwrap_or(0),
+        pressure_some_avg10: crate::procfs::memory_pressure(),
+    })
 }

@@ -56,6 +56,9 @@ enum Command {
         /// Leave argument values and query strings out of the trace (program and flag names stay)
         #[arg(long)]
         redact: bool,
+        /// Each GPU's capacity where NVML cannot tell it (no NVML, unified memory): 80GiB, 128GiB...
+        #[arg(long, value_name = "BYTES", value_parser = gputrace::units::parse_bytes)]
+        capacity: Option<u64>,
         /// The command to run and trace, after `--`
         #[arg(last = true, value_name = "CMD")]
         command: Vec<String>,
@@ -82,6 +85,9 @@ enum Command {
         /// A context with no allocation or request for this long is a suspect holder
         #[arg(long, value_name = "MINUTES", default_value_t = 10)]
         idle_minutes: u64,
+        /// Each GPU's capacity where NVML cannot tell it (no NVML, unified memory): 80GiB, 128GiB...
+        #[arg(long, value_name = "BYTES", value_parser = gputrace::units::parse_bytes)]
+        capacity: Option<u64>,
     },
     /// Which "CUDA out of memory" a recorded trace shows, the evidence and the fix; per process
     /// and per phase what was allocated; the contexts nobody freed.
@@ -96,6 +102,9 @@ enum Command {
         /// Leave argument values and query strings out (program and flag names stay)
         #[arg(long)]
         redact: bool,
+        /// Each GPU's capacity where NVML cannot tell it (no NVML, unified memory): 80GiB, 128GiB...
+        #[arg(long, value_name = "BYTES", value_parser = gputrace::units::parse_bytes)]
+        capacity: Option<u64>,
     },
 }
 
@@ -106,7 +115,14 @@ enum Format {
     Csv,
 }
 
-fn export(path: PathBuf, format: Format, output: Option<PathBuf>, redact: bool, idle_minutes: u64) -> anyhow::Result<()> {
+fn export(
+    path: PathBuf,
+    format: Format,
+    output: Option<PathBuf>,
+    redact: bool,
+    idle_minutes: u64,
+    capacity: Option<u64>,
+) -> anyhow::Result<()> {
     // The output is opened first, as the invoking user: a refused name costs no reading.
     let mut out: Box<dyn std::io::Write> = match &output {
         Some(file) => {
@@ -114,7 +130,10 @@ fn export(path: PathBuf, format: Format, output: Option<PathBuf>, redact: bool, 
         }
         None => Box::new(std::io::stdout().lock()),
     };
-    let (header, model, events, loss) = report::load(&path, redact)?;
+    let (mut header, model, events, loss) = report::load(&path, redact)?;
+    if let Some(bytes) = capacity {
+        header.assume_capacity(bytes);
+    }
     let mut out = std::io::BufWriter::with_capacity(1 << 16, &mut out);
     match format {
         Format::Perfetto => {
@@ -133,8 +152,11 @@ fn export(path: PathBuf, format: Format, output: Option<PathBuf>, redact: bool, 
     Ok(())
 }
 
-fn print_report(path: PathBuf, json: bool, idle_minutes: u64, redact: bool) -> anyhow::Result<()> {
-    let (header, model, events, loss) = report::load(&path, redact)?;
+fn print_report(path: PathBuf, json: bool, idle_minutes: u64, redact: bool, capacity: Option<u64>) -> anyhow::Result<()> {
+    let (mut header, model, events, loss) = report::load(&path, redact)?;
+    if let Some(bytes) = capacity {
+        header.assume_capacity(bytes);
+    }
     let summary =
         report::Report::new(&header, &model, path.display().to_string(), events, loss, idle_minutes.saturating_mul(60_000_000_000));
     if json {
@@ -158,7 +180,7 @@ fn main() -> ExitCode {
             }
             .map(|()| ExitCode::from(findings.exit_code()))
         }
-        Command::Record { output, pids, all, driver_version, raw, json, idle_minutes, redact, command } => {
+        Command::Record { output, pids, all, driver_version, raw, json, idle_minutes, redact, capacity, command } => {
             let opts = gputrace::record::Options {
                 output,
                 pids,
@@ -170,6 +192,7 @@ fn main() -> ExitCode {
                 command,
                 invocation: std::env::args().collect(),
                 redact,
+                capacity,
             };
             gputrace::record::run(opts).map(|outcome| ExitCode::from(outcome.exit_code.clamp(0, 255) as u8))
         }
@@ -181,11 +204,11 @@ fn main() -> ExitCode {
                 ExitCode::SUCCESS
             })
         }
-        Command::Export { trace, format, output, redact, idle_minutes } => {
-            export(trace, format, output, redact, idle_minutes).map(|()| ExitCode::SUCCESS)
+        Command::Export { trace, format, output, redact, idle_minutes, capacity } => {
+            export(trace, format, output, redact, idle_minutes, capacity).map(|()| ExitCode::SUCCESS)
         }
-        Command::Report { trace, json, idle_minutes, redact } => {
-            print_report(trace, json, idle_minutes, redact).map(|()| ExitCode::SUCCESS)
+        Command::Report { trace, json, idle_minutes, redact, capacity } => {
+            print_report(trace, json, idle_minutes, redact, capacity).map(|()| ExitCode::SUCCESS)
         }
     };
     match result {

@@ -192,6 +192,8 @@ pub struct Model {
     pub requests: Vec<Request>,
     /// Explicit phase marks: (ts, pid, phase).
     pub marks: Vec<(u64, u32, String)>,
+    /// What NVML and the host said while recording, in time order.
+    pub samples: Vec<(u64, crate::event::Sample)>,
     pub undecodable: u64,
     pub lost_records: u64,
     pub first_ts: Option<u64>,
@@ -352,6 +354,20 @@ impl Model {
                 self.process(pid, ts).oom_killed.get_or_insert(ts);
             }
             Event::Mark { phase } => self.marks.push((ts, pid, phase.clone())),
+            Event::Sample(sample) => self.samples.push((ts, sample.clone())),
+        }
+    }
+
+    /// A process's command line as the samples first gave it.
+    pub fn sampled_command(&self, pid: u32) -> Option<Vec<String>> {
+        self.samples.iter().flat_map(|(_, s)| &s.processes).find(|p| p.pid == pid && !p.command.is_empty()).map(|p| p.command.clone())
+    }
+
+    /// The last sample taken at or before `ts`.
+    pub fn sample_at(&self, ts: u64) -> Option<&crate::event::Sample> {
+        match self.samples.partition_point(|(t, _)| *t <= ts) {
+            0 => None,
+            i => Some(&self.samples[i - 1].1),
         }
     }
 }

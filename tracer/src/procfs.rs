@@ -110,9 +110,21 @@ fn parse_listening(text: &str, inodes: &[u64]) -> Vec<u16> {
 
 /// The host's memory: MemTotal and MemAvailable, in bytes (what "free" means on unified memory).
 pub fn meminfo() -> Option<(u64, u64)> {
+    Some((meminfo_field("MemTotal:")?, meminfo_field("MemAvailable:")?))
+}
+
+/// One field of /proc/meminfo ("SwapFree:"), in bytes.
+pub fn meminfo_field(name: &str) -> Option<u64> {
     let text = read_bounded("/proc/meminfo", 64 * 1024)?;
-    let kib = |name: &str| text.lines().find_map(|l| l.strip_prefix(name)?.split_whitespace().next()?.parse::<u64>().ok());
-    Some((kib("MemTotal:")?.saturating_mul(1024), kib("MemAvailable:")?.saturating_mul(1024)))
+    let kib: u64 = text.lines().find_map(|l| l.strip_prefix(name)?.split_whitespace().next()?.parse().ok())?;
+    Some(kib.saturating_mul(1024))
+}
+
+/// PSI's memory pressure, "some avg10": the share of the last 10 s in which some task waited for
+/// memory. None where the kernel has no PSI.
+pub fn memory_pressure() -> Option<f64> {
+    let text = read_bounded("/proc/pressure/memory", 1024)?;
+    text.lines().find(|l| l.starts_with("some "))?.split_whitespace().find_map(|f| f.strip_prefix("avg10=")?.parse().ok())
 }
 
 pub fn stat(pid: u32) -> Option<Stat> {

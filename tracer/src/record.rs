@@ -14,8 +14,9 @@ use tokio::io::Interest;
 use crate::abi::{DriverVersion, Layout, NEWEST_KNOWN, OLDEST_KNOWN};
 use crate::analysis::Phase;
 use crate::decode::parse_record;
-use crate::event::{Event, Record};
+use crate::event::{Event, Record, Sample};
 use crate::files::{KernelUpdate, ProcResolver};
+use crate::gpus::Sampler;
 use crate::mark::{MarkRequest, MarkServer, MAX_CONNECTIONS};
 use crate::model::Model;
 use crate::pipeline::Pipeline;
@@ -41,7 +42,12 @@ pub struct Options {
     pub invocation: Vec<String>,
     /// Hide argument values and query strings (see [`crate::redact`]).
     pub redact: bool,
+    /// Each GPU's capacity where NVML cannot tell it (no NVML, unified memory).
+    pub capacity: Option<u64>,
 }
+
+/// How often NVML and the host's memory are sampled into the trace.
+const SAMPLE_EVERY: Duration = Duration::from_millis(500);
 
 /// The launched command's exit status, as a shell would report it.
 pub struct Outcome {
@@ -67,6 +73,9 @@ pub fn run(opts: Options) -> Result<Outcome> {
     let layout = layout_for(version);
 
     let mut header = header(&opts, version, source);
+    if let Some(bytes) = opts.capacity {
+        header.assume_capacity(bytes);
+    }
     if opts.redact {
         crate::redact::header(&mut header);
     }
@@ -272,6 +281,17 @@ impl Session {
         let marks = MarkServer::open(std::process::id(), invoking_uid);
         let (mark_tx, mut mark_rx) = tokio::sync::mpsc::channel::<MarkRequest>(MAX_CONNECTIONS);
         let mut tick = tokio::time::interval(Duration::from_millis(100));
+        // NVML and /proc/meminfo on a thread of their own: a slow NVML call never holds up events.
+        let (sample_tx, mut sample_rx) = tokio::sync::mpsc::channel::<Sample>(4);
+        std::thread::Builder::new()
+            .name("gputrace-sampler".into())
+            .spawn(move || {
+                let mut sampler = Sampler::new();
+                while sample_tx.blocking_send(sampler.sample()).is_ok() {
+                    std::thread::sleep(SAMPLE_EVERY);
+                }
+            })
+            .context("starting the sampler thread")?;
         let status_line = std::io::stderr().is_terminal() && !opts.json;
         let mut last_status = Instant::now();
         // Attached with --pid and nothing launched: done when every attached process is gone.
@@ -313,6 +333,7 @@ impl Session {
                 Some(request) = mark_rx.recv() => {
                     let _ = request.reply.send(self.mark(request.phase, request.pid));
                 }
+                Some(sample) = sample_rx.recv() => self.emit_now(0, Event::Sample(sample)),
                 stop = stops.next() => {
                     let stop = stop?;
                     // A command is waited for: the signal is passed on (unless it already got it)

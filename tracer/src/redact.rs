@@ -54,6 +54,11 @@ pub fn record(r: &mut Record) {
     match &mut r.event {
         Event::Process { command: c, .. } | Event::Exec { command: c } => *c = command(c),
         Event::Received { request: Some(line), .. } => *line = request_line(line),
+        Event::Sample(sample) => {
+            for p in &mut sample.processes {
+                p.command = command(&p.command);
+            }
+        }
         _ => {}
     }
 }

@@ -80,6 +80,60 @@ pub struct SuspectContext {
     pub why: String,
 }
 
+/// Where NVML's count for a traced process and the traced allocations disagree, and why.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Disagreement {
+    pub pid: u32,
+    pub command: String,
+    /// When NVML was asked (ns since the trace start).
+    pub ts: u64,
+    pub nvml_bytes: u64,
+    /// Video memory the trace shows live for it at that moment.
+    pub traced_bytes: u64,
+    pub why: String,
+}
+
+/// NVML's last per-process figures against the traced memory of each traced process, where they
+/// differ by 256 MiB and 10% or more.
+fn disagreements(header: &Header, model: &Model) -> Vec<Disagreement> {
+    let Some((ts, sample)) = model.samples.iter().rev().find(|(_, s)| !s.processes.is_empty()).filter(|_| header.nvml == "ok") else {
+        return Vec::new();
+    };
+    let start = model.time_zero(header.monotonic_start_ns);
+    let mut out = Vec::new();
+    for p in model.processes.values() {
+        let nvml = sample.processes.iter().filter(|u| u.pid == p.pid).filter_map(|u| u.used_bytes).fold(0, u64::saturating_add);
+        let traced = model
+            .allocations
+            .iter()
+            .filter(|a| a.pid == p.pid && a.memory == Memory::Video && a.ts <= *ts && a.freed.is_none_or(|(f, _)| f > *ts))
+            .map(|a| a.bytes)
+            .fold(0, u64::saturating_add);
+        let gap = nvml.abs_diff(traced);
+        if gap < 256 << 20 || gap < nvml.max(traced) / 10 {
+            continue;
+        }
+        let before = header.prior_use.iter().any(|u| u.pid == p.pid && u.used_bytes.unwrap_or(0) > 0);
+        let why = if nvml > traced && (before || p.seen == crate::event::Seen::Running) {
+            "it allocated memory before recording began, which no traced ioctl shows".to_string()
+        } else if nvml > traced {
+            "NVML counts memory no traced ioctl shows: the CUDA context's own (a few hundred MiB), managed memory (cudaMallocManaged), or memory the driver allocates itself".to_string()
+        } else {
+            "the trace counts memory NVML does not count for it: memory shared with or handed to another process, or not yet backed"
+                .to_string()
+        };
+        out.push(Disagreement {
+            pid: p.pid,
+            command: p.command_line(),
+            ts: ts.saturating_sub(start),
+            nvml_bytes: nvml,
+            traced_bytes: traced,
+            why,
+        });
+    }
+    out
+}
+
 /// What the trace may be missing, always reported.
 #[derive(Clone, Debug, Default, Serialize, PartialEq)]
 pub struct Loss {
@@ -126,6 +180,8 @@ pub struct Report {
     pub gpus: Vec<GpuReport>,
     pub processes: Vec<ProcessReport>,
     pub contexts_never_freed: Vec<SuspectContext>,
+    /// Where NVML and the trace disagree about a traced process (needs NVML samples).
+    pub nvml_vs_traced: Vec<Disagreement>,
     pub loss: Loss,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fd_filter: Option<FdFilter>,
@@ -343,6 +399,7 @@ impl Report {
             contexts_never_freed: suspects(header, model, services, idle_ns),
             diagnoses,
             gpus: gpu_reports(header, model),
+            nvml_vs_traced: disagreements(header, model),
             processes,
             loss,
             fd_filter: None,
@@ -434,6 +491,21 @@ impl Report {
                 let since = c.since.map(|s| format!("since {:.2} s", s as f64 / 1e9)).unwrap_or_else(|| "since before recording".into());
                 let held = c.bytes.map_or_else(|| "? bytes".to_string(), bytes);
                 let _ = writeln!(out, "  pid {} `{}`: {held} {since}: {}", c.pid, clip(&c.command, 60), c.why);
+            }
+        }
+        if !self.nvml_vs_traced.is_empty() {
+            let _ = writeln!(out, "\nNVML AND THE TRACE DISAGREE");
+            for d in &self.nvml_vs_traced {
+                let _ = writeln!(
+                    out,
+                    "  pid {} `{}`: NVML {}, traced {} at {:.2} s: {}",
+                    d.pid,
+                    clip(&d.command, 40),
+                    bytes(d.nvml_bytes),
+                    bytes(d.traced_bytes),
+                    d.ts as f64 / 1e9,
+                    d.why
+                );
             }
         }
         let l = &self.loss;

@@ -26,14 +26,19 @@ pub struct Gpu {
 
 /// Memory a process held on a GPU when tracing began, as NVML reported it: what existed before
 /// the first traced allocation.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct PriorUse {
-    pub pid: u32,
-    pub gpu: u32,
-    pub used_bytes: Option<u64>,
-    /// Its command line when tracing began (empty if it could not be read).
-    #[serde(default)]
-    pub command: Vec<String>,
+pub type PriorUse = crate::event::ProcessUse;
+
+impl Header {
+    /// `--capacity`: each GPU whose capacity NVML could not tell gets `bytes`; with no GPU known at
+    /// all (no NVML), GPU 0 is assumed, of that size.
+    pub fn assume_capacity(&mut self, bytes: u64) {
+        if self.gpus.is_empty() {
+            self.gpus.push(Gpu { index: 0, name: "(capacity given with --capacity)".into(), total_bytes: None, used_bytes: None });
+        }
+        for g in self.gpus.iter_mut().filter(|g| g.total_bytes.is_none()) {
+            g.total_bytes = Some(bytes);
+        }
+    }
 }
 
 /// A process that had NVIDIA device files open when tracing began: who holds GPU memory alive,

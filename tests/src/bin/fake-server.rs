@@ -535,8 +535,20 @@ fn llama(args: &Args, truth: Arc<Truth>) -> ExitCode {
     let _ = alloc(&mut g, &truth, Path::VirtualReserve, 32 * GIB, "load", 0);
     drop(host);
     if args.helper {
-        // SAFETY: fork; the child only sleeps, keeping the inherited device files open.
+        // The child keeps the device files and nothing else: a connection open at the fork would
+        // otherwise stay open in it, and its client wait forever for the end of the response.
+        let mut keep = [-1; 16];
+        for (slot, fd) in keep.iter_mut().zip(std::iter::once(&g).chain(&contexts).flat_map(|c| [&c.ctl, &c.gpu_file, &c.uvm])) {
+            *slot = std::os::fd::AsRawFd::as_raw_fd(fd);
+        }
+        // SAFETY: fork; the child only closes fds and sleeps (no allocation after the fork).
         if unsafe { libc::fork() } == 0 {
+            for fd in 3..4096 {
+                if !keep.contains(&fd) {
+                    // SAFETY: closing an fd of our own; unused ones fail harmlessly.
+                    unsafe { libc::close(fd) };
+                }
+            }
             loop {
                 std::thread::sleep(Duration::from_secs(3600));
             }

@@ -126,6 +126,8 @@ pub struct Evidence {
     pub gpu_name: Option<String>,
     /// The GPUs the service allocated on: several for a tensor-parallel server.
     pub service_gpus: Vec<u32>,
+    /// Unified memory: capacity and free are the host's RAM (MemTotal, MemAvailable).
+    pub host_memory: bool,
     pub capacity_bytes: Option<u64>,
     pub service_bytes: u64,
     pub held_outside_bytes: u64,
@@ -193,6 +195,11 @@ impl<'a> Diagnoser<'a> {
         self.card(gpu).and_then(|c| c.total_bytes)
     }
 
+    /// Unified memory (DGX Spark, Grace Hopper): NVML answered, but with no device memory size.
+    fn unified(&self, gpu: Option<u32>) -> bool {
+        self.header.nvml == "ok" && self.card(gpu).is_some_and(|c| c.total_bytes.is_none())
+    }
+
     /// Whether memory on `memory_gpu` counts for `gpu`. Memory whose device was created before
     /// tracing has no GPU: it counts wherever there is only one GPU to be on.
     fn counts_on(&self, memory_gpu: Option<u32>, gpu: Option<u32>) -> bool {
@@ -252,8 +259,25 @@ impl<'a> Diagnoser<'a> {
                 holders.push(Holder { pid: other.root, command: other.name.clone(), bytes: Some(held), source: "traced", nvml_pid: None });
             }
         }
+        // What NVML last said of processes not traced (sampled while recording), or failing
+        // that what it said when recording began.
+        // A traced process's NVML figure would count its traced memory twice: for those, only what
+        // they held before recording began.
+        let sampled = self.model.sample_at(ts).filter(|s| self.header.nvml == "ok" && !s.processes.is_empty());
         let on_gpu = |p: &&PriorUse| gpu.is_none_or(|g| p.gpu == g);
-        for prior in self.header.prior_use.iter().filter(|p| !service.pids.contains(&p.pid)).filter(on_gpu) {
+        let before = self.header.prior_use.iter().filter(on_gpu).filter(|p| !service.pids.contains(&p.pid));
+        let nvml: Vec<PriorUse> = match sampled {
+            Some(s) => s
+                .processes
+                .iter()
+                .filter(on_gpu)
+                .filter(|p| self.services.of(p.pid).is_none())
+                .map(|p| PriorUse { command: self.model.sampled_command(p.pid).unwrap_or_default(), ..p.clone() })
+                .chain(before.filter(|p| self.services.of(p.pid).is_some()).cloned())
+                .collect(),
+            None => before.cloned().collect(),
+        };
+        for prior in &nvml {
             total = total.saturating_add(prior.used_bytes.unwrap_or(0));
             let (pid, command) = super::prior_holder(self.header, prior, |pid| service.pids.contains(&pid));
             holders.push(Holder { pid, command, bytes: prior.used_bytes, source: "nvml", nvml_pid: Some(prior.pid) });
@@ -347,16 +371,23 @@ impl<'a> Diagnoser<'a> {
         let gpu = self.gpu_of(failure, service, &service_gpus);
         let (outside, holders) = self.held_outside(service, ts, gpu);
         let own = self.live_at(ts, gpu, |pid| service.pids.contains(&pid));
-        let capacity = self.capacity(gpu);
+        // On unified memory the GPU's memory is the host's: its size and what is available.
+        let host = self.unified(gpu).then(|| self.model.sample_at(ts).and_then(|s| s.host.clone())).flatten();
+        let capacity = self.capacity(gpu).or(host.as_ref().map(|h| h.total_bytes));
+        let free = match &host {
+            Some(h) => Some(h.available_bytes),
+            None => capacity.map(|c| c.saturating_sub(outside.saturating_add(own))),
+        };
         let evidence = Evidence {
             gpu,
             gpu_name: self.card(gpu).map(|c| c.name.clone()),
             service_gpus,
+            host_memory: host.is_some(),
             capacity_bytes: capacity,
             service_bytes: own,
             held_outside_bytes: outside,
             holders_outside: holders,
-            free_bytes: capacity.map(|c| c.saturating_sub(outside.saturating_add(own))),
+            free_bytes: free,
             failed_bytes: failure.bytes,
             phase: self.services.phase(service, before),
             requests_in_flight: in_flight.len(),
@@ -384,9 +415,20 @@ impl<'a> Diagnoser<'a> {
         if let Some(g) = e.gpu.filter(|_| self.header.gpus.len() > 1 || e.service_gpus.len() > 1) {
             context += &format!(" on GPU {g}");
         }
-        if let Some(c) = e.capacity_bytes {
-            let held = (bytes(e.service_bytes), bytes(e.held_outside_bytes));
-            context += &format!("; the card has {}, {} held by this service, {} outside it", bytes(c), held.0, held.1);
+        match (e.capacity_bytes, e.host_memory) {
+            (Some(c), true) => {
+                let available = e.free_bytes.map_or_else(|| "?".to_string(), bytes);
+                context += &format!(
+                    "; unified memory: the host's {} of RAM is the GPU's, {available} of it available, {} held by this service",
+                    bytes(c),
+                    bytes(e.service_bytes)
+                );
+            }
+            (Some(c), false) => {
+                let held = (bytes(e.service_bytes), bytes(e.held_outside_bytes));
+                context += &format!("; the card has {}, {} held by this service, {} outside it", bytes(c), held.0, held.1);
+            }
+            (None, _) => {}
         }
         let category = match self.category(&case) {
             Ok(category) => category,

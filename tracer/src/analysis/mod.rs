@@ -119,9 +119,15 @@ impl<'m> Services<'m> {
         self.model.requests.iter().filter(|r| is_completion(r) && service.pids.contains(&r.pid) && r.in_flight_at(ts)).collect()
     }
 
-    fn at(&self, service: &Service, ts: u64) -> (Phase, usize) {
+    /// The service's phase and completions in flight from each instant either changes on, in
+    /// time order (the first at 0).
+    pub fn timeline(&self, service: &Service) -> &[(u64, Phase, usize)] {
         let index = self.list.iter().position(|s| s.root == service.root).expect("a service of this set");
-        let timeline = &self.timelines[index];
+        &self.timelines[index]
+    }
+
+    fn at(&self, service: &Service, ts: u64) -> (Phase, usize) {
+        let timeline = self.timeline(service);
         match timeline.partition_point(|(t, _, _)| *t <= ts) {
             0 => (Phase::Load, 0),
             i => (timeline[i - 1].1, timeline[i - 1].2),

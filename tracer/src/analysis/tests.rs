@@ -391,3 +391,23 @@ fn a_tensor_parallel_rank_is_judged_on_its_own_gpu() {
     assert_eq!(d.fix.fields["kill"], 300);
     assert_eq!(d.evidence.fields["held_outside_bytes"], 30 * GIB, "GPU 1's 2 GiB held before recording is not on GPU 0");
 }
+
+/// A process that started on the GPU after recording began, outside the traced command, shows
+/// only in NVML's samples: a load failure beside it names it, with NVML's latest figure.
+#[test]
+fn a_holder_that_came_after_the_start_is_seen_in_the_samples() {
+    use crate::event::{ProcessUse, Sample};
+    let mut t = Trace::vllm(30 * GIB);
+    t.0.retain(|r| !matches!(r.event, Event::Listen { .. }));
+    let sample = |used: u64, command: Vec<String>| {
+        Event::Sample(Sample { processes: vec![ProcessUse { pid: 777, gpu: 0, used_bytes: Some(used), command }], ..Sample::default() })
+    };
+    t.at(15 * MS, 0, sample(20 * GIB, vec!["other-server".into(), "--port".into(), "9000".into()]));
+    t.at(25 * MS, 0, sample(45 * GIB, vec![]));
+    t.alloc(30 * MS, ENGINE, 8 * GIB, 0x51);
+    let d = t.diagnose(80 * GIB, &[], 0).remove(0);
+    assert_eq!(d.category, Category::HeldByOtherProcess, "{}", d.evidence.text);
+    assert_eq!(d.evidence.fields["held_outside_bytes"], 45 * GIB, "the latest sample before the failure");
+    assert_eq!(d.fix.fields["kill"], 777);
+    assert!(d.fix.text.contains("other-server --port 9000"), "its command from the sample that first named it: {}", d.fix.text);
+}

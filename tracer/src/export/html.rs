@@ -84,10 +84,20 @@ fn chart(header: &Header, model: &Model, services: &Services, report: &Report) -
     let last = model.last_ts.max(first.saturating_add(1));
     let changes: Vec<_> = live_changes(model, services).into_iter().filter(|c| c.memory != Memory::Virtual).collect();
     let at = |ts: u64| ts.saturating_sub(first) as f64 / 1e9;
-    let failures =
-        model.failures.iter().map(|f| (f.gpu, json!({"t": at(f.ts), "label": format!("failed: {} (pid {})", bytes(f.bytes), f.pid)})));
-    let kills =
-        model.processes.values().filter_map(|p| Some((None, json!({"t": at(p.oom_killed?), "label": format!("OOM kill: pid {}", p.pid)}))));
+    // A failure's marker says its verdict.
+    let zero = model.time_zero(header.monotonic_start_ns);
+    let label = |what: String, ts: u64| match report.diagnoses.iter().find(|d| d.ts.map(|t| t.saturating_add(zero)) == Some(ts)) {
+        Some(d) => format!("{what}: {}", d.category.name()),
+        None => what,
+    };
+    let failures = model
+        .failures
+        .iter()
+        .map(|f| (f.gpu, json!({"t": at(f.ts), "label": label(format!("failed: {} (pid {})", bytes(f.bytes), f.pid), f.ts)})));
+    let kills = model.processes.values().filter_map(|p| {
+        let ts = p.oom_killed?;
+        Some((None, json!({"t": at(ts), "label": label(format!("OOM kill: pid {}", p.pid), ts)})))
+    });
     let markers: Vec<(Option<u32>, Value)> = failures.chain(kills).collect();
     // One view: the changes `keep` selects, stacked by process and by phase.
     let view = |keep: &dyn Fn(&super::Change) -> bool, capacity: Option<u64>, gpu: Option<u32>| {
@@ -139,11 +149,48 @@ fn chart(header: &Header, model: &Model, services: &Services, report: &Report) -
             .collect()
     };
     let initial = report.diagnosis.gpu.and_then(|d| per_gpu.iter().position(|(g, _)| *g == Some(d)));
+    // Under the chart, per service that allocated or served: its phases as bands and its
+    // completions in flight, so which of the four it was shows before any reading.
+    let active = |s: &&crate::analysis::Service| {
+        model.allocations.iter().any(|a| s.pids.contains(&a.pid)) || model.requests.iter().any(|r| s.pids.contains(&r.pid))
+    };
+    let bands: Vec<Value> = services
+        .list
+        .iter()
+        .filter(active)
+        .map(|s| {
+            let timeline = services.timeline(s);
+            let edges: Vec<(f64, &str, usize)> = timeline
+                .iter()
+                .map(|(t, phase, n)| (at((*t).max(s.first_ts)), phase.name(), *n))
+                .filter(|(t, _, _)| *t <= at(last))
+                .collect();
+            let mut phases: Vec<Value> = Vec::new();
+            for (i, (t, phase, _)) in edges.iter().enumerate() {
+                let until = edges.get(i + 1).map_or(at(last), |e| e.0);
+                match phases.last_mut() {
+                    Some(open) if open[2] == *phase => open[1] = json!(until),
+                    _ => phases.push(json!([t, until, phase])),
+                }
+            }
+            let in_flight: Vec<Value> = edges.iter().map(|(t, _, n)| json!([t, n])).collect();
+            json!({"name": format!("{} {}", s.root, s.name), "phases": phases, "in_flight": in_flight})
+        })
+        .collect();
+    // On unified memory the host's available memory is the GPU's: drawn over the chart.
+    let unified = header.nvml == "ok" && !header.gpus.is_empty() && header.gpus.iter().all(|g| g.total_bytes.is_none());
+    let host: Vec<Value> = if unified {
+        model.samples.iter().filter_map(|(t, s)| Some(json!([at(*t), s.host.as_ref()?.available_bytes]))).collect()
+    } else {
+        Vec::new()
+    };
     json!({
         "end": at(last),
         "all": all,
         "gpus": per_gpu.into_iter().map(|(_, v)| v).collect::<Vec<_>>(),
         "initial": initial,
+        "bands": bands,
+        "host_available": host,
     })
 }
 

@@ -75,6 +75,7 @@ pub fn perfetto(header: &Header, model: &Model, report: &Report, out: &mut dyn W
         }
     }
     counters(&mut e, model, &services)?;
+    samples(&mut e, report, model)?;
     phase_slices(&mut e, model, &services, last_ts)?;
     request_slices(&mut e, model, last_ts)?;
     instants(&mut e, model, &services, report, last_ts)?;
@@ -109,6 +110,23 @@ fn counters(e: &mut Emitter, model: &Model, services: &Services) -> io::Result<(
             let phases = by_phase.entry(root).or_insert_with(|| Phase::ALL.iter().map(|p| (p.name(), 0)).collect());
             *phases.entry(c.phase.name()).or_default() += c.delta;
             e.emit(json!({"name": "live memory by phase", "ph": "C", "pid": root, "ts": ts, "args": clamped(phases)}))?;
+        }
+    }
+    Ok(())
+}
+
+/// NVML's view beside the trace's, from the samples: each GPU's used memory on its track, the
+/// host's available memory on the GPUs' (on unified memory, that is the GPU's memory).
+fn samples(e: &mut Emitter, report: &Report, model: &Model) -> io::Result<()> {
+    for (ts, s) in &model.samples {
+        let at = e.us(*ts);
+        for g in s.gpus.iter().filter(|g| report.gpus.iter().any(|r| r.gpu == Some(g.gpu))) {
+            let args = json!({"bytes": g.used_bytes});
+            e.emit(json!({"name": "NVML used", "ph": "C", "pid": gpu_track(Some(g.gpu)), "ts": at, "args": args}))?;
+        }
+        if let Some(h) = &s.host {
+            let args = json!({"available": h.available_bytes, "swap free": h.swap_free_bytes});
+            e.emit(json!({"name": "host memory", "ph": "C", "pid": GPU, "ts": at, "args": args}))?;
         }
     }
     Ok(())
