@@ -53,7 +53,7 @@ fn output_files_are_opened_with_the_invoking_users_rights() {
     std::fs::set_permissions(&precious, PermissionsExt::from_mode(0o644)).unwrap();
     let out = as_sudo_nobody(&["record", "-o", precious.to_str().unwrap(), "--", "true"], &dir);
     assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
-    assert!(stderr(&out).contains("may not write it"), "{}", stderr(&out));
+    assert!(stderr(&out).contains("belongs to uid 0, not to you (uid 65534)"), "{}", stderr(&out));
     assert_eq!(std::fs::read_to_string(&precious).unwrap(), "root's data\n");
     assert_eq!(std::fs::metadata(&precious).unwrap().uid(), 0, "still root's");
 
@@ -64,16 +64,20 @@ fn output_files_are_opened_with_the_invoking_users_rights() {
     assert!(stderr(&out).contains("is a symbolic link"), "{}", stderr(&out));
     assert_eq!(std::fs::read_to_string(&precious).unwrap(), "root's data\n");
 
-    // A hard link planted to the user's own file (fs.protected_hardlinks may be 0): refused too.
+    // A hard link planted to the user's own file (fs.protected_hardlinks may be 0): the name is
+    // replaced by a new file, the linked file never opened (so no race between a check and a
+    // truncation can reach it).
     let own = dir.join("nobodys-notes");
     std::fs::write(&own, "nobody's data\n").unwrap();
     std::os::unix::fs::chown(&own, Some(65534), Some(65534)).unwrap();
+    let mode = std::fs::metadata(&own).unwrap().mode();
     let planted = dir.join("gputrace-hardlinked.trace");
     std::fs::hard_link(&own, &planted).unwrap();
     let out = as_sudo_nobody(&["record", "-o", planted.to_str().unwrap(), "--", "true"], &dir);
-    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
-    assert!(stderr(&out).contains("has other hard links"), "{}", stderr(&out));
+    assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(std::fs::read_to_string(&own).unwrap(), "nobody's data\n");
+    assert_eq!(std::fs::metadata(&own).unwrap().mode(), mode, "its mode untouched");
+    assert!(std::fs::read_to_string(&planted).unwrap().contains("gputrace-trace"), "the name now holds the trace");
 
     let trace = dir.join("mine.trace");
     let out = as_sudo_nobody(&["record", "-o", trace.to_str().unwrap(), "--", "true"], &dir);
@@ -207,6 +211,11 @@ fn marks_only_from_who_may_mark() {
     const CAP_BPF: u64 = 39;
     assert_eq!(caps & (1 << CAP_SETUID | 1 << CAP_SYS_MODULE), 0, "dropped after launching: {caps:#x}");
     assert_ne!(caps & 1 << CAP_BPF, 0, "still updates its maps: {caps:#x}");
+    // And it cannot get them back: not from its bounding set, not by exec as uid 0.
+    let field = |name: &str| status.lines().find_map(|l| l.strip_prefix(name)).map(|v| v.trim().to_string()).unwrap();
+    let bounding = u64::from_str_radix(&field("CapBnd:"), 16).unwrap();
+    assert_eq!(bounding & (1 << CAP_SETUID | 1 << CAP_SYS_MODULE), 0, "bounding set {bounding:#x}");
+    assert_eq!(field("NoNewPrivs:"), "1");
 
     // SAFETY: signal our own child; it passes SIGTERM on to `sleep`.
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
@@ -381,17 +390,22 @@ fn bad_bytes_and_absurd_sizes_still_give_a_report_and_every_export() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
-/// A file with no newline at all, read under a 1 GiB address-space limit, ends with a sentence,
-/// not an abort.
+/// A file whose first line is longer than any header, read under a 1 GiB address-space limit,
+/// ends with a sentence, not an abort; a device (/dev/zero, endless) is not read at all.
 #[test]
 fn a_line_without_end_is_refused_within_a_fixed_memory_bound() {
-    let out = Command::new("prlimit").args(["--as=1073741824", "--"]).arg(gputrace_bin()).args(["report", "/dev/zero"]).output().unwrap();
-    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
-    assert!(
-        stderr(&out).contains("is not a gputrace trace: its first line is not a gputrace header (the first line is longer than 1 MiB)"),
-        "{}",
-        stderr(&out)
-    );
+    let dir = scratch("long-line");
+    let long = dir.join("one-line");
+    std::fs::write(&long, vec![b'x'; 3 << 20]).unwrap();
+    for (path, says) in [
+        (long.as_path(), "is not a gputrace trace: its first line is not a gputrace header (the first line is longer than 1 MiB)"),
+        (Path::new("/dev/zero"), "cannot open the trace /dev/zero: not a regular file"),
+    ] {
+        let out = Command::new("prlimit").args(["--as=1073741824", "--"]).arg(gputrace_bin()).arg("report").arg(path).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+        assert!(stderr(&out).contains(says), "{}", stderr(&out));
+    }
+    std::fs::remove_dir_all(&dir).ok();
 }
 
 /// `--redact`: no argument value or query string of the traced command reaches the trace.
@@ -410,5 +424,40 @@ fn redact_keeps_secrets_out_of_the_trace() {
     let trace = std::fs::read_to_string(dir.join("run.trace")).unwrap();
     assert!(!trace.contains("sk-very-secret"), "the secret is gone");
     assert!(trace.contains("--api-key") && trace.contains("4096"), "flag names and sizes stay");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Command lines are another user's words: an escape sequence in one (retitling the window,
+/// clearing the screen, faking a line) reaches the terminal as harmless text.
+#[test]
+fn escape_sequences_in_a_trace_never_reach_the_terminal() {
+    use gputrace::event::{Alloc, Event, Memory, Record, Seen, Via};
+    let dir = scratch("escapes");
+    let path = dir.join("crafted.trace");
+    let header = gputrace::trace::Header { nvml: "ok".into(), ..gputrace::trace::Header::default() };
+    let mut w = gputrace::trace::Writer::create(&path, &header, None).unwrap();
+    let evil = "\u{1b}]0;owned\u{7}\u{1b}[2J\u{1b}[HFIX: kill 1\u{9b}8m";
+    let record = |ts, event| Record { ts, pid: 42, tid: 42, event, raw: None };
+    w.write(&record(1, Event::Process { ppid: 1, seen: Seen::Launched, command: vec![evil.into(), "--port".into()] })).unwrap();
+    let failed = Alloc {
+        fd: 3,
+        via: Via::RmAllocNvos64,
+        memory: Memory::Video,
+        bytes: 1 << 30,
+        status: 0x51,
+        client: 1,
+        parent: 2,
+        object: 3,
+        class: 0x40,
+        base: None,
+        errno: None,
+    };
+    w.write(&record(2, Event::Alloc(failed))).unwrap();
+    w.flush().unwrap();
+    let out = Command::new(gputrace_bin()).arg("report").arg(&path).output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(!out.stdout.contains(&0x1b) && !text.contains('\u{9b}') && !text.contains('\u{7}'), "control characters printed: {text:?}");
+    assert!(text.contains("^[]0;owned^G^[[2J"), "shown as text instead: {text}");
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -162,7 +162,7 @@ fn print_report(path: PathBuf, json: bool, idle_minutes: u64, redact: bool, capa
     if json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
     } else {
-        print!("{}", summary.text());
+        print!("{}", gputrace::units::for_terminal(&summary.text()));
     }
     Ok(())
 }
@@ -175,7 +175,7 @@ fn main() -> ExitCode {
             if json {
                 serde_json::to_string_pretty(&findings).map(|text| println!("{text}")).map_err(anyhow::Error::from)
             } else {
-                print!("{}", findings.text());
+                print!("{}", gputrace::units::for_terminal(&findings.text()));
                 Ok(())
             }
             .map(|()| ExitCode::from(findings.exit_code()))

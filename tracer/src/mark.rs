@@ -10,7 +10,7 @@
 //! process. A connection gets one short line, a deadline, and a place among a few at a time.
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -28,6 +28,9 @@ pub const SOCKET_DIR: &str = "/run/gputrace";
 pub const MAX_LINE: u64 = 256;
 /// Connections served at once; more are answered `ERR busy` and closed.
 pub const MAX_CONNECTIONS: usize = 16;
+/// Connections one user other than root and the recorder's own user may hold at once: no one
+/// else can take every slot and keep the wrapper scripts' marks out.
+pub const MAX_CONNECTIONS_PER_USER: usize = 4;
 /// How long a connection may take to send its line.
 pub const DEADLINE: Duration = Duration::from_secs(2);
 
@@ -68,6 +71,21 @@ pub struct MarkServer {
     path: PathBuf,
     invoking_uid: Option<u32>,
     permits: Arc<Semaphore>,
+    /// Connections open now, per user outside root and the invoking user.
+    per_user: Arc<std::sync::Mutex<std::collections::HashMap<u32, usize>>>,
+}
+
+/// One connection of a user counted in `per_user`, given back when it ends.
+struct UserSlot(Arc<std::sync::Mutex<std::collections::HashMap<u32, usize>>>, u32);
+
+impl Drop for UserSlot {
+    fn drop(&mut self) {
+        if let Ok(mut open) = self.0.lock() {
+            if let Some(n) = open.get_mut(&self.1) {
+                *n = n.saturating_sub(1);
+            }
+        }
+    }
 }
 
 impl MarkServer {
@@ -84,7 +102,8 @@ impl MarkServer {
 
     fn try_open(recorder: u32, invoking_uid: Option<u32>) -> Result<MarkServer, String> {
         let dir = Path::new(SOCKET_DIR);
-        match std::fs::create_dir(dir) {
+        // Created with its mode, never writable by others even for an instant (whatever the umask).
+        match std::fs::DirBuilder::new().mode(0o700).create(dir) {
             Ok(()) => std::fs::set_permissions(dir, PermissionsExt::from_mode(0o755))
                 .map_err(|e| format!("cannot set the mode of {SOCKET_DIR}: {e}"))?,
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
@@ -107,13 +126,28 @@ impl MarkServer {
         // Anyone may connect; each peer is checked (SO_PEERCRED) before its mark counts.
         std::fs::set_permissions(&path, PermissionsExt::from_mode(0o666))
             .map_err(|e| format!("cannot set the mode of {}: {e}", path.display()))?;
-        Ok(MarkServer { listener, path, invoking_uid, permits: Arc::new(Semaphore::new(MAX_CONNECTIONS)) })
+        let permits = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+        Ok(MarkServer { listener, path, invoking_uid, permits, per_user: Arc::default() })
     }
 
     /// Takes the next connection and serves it on its own task; marks that pass the checks go
     /// to `to_recorder`.
     pub async fn accept(&self, to_recorder: &mpsc::Sender<MarkRequest>) {
         let Ok((stream, _)) = self.listener.accept().await else { return };
+        let uid = stream.peer_cred().map(|c| c.uid()).ok();
+        let slot = match uid.filter(|&u| u != 0 && Some(u) != self.invoking_uid) {
+            Some(u) => {
+                let mut open = self.per_user.lock().unwrap_or_else(|e| e.into_inner());
+                let n = open.entry(u).or_default();
+                if *n >= MAX_CONNECTIONS_PER_USER {
+                    let _ = stream.try_write(b"ERR busy: too many connections from your user; try again\n");
+                    return;
+                }
+                *n += 1;
+                Some(UserSlot(self.per_user.clone(), u))
+            }
+            None => None,
+        };
         let Ok(permit) = self.permits.clone().try_acquire_owned() else {
             // Full: answer without reading, and never wait on this client.
             let _ = stream.try_write(b"ERR busy: too many connections to this recorder; try again\n");
@@ -122,7 +156,7 @@ impl MarkServer {
         let to_recorder = to_recorder.clone();
         let invoking_uid = self.invoking_uid;
         tokio::spawn(async move {
-            let _permit = permit;
+            let _held = (permit, slot);
             let _ = tokio::time::timeout(DEADLINE, serve(stream, invoking_uid, to_recorder)).await;
         });
     }
@@ -199,10 +233,17 @@ pub fn send(phase: Phase, pid: u32) -> Result<String> {
                 continue;
             }
         };
-        stream.set_read_timeout(Some(DEADLINE + Duration::from_secs(1)))?;
-        writeln!(stream, "MARK {} {pid}", phase.name())?;
+        // One recorder that fails to answer (gone mid-way, a broken pipe) is one refusal, not the
+        // end: the next may trace the pid.
         let mut reply = String::new();
-        BufReader::new((&stream).take(MAX_LINE * 4)).read_line(&mut reply)?;
+        let asked = stream
+            .set_read_timeout(Some(DEADLINE + Duration::from_secs(1)))
+            .and_then(|()| writeln!(stream, "MARK {} {pid}", phase.name()))
+            .and_then(|()| BufReader::new((&stream).take(MAX_LINE * 4)).read_line(&mut reply));
+        if let Err(e) = asked {
+            refusals.push(format!("the recording of pid {recorder} did not answer: {e}"));
+            continue;
+        }
         match reply.trim() {
             "OK" => return Ok(format!("marked pid {pid}'s service as {}", phase.name())),
             other => refusals.push(format!("the recording of pid {recorder} refused: {}", other.trim_start_matches("ERR "))),

@@ -196,6 +196,9 @@ pub struct Model {
     pub samples: Vec<(u64, crate::event::Sample)>,
     pub undecodable: u64,
     pub lost_records: u64,
+    /// NVIDIA fds held in all processes now, and those not followed for being past the bound.
+    fd_refs: usize,
+    pub fd_refs_dropped: u64,
     pub first_ts: Option<u64>,
     pub last_ts: u64,
     clients: HashMap<u32, Client>,

@@ -1,5 +1,7 @@
 //! Once its probes are attached and the command is started, the recorder keeps only the
-//! capabilities it still uses, so a bug in the long-running part cannot become root's.
+//! capabilities it still uses, so a bug in the long-running part cannot become root's: nor can it
+//! get them back, since the bounding set loses the rest, uid 0 gains nothing by exec any more
+//! (securebits NOROOT, locked) and no exec can grant privileges (no_new_privs).
 //!
 //! Still needed while recording: updating its own BPF maps (CAP_BPF; CAP_SYS_ADMIN on kernels
 //! older than 5.8, which lack CAP_BPF), reading other users' /proc/PID/fd and comparing their
@@ -45,16 +47,37 @@ fn last_cap() -> u32 {
     std::fs::read_to_string("/proc/sys/kernel/cap_last_cap").ok().and_then(|s| s.trim().parse().ok()).unwrap_or(CAP_BPF)
 }
 
-/// Drops every other capability from the calling thread's effective, permitted and inheritable
-/// sets. Call it while the recorder has one thread: capabilities are per thread.
+const PR_CAPBSET_DROP: libc::c_int = 24;
+const PR_SET_SECUREBITS: libc::c_int = 28;
+const PR_SET_NO_NEW_PRIVS: libc::c_int = 38;
+/// SECBIT_NOROOT, SECBIT_NO_SETUID_FIXUP and SECBIT_KEEP_CAPS_LOCKED, each with its lock.
+const SECUREBITS: libc::c_ulong = 0b10_1111;
+
+fn prctl(option: libc::c_int, arg: libc::c_ulong) -> io::Result<()> {
+    // SAFETY: prctl with integer arguments; it changes only this thread's credentials.
+    if unsafe { libc::prctl(option, arg, 0, 0, 0) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Drops every other capability from the calling thread's effective, permitted, inheritable and
+/// bounding sets, and locks uid 0 out of regaining them. Call it while the recorder has one
+/// thread: capabilities are per thread, and threads started later inherit them.
 pub fn keep_only_what_recording_needs() -> io::Result<()> {
+    let keep = kept(last_cap());
+    // These need CAP_SETPCAP, which goes last.
+    prctl(PR_SET_SECUREBITS, SECUREBITS)?;
+    for cap in (0..=last_cap()).filter(|&c| keep & 1 << c == 0) {
+        prctl(PR_CAPBSET_DROP, libc::c_ulong::from(cap))?;
+    }
+    prctl(PR_SET_NO_NEW_PRIVS, 1)?;
     let mut header = Header { version: VERSION_3, pid: 0 };
     let mut data = [Data::default(); 2];
     // SAFETY: capget fills two Data structs for version 3.
     if unsafe { libc::syscall(libc::SYS_capget, &mut header, data.as_mut_ptr()) } != 0 {
         return Err(io::Error::last_os_error());
     }
-    let keep = kept(last_cap());
     let (low, high) = (keep as u32, (keep >> 32) as u32);
     for (d, mask) in data.iter_mut().zip([low, high]) {
         d.effective &= mask;

@@ -132,6 +132,7 @@ impl Session {
             undecodable: self.model.undecodable + self.decode_errors,
             damaged_lines: 0,
             torn_tail: false,
+            fds_not_followed: self.model.fd_refs_dropped,
             write_error: self.write_error.clone(),
         };
         let mut summary = Report::new(header, &self.model, path.display().to_string(), self.writer.records, loss, opts.idle_ns);
@@ -144,7 +145,7 @@ impl Session {
             summary.fd_filter = Some(filter);
             println!("{}", serde_json::to_string_pretty(&summary)?);
         } else {
-            eprint!("{}", summary.text());
+            eprint!("{}", crate::units::for_terminal(&summary.text()));
             if filter.map_inserts_failed > 0 {
                 eprintln!(
                 "gputrace: warning: the kernel refused {} map inserts (a map was full): some fds or processes may not have been followed",
@@ -363,8 +364,12 @@ impl Session {
     /// A phase mark from the socket (already checked for who sent it): recorded for a traced
     /// process, refused otherwise.
     fn mark(&mut self, phase: Phase, pid: u32) -> String {
-        if !self.model.processes.contains_key(&pid) {
-            return format!("ERR pid {pid} is not traced by this recorder");
+        match self.model.processes.get(&pid) {
+            None => return format!("ERR pid {pid} is not traced by this recorder"),
+            // Its pid may belong to someone else's process by now: who may mark was checked
+            // against that one.
+            Some(p) if p.exited.is_some() => return format!("ERR pid {pid} has exited; its service can be marked through a live pid"),
+            Some(_) => {}
         }
         self.emit_now(pid, Event::Mark { phase: phase.name().into() });
         "OK".into()
@@ -414,7 +419,7 @@ impl Session {
             line += &format!(" · LOST {}", self.model.lost_records);
         }
         let width = terminal_width();
-        let line: String = line.chars().take(width.saturating_sub(1)).collect();
+        let line: String = crate::units::for_terminal(&line).chars().take(width.saturating_sub(1)).collect();
         eprint!("\r\x1b[2K{line}");
         let _ = std::io::stderr().flush();
     }

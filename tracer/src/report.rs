@@ -17,6 +17,10 @@ use crate::units::bytes;
 
 pub const SCHEMA: &str = "gputrace-report/1";
 
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
 #[derive(Clone, Debug, Default, Serialize, PartialEq)]
 pub struct KindTotals {
     pub allocated: u64,
@@ -144,6 +148,9 @@ pub struct Loss {
     /// Lines of the trace file that were damaged or torn.
     pub damaged_lines: u64,
     pub torn_tail: bool,
+    /// NVIDIA fds not followed: more than a million held at once (only a crafted trace has that).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub fds_not_followed: u64,
     /// Why the recorder stopped writing the trace (a full disk), when it did.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub write_error: Option<String>,
@@ -175,8 +182,11 @@ pub struct Report {
     pub events: u64,
     /// The first failure's diagnosis, or category `none`.
     pub diagnosis: Diagnosis,
-    /// Every failure, in time order.
+    /// Every failure, in time order (the first MAX_DIAGNOSED of them).
     pub diagnoses: Vec<Diagnosis>,
+    /// Failures past those, counted.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub failures_not_diagnosed: u64,
     pub gpus: Vec<GpuReport>,
     pub processes: Vec<ProcessReport>,
     pub contexts_never_freed: Vec<SuspectContext>,
@@ -373,6 +383,7 @@ pub fn load(path: &std::path::Path, redact: bool) -> Result<(Header, Model, u64,
         undecodable: model.undecodable,
         damaged_lines: damage.bad_lines.saturating_add(damage.torn_tail as u64),
         torn_tail: damage.torn_tail,
+        fds_not_followed: model.fd_refs_dropped,
         write_error: None,
     };
     Ok((reader.header, model, events, loss))
@@ -396,6 +407,7 @@ impl Report {
             duration_ns,
             events,
             diagnosis: diagnoses[0].clone(),
+            failures_not_diagnosed: diagnoser.undiagnosed() as u64,
             contexts_never_freed: suspects(header, model, services, idle_ns),
             diagnoses,
             gpus: gpu_reports(header, model),
@@ -427,6 +439,9 @@ impl Report {
                 later.category.name(),
                 later.evidence.text
             );
+        }
+        if self.failures_not_diagnosed > 0 {
+            let _ = writeln!(out, "and {} more failures, not diagnosed one by one", self.failures_not_diagnosed);
         }
         let seconds = self.duration_ns as f64 / 1e9;
         let _ = writeln!(out, "\n{} events over {seconds:.1} s in {}", self.events, self.trace);
@@ -518,11 +533,16 @@ impl Report {
         } else {
             let _ = writeln!(
                 out,
-                "INCOMPLETE: {} records lost in the kernel (ring buffer full), {} driver calls unreadable, {} damaged trace lines{}.",
+                "INCOMPLETE: {} records lost in the kernel (ring buffer full), {} driver calls unreadable, {} damaged trace lines{}{}.",
                 l.lost_records,
                 l.undecodable,
                 l.damaged_lines,
-                if l.torn_tail { ", torn last line" } else { "" }
+                if l.torn_tail { ", torn last line" } else { "" },
+                if l.fds_not_followed > 0 {
+                    format!(", {} device fds not followed (over a million held)", l.fds_not_followed)
+                } else {
+                    String::new()
+                }
             );
         }
         out

@@ -248,8 +248,11 @@ pub struct Reader {
 }
 
 impl Reader {
+    /// Opens a trace with the rights of the user who ran gputrace (under sudo, not root's).
     pub fn open(path: &Path) -> Result<Reader, TraceError> {
-        let file = File::open(path).map_err(|cause| TraceError::Open { path: path.into(), cause })?;
+        let open_error = |cause| TraceError::Open { path: path.into(), cause };
+        let user = User::invoking().map_err(|e| open_error(io::Error::other(e.to_string())))?;
+        let file = crate::user::open_for_reading(path, user.as_ref()).map_err(open_error)?;
         let mut lines = Lines { input: BufReader::with_capacity(1 << 16, file), buf: Vec::new(), skipping: false };
         let not_a_trace = |reason: String| TraceError::NotATrace { path: path.into(), reason };
         match lines.next() {

@@ -17,6 +17,27 @@ pub fn bytes(n: u64) -> String {
     }
 }
 
+/// Text that came from processes (command lines, request lines, GPU names), made safe for a
+/// terminal: control characters (an escape sequence could clear the screen, retitle the window,
+/// hide text or forge a line) are shown as `cat -v` shows them, `^[`, and C1 controls as `\u{9b}`.
+/// Newlines and tabs stay.
+pub fn for_terminal(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '\n' | '\t' => out.push(c),
+            '\x7f' => out.push_str("^?"),
+            c if (c as u32) < 0x20 => {
+                out.push('^');
+                out.push(char::from(c as u8 + 0x40));
+            }
+            c if (0x80..0xa0).contains(&(c as u32)) => out.push_str(&c.escape_unicode().to_string()),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
 /// A size as people write it: `80GiB`, `512MiB`, `80G`, `1.5TiB`, or plain bytes. For clap.
 pub fn parse_bytes(text: &str) -> Result<u64, String> {
     let text = text.trim();
@@ -41,6 +62,12 @@ pub fn parse_bytes(text: &str) -> Result<u64, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn control_characters_never_reach_the_terminal() {
+        assert_eq!(for_terminal("a\x1b]0;owned\x07\x1b[2J b\n\tc\x7f\u{9b}31m"), "a^[]0;owned^G^[[2J b\n\tc^?\\u{9b}31m");
+        assert_eq!(for_terminal("plain text, ünïcode"), "plain text, ünïcode");
+    }
 
     #[test]
     fn sizes_as_people_write_them() {

@@ -30,6 +30,8 @@ pub struct User {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Passwd {
     pub uid: u32,
+    /// The primary group: what sudo sets SUDO_GID to.
+    pub gid: u32,
     pub home: PathBuf,
 }
 
@@ -79,6 +81,15 @@ impl User {
             bail!(
                 "SUDO_USER={name:?} has uid {} but SUDO_UID is {uid}: the SUDO_* variables disagree, so gputrace will not act for either",
                 entry.uid
+            );
+        }
+        // A group the user does not have (root's, say) would run the command and own the trace
+        // with it: the primary group, or one of the user's groups as sudo's -g gives, only.
+        let member = groups(&name, entry.gid);
+        if gid != entry.gid && !member.contains(&gid) {
+            bail!(
+                "SUDO_GID={gid} is not a group of {name:?} (primary group {}): the SUDO_* variables disagree, so gputrace will not act for them",
+                entry.gid
             );
         }
         let mut groups = groups(&name, gid);
@@ -134,7 +145,7 @@ fn lookup_passwd(name: &str) -> Option<Passwd> {
             return None;
         }
         let home = CStr::from_ptr(entry.pw_dir).to_string_lossy().into_owned();
-        Some(Passwd { uid: entry.pw_uid, home: PathBuf::from(home) })
+        Some(Passwd { uid: entry.pw_uid, gid: entry.pw_gid, home: PathBuf::from(home) })
     }
 }
 
@@ -159,19 +170,26 @@ fn group_list(name: &str, gid: u32) -> Vec<u32> {
 
 /// Creates (or replaces) an output file the way a careful shell redirection would, as `user`:
 /// - a new file is created exclusively, mode 0600, never through a symbolic link;
-/// - an existing regular file is replaced only when it belongs to the writer and has no other
-///   hard link;
+/// - an existing regular file of the writer's is replaced by a new one renamed over its name:
+///   the old file is never opened, so a name swapped for a hard link to another file between a
+///   check and a write (fs.protected_hardlinks may be 0) can never get that file truncated;
 /// - a character device the writer may open (/dev/null) is written as is;
 /// - anything else (a symbolic link, a FIFO, a directory, someone else's file) is refused.
 pub fn create_private(path: &Path, user: Option<&User>) -> io::Result<File> {
+    as_user(user, path, open_private)
+}
+
+/// `open(path)` with `user`'s rights: on a thread of its own that becomes the user for
+/// filesystem access; as gputrace itself with no user.
+fn as_user(user: Option<&User>, path: &Path, open: fn(&Path) -> io::Result<File>) -> io::Result<File> {
     match user {
-        None => open_private(path),
+        None => open(path),
         Some(user) => {
             let user = user.clone();
             let path = path.to_path_buf();
             std::thread::spawn(move || {
                 user.become_on_this_thread()?;
-                open_private(&path)
+                open(&path)
             })
             .join()
             .unwrap_or_else(|_| Err(io::Error::other("the thread opening the file panicked")))
@@ -179,41 +197,49 @@ pub fn create_private(path: &Path, user: Option<&User>) -> io::Result<File> {
     }
 }
 
+/// Opens a file to read (a trace) as `user` would: with that user's rights, not root's, and only a
+/// regular file (a FIFO planted at the name never hangs the reader, a device is never opened
+/// for its side effects).
+pub fn open_for_reading(path: &Path, user: Option<&User>) -> io::Result<File> {
+    as_user(user, path, |path| {
+        let file = OpenOptions::new().read(true).custom_flags(libc::O_CLOEXEC | libc::O_NONBLOCK | libc::O_NOCTTY).open(path)?;
+        if !file.metadata()?.file_type().is_file() {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "not a regular file"));
+        }
+        clear_nonblock(&file)?;
+        Ok(file)
+    })
+}
+
+fn create_new(path: &Path) -> io::Result<File> {
+    OpenOptions::new().write(true).create_new(true).mode(0o600).custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC).open(path)
+}
+
 fn open_private(path: &Path) -> io::Result<File> {
     let refuse = |why: String| io::Error::new(io::ErrorKind::PermissionDenied, why);
-    let created = OpenOptions::new().write(true).create_new(true).mode(0o600).custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC).open(path);
-    match created {
-        Ok(file) => return Ok(file),
-        Err(e) if e.kind() != io::ErrorKind::AlreadyExists => return Err(e),
-        Err(_) => {}
+    match create_new(path) {
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+        done => return done,
     }
-    // O_NONBLOCK: a FIFO planted at the name must not hang the recorder before it is refused.
-    let file = OpenOptions::new().write(true).custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK).open(path).map_err(
-        |e| match e.raw_os_error() {
-            Some(libc::ELOOP) => {
-                refuse(format!("{} is a symbolic link: gputrace does not write through links; give the real path", path.display()))
-            }
-            Some(libc::EACCES) => {
-                refuse(format!("{} exists and you may not write it: gputrace will not replace it; choose another name", path.display()))
-            }
-            _ => e,
-        },
-    )?;
-    let meta = file.metadata()?;
-    // SAFETY: setfsuid with an invalid id changes nothing and returns the current fsuid.
-    let me = unsafe { libc::syscall(libc::SYS_setfsuid, u32::MAX) } as u32;
-    if meta.file_type().is_char_device() {
+    let meta = std::fs::symlink_metadata(path)?;
+    let kind = meta.file_type();
+    if kind.is_symlink() {
+        return Err(refuse(format!("{} is a symbolic link: gputrace does not write through links; give the real path", path.display())));
+    }
+    if kind.is_char_device() {
+        // O_NONBLOCK: a FIFO swapped in after the check must not hang the recorder; it is refused.
+        let file = OpenOptions::new().write(true).custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK).open(path)?;
+        if !file.metadata()?.file_type().is_char_device() {
+            return Err(refuse(format!("{} changed while it was opened: choose another name", path.display())));
+        }
         clear_nonblock(&file)?;
         return Ok(file);
     }
-    if !meta.file_type().is_file() {
+    if !kind.is_file() {
         return Err(refuse(format!("{} exists and is not a regular file: choose another name", path.display())));
     }
-    // Another name for the same file may have been planted (a hard link to the user's own
-    // ~/.bashrc at the default trace name in /tmp, where fs.protected_hardlinks is 0).
-    if meta.nlink() > 1 {
-        return Err(refuse(format!("{} has other hard links: gputrace will not replace it; choose another name", path.display())));
-    }
+    // SAFETY: setfsuid with an invalid id changes nothing and returns the current fsuid.
+    let me = unsafe { libc::syscall(libc::SYS_setfsuid, u32::MAX) } as u32;
     if meta.uid() != me {
         return Err(refuse(format!(
             "{} exists and belongs to uid {}, not to you (uid {me}): gputrace will not replace it; choose another name",
@@ -221,9 +247,15 @@ fn open_private(path: &Path) -> io::Result<File> {
             meta.uid()
         )));
     }
-    clear_nonblock(&file)?;
-    file.set_len(0)?;
-    file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+    // A new file beside it, renamed over the name: whatever the name points at by then (a link
+    // planted in a shared directory), only the name changes, never that file.
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let fresh = path.with_file_name(format!(".{name}.gputrace-{}", std::process::id()));
+    let file = create_new(&fresh).map_err(|e| io::Error::new(e.kind(), format!("cannot create {}: {e}", fresh.display())))?;
+    if let Err(e) = std::fs::rename(&fresh, path) {
+        let _ = std::fs::remove_file(&fresh);
+        return Err(io::Error::new(e.kind(), format!("cannot replace {}: {e}", path.display())));
+    }
     Ok(file)
 }
 
@@ -247,7 +279,7 @@ mod tests {
         move |k| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
     }
     fn alice(name: &str) -> Option<Passwd> {
-        (name == "alice").then(|| Passwd { uid: 1000, home: "/home/alice".into() })
+        (name == "alice").then(|| Passwd { uid: 1000, gid: 1000, home: "/home/alice".into() })
     }
     fn video(_: &str, gid: u32) -> Vec<u32> {
         vec![gid, 44]
@@ -278,6 +310,11 @@ mod tests {
         let e =
             User::from_env(env(&[("SUDO_UID", "5"), ("SUDO_GID", "5"), ("SUDO_USER", "mallory")]), alice, video).unwrap_err().to_string();
         assert!(e.contains("not a user on this system"), "{e}");
+        let e =
+            User::from_env(env(&[("SUDO_UID", "1000"), ("SUDO_GID", "0"), ("SUDO_USER", "alice")]), alice, video).unwrap_err().to_string();
+        assert!(e.contains("SUDO_GID=0 is not a group of \"alice\""), "{e}");
+        let video_group = User::from_env(env(&[("SUDO_UID", "1000"), ("SUDO_GID", "44"), ("SUDO_USER", "alice")]), alice, video);
+        assert_eq!(video_group.unwrap().unwrap().gid, 44, "one of the user's own groups (sudo -g video)");
     }
 
     fn scratch(name: &str) -> PathBuf {
@@ -306,11 +343,14 @@ mod tests {
         let e = create_private(&link, None).unwrap_err().to_string();
         assert!(e.contains("is a symbolic link"), "{e}");
         assert_eq!(std::fs::read_to_string(&target).unwrap(), "keep");
+        // A planted hard link to the user's own file: the name is replaced, the file untouched.
         let linked = dir.join("linked.trace");
         std::fs::hard_link(&target, &linked).unwrap();
-        let e = create_private(&linked, None).unwrap_err().to_string();
-        assert!(e.contains("has other hard links"), "{e}");
+        let mut out = create_private(&linked, None).unwrap();
+        std::io::Write::write_all(&mut out, b"trace").unwrap();
         assert_eq!(std::fs::read_to_string(&target).unwrap(), "keep", "a planted hard link never truncates its file");
+        assert_eq!(std::fs::read_to_string(&linked).unwrap(), "trace");
+        assert_eq!(std::fs::metadata(&linked).unwrap().mode() & 0o777, 0o600);
         let fifo = dir.join("fifo");
         let c = CString::new(fifo.to_str().unwrap()).unwrap();
         // SAFETY: mkfifo with a valid path.

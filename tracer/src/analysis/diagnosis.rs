@@ -160,6 +160,10 @@ struct Case<'c> {
     evidence: Evidence,
 }
 
+/// Failures diagnosed one by one; a trace with more (a crafted one, a retry loop) gets the first
+/// ones and a count of the rest.
+pub const MAX_DIAGNOSED: usize = 100;
+
 /// Engines that do not say how much they reserve at start are judged as reserving this much.
 const DEFAULT_RESERVE: f64 = 0.9;
 
@@ -358,7 +362,12 @@ impl<'a> Diagnoser<'a> {
                 fix: Said { fields: json!({}), text: "Nothing to change.".into() },
             }];
         }
-        failures.iter().map(|f| self.diagnose_one(f)).collect()
+        failures.iter().take(MAX_DIAGNOSED).map(|f| self.diagnose_one(f)).collect()
+    }
+
+    /// Failures past [`MAX_DIAGNOSED`], not diagnosed one by one.
+    pub fn undiagnosed(&self) -> usize {
+        self.failures().len().saturating_sub(MAX_DIAGNOSED)
     }
 
     /// The case a failure makes: its service, engine, requests in flight and the figures.
@@ -374,9 +383,12 @@ impl<'a> Diagnoser<'a> {
         // On unified memory the GPU's memory is the host's: its size and what is available.
         let host = self.unified(gpu).then(|| self.model.sample_at(ts).and_then(|s| s.host.clone())).flatten();
         let capacity = self.capacity(gpu).or(host.as_ref().map(|h| h.total_bytes));
+        // What the driver's own accounting leaves; on unified memory no more than the host has
+        // available either (MemAvailable also counts what the host itself uses).
+        let left = capacity.map(|c| c.saturating_sub(outside.saturating_add(own)));
         let free = match &host {
-            Some(h) => Some(h.available_bytes),
-            None => capacity.map(|c| c.saturating_sub(outside.saturating_add(own))),
+            Some(h) => left.map(|l| l.min(h.available_bytes)),
+            None => left,
         };
         let evidence = Evidence {
             gpu,

@@ -86,26 +86,47 @@ impl<'m> Services<'m> {
             }
             roots.entry(root).or_default().push(p.pid);
         }
-        let mut list = Vec::new();
+        let mut list: Vec<Service> = Vec::new();
         let mut service_of = BTreeMap::new();
         for (root, pids) in roots {
             for &pid in &pids {
                 service_of.insert(pid, list.len());
             }
-            let first_alloc = model.allocations.iter().filter(|a| pids.contains(&a.pid)).map(|a| a.ts).min();
-            let listened = pids.iter().filter_map(|p| model.processes[p].listened).min();
-            let requests = model.requests.iter().filter(|r| pids.contains(&r.pid));
-            let first_ok =
-                requests.filter_map(|r| Some((r.headers_at?, r.status?))).filter(|(_, s)| (200..300).contains(s)).map(|(t, _)| t).min();
-            let ready_at = match (listened, first_alloc) {
+            let root_p = &model.processes[&root];
+            list.push(Service { root, name: root_p.command_line(), pids, ready_at: None, first_ts: root_p.first_ts });
+        }
+        // One pass over allocations, requests and marks, each to its service (a trace with many
+        // services costs no more than one with a few).
+        let n = list.len();
+        let mut first_alloc: Vec<Option<u64>> = vec![None; n];
+        for a in &model.allocations {
+            if let Some(&i) = service_of.get(&a.pid) {
+                first_alloc[i] = Some(first_alloc[i].map_or(a.ts, |t: u64| t.min(a.ts)));
+            }
+        }
+        let mut requests: Vec<Vec<&Request>> = vec![Vec::new(); n];
+        for r in &model.requests {
+            if let Some(&i) = service_of.get(&r.pid) {
+                requests[i].push(r);
+            }
+        }
+        let mut marks: Vec<Vec<(u64, Phase)>> = vec![Vec::new(); n];
+        for (t, pid, phase) in &model.marks {
+            if let (Some(&i), Some(phase)) = (service_of.get(pid), Phase::parse(phase)) {
+                marks[i].push((*t, phase));
+            }
+        }
+        for (i, s) in list.iter_mut().enumerate() {
+            let listened = s.pids.iter().filter_map(|p| model.processes[p].listened).min();
+            let served = requests[i].iter().filter_map(|r| Some((r.headers_at?, r.status?)));
+            let first_ok = served.filter(|(_, status)| (200..300).contains(status)).map(|(t, _)| t).min();
+            s.ready_at = match (listened, first_alloc[i]) {
                 (Some(l), Some(a)) if l > a => Some(l),
                 (Some(_), _) => first_ok,
                 (None, _) => None,
             };
-            let root_p = &model.processes[&root];
-            list.push(Service { root, name: root_p.command_line(), pids, ready_at, first_ts: root_p.first_ts });
         }
-        let timelines = list.iter().map(|s| timeline(model, s)).collect();
+        let timelines = list.iter().zip(&requests).zip(marks).map(|((s, r), m)| timeline(s, r, m)).collect();
         Services { model, list, service_of, timelines }
     }
 
@@ -116,13 +137,14 @@ impl<'m> Services<'m> {
     /// The service's completion requests in flight at `ts` (a scan: for the few moments a
     /// diagnosis looks at; counts come from the timeline).
     pub fn in_flight(&self, service: &Service, ts: u64) -> Vec<&'m Request> {
-        self.model.requests.iter().filter(|r| is_completion(r) && service.pids.contains(&r.pid) && r.in_flight_at(ts)).collect()
+        let mine = |r: &&Request| self.service_of.get(&r.pid).is_some_and(|&i| self.list[i].root == service.root);
+        self.model.requests.iter().filter(|r| is_completion(r) && r.in_flight_at(ts)).filter(mine).collect()
     }
 
     /// The service's phase and completions in flight from each instant either changes on, in
     /// time order (the first at 0).
     pub fn timeline(&self, service: &Service) -> &[(u64, Phase, usize)] {
-        let index = self.list.iter().position(|s| s.root == service.root).expect("a service of this set");
+        let index = self.service_of.get(&service.root).copied().expect("a service of this set");
         &self.timelines[index]
     }
 
@@ -151,19 +173,20 @@ impl<'m> Services<'m> {
 }
 
 /// The phase, and completions in flight, from every instant either changes on: one sweep over the
-/// service's requests (arrival, first data, end), its readiness and its marks.
-fn timeline(model: &Model, service: &Service) -> Vec<(u64, Phase, usize)> {
+/// service's requests (arrival, first data, end), its readiness and its marks (those that name a
+/// phase).
+fn timeline(service: &Service, requests: &[&Request], mut marks: Vec<(u64, Phase)>) -> Vec<(u64, Phase, usize)> {
     // (ts, change in prefill, change in decode)
     let mut changes: Vec<(u64, i64, i64)> = Vec::new();
-    for r in model.requests.iter().filter(|r| is_completion(r) && service.pids.contains(&r.pid)) {
+    for r in requests.iter().filter(|r| is_completion(r)) {
         let end = r.ended.unwrap_or(u64::MAX);
         match r.first_data_at.filter(|&d| d < end) {
             Some(data) => changes.extend([(r.arrived, 1, 0), (data, -1, 1), (end, 0, -1)]),
             None => changes.extend([(r.arrived, 1, 0), (end, -1, 0)]),
         }
     }
-    let marks: Vec<(u64, Option<Phase>)> =
-        model.marks.iter().filter(|(_, pid, _)| service.pids.contains(pid)).map(|(t, _, p)| (*t, Phase::parse(p))).collect();
+    // In time order: the latest at or before an instant is a search.
+    marks.sort_by_key(|m| m.0);
     let mut edges: Vec<u64> = changes.iter().map(|c| c.0).chain(marks.iter().map(|m| m.0)).chain(service.ready_at).collect();
     edges.push(0);
     edges.sort();
@@ -177,7 +200,10 @@ fn timeline(model: &Model, service: &Service) -> Vec<(u64, Phase, usize)> {
             decode += changes[next].2;
             next += 1;
         }
-        let marked = marks.iter().rev().find(|(mt, p)| *mt <= t && p.is_some()).and_then(|(_, p)| *p);
+        let marked = match marks.partition_point(|(mt, _)| *mt <= t) {
+            0 => None,
+            i => Some(marks[i - 1].1),
+        };
         let inferred = if service.ready_at.is_none_or(|ready| t < ready) {
             Phase::Load
         } else if prefill > 0 {

@@ -411,3 +411,17 @@ fn a_holder_that_came_after_the_start_is_seen_in_the_samples() {
     assert_eq!(d.fix.fields["kill"], 777);
     assert!(d.fix.text.contains("other-server --port 9000"), "its command from the sample that first named it: {}", d.fix.text);
 }
+
+/// A trace of 150 failed allocations: the first 100 are diagnosed one by one, the rest counted.
+#[test]
+fn failures_past_the_first_hundred_are_counted() {
+    let mut t = Trace::vllm(16 * GIB);
+    for i in 0..150 {
+        t.alloc(10 * MS + i, ENGINE, 70 * GIB, 0x51);
+    }
+    t.0.sort_by_key(|r| r.ts);
+    let model = Model::from_records(&t.0);
+    let report = crate::report::Report::new(&header(80 * GIB, &[]), &model, String::new(), 0, crate::report::Loss::default(), 0);
+    assert_eq!((report.diagnoses.len(), report.failures_not_diagnosed), (100, 50));
+    assert!(report.text().contains("and 50 more failures"), "{}", report.text());
+}

@@ -3,6 +3,10 @@
 //! exit, in every process that shares it after fork).
 
 use super::{File, FileId, FreedBy, Model};
+
+/// NVIDIA fds followed across every process at once: far above what real workloads hold, and
+/// what keeps a crafted trace (every fork copying thousands) from using unbounded memory.
+const MAX_FD_REFS: usize = 1 << 20;
 use crate::event::{Device, Seen};
 
 #[derive(Clone, Copy, Debug)]
@@ -21,8 +25,15 @@ impl Model {
         if seen != Seen::Forked {
             return;
         }
-        // fork copies the fd table: every NVIDIA file gains a reference.
+        // fork copies the fd table: every NVIDIA file gains a reference. A trace can make every
+        // fork copy thousands (real processes hold a handful): past MAX_FD_REFS held in all, the
+        // copy is not followed, and that is counted.
         if let Some(fds) = inherited {
+            if self.fd_refs.saturating_add(fds.len()) > MAX_FD_REFS {
+                self.fd_refs_dropped = self.fd_refs_dropped.saturating_add(fds.len() as u64);
+                return;
+            }
+            self.fd_refs += fds.len();
             for f in fds.values() {
                 if let Some(file) = self.files.get_mut(&f.file) {
                     file.refs += 1;
@@ -96,6 +107,11 @@ impl Model {
         if self.processes.get(&pid).is_some_and(|p| p.fds.contains_key(&fd)) {
             self.close_fd(pid, fd, ts);
         }
+        if self.fd_refs >= MAX_FD_REFS {
+            self.fd_refs_dropped = self.fd_refs_dropped.saturating_add(1);
+            return;
+        }
+        self.fd_refs += 1;
         self.process(pid, ts).fds.insert(fd, FdRef { file, cloexec });
         if let Some(f) = self.files.get_mut(&file) {
             f.refs += 1;
@@ -106,6 +122,7 @@ impl Model {
         let Some(fd_ref) = self.processes.get_mut(&pid).and_then(|p| p.fds.remove(&fd)) else {
             return;
         };
+        self.fd_refs = self.fd_refs.saturating_sub(1);
         let Some(file) = self.files.get_mut(&fd_ref.file) else { return };
         file.refs = file.refs.saturating_sub(1);
         if file.refs == 0 && file.released.is_none() {

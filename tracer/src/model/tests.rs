@@ -327,3 +327,20 @@ fn allocations_belong_to_their_devices_gpu() {
     assert_eq!(model.failures[0].gpu, Some(2));
     assert_eq!(model.allocations[1].gpu, None, "under a parent never seen: the GPU cannot be told");
 }
+
+/// A crafted trace: one process with a thousand device fds forks 1,100 times. Every fork copying
+/// them all would be 1.1 million entries: past a million held, copies are counted, not kept.
+#[test]
+fn a_fork_storm_stays_bounded_and_says_so() {
+    let mut t = vec![process(1, 10, 1, Seen::Launched)];
+    for fd in 0..1000 {
+        t.push(open(2, 10, 3 + fd, 1, Device::Ctl, false));
+    }
+    for child in 0..1100 {
+        t.push(process(3, 1000 + child, 10, Seen::Forked));
+    }
+    let model = Model::from_records(&t);
+    assert!(model.fd_refs <= 1 << 20, "{}", model.fd_refs);
+    assert!(model.fd_refs_dropped >= 1000, "copies past the bound are counted: {}", model.fd_refs_dropped);
+    assert_eq!(model.processes[&1005].fds.len(), 1000, "copies below the bound are kept");
+}
