@@ -122,11 +122,14 @@ fn touch_host(mib: u64, keep: &mut Vec<Vec<u8>>) {
 static ENGINE: AtomicI32 = AtomicI32::new(0);
 
 extern "C" fn on_sigterm(_: libc::c_int) {
-    // SAFETY: kill and _exit are async-signal-safe.
+    // SAFETY: kill, waitpid and _exit are async-signal-safe.
     unsafe {
         let engine = ENGINE.load(Ordering::SeqCst);
         if engine > 0 {
             libc::kill(engine, libc::SIGTERM);
+            // A graceful shutdown waits for the engine (vLLM's does): its GPU memory is freed
+            // before the server is gone.
+            libc::waitpid(engine, std::ptr::null_mut(), 0);
         }
         libc::_exit(0);
     }
