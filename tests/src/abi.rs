@@ -20,9 +20,11 @@ pub struct Abi {
 impl Abi {
     pub fn for_version(version: &str) -> Abi {
         let mut parts = version.split('.').map(|p| p.parse::<u32>().unwrap_or(0));
-        let (major, minor) = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+        let version = (parts.next().unwrap_or(0), parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+        let major = version.0;
         let old = major < 535;
-        let big_uvm = major > 550 || (major == 550 && minor >= 54);
+        // UVM_MAX_GPUS went from 32 to 256 in 550.40.53 (uvm_ioctl.h).
+        let big_uvm = version >= (550, 40, 53);
         Abi {
             major,
             nvos21_status: if old { 24 } else { 28 },
@@ -78,6 +80,7 @@ pub mod class {
     pub const SUBDEVICE: u32 = 0x2080;
     pub const SYSTEM: u32 = 0x3e;
     pub const LOCAL_USER: u32 = 0x40;
+    pub const MEMORY_VIRTUAL: u32 = 0x70;
     pub const OS_DESCRIPTOR: u32 = 0x71;
     pub const NV50_MEMORY_VIRTUAL: u32 = 0x50a0;
     pub const VASPACE: u32 = 0x90f1;

@@ -65,6 +65,9 @@ struct OpenFile {
     uvm_ready: bool,
     /// UVM ranges by base: (length, memory id when the range holds memory of its own).
     ranges: HashMap<u64, (u64, Option<u64>)>,
+    /// RM memory mapped into this file's ranges: (base of the mapping, memory id). Each holds a
+    /// reference, as uvm_map_external.c's duplicate of the memory object does.
+    maps: Vec<(u64, u64)>,
 }
 
 pub struct Config {
@@ -437,7 +440,17 @@ impl Driver {
                 new = self.new_object_handle();
                 put32(p, 8, new);
             }
-            let kind = if hclass == class::LOCAL_USER || (flags >> 8) & 0xf == 2 { Kind::Video } else { Kind::System };
+            // As rmapi_deprecated_allocmemory.c: system memory or pinned pages (in video memory
+            // when the flags say so), address space; of LOCAL_USER only a mapping, no memory.
+            let kind = match hclass {
+                class::SYSTEM | class::OS_DESCRIPTOR if (flags >> 8) & 0xf == 2 => Kind::Video,
+                class::SYSTEM | class::OS_DESCRIPTOR => Kind::System,
+                class::MEMORY_VIRTUAL => Kind::Virtual,
+                _ => {
+                    self.insert_object(root, new, parent, None, None);
+                    return Ok(());
+                }
+            };
             let gpu = self.gpu_under(root, parent);
             let id = self.take(caller, (root, new, hclass), kind, gpu, limit + 1, "rm_alloc_memory")?;
             self.insert_object(root, new, parent, Some(id), None);
@@ -548,15 +561,25 @@ impl Driver {
             uvm::MAP_EXTERNAL_ALLOCATION => {
                 let tail = p.len() - 16;
                 let (client, memory) = (get32(p, tail + 4), get32(p, tail + 8));
-                let known = self.clients.get(&client).and_then(|c| c.objects.get(&memory)).is_some_and(|o| o.memory.is_some());
-                if known {
-                    Ok(())
-                } else {
-                    Err(status::INVALID_OBJECT_HANDLE)
+                let id = self.clients.get(&client).and_then(|c| c.objects.get(&memory)).and_then(|o| o.memory);
+                let id = id.ok_or(status::INVALID_OBJECT_HANDLE)?;
+                let file = self.files.get_mut(&fh).ok_or(status::INVALID_ARGUMENT)?;
+                file.maps.push((base, id));
+                if let Some(m) = self.memory.get_mut(&id) {
+                    m.handles += 1;
                 }
+                Ok(())
             }
             uvm::FREE => {
-                let range = self.files.get_mut(&fh).and_then(|f| f.ranges.remove(&base)).ok_or(status::INVALID_ARGUMENT)?;
+                let file = self.files.get_mut(&fh).ok_or(status::INVALID_ARGUMENT)?;
+                let range = file.ranges.remove(&base).ok_or(status::INVALID_ARGUMENT)?;
+                // The range goes with every mapping in it.
+                let end = base.saturating_add(range.0.max(1));
+                let (unmapped, kept): (Vec<_>, Vec<_>) = file.maps.drain(..).partition(|(b, _)| (base..end).contains(b));
+                file.maps = kept;
+                for (_, id) in unmapped {
+                    self.drop_handle(caller, id, "unmapped");
+                }
                 if let Some(id) = range.1 {
                     self.drop_handle(caller, id, "explicit");
                 }
@@ -584,7 +607,7 @@ impl Files for Driver {
     fn open(&mut self, caller: Caller, inode: u64) -> u64 {
         let fh = self.next_fh;
         self.next_fh += 1;
-        self.files.insert(fh, OpenFile { inode, uvm_ready: false, ranges: HashMap::new() });
+        self.files.insert(fh, OpenFile { inode, uvm_ready: false, ranges: HashMap::new(), maps: Vec::new() });
         self.open_files.fetch_add(1, Ordering::SeqCst);
         self.record(caller, DriverOp::Open { device: device_name(inode), handle: fh });
         fh
@@ -625,7 +648,7 @@ impl Files for Driver {
         for client in clients {
             self.free_client(caller, client, "release");
         }
-        let mut ids: Vec<u64> = file.ranges.values().filter_map(|(_, m)| *m).collect();
+        let mut ids: Vec<u64> = file.ranges.values().filter_map(|(_, m)| *m).chain(file.maps.iter().map(|(_, id)| *id)).collect();
         ids.sort();
         for id in ids {
             self.drop_handle(caller, id, "release");
@@ -822,6 +845,40 @@ mod tests {
             })
             .collect();
         assert_eq!(gpus, vec![Some(1), Some(0), Some(1)], "the log says which GPU each allocation asked of");
+    }
+
+    /// A UVM mapping holds the memory it maps: RM_FREE of the handle leaves it allocated until
+    /// UVM_FREE of the range (as uvm_map_external.c's duplicate of the memory object does).
+    #[test]
+    fn a_uvm_mapping_keeps_memory_after_its_handle_is_freed() {
+        let mut rig = Rig::new("580.95.05", 8 * GIB);
+        let client = rig.client();
+        let (device, _) = rig.alloc(client, client, class::DEVICE, 0);
+        let (memory, _) = rig.alloc(client, device, class::LOCAL_USER, GIB);
+        let uvm = rig.driver.open(me(), UVM_INODE);
+        let call =
+            |rig: &mut Rig, cmd: u32, p: &mut [u8]| assert_eq!(rig.driver.ioctl(me(), uvm, cmd, p.as_mut_ptr() as u64, &[], 0).result, 0);
+        call(&mut rig, uvm::INITIALIZE, &mut [0u8; 16]);
+        let mut range = [0u8; 24];
+        put64(&mut range, 0, 0x7f00_0000_0000);
+        put64(&mut range, 8, GIB);
+        call(&mut rig, uvm::CREATE_EXTERNAL_RANGE, &mut range);
+        let size = rig.abi.uvm_map_external_size;
+        let mut map = vec![0u8; size];
+        put64(&mut map, 0, 0x7f00_0000_0000);
+        put64(&mut map, 8, GIB);
+        put32(&mut map, size - 12, client);
+        put32(&mut map, size - 8, memory);
+        call(&mut rig, uvm::MAP_EXTERNAL_ALLOCATION, &mut map);
+        assert_eq!(get32(&map, size - 4), status::OK);
+        assert_eq!(rig.free(client, memory), status::OK);
+        assert_eq!(rig.driver.video_used[0], GIB, "still mapped");
+        let mut free = vec![0u8; rig.abi.uvm_free_size];
+        put64(&mut free, 0, 0x7f00_0000_0000);
+        call(&mut rig, uvm::FREE, &mut free);
+        assert_eq!(rig.driver.video_used[0], 0, "gone with its range");
+        assert!(rig.frees().contains(&(memory, "unmapped".into())));
+        rig.driver.release(me(), uvm);
     }
 
     /// Every presented version writes status where that version's layout has it.

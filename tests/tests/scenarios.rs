@@ -254,7 +254,7 @@ fn exports_are_well_formed(o: &Outcome, what: &str) {
         }
         assert_eq!(fields + 1, 13, "{what}: {row}");
         let freed_by = row.rsplit(',').nth(1).unwrap();
-        assert!(["explicit", "subtree", "file_release", "never", "failed"].contains(&freed_by), "{what}: {row}");
+        assert!(["explicit", "subtree", "file_release", "unmapped", "never", "failed"].contains(&freed_by), "{what}: {row}");
     }
 }
 

@@ -62,9 +62,10 @@ pub struct Layout {
     pub nvos64_status: usize,
     /// NV_MEMORY_ALLOCATION_PARAMS: 120 bytes before 545, 128 after (size@64 and attr@24 never move).
     pub memory_params_size: u32,
-    /// UVM_MAP_EXTERNAL_ALLOCATION: 1200 bytes (UVM_MAX_GPUS 32) before 550.54.14, 9264 after.
+    /// UVM_MAP_EXTERNAL_ALLOCATION: 1200 bytes (UVM_MAX_GPUS 32) before 550.40.53, 9264 from it
+    /// (uvm_ioctl.h of the open kernel modules at that tag).
     pub uvm_map_external_size: u32,
-    /// UVM_ALLOC_SEMAPHORE_POOL: 1184 bytes before 550.54.14, 9248 after.
+    /// UVM_ALLOC_SEMAPHORE_POOL: 1184 bytes before 550.40.53, 9248 from it.
     pub uvm_semaphore_pool_size: u32,
     /// UVM_FREE: 24 bytes (base, length, status) before 590, 16 (base, status) from 590.
     pub uvm_free_size: u32,
@@ -87,7 +88,7 @@ impl Layout {
         } else {
             (24, 40, 32)
         };
-        let big_uvm = at_least(550, 54, 14);
+        let big_uvm = at_least(550, 40, 53);
         Layout {
             nvos21_status,
             nvos64_size,
@@ -119,7 +120,6 @@ impl Layout {
             class::LOCAL_USER | class::SYSTEM | class::NV50_MEMORY_VIRTUAL => Some(self.memory_params_size),
             class::MEMORY_VIRTUAL => Some(24),
             class::OS_DESCRIPTOR => Some(40),
-            class::LOCAL_PHYSICAL => Some(24),
             class::MEMORY_FABRIC => Some(48),
             class::DEVICE => Some(4),
             _ => None,
@@ -152,8 +152,7 @@ pub mod class {
     pub const CONTEXT_SHARE: u32 = 0x9067;
 
     /// Classes whose params the kernel side copies.
-    pub const WITH_PARAMS: [u32; 8] =
-        [LOCAL_USER, SYSTEM, NV50_MEMORY_VIRTUAL, MEMORY_VIRTUAL, OS_DESCRIPTOR, LOCAL_PHYSICAL, MEMORY_FABRIC, DEVICE];
+    pub const WITH_PARAMS: [u32; 7] = [LOCAL_USER, SYSTEM, NV50_MEMORY_VIRTUAL, MEMORY_VIRTUAL, OS_DESCRIPTOR, MEMORY_FABRIC, DEVICE];
 
     /// escape.c turns an RM_ALLOC of any of these into a new client.
     pub fn is_client(class: u32) -> bool {
@@ -254,8 +253,6 @@ pub mod offsets {
     pub const VIRT_LIMIT: usize = 8;
     // NV_OS_DESC_MEMORY_ALLOCATION_PARAMS (0x71): limit@24
     pub const OS_DESC_LIMIT: usize = 24;
-    // NV_PHYSICAL_MEMORY_ALLOCATION_PARAMS (0xc2): memSize@0
-    pub const PHYS_SIZE: usize = 0;
     // NV00F8 (fabric): allocSize@8
     pub const FABRIC_SIZE: usize = 8;
     // NVOS32_ATTR LOCATION, bits 26:25
@@ -302,6 +299,7 @@ mod tests {
         assert_eq!((v535.uvm_map_external_size, v535.uvm_semaphore_pool_size, v535.uvm_free_size), (1200, 1184, 24));
         assert_eq!(l(545, 23, 6).memory_params_size, 128);
         assert_eq!(l(550, 40, 7).uvm_map_external_size, 1200);
+        assert_eq!(l(550, 40, 53).uvm_map_external_size, 9264, "the cutoff is 550.40.53");
         let v550 = l(550, 54, 14);
         assert_eq!((v550.uvm_map_external_size, v550.uvm_semaphore_pool_size), (9264, 9248));
         assert_eq!(l(580, 95, 5).uvm_free_size, 24);

@@ -300,7 +300,9 @@ fn decode_rm_alloc(layout: &Layout, raw: &RawIoctl, p: &Fields, size: u32) -> Op
     let hclass = p.u32(o::ALLOC_CLASS)?;
     let status = status_or_errno(raw, p.u32(status_at)?);
     let memory = match hclass {
-        class::LOCAL_USER | class::LOCAL_PHYSICAL => Memory::Video,
+        // LOCAL_PHYSICAL "does not allocate ANY framebuffer memory": a linear mapping of all of
+        // it (phys_mem.c). An object, not memory.
+        class::LOCAL_USER => Memory::Video,
         class::SYSTEM | class::OS_DESCRIPTOR => Memory::System,
         class::NV50_MEMORY_VIRTUAL | class::MEMORY_VIRTUAL | class::MEMORY_FABRIC | class::MULTICAST_FABRIC => Memory::Virtual,
         _ => {
@@ -315,7 +317,6 @@ fn decode_rm_alloc(layout: &Layout, raw: &RawIoctl, p: &Fields, size: u32) -> Op
         class::LOCAL_USER | class::SYSTEM | class::NV50_MEMORY_VIRTUAL => c.u64(o::MEM_SIZE),
         class::MEMORY_VIRTUAL => c.u64(o::VIRT_LIMIT).map(|l| l.wrapping_add(1)),
         class::OS_DESCRIPTOR => c.u64(o::OS_DESC_LIMIT).map(|l| l.wrapping_add(1)),
-        class::LOCAL_PHYSICAL => c.u64(o::PHYS_SIZE),
         class::MEMORY_FABRIC => c.u64(o::FABRIC_SIZE),
         _ => None,
     };
@@ -381,13 +382,24 @@ fn decode_vid_heap(raw: &RawIoctl, p: &Fields) -> Option<Event> {
     }
 }
 
+/// RM_ALLOC_MEMORY (the deprecated path, rmapi_deprecated_allocmemory.c): system memory (0x3e,
+/// or pinned pages described by 0x71), or address space (0x70). Of LOCAL_USER it allocates no
+/// memory but a mapping of the whole framebuffer (the X driver asks for it), of
+/// LOCAL_PRIVILEGED a 4 GiB window with none: objects, like any class not known to be memory,
+/// never counted as the size of the card.
 fn decode_alloc_memory(raw: &RawIoctl, p: &Fields) -> Option<Event> {
     let hclass = p.u32(o::NVOS02_CLASS)?;
     let flags = p.u32(o::NVOS02_FLAGS)?;
+    let vidmem = (flags >> o::NVOS02_LOCATION_SHIFT) & 0xf == o::NVOS02_LOCATION_VIDMEM;
     let memory = match hclass {
-        class::LOCAL_USER | class::LOCAL_PRIVILEGED => Memory::Video,
-        class::SYSTEM | class::OS_DESCRIPTOR if (flags >> o::NVOS02_LOCATION_SHIFT) & 0xf == o::NVOS02_LOCATION_VIDMEM => Memory::Video,
-        _ => Memory::System,
+        class::SYSTEM | class::OS_DESCRIPTOR if vidmem => Memory::Video,
+        class::SYSTEM | class::OS_DESCRIPTOR => Memory::System,
+        class::MEMORY_VIRTUAL => Memory::Virtual,
+        _ => {
+            let (client, parent, object) = (p.u32(o::NVOS02_ROOT)?, p.u32(o::NVOS02_PARENT)?, p.u32(o::NVOS02_NEW)?);
+            let status = status_or_errno(raw, p.u32(o::NVOS02_STATUS)?);
+            return Some(Event::Object { fd: raw.fd, client, parent, object, class: hclass, status, gpu: None });
+        }
     };
     Some(Event::Alloc(Alloc {
         fd: raw.fd,

@@ -34,6 +34,10 @@ pub enum FreedBy {
     /// Its handle or UVM range was handed out again, which the driver does only after a free:
     /// that free is not in the trace (lost records, a reused pid).
     Unseen,
+    /// Its handles were freed while a UVM mapping still held it (cuMemRelease while mapped, as
+    /// VMM allocators do): the driver freed it with the mapping, at UVM_FREE of its range (at the
+    /// release of the UVM file it is `FileRelease`).
+    Unmapped,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -206,6 +210,9 @@ pub struct Model {
     handle_refs: HashMap<AllocId, u32>,
     /// UVM ranges by (file, base).
     uvm_ranges: HashMap<(FileId, u64), AllocId>,
+    /// RM memory mapped into UVM (UVM_MAP_EXTERNAL_ALLOCATION): the mapping holds a reference
+    /// on it until its range goes. (file, base of the mapping) -> the memory.
+    uvm_maps: Vec<(FileId, u64, AllocId)>,
     /// Synthesised file ids for fds first seen by an ioctl with no Open/FdFound before it.
     next_orphan_file: FileId,
     /// Followed connections (by name) and the request open on each.
@@ -234,6 +241,7 @@ impl Model {
     pub fn check_books(&self) -> Result<(), String> {
         let mut referenced: HashSet<AllocId> = self.clients.values().flat_map(|c| c.objects.values().filter_map(|o| o.alloc)).collect();
         referenced.extend(self.uvm_ranges.values().copied());
+        referenced.extend(self.uvm_maps.iter().map(|m| m.2));
         for (id, a) in self.allocations.iter().enumerate() {
             match (a.freed.is_none(), referenced.contains(&id)) {
                 (true, false) => return Err(format!("allocation {id} ({} B, pid {}) is live with no handle left", a.bytes, a.pid)),
@@ -339,7 +347,8 @@ impl Model {
             Event::DupObject { fd, client, parent, object, src_client, src_object, .. } => {
                 self.on_dup_object(pid, ts, *fd, (*client, *parent, *object), (*src_client, *src_object))
             }
-            Event::RegisterFd { .. } | Event::UvmMap { .. } => {}
+            Event::RegisterFd { .. } => {}
+            Event::UvmMap { fd, base, client, memory, .. } => self.on_uvm_map(pid, ts, *fd, *base, (*client, *memory)),
             Event::UvmFree { fd, base, .. } => self.on_uvm_free(pid, ts, *fd, *base),
             Event::Undecodable { .. } => self.undecodable += 1,
             Event::Lost { records } => add(&mut self.lost_records, *records),

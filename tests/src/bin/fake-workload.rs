@@ -11,7 +11,10 @@
 //! - `pass-fd`: sends its device files over a unix socket (SCM_RIGHTS) to a process it starts,
 //!   which allocates on them; the sender exits first, the receiver keeps everything alive;
 //! - `hold --ms N`: allocates 2 GiB, waits N ms (attach a recorder then), allocates 1 GiB, frees
-//!   the first, and exits holding the second.
+//!   the first, and exits holding the second;
+//! - `vmm --ms N`: as VMM allocators do (PyTorch expandable segments, NCCL, vLLM's cumem), maps
+//!   memory into UVM, releases its handle while it is mapped (cuMemRelease), waits N ms, then
+//!   unmaps it (UVM_FREE of the range): only then does the driver free it.
 use std::fs::File;
 use std::io::Write;
 use std::os::fd::AsRawFd;
@@ -73,6 +76,17 @@ fn paths(truth: &mut Truth) -> Result<(), String> {
     truth.note("free", "UvmFree", 2 * MIB, 0, 0);
     // weights and the dup'ed kv are left for the driver to free when the files are released.
     let _ = weights;
+    Ok(())
+}
+
+fn vmm(truth: &mut Truth, ms: u64) -> Result<(), String> {
+    let mut gpu = Gpu::open(0)?;
+    let segment = truth.alloc(&mut gpu, Path::RmAlloc, 4 * GIB).ok_or("RmAlloc failed")?;
+    gpu.free_handle(segment.handle, false).map_err(|s| format!("free: {s:#x}"))?;
+    truth.note("release_mapped", "RmFree", segment.bytes, segment.handle, 0);
+    std::thread::sleep(std::time::Duration::from_millis(ms));
+    gpu.free_range(segment.va.ok_or("no range")?).map_err(|s| format!("uvm free: {s:#x}"))?;
+    truth.note("free", "UvmFree", segment.bytes, segment.handle, 0);
     Ok(())
 }
 
@@ -255,9 +269,10 @@ fn main() -> ExitCode {
         Some("pass-fd") => pass_fd(&mut truth),
         Some("receive") => receive(&mut truth, value("--socket").and_then(|v| v.parse().ok()).unwrap_or(-1)),
         Some("hold") => hold(&mut truth, value("--ms").and_then(|v| v.parse().ok()).unwrap_or(1000)),
+        Some("vmm") => vmm(&mut truth, value("--ms").and_then(|v| v.parse().ok()).unwrap_or(300)),
         Some("oom") => oom(&mut truth, value("--bytes").and_then(|v| parse_bytes(&v)).unwrap_or(1 << 40)),
         _ => Err(
-            "usage: fake-workload paths|fork-holder|storm|oom|hold|pass-fd [--truth FILE] [--hold-ms N] [--count N] [--bytes B] [--ms N]"
+            "usage: fake-workload paths|fork-holder|storm|oom|hold|vmm|pass-fd [--truth FILE] [--hold-ms N] [--count N] [--bytes B] [--ms N]"
                 .into(),
         ),
     };

@@ -86,11 +86,10 @@ fn rm_alloc_nvos64_every_variant() {
 #[test]
 fn rm_alloc_sizes_every_memory_class() {
     let l = layout(580, 95, 5);
-    let cases: [(u32, Vec<u8>, Memory, u64); 6] = [
+    let cases: [(u32, Vec<u8>, Memory, u64); 5] = [
         (0x50a0, memory_params(&l, 1 << 30), Memory::Virtual, 1 << 30),
         (0x70, Buf::new(24).u64(8, 0x1ffffffffffff).0, Memory::Virtual, 0x2000000000000),
         (0x71, Buf::new(40).u64(24, 65535).0, Memory::System, 65536),
-        (0xc2, Buf::new(24).u64(0, 2 << 20).0, Memory::Video, 2 << 20),
         (0xf8, Buf::new(48).u64(8, 512 << 20).0, Memory::Virtual, 512 << 20),
         (0x40, memory_params(&l, 7), Memory::Video, 7),
     ];
@@ -166,6 +165,24 @@ fn rm_alloc_memory_is_limit_plus_one() {
         Buf::new(56).u32(0, 1).u32(4, 2).u32(8, 3).u32(12, 0x71).u64(24, 0x7f0000000000).u64(32, (64 << 20) - 1).u32(40, 0).u32(48, 5);
     let a = alloc(decode_ioctl(&l, &rm(escape::RM_ALLOC_MEMORY, params, vec![])));
     assert_eq!((a.via, a.memory, a.bytes, a.object), (Via::RmAllocMemory, Memory::System, 64 << 20, 3));
+}
+
+/// What is not memory is never counted as memory: RM_ALLOC of LOCAL_PHYSICAL (a mapping of the
+/// whole framebuffer) and RM_ALLOC_MEMORY of LOCAL_USER (the same), LOCAL_PRIVILEGED or a class not
+/// known are objects; RM_ALLOC_MEMORY of MEMORY_VIRTUAL is address space.
+#[test]
+fn objects_that_are_not_memory_count_nothing() {
+    let l = layout(580, 95, 5);
+    let physical = decode_ioctl(&l, &rm(escape::RM_ALLOC, Buf::new(48).u32(8, 9).u32(12, 0xc2), Buf::new(24).u64(0, 80 << 30).0));
+    assert!(matches!(physical, Some(Event::Object { class: 0xc2, object: 9, .. })), "{physical:?}");
+    for hclass in [0x40, 0x3f, 0x1234] {
+        let params = Buf::new(56).u32(0, 1).u32(4, 2).u32(8, 3).u32(12, hclass).u64(32, (80 << 30) - 1);
+        let event = decode_ioctl(&l, &rm(escape::RM_ALLOC_MEMORY, params, vec![]));
+        assert!(matches!(event, Some(Event::Object { object: 3, .. })), "class {hclass:#x}: {event:?}");
+    }
+    let params = Buf::new(56).u32(0, 1).u32(4, 2).u32(8, 3).u32(12, 0x70).u64(32, (1 << 40) - 1);
+    let a = alloc(decode_ioctl(&l, &rm(escape::RM_ALLOC_MEMORY, params, vec![])));
+    assert_eq!((a.memory, a.bytes), (Memory::Virtual, 1 << 40));
 }
 
 #[test]

@@ -13,6 +13,7 @@ fn freed_by(f: Option<(u64, FreedBy)>) -> &'static str {
         Some(FreedBy::Subtree) => "subtree",
         Some(FreedBy::FileRelease) => "file_release",
         Some(FreedBy::Unseen) => "unseen",
+        Some(FreedBy::Unmapped) => "unmapped",
         None => "never",
     }
 }

@@ -137,6 +137,7 @@ impl Model {
         for client in clients {
             self.free_client(client, ts, FreedBy::FileRelease);
         }
+        self.unmap(ts, FreedBy::FileRelease, |f, _| f == file);
         let ranges: Vec<(FileId, u64)> = self.uvm_ranges.keys().filter(|(f, _)| *f == file).copied().collect();
         for key in ranges {
             if let Some(id) = self.uvm_ranges.remove(&key) {

@@ -94,10 +94,35 @@ impl Model {
         self.insert_object(client, pid, fd, ts, object, Object { parent, alloc, gpu });
     }
 
+    /// UVM_MAP_EXTERNAL_ALLOCATION: the mapping duplicates the RM memory object and keeps it
+    /// until the range is destroyed (uvm_map_external.c), whatever RM_FREE does meanwhile.
+    pub(super) fn on_uvm_map(&mut self, pid: u32, ts: u64, fd: i32, base: u64, (client, memory): (u32, u32)) {
+        let Some(id) = self.clients.get(&client).and_then(|c| c.objects.get(&memory)).and_then(|o| o.alloc) else { return };
+        let Some(file) = self.file_of(pid, fd, ts) else { return };
+        *self.handle_refs.entry(id).or_default() += 1;
+        self.uvm_maps.push((file, base, id));
+    }
+
+    /// UVM_FREE: destroys the range at `base` and every mapping in it.
     pub(super) fn on_uvm_free(&mut self, pid: u32, ts: u64, fd: i32, base: u64) {
-        let file = self.file_of(pid, fd, ts);
-        if let Some(id) = file.and_then(|f| self.uvm_ranges.remove(&(f, base))) {
+        let Some(file) = self.file_of(pid, fd, ts) else { return };
+        let range = self.uvm_ranges.remove(&(file, base));
+        // A mapping lies in the range it was made in; with the range unknown (created before
+        // tracing), the mappings at its base.
+        let end = range.map_or(base.saturating_add(1), |id| base.saturating_add(self.allocations[id].bytes.max(1)));
+        self.unmap(ts, FreedBy::Unmapped, |f, b| f == file && (base..end).contains(&b));
+        if let Some(id) = range {
             self.release(id, ts, FreedBy::Explicit);
+        }
+    }
+
+    /// Drops the mappings `which` selects, each releasing the memory (as `how` says) if it was its
+    /// last reference.
+    pub(super) fn unmap(&mut self, ts: u64, how: FreedBy, which: impl Fn(FileId, u64) -> bool) {
+        let (gone, kept): (Vec<_>, Vec<_>) = self.uvm_maps.drain(..).partition(|(f, b, _)| which(*f, *b));
+        self.uvm_maps = kept;
+        for (_, _, id) in gone {
+            self.drop_handle(id, ts, how);
         }
     }
 

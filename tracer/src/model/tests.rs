@@ -344,3 +344,53 @@ fn a_fork_storm_stays_bounded_and_says_so() {
     assert!(model.fd_refs_dropped >= 1000, "copies past the bound are counted: {}", model.fd_refs_dropped);
     assert_eq!(model.processes[&1005].fds.len(), 1000, "copies below the bound are kept");
 }
+
+/// cuMemRelease while mapped (VMM allocators): RM_FREE of the handle does not free memory a UVM
+/// mapping holds; UVM_FREE of its range does, or the release of the UVM file. Unmapped first,
+/// the handle's free is the one that frees it.
+#[test]
+fn memory_mapped_into_uvm_lives_until_its_range_goes() {
+    let map =
+        |ts, base, object| rec(ts, 10, Event::UvmMap { fd: 5, base, length: GIB, offset: 0, client: CLIENT, memory: object, status: 0 });
+    let range = |ts, base| {
+        let a = Alloc {
+            fd: 5,
+            via: Via::UvmCreateExternalRange,
+            memory: Memory::Virtual,
+            bytes: 2 * GIB,
+            status: 0,
+            client: 0,
+            parent: 0,
+            object: 0,
+            class: 0,
+            base: Some(base),
+            errno: None,
+        };
+        rec(ts, 10, Event::Alloc(a))
+    };
+    let mut t = setup(10, false);
+    t.push(open(5, 10, 5, 9, Device::Uvm, false));
+    t.push(alloc(6, 10, 3, DEVICE, 0xa, GIB, 0));
+    t.push(range(7, 0x10_0000));
+    t.push(map(8, 0x10_0000 + GIB, 0xa));
+    t.push(free(9, 10, 0xa));
+    let m = Model::from_records(&t);
+    assert_eq!(freed(&m, 0xa), None, "released, still mapped");
+    assert_eq!(m.check_books(), Ok(()));
+    let mut unmapped = t.clone();
+    unmapped.push(rec(10, 10, Event::UvmFree { fd: 5, base: 0x10_0000, status: 0 }));
+    assert_eq!(freed(&Model::from_records(&unmapped), 0xa), Some((10, FreedBy::Unmapped)), "the mapping lay in the range freed");
+    let mut closed = t.clone();
+    closed.push(rec(11, 10, Event::Close { fd: 5 }));
+    assert_eq!(freed(&Model::from_records(&closed), 0xa), Some((11, FreedBy::FileRelease)), "the UVM file's release");
+    // The other order: unmapped first, then the handle's free frees it.
+    let mut t = setup(10, false);
+    t.push(open(5, 10, 5, 9, Device::Uvm, false));
+    t.push(alloc(6, 10, 3, DEVICE, 0xa, GIB, 0));
+    t.push(range(7, 0x10_0000));
+    t.push(map(8, 0x10_0000, 0xa));
+    t.push(rec(9, 10, Event::UvmFree { fd: 5, base: 0x10_0000, status: 0 }));
+    assert_eq!(freed(&Model::from_records(&t), 0xa), None);
+    t.push(free(10, 10, 0xa));
+    assert_eq!(freed(&Model::from_records(&t), 0xa), Some((10, FreedBy::Explicit)));
+}
