@@ -62,6 +62,10 @@ struct Client {
 
 struct OpenFile {
     inode: u64,
+    /// The process that opened it.
+    opener: u32,
+    /// A /dev/nvidiaN file's nvidiactl file (REGISTER_FD), held open until this one goes.
+    registered_ctl: Option<u64>,
     uvm_ready: bool,
     /// UVM ranges by base: (length, memory id when the range holds memory of its own).
     ranges: HashMap<u64, (u64, Option<u64>)>,
@@ -101,6 +105,8 @@ pub struct Driver {
     unified: bool,
     /// Where the fake NVML reads the device's figures.
     state_path: Option<std::path::PathBuf>,
+    /// nvidiactl files released by the kernel while a registered device file still holds them.
+    held_ctl: HashSet<u64>,
 }
 
 fn device_name(inode: u64) -> String {
@@ -155,6 +161,7 @@ impl Driver {
             open_files: Arc::new(AtomicUsize::new(0)),
             unified: config.unified,
             state_path: None,
+            held_ctl: HashSet::new(),
         })
     }
 
@@ -499,6 +506,7 @@ impl Driver {
             (esc::RM_DUP_OBJECT, 28) if on_ctl => self.dup(p),
             (esc::RM_CONTROL, 32) if on_ctl => put32(p, 28, status::OK),
             (esc::RM_ALLOC_MEMORY, 56) if inode >= GPU_INODES => self.alloc_memory(caller, p),
+            (esc::REGISTER_FD, 4) if inode >= GPU_INODES => self.register_fd(caller, fh),
             (esc::REGISTER_FD, 4) => {}
             (esc::CHECK_VERSION_STR, 72) => {
                 put32(p, 4, 1);
@@ -599,6 +607,28 @@ impl Driver {
     }
 }
 
+impl Driver {
+    /// Every client created on the file `fh`, freed as its release does.
+    fn free_clients_of(&mut self, caller: Caller, fh: u64) {
+        let mut clients: Vec<u32> = self.clients.iter().filter(|(_, c)| c.file == fh).map(|(h, _)| *h).collect();
+        clients.sort();
+        for client in clients {
+            self.free_client(caller, client, "release");
+        }
+    }
+
+    /// REGISTER_FD on a /dev/nvidiaN file: it holds an nvidiactl file until it goes (escape.c). FUSE
+    /// does not say which file the caller's fd is: the caller's latest nvidiactl file stands for
+    /// it, which is what libcuda (and the fake) registers.
+    fn register_fd(&mut self, caller: Caller, fh: u64) {
+        let tgid = self.tgid(caller.tid);
+        let ctl = self.files.iter().filter(|(_, f)| f.inode == CTL_INODE && f.opener == tgid).map(|(h, _)| *h).max();
+        if let (Some(ctl), Some(file)) = (ctl, self.files.get_mut(&fh)) {
+            file.registered_ctl = Some(ctl);
+        }
+    }
+}
+
 impl Files for Driver {
     fn names(&self) -> &[(&'static str, u64)] {
         &self.names
@@ -607,7 +637,8 @@ impl Files for Driver {
     fn open(&mut self, caller: Caller, inode: u64) -> u64 {
         let fh = self.next_fh;
         self.next_fh += 1;
-        self.files.insert(fh, OpenFile { inode, uvm_ready: false, ranges: HashMap::new(), maps: Vec::new() });
+        let opener = self.tgid(caller.tid);
+        self.files.insert(fh, OpenFile { inode, opener, registered_ctl: None, uvm_ready: false, ranges: HashMap::new(), maps: Vec::new() });
         self.open_files.fetch_add(1, Ordering::SeqCst);
         self.record(caller, DriverOp::Open { device: device_name(inode), handle: fh });
         fh
@@ -643,10 +674,16 @@ impl Files for Driver {
         let Some(file) = self.files.remove(&fh) else { return };
         self.open_files.fetch_sub(1, Ordering::SeqCst);
         self.record(caller, DriverOp::Release { device: device_name(file.inode), handle: fh });
-        let mut clients: Vec<u32> = self.clients.iter().filter(|(_, c)| c.file == fh).map(|(h, _)| *h).collect();
-        clients.sort();
-        for client in clients {
-            self.free_client(caller, client, "release");
+        // An nvidiactl file a device file still holds (REGISTER_FD) keeps its clients until then.
+        if self.files.values().any(|f| f.registered_ctl == Some(fh)) {
+            self.held_ctl.insert(fh);
+            return;
+        }
+        self.free_clients_of(caller, fh);
+        if let Some(ctl) = file.registered_ctl.filter(|ctl| !self.files.values().any(|f| f.registered_ctl == Some(*ctl))) {
+            if self.held_ctl.remove(&ctl) {
+                self.free_clients_of(caller, ctl);
+            }
         }
         let mut ids: Vec<u64> = file.ranges.values().filter_map(|(_, m)| *m).chain(file.maps.iter().map(|(_, id)| *id)).collect();
         ids.sort();
@@ -879,6 +916,23 @@ mod tests {
         assert_eq!(rig.driver.video_used[0], 0, "gone with its range");
         assert!(rig.frees().contains(&(memory, "unmapped".into())));
         rig.driver.release(me(), uvm);
+    }
+
+    /// REGISTER_FD: the device file holds the nvidiactl file, and its clients' memory, until it is
+    /// released too.
+    #[test]
+    fn a_registered_device_file_keeps_the_control_file() {
+        let mut rig = Rig::new("580.95.05", 8 * GIB);
+        let client = rig.client();
+        let (device, _) = rig.alloc(client, client, class::DEVICE, 0);
+        rig.alloc(client, device, class::LOCAL_USER, GIB);
+        let gpu = rig.driver.open(me(), GPU_INODES);
+        let mut fd = 3u32.to_le_bytes();
+        assert_eq!(rig.rm(gpu, esc::REGISTER_FD, &mut fd), 0);
+        rig.driver.release(me(), rig.ctl);
+        assert_eq!(rig.driver.video_used[0], GIB, "held by the registered device file");
+        rig.driver.release(me(), gpu);
+        assert_eq!(rig.driver.video_used[0], 0, "released with it");
     }
 
     /// Every presented version writes status where that version's layout has it.

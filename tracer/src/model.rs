@@ -7,8 +7,9 @@
 //! - RM_FREE of a handle frees its subtree; of a client handle, the whole client;
 //! - RM_DUP_OBJECT adds a handle to the same memory, which lives until its last handle goes;
 //! - when the last descriptor of an nvidiactl file is gone (close, dup2 over it, close-on-exec,
-//!   exit, in every process that shares it after fork), the driver frees every client created on
-//!   it; closing a UVM file destroys its ranges.
+//!   exit, in every process that shares it after fork), and every /dev/nvidiaN file registered
+//!   with it (REGISTER_FD) is released too, the driver frees every client created on it; closing a
+//!   UVM file destroys its ranges and the mappings in them.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -213,6 +214,9 @@ pub struct Model {
     /// RM memory mapped into UVM (UVM_MAP_EXTERNAL_ALLOCATION): the mapping holds a reference
     /// on it until its range goes. (file, base of the mapping) -> the memory.
     uvm_maps: Vec<(FileId, u64, AllocId)>,
+    /// /dev/nvidiaN files registered with an nvidiactl file (REGISTER_FD): each holds that file
+    /// open until it is released itself.
+    registered: HashMap<FileId, FileId>,
     /// Synthesised file ids for fds first seen by an ioctl with no Open/FdFound before it.
     next_orphan_file: FileId,
     /// Followed connections (by name) and the request open on each.
@@ -347,7 +351,7 @@ impl Model {
             Event::DupObject { fd, client, parent, object, src_client, src_object, .. } => {
                 self.on_dup_object(pid, ts, *fd, (*client, *parent, *object), (*src_client, *src_object))
             }
-            Event::RegisterFd { .. } => {}
+            Event::RegisterFd { fd, ctl_fd } => self.on_register_fd(pid, ts, *fd, *ctl_fd),
             Event::UvmMap { fd, base, client, memory, .. } => self.on_uvm_map(pid, ts, *fd, *base, (*client, *memory)),
             Event::UvmFree { fd, base, .. } => self.on_uvm_free(pid, ts, *fd, *base),
             Event::Undecodable { .. } => self.undecodable += 1,

@@ -123,16 +123,40 @@ impl Model {
             return;
         };
         self.fd_refs = self.fd_refs.saturating_sub(1);
-        let Some(file) = self.files.get_mut(&fd_ref.file) else { return };
+        self.drop_file_ref(fd_ref.file, ts);
+    }
+
+    /// One reference to an open file gone (a descriptor, or a registered /dev/nvidiaN file): at
+    /// the last, the driver releases it.
+    fn drop_file_ref(&mut self, id: FileId, ts: u64) {
+        let Some(file) = self.files.get_mut(&id) else { return };
         file.refs = file.refs.saturating_sub(1);
         if file.refs == 0 && file.released.is_none() {
             file.released = Some(ts);
-            self.release_file(fd_ref.file, ts);
+            self.release_file(id, ts);
         }
     }
 
-    /// The driver's release of an open file: every client created on it, every UVM range in it.
+    /// REGISTER_FD: the /dev/nvidiaN file `fd` takes a reference on the nvidiactl file `ctl_fd`
+    /// (escape.c keeps it until the nvidiaN file closes): the clients on it outlive its last
+    /// descriptor while the device file is open.
+    pub(super) fn on_register_fd(&mut self, pid: u32, ts: u64, fd: i32, ctl_fd: i32) {
+        let (Some(device), Some(ctl)) = (self.file_of(pid, fd, ts), self.file_of(pid, ctl_fd, ts)) else { return };
+        if device == ctl || self.registered.contains_key(&device) {
+            return;
+        }
+        if let Some(file) = self.files.get_mut(&ctl) {
+            file.refs += 1;
+            self.registered.insert(device, ctl);
+        }
+    }
+
+    /// The driver's release of an open file: every client created on it, every UVM range in it,
+    /// and its hold on the nvidiactl file it was registered with.
     fn release_file(&mut self, file: FileId, ts: u64) {
+        if let Some(ctl) = self.registered.remove(&file) {
+            self.drop_file_ref(ctl, ts);
+        }
         let clients: Vec<u32> = self.clients.iter().filter(|(_, c)| c.file == Some(file)).map(|(h, _)| *h).collect();
         for client in clients {
             self.free_client(client, ts, FreedBy::FileRelease);

@@ -42,6 +42,24 @@ fn alloc(ts: u64, pid: u32, fd: i32, parent: u32, object: u32, bytes: u64, statu
     )
 }
 
+/// UVM_CREATE_EXTERNAL_RANGE by pid 10 on its fd 5: address space at `base`.
+fn uvm_range(ts: u64, base: u64, bytes: u64) -> Record {
+    let a = Alloc {
+        fd: 5,
+        via: Via::UvmCreateExternalRange,
+        memory: Memory::Virtual,
+        bytes,
+        status: 0,
+        client: 0,
+        parent: 0,
+        object: 0,
+        class: 0,
+        base: Some(base),
+        errno: None,
+    };
+    rec(ts, 10, Event::Alloc(a))
+}
+
 fn free(ts: u64, pid: u32, object: u32) -> Record {
     rec(ts, pid, Event::Free { fd: 3, via: Via::RmFree, client: CLIENT, parent: 0, object, status: 0 })
 }
@@ -172,25 +190,7 @@ fn dup_and_dup2_over_an_open_fd_move_references() {
 
 #[test]
 fn uvm_ranges_end_by_uvm_free_or_file_release() {
-    let range = |ts, base| {
-        rec(
-            ts,
-            10,
-            Event::Alloc(Alloc {
-                fd: 5,
-                via: Via::UvmCreateExternalRange,
-                memory: Memory::Virtual,
-                bytes: GIB,
-                status: 0,
-                client: 0,
-                parent: 0,
-                object: 0,
-                class: 0,
-                base: Some(base),
-                errno: None,
-            }),
-        )
-    };
+    let range = |ts, base| uvm_range(ts, base, GIB);
     let mut t = vec![process(1, 10, 1, Seen::Launched), open(2, 10, 5, 9, Device::Uvm, false), range(3, 0x1000), range(4, 0x2000)];
     t.push(rec(5, 10, Event::UvmFree { fd: 5, base: 0x1000, status: 0 }));
     t.push(rec(6, 10, Event::Close { fd: 5 }));
@@ -352,22 +352,7 @@ fn a_fork_storm_stays_bounded_and_says_so() {
 fn memory_mapped_into_uvm_lives_until_its_range_goes() {
     let map =
         |ts, base, object| rec(ts, 10, Event::UvmMap { fd: 5, base, length: GIB, offset: 0, client: CLIENT, memory: object, status: 0 });
-    let range = |ts, base| {
-        let a = Alloc {
-            fd: 5,
-            via: Via::UvmCreateExternalRange,
-            memory: Memory::Virtual,
-            bytes: 2 * GIB,
-            status: 0,
-            client: 0,
-            parent: 0,
-            object: 0,
-            class: 0,
-            base: Some(base),
-            errno: None,
-        };
-        rec(ts, 10, Event::Alloc(a))
-    };
+    let range = |ts, base| uvm_range(ts, base, 2 * GIB);
     let mut t = setup(10, false);
     t.push(open(5, 10, 5, 9, Device::Uvm, false));
     t.push(alloc(6, 10, 3, DEVICE, 0xa, GIB, 0));
@@ -393,4 +378,18 @@ fn memory_mapped_into_uvm_lives_until_its_range_goes() {
     assert_eq!(freed(&Model::from_records(&t), 0xa), None);
     t.push(free(10, 10, 0xa));
     assert_eq!(freed(&Model::from_records(&t), 0xa), Some((10, FreedBy::Explicit)));
+}
+
+/// REGISTER_FD: a /dev/nvidiaN file registered with the nvidiactl file keeps it, and the memory of
+/// its clients, until the device file closes too.
+#[test]
+fn a_registered_device_file_keeps_the_control_file_open() {
+    let mut t = setup(10, false);
+    t.push(open(5, 10, 4, 2, Device::Gpu, false));
+    t.push(rec(6, 10, Event::RegisterFd { fd: 4, ctl_fd: 3 }));
+    t.push(alloc(7, 10, 3, DEVICE, 0xa, GIB, 0));
+    t.push(rec(8, 10, Event::Close { fd: 3 }));
+    assert_eq!(freed(&Model::from_records(&t), 0xa), None, "the device file still holds the control file");
+    t.push(rec(9, 10, Event::Close { fd: 4 }));
+    assert_eq!(freed(&Model::from_records(&t), 0xa), Some((9, FreedBy::FileRelease)));
 }
