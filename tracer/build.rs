@@ -27,6 +27,9 @@ fn build() -> anyhow::Result<()> {
     // The eBPF crate needs -Z build-std=core; this lets stable do it for this inner build only.
     // SAFETY: build scripts are single-threaded.
     unsafe { std::env::set_var("RUSTC_BOOTSTRAP", "1") };
+    // The kernel side is built from tracer-common too (record layouts, which commands to
+    // follow): a change there must rebuild it, not only one in tracer-ebpf.
+    println!("cargo:rerun-if-changed={}", Path::new(env!("CARGO_MANIFEST_DIR")).join("../tracer-common").display());
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tracer-ebpf");
     let root = root.to_str().ok_or_else(|| anyhow!("non-UTF-8 path {}", root.display()))?;
     aya_build::build_ebpf(

@@ -58,6 +58,7 @@ pub mod uvm {
     pub const INITIALIZE: u32 = 0x30000001;
     pub const MAP_EXTERNAL_ALLOCATION: u32 = 33;
     pub const FREE: u32 = 34;
+    pub const UNMAP_EXTERNAL: u32 = 66;
     pub const ALLOC_SEMAPHORE_POOL: u32 = 68;
     pub const CREATE_EXTERNAL_RANGE: u32 = 73;
     pub const MM_INITIALIZE: u32 = 75;

@@ -249,6 +249,14 @@ impl Gpu {
         check(get32(&p, 12))
     }
 
+    /// UVM_UNMAP_EXTERNAL (cuMemUnmap): the mappings in [va, va + length) go, the range stays.
+    pub fn unmap(&self, va: u64, length: u64) -> Result<(), Status> {
+        let mut p = [0u8; 40];
+        put64(&mut p, 0, va);
+        put64(&mut p, 8, length);
+        self.uvm_call(uvm::UNMAP_EXTERNAL, &mut p, 32)
+    }
+
     /// UVM_FREE of the range at `va`.
     pub fn free_range(&self, va: u64) -> Result<(), Status> {
         let size = self.abi.uvm_free_size;

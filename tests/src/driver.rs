@@ -527,6 +527,7 @@ impl Driver {
             uvm::MAP_EXTERNAL_ALLOCATION => self.abi.uvm_map_external_size,
             uvm::ALLOC_SEMAPHORE_POOL => self.abi.uvm_semaphore_pool_size,
             uvm::FREE => self.abi.uvm_free_size,
+            uvm::UNMAP_EXTERNAL => 40,
             _ => return EINVAL,
         };
         let Some(mut p) = read_mem(caller.tid, arg, size) else { return EFAULT };
@@ -535,6 +536,7 @@ impl Driver {
             uvm::MM_INITIALIZE => 4,
             uvm::CREATE_EXTERNAL_RANGE => 16,
             uvm::MAP_EXTERNAL_ALLOCATION => size - 4,
+            uvm::UNMAP_EXTERNAL => 32,
             _ => size - 8,
         };
         let ready = self.files.get(&fh).is_some_and(|f| f.uvm_ready);
@@ -575,6 +577,17 @@ impl Driver {
                 file.maps.push((base, id));
                 if let Some(m) = self.memory.get_mut(&id) {
                     m.handles += 1;
+                }
+                Ok(())
+            }
+            uvm::UNMAP_EXTERNAL => {
+                // The mappings in [base, base + length) go; the range stays.
+                let file = self.files.get_mut(&fh).ok_or(status::INVALID_ARGUMENT)?;
+                let end = base.saturating_add(length);
+                let (unmapped, kept): (Vec<_>, Vec<_>) = file.maps.drain(..).partition(|(b, _)| (base..end).contains(b));
+                file.maps = kept;
+                for (_, id) in unmapped {
+                    self.drop_handle(caller, id, "unmapped");
                 }
                 Ok(())
             }

@@ -378,5 +378,7 @@ fn memory_released_while_mapped_lives_until_unmapped() {
         "live for the 300 ms it stayed mapped: freed {} ms after its release",
         (freed_at - released) / 1_000_000
     );
+    let range_freed = workload.iter().find(|w| w["op"] == "free_range").unwrap()["ts"].as_u64().unwrap();
+    assert!(freed_at < range_freed, "freed by the unmap (cuMemUnmap), before its address range went");
     std::fs::remove_dir_all(&run.dir).ok();
 }

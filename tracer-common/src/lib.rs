@@ -307,13 +307,14 @@ pub const fn rm_command_traced(cmd: u32) -> bool {
 pub mod uvm {
     pub const MAP_EXTERNAL_ALLOCATION: u32 = 33;
     pub const FREE: u32 = 34;
+    pub const UNMAP_EXTERNAL: u32 = 66;
     pub const ALLOC_SEMAPHORE_POOL: u32 = 68;
     pub const CREATE_EXTERNAL_RANGE: u32 = 73;
 }
 
 #[inline(always)]
 pub const fn uvm_command_traced(cmd: u32) -> bool {
-    matches!(cmd, uvm::MAP_EXTERNAL_ALLOCATION | uvm::FREE | uvm::ALLOC_SEMAPHORE_POOL | uvm::CREATE_EXTERNAL_RANGE)
+    matches!(cmd, uvm::MAP_EXTERNAL_ALLOCATION | uvm::FREE | uvm::UNMAP_EXTERNAL | uvm::ALLOC_SEMAPHORE_POOL | uvm::CREATE_EXTERNAL_RANGE)
 }
 
 /// nv_ioctl_xfer_t: `cmd@0 size@4 ptr@8`. The inner size limit is NV_ABSOLUTE_MAX_IOCTL_SIZE.

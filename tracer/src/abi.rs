@@ -104,13 +104,15 @@ impl Layout {
     /// Which bytes the kernel copies for each traced UVM command: the fields at the start (base,
     /// length, offset) and the last 16 bytes, where rmCtrlFd, hClient, hMemory and rmStatus sit
     /// (or gpuAttributesCount and rmStatus for the semaphore pool).
-    pub fn uvm_windows(&self) -> [(u32, UvmWindow); 4] {
+    pub fn uvm_windows(&self) -> [(u32, UvmWindow); 5] {
         let tail = |size: u32| UvmWindow { head_len: 24, tail_offset: size - 16, tail_len: 16, _pad: 0 };
         [
             (uvm::CREATE_EXTERNAL_RANGE, UvmWindow { head_len: 24, tail_offset: 0, tail_len: 0, _pad: 0 }),
             (uvm::MAP_EXTERNAL_ALLOCATION, tail(self.uvm_map_external_size)),
             (uvm::ALLOC_SEMAPHORE_POOL, UvmWindow { head_len: 16, ..tail(self.uvm_semaphore_pool_size) }),
             (uvm::FREE, UvmWindow { head_len: self.uvm_free_size, tail_offset: 0, tail_len: 0, _pad: 0 }),
+            // UVM_UNMAP_EXTERNAL_PARAMS: base, length, gpuUuid, rmStatus@32 (40 bytes).
+            (uvm::UNMAP_EXTERNAL, UvmWindow { head_len: 40, tail_offset: 0, tail_len: 0, _pad: 0 }),
         ]
     }
 

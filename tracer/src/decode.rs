@@ -459,6 +459,9 @@ fn decode_uvm(layout: &Layout, raw: &RawIoctl, p: &Fields) -> Option<Event> {
             let status_at = layout.uvm_free_size as usize - 8;
             Some(Event::UvmFree { fd: raw.fd, base, status: status_or_errno(raw, p.u32(status_at)?) })
         }
+        uvm::UNMAP_EXTERNAL => {
+            Some(Event::UvmUnmap { fd: raw.fd, base, length: p.u64(o::UVM_LENGTH)?, status: status_or_errno(raw, p.u32(32)?) })
+        }
         _ => Some(undecodable(raw, "not a UVM command gputrace follows")),
     }
 }

@@ -196,6 +196,14 @@ pub enum Event {
         base: u64,
         status: u32,
     },
+    /// UVM_UNMAP_EXTERNAL (cuMemUnmap): removes the mappings in [base, base + length); the
+    /// range stays.
+    UvmUnmap {
+        fd: i32,
+        base: u64,
+        length: u64,
+        status: u32,
+    },
     /// A driver call gputrace follows but could not read (user memory fault, unknown size).
     Undecodable {
         fd: i32,

@@ -341,7 +341,12 @@ impl Model {
             Event::CloseRange { first, last, cloexec_only } => self.on_close_range(pid, ts, *first, *last, *cloexec_only),
             Event::SetCloexec { fd, cloexec } => self.set_cloexec(pid, ts, *fd, *cloexec),
             // A failed call changed nothing in the driver.
-            Event::Object { status, .. } | Event::Free { status, .. } | Event::DupObject { status, .. } | Event::UvmFree { status, .. }
+            Event::Object { status, .. }
+            | Event::Free { status, .. }
+            | Event::DupObject { status, .. }
+            | Event::UvmMap { status, .. }
+            | Event::UvmFree { status, .. }
+            | Event::UvmUnmap { status, .. }
                 if *status != 0 => {}
             Event::Object { fd, client, parent, object, class, gpu, .. } => {
                 self.on_object(pid, ts, *fd, (*client, *parent, *object), *class, *gpu)
@@ -354,6 +359,12 @@ impl Model {
             Event::RegisterFd { fd, ctl_fd } => self.on_register_fd(pid, ts, *fd, *ctl_fd),
             Event::UvmMap { fd, base, client, memory, .. } => self.on_uvm_map(pid, ts, *fd, *base, (*client, *memory)),
             Event::UvmFree { fd, base, .. } => self.on_uvm_free(pid, ts, *fd, *base),
+            Event::UvmUnmap { fd, base, length, .. } => {
+                if let Some(file) = self.file_of(pid, *fd, ts) {
+                    let (base, end) = (*base, base.saturating_add(*length));
+                    self.unmap(ts, FreedBy::Unmapped, |f, b| f == file && (base..end).contains(&b));
+                }
+            }
             Event::Undecodable { .. } => self.undecodable += 1,
             Event::Lost { records } => add(&mut self.lost_records, *records),
             Event::Bind { port, .. } => self.process(pid, ts).bound.push((ts, *port)),

@@ -14,7 +14,8 @@
 //!   the first, and exits holding the second;
 //! - `vmm --ms N`: as VMM allocators do (PyTorch expandable segments, NCCL, vLLM's cumem), maps
 //!   memory into UVM, releases its handle while it is mapped (cuMemRelease), waits N ms, then
-//!   unmaps it (UVM_FREE of the range): only then does the driver free it.
+//!   unmaps it (cuMemUnmap): only then does the driver free it; the address range it reserved
+//!   goes after (cuMemAddressFree).
 use std::fs::File;
 use std::io::Write;
 use std::os::fd::AsRawFd;
@@ -85,8 +86,12 @@ fn vmm(truth: &mut Truth, ms: u64) -> Result<(), String> {
     gpu.free_handle(segment.handle, false).map_err(|s| format!("free: {s:#x}"))?;
     truth.note("release_mapped", "RmFree", segment.bytes, segment.handle, 0);
     std::thread::sleep(std::time::Duration::from_millis(ms));
-    gpu.free_range(segment.va.ok_or("no range")?).map_err(|s| format!("uvm free: {s:#x}"))?;
-    truth.note("free", "UvmFree", segment.bytes, segment.handle, 0);
+    let va = segment.va.ok_or("no range")?;
+    gpu.unmap(va, segment.bytes).map_err(|s| format!("uvm unmap: {s:#x}"))?;
+    truth.note("free", "UvmUnmap", segment.bytes, segment.handle, 0);
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    gpu.free_range(va).map_err(|s| format!("uvm free: {s:#x}"))?;
+    truth.note("free_range", "UvmFree", segment.bytes, 0, 0);
     Ok(())
 }
 

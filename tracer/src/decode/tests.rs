@@ -231,6 +231,13 @@ fn uvm_commands_for_both_free_layouts() {
 
         let free = Buf::new(free_size).u64(0, 0x7000_0000_0000).u32(free_size - 8, 0);
         assert_eq!(decode_ioctl(&l, &uvm_raw(uvm::FREE, free)), Some(Event::UvmFree { fd: 9, base: 0x7000_0000_0000, status: 0 }));
+
+        // base, length, gpuUuid (16 bytes), rmStatus@32
+        let unmap = Buf::new(40).u64(0, 0x7000_0000_0000).u64(8, 1 << 30).u32(32, 0);
+        assert_eq!(
+            decode_ioctl(&l, &uvm_raw(uvm::UNMAP_EXTERNAL, unmap)),
+            Some(Event::UvmUnmap { fd: 9, base: 0x7000_0000_0000, length: 1 << 30, status: 0 })
+        );
     }
 }
 

@@ -368,6 +368,12 @@ fn memory_mapped_into_uvm_lives_until_its_range_goes() {
     let mut closed = t.clone();
     closed.push(rec(11, 10, Event::Close { fd: 5 }));
     assert_eq!(freed(&Model::from_records(&closed), 0xa), Some((11, FreedBy::FileRelease)), "the UVM file's release");
+    // cuMemUnmap: the mapping goes, the range (the reserved address space) stays.
+    let mut unmapped = t.clone();
+    unmapped.push(rec(10, 10, Event::UvmUnmap { fd: 5, base: 0x10_0000, length: 2 * GIB, status: 0 }));
+    let m = Model::from_records(&unmapped);
+    assert_eq!(freed(&m, 0xa), Some((10, FreedBy::Unmapped)));
+    assert_eq!(m.live(Memory::Virtual), 2 * GIB, "the range is still reserved");
     // The other order: unmapped first, then the handle's free frees it.
     let mut t = setup(10, false);
     t.push(open(5, 10, 5, 9, Device::Uvm, false));
