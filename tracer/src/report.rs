@@ -138,6 +138,16 @@ fn disagreements(header: &Header, model: &Model) -> Vec<Disagreement> {
     out
 }
 
+fn notes(header: &Header, model: &Model) -> Vec<String> {
+    let mut notes = Vec::new();
+    if let Some(pid) = crate::analysis::mps_server(model, header) {
+        notes.push(format!(
+            "MPS is in use (nvidia-cuda-mps-server, pid {pid}): it makes every client's allocations, so GPU memory shows as the server's, not the clients'; trace the clients' requests and the server together to tell them apart."
+        ));
+    }
+    notes
+}
+
 /// What the trace may be missing, always reported.
 #[derive(Clone, Debug, Default, Serialize, PartialEq)]
 pub struct Loss {
@@ -192,6 +202,9 @@ pub struct Report {
     pub contexts_never_freed: Vec<SuspectContext>,
     /// Where NVML and the trace disagree about a traced process (needs NVML samples).
     pub nvml_vs_traced: Vec<Disagreement>,
+    /// What the reader must know to read the figures right (MPS, say).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub notes: Vec<String>,
     pub loss: Loss,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fd_filter: Option<FdFilter>,
@@ -412,6 +425,7 @@ impl Report {
             diagnoses,
             gpus: gpu_reports(header, model),
             nvml_vs_traced: disagreements(header, model),
+            notes: notes(header, model),
             processes,
             loss,
             fd_filter: None,
@@ -430,6 +444,9 @@ impl Report {
             let _ = writeln!(out, "VERDICT: {} ({}){service}{when}", d.category.name(), d.symptom.name());
             let _ = writeln!(out, "  {}", d.evidence.text);
             let _ = writeln!(out, "FIX: {}", d.fix.text);
+        }
+        for note in &self.notes {
+            let _ = writeln!(out, "NOTE: {note}");
         }
         for later in self.diagnoses.iter().skip(1) {
             let _ = writeln!(

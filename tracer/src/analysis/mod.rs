@@ -240,6 +240,18 @@ pub fn benign(command: &[String]) -> Option<&'static str> {
     BENIGN.iter().find(|(name, _)| program == *name).map(|(_, why)| *why)
 }
 
+/// The MPS server (nvidia-cuda-mps-server), traced or holding the device files when recording
+/// began: under MPS it makes every client's allocations, so they are its, not the clients'.
+pub fn mps_server(model: &Model, header: &Header) -> Option<u32> {
+    let is_mps = |command: &[String]| command.first().is_some_and(|p| p.rsplit('/').next() == Some("nvidia-cuda-mps-server"));
+    model
+        .processes
+        .values()
+        .find(|p| is_mps(&p.command))
+        .map(|p| p.pid)
+        .or_else(|| header.holders_at_start.iter().find(|h| is_mps(&h.command)).map(|h| h.pid))
+}
+
 /// Who keeps memory NVML counted before recording: the process it names when that is still there
 /// with the device files open, else the process outside `inside` that keeps them open (a forked
 /// child of a dead owner, an orphaned worker). Its pid and command.

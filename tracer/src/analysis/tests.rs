@@ -425,3 +425,19 @@ fn failures_past_the_first_hundred_are_counted() {
     assert_eq!((report.diagnoses.len(), report.failures_not_diagnosed), (100, 50));
     assert!(report.text().contains("and 50 more failures"), "{}", report.text());
 }
+
+/// Under MPS the server makes every client's allocations: the report says so.
+#[test]
+fn mps_is_named_in_the_report() {
+    let mut t = Trace(vec![], 0);
+    t.at(0, 900, Event::Process { ppid: 1, seen: Seen::Running, command: vec!["/usr/bin/nvidia-cuda-mps-server".into()] });
+    t.alloc(10, 900, 8 * GIB, 0);
+    let model = Model::from_records(&t.0);
+    let report = crate::report::Report::new(&header(80 * GIB, &[]), &model, String::new(), 0, crate::report::Loss::default(), 0);
+    assert_eq!(report.notes.len(), 1);
+    assert!(report.text().contains("NOTE: MPS is in use (nvidia-cuda-mps-server, pid 900)"), "{}", report.text());
+    let plain = Model::from_records(&Trace::vllm(GIB).0);
+    assert!(crate::report::Report::new(&header(80 * GIB, &[]), &plain, String::new(), 0, crate::report::Loss::default(), 0)
+        .notes
+        .is_empty());
+}
