@@ -44,16 +44,25 @@ fn ask() -> Result<(Vec<Gpu>, Vec<PriorUse>), NvmlError> {
             total_bytes: memory.as_ref().map(|m| m.total),
             used_bytes: memory.as_ref().map(|m| m.used),
         });
-        for process in device.running_compute_processes().unwrap_or_default() {
+        prior_use.extend(processes(&device, index, |_| true));
+    }
+    Ok((gpus, prior_use))
+}
+
+/// What NVML counts for each process on `device`, with its command line where `named` asks.
+fn processes(device: &nvml_wrapper::Device, index: u32, mut named: impl FnMut(u32) -> bool) -> Vec<PriorUse> {
+    let running = device.running_compute_processes().unwrap_or_default();
+    running
+        .into_iter()
+        .map(|process| {
             let used_bytes = match process.used_gpu_memory {
                 UsedGpuMemory::Used(bytes) => Some(bytes),
                 UsedGpuMemory::Unavailable => None,
             };
-            let command = ProcResolver.command(process.pid).unwrap_or_default();
-            prior_use.push(PriorUse { pid: process.pid, gpu: index, used_bytes, command });
-        }
-    }
-    Ok((gpus, prior_use))
+            let command = if named(process.pid) { ProcResolver.command(process.pid).unwrap_or_default() } else { Vec::new() };
+            PriorUse { pid: process.pid, gpu: index, used_bytes, command }
+        })
+        .collect()
 }
 
 /// Samples NVML and the host's memory: each GPU's used memory, each process's, MemAvailable and
@@ -78,15 +87,8 @@ impl Sampler {
             if let Ok(memory) = device.memory_info() {
                 sample.gpus.push(GpuUse { gpu: index, used_bytes: memory.used });
             }
-            for process in device.running_compute_processes().unwrap_or_default() {
-                let used_bytes = match process.used_gpu_memory {
-                    UsedGpuMemory::Used(bytes) => Some(bytes),
-                    UsedGpuMemory::Unavailable => None,
-                };
-                let command =
-                    if self.named.insert(process.pid) { ProcResolver.command(process.pid).unwrap_or_default() } else { Vec::new() };
-                sample.processes.push(PriorUse { pid: process.pid, gpu: index, used_bytes, command });
-            }
+            // A command line once per process: later samples name it by pid only.
+            sample.processes.extend(processes(&device, index, |pid| self.named.insert(pid)));
         }
         sample
     }

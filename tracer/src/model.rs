@@ -212,8 +212,9 @@ pub struct Model {
     /// UVM ranges by (file, base).
     uvm_ranges: HashMap<(FileId, u64), AllocId>,
     /// RM memory mapped into UVM (UVM_MAP_EXTERNAL_ALLOCATION): the mapping holds a reference
-    /// on it until its range goes. (file, base of the mapping) -> the memory.
-    uvm_maps: Vec<(FileId, u64, AllocId)>,
+    /// on it until its range goes. By (file, base of the mapping), ordered: an unmap or a range's
+    /// end finds its mappings by a range search, not a scan of all of them.
+    uvm_maps: BTreeMap<(FileId, u64), Vec<AllocId>>,
     /// /dev/nvidiaN files registered with an nvidiactl file (REGISTER_FD): each holds that file
     /// open until it is released itself.
     registered: HashMap<FileId, FileId>,
@@ -245,7 +246,7 @@ impl Model {
     pub fn check_books(&self) -> Result<(), String> {
         let mut referenced: HashSet<AllocId> = self.clients.values().flat_map(|c| c.objects.values().filter_map(|o| o.alloc)).collect();
         referenced.extend(self.uvm_ranges.values().copied());
-        referenced.extend(self.uvm_maps.iter().map(|m| m.2));
+        referenced.extend(self.uvm_maps.values().flatten().copied());
         for (id, a) in self.allocations.iter().enumerate() {
             match (a.freed.is_none(), referenced.contains(&id)) {
                 (true, false) => return Err(format!("allocation {id} ({} B, pid {}) is live with no handle left", a.bytes, a.pid)),
@@ -359,12 +360,7 @@ impl Model {
             Event::RegisterFd { fd, ctl_fd } => self.on_register_fd(pid, ts, *fd, *ctl_fd),
             Event::UvmMap { fd, base, client, memory, .. } => self.on_uvm_map(pid, ts, *fd, *base, (*client, *memory)),
             Event::UvmFree { fd, base, .. } => self.on_uvm_free(pid, ts, *fd, *base),
-            Event::UvmUnmap { fd, base, length, .. } => {
-                if let Some(file) = self.file_of(pid, *fd, ts) {
-                    let (base, end) = (*base, base.saturating_add(*length));
-                    self.unmap(ts, FreedBy::Unmapped, |f, b| f == file && (base..end).contains(&b));
-                }
-            }
+            Event::UvmUnmap { fd, base, length, .. } => self.on_uvm_unmap(pid, ts, *fd, *base, *length),
             Event::Undecodable { .. } => self.undecodable += 1,
             Event::Lost { records } => add(&mut self.lost_records, *records),
             Event::Bind { port, .. } => self.process(pid, ts).bound.push((ts, *port)),

@@ -104,15 +104,18 @@ fn disagreements(header: &Header, model: &Model) -> Vec<Disagreement> {
         return Vec::new();
     };
     let start = model.time_zero(header.monotonic_start_ns);
+    // Both sides summed per pid in one pass each.
+    let mut nvml_of: BTreeMap<u32, u64> = BTreeMap::new();
+    for u in &sample.processes {
+        add(nvml_of.entry(u.pid).or_default(), u.used_bytes.unwrap_or(0));
+    }
+    let mut traced_of: BTreeMap<u32, u64> = BTreeMap::new();
+    for a in model.allocations.iter().filter(|a| a.memory == Memory::Video && a.ts <= *ts && a.freed.is_none_or(|(f, _)| f > *ts)) {
+        add(traced_of.entry(a.pid).or_default(), a.bytes);
+    }
     let mut out = Vec::new();
     for p in model.processes.values() {
-        let nvml = sample.processes.iter().filter(|u| u.pid == p.pid).filter_map(|u| u.used_bytes).fold(0, u64::saturating_add);
-        let traced = model
-            .allocations
-            .iter()
-            .filter(|a| a.pid == p.pid && a.memory == Memory::Video && a.ts <= *ts && a.freed.is_none_or(|(f, _)| f > *ts))
-            .map(|a| a.bytes)
-            .fold(0, u64::saturating_add);
+        let (nvml, traced) = (nvml_of.get(&p.pid).copied().unwrap_or(0), traced_of.get(&p.pid).copied().unwrap_or(0));
         let gap = nvml.abs_diff(traced);
         if gap < 256 << 20 || gap < nvml.max(traced) / 10 {
             continue;

@@ -161,7 +161,7 @@ impl Model {
         for client in clients {
             self.free_client(client, ts, FreedBy::FileRelease);
         }
-        self.unmap(ts, FreedBy::FileRelease, |f, _| f == file);
+        self.unmap(ts, FreedBy::FileRelease, file, 0, u64::MAX);
         let ranges: Vec<(FileId, u64)> = self.uvm_ranges.keys().filter(|(f, _)| *f == file).copied().collect();
         for key in ranges {
             if let Some(id) = self.uvm_ranges.remove(&key) {

@@ -100,7 +100,14 @@ impl Model {
         let Some(id) = self.clients.get(&client).and_then(|c| c.objects.get(&memory)).and_then(|o| o.alloc) else { return };
         let Some(file) = self.file_of(pid, fd, ts) else { return };
         *self.handle_refs.entry(id).or_default() += 1;
-        self.uvm_maps.push((file, base, id));
+        self.uvm_maps.entry((file, base)).or_default().push(id);
+    }
+
+    /// UVM_UNMAP_EXTERNAL (cuMemUnmap): the mappings in [base, base + length) go; the range stays.
+    pub(super) fn on_uvm_unmap(&mut self, pid: u32, ts: u64, fd: i32, base: u64, length: u64) {
+        if let Some(file) = self.file_of(pid, fd, ts) {
+            self.unmap(ts, FreedBy::Unmapped, file, base, base.saturating_add(length.max(1)) - 1);
+        }
     }
 
     /// UVM_FREE: destroys the range at `base` and every mapping in it.
@@ -109,20 +116,21 @@ impl Model {
         let range = self.uvm_ranges.remove(&(file, base));
         // A mapping lies in the range it was made in; with the range unknown (created before
         // tracing), the mappings at its base.
-        let end = range.map_or(base.saturating_add(1), |id| base.saturating_add(self.allocations[id].bytes.max(1)));
-        self.unmap(ts, FreedBy::Unmapped, |f, b| f == file && (base..end).contains(&b));
+        let length = range.map_or(1, |id| self.allocations[id].bytes.max(1));
+        self.unmap(ts, FreedBy::Unmapped, file, base, base.saturating_add(length) - 1);
         if let Some(id) = range {
             self.release(id, ts, FreedBy::Explicit);
         }
     }
 
-    /// Drops the mappings `which` selects, each releasing the memory (as `how` says) if it was its
-    /// last reference.
-    pub(super) fn unmap(&mut self, ts: u64, how: FreedBy, which: impl Fn(FileId, u64) -> bool) {
-        let (gone, kept): (Vec<_>, Vec<_>) = self.uvm_maps.drain(..).partition(|(f, b, _)| which(*f, *b));
-        self.uvm_maps = kept;
-        for (_, _, id) in gone {
-            self.drop_handle(id, ts, how);
+    /// Drops the mappings of `file` based in [first, last], each releasing the memory (as `how`
+    /// says) if it was its last reference.
+    pub(super) fn unmap(&mut self, ts: u64, how: FreedBy, file: FileId, first: u64, last: u64) {
+        let keys: Vec<(FileId, u64)> = self.uvm_maps.range((file, first)..=(file, last)).map(|(k, _)| *k).collect();
+        for key in keys {
+            for id in self.uvm_maps.remove(&key).unwrap_or_default() {
+                self.drop_handle(id, ts, how);
+            }
         }
     }
 
