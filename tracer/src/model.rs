@@ -398,6 +398,7 @@ impl Model {
 mod fds;
 mod handles;
 mod requests;
+mod snapshot;
 
 pub mod generate;
 

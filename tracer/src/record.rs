@@ -277,9 +277,10 @@ impl Session {
 
         // Before anything is launched: a stop signal from then on reaches the command.
         let stops = StopSignals::install()?;
-        let mut child = self.begin(probe, opts)?;
+        // Listening before the command starts: a mark it sends at once is not refused.
         let invoking_uid = Some(self.user.as_ref().map_or(0, |u| u.uid));
         let marks = MarkServer::open(std::process::id(), invoking_uid);
+        let mut child = self.begin(probe, opts)?;
         let (mark_tx, mut mark_rx) = tokio::sync::mpsc::channel::<MarkRequest>(MAX_CONNECTIONS);
         let mut tick = tokio::time::interval(Duration::from_millis(100));
         // NVML and /proc/meminfo on a thread of their own: a slow NVML call never holds up events.

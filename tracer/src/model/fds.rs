@@ -17,13 +17,25 @@ pub(super) struct FdRef {
 
 impl Model {
     pub(super) fn on_process(&mut self, pid: u32, ts: u64, ppid: u32, seen: Seen, command: &[String]) {
-        let inherited = self.processes.get(&ppid).map(|p| p.fds.clone());
+        // A damaged trace may name a process its own parent: it copies nothing from itself.
+        let inherited = self.processes.get(&ppid).filter(|_| ppid != pid).map(|p| p.fds.clone());
         let p = self.process(pid, ts);
+        // A pid handed out again: a new process, whatever the old one left in the books.
+        if p.exited.is_some() {
+            (p.exited, p.exit_code, p.oom_killed, p.listened) = (None, None, None, None);
+            p.bound.clear();
+            p.first_ts = ts;
+        }
         p.ppid = ppid;
         p.seen = seen;
         p.command = command.to_vec();
         if seen != Seen::Forked {
             return;
+        }
+        // A fork over a pid still holding files: its old descriptors went unseen.
+        let stale: Vec<i32> = self.process(pid, ts).fds.keys().copied().collect();
+        for fd in stale {
+            self.close_fd(pid, fd, ts);
         }
         // fork copies the fd table: every NVIDIA file gains a reference. A trace can make every
         // fork copy thousands (real processes hold a handful): past MAX_FD_REFS held in all, the
@@ -66,11 +78,23 @@ impl Model {
     }
 
     pub(super) fn on_open(&mut self, pid: u32, ts: u64, fd: i32, file: FileId, device: Device, cloexec: bool) {
-        self.files.insert(file, File { id: file, device, opened_by: pid, refs: 0, released: None });
+        self.claim_file_id(file);
+        // The number's old file goes first: it may be this very file, released just now.
+        self.close_fd(pid, fd, ts);
+        let new = File { id: file, device, opened_by: pid, refs: 0, released: None };
+        // The kernel reuses a file's address only once it is released: opened again while still
+        // held, its release went unseen (lost records), and the descriptors that hold it count on.
+        match self.files.get_mut(&file) {
+            Some(f) if f.released.is_none() => f.device = device,
+            _ => {
+                self.files.insert(file, new);
+            }
+        }
         self.set_fd(pid, fd, file, cloexec, ts);
     }
 
     pub(super) fn on_fd_found(&mut self, pid: u32, ts: u64, fd: i32, file: FileId, device: Device) {
+        self.claim_file_id(file);
         self.files.entry(file).or_insert(File { id: file, device, opened_by: pid, refs: 0, released: None });
         let already = self.processes.get(&pid).and_then(|p| p.fds.get(&fd)).map(|f| f.file);
         if already != Some(file) {
@@ -79,6 +103,10 @@ impl Model {
     }
 
     pub(super) fn on_dup(&mut self, pid: u32, ts: u64, old_fd: i32, new_fd: i32, cloexec: bool) {
+        // dup2 onto itself changes nothing (dup3 refuses it).
+        if old_fd == new_fd {
+            return;
+        }
         if let Some(old) = self.processes.get(&pid).and_then(|p| p.fds.get(&old_fd)).copied() {
             self.set_fd(pid, new_fd, old.file, cloexec, ts);
         }
@@ -167,6 +195,13 @@ impl Model {
             if let Some(id) = self.uvm_ranges.remove(&key) {
                 self.release(id, ts, FreedBy::FileRelease);
             }
+        }
+    }
+
+    /// A snapshot names the files it synthesised earlier: new ones are numbered past them.
+    fn claim_file_id(&mut self, file: FileId) {
+        if file >= super::ORPHAN_FILE_BASE {
+            self.next_orphan_file = self.next_orphan_file.max(file.saturating_add(1));
         }
     }
 

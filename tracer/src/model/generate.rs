@@ -49,7 +49,7 @@ pub fn records(data: &[u8]) -> Vec<Record> {
         let handle = |b: &mut Bytes, client: u32| if b.one_in(5) { client } else { 0x100 + b.pick(8) };
         // Mostly forward in time; sometimes backwards, as a damaged or hostile trace may be.
         ts = if op & 0x80 != 0 && op & 0x40 != 0 { ts.saturating_sub(u64::from(b.u8())) } else { ts + u64::from(b.u8()) };
-        let event = match op % 16 {
+        let event = match op % 19 {
             0 => Event::Process {
                 ppid: 1 + b.pick(4),
                 seen: if b.one_in(2) { Seen::Forked } else { Seen::Running },
@@ -60,7 +60,7 @@ pub fn records(data: &[u8]) -> Vec<Record> {
             3 => Event::Open {
                 fd,
                 file: u64::from(b.pick(4)),
-                device: if b.one_in(3) { Device::Uvm } else { Device::Ctl },
+                device: [Device::Ctl, Device::Ctl, Device::Uvm, Device::Gpu][b.pick(4) as usize],
                 cloexec: b.one_in(2),
             },
             4 => Event::Dup { old_fd: fd, new_fd: 3 + b.pick(4) as i32, cloexec: b.one_in(2) },
@@ -122,6 +122,12 @@ pub fn records(data: &[u8]) -> Vec<Record> {
                 })
             }
             14 => Event::UvmFree { fd, base: u64::from(b.pick(4)) << 21, status: 0 },
+            15 => {
+                let base = (u64::from(b.pick(4)) << 21) + (u64::from(b.pick(2)) << 20);
+                Event::UvmMap { fd, base, length: 1 << 20, offset: 0, client, memory: 0x100 + b.pick(8), status: 0 }
+            }
+            16 => Event::RegisterFd { fd, ctl_fd: 3 + b.pick(4) as i32 },
+            17 => Event::UvmUnmap { fd, base: u64::from(b.pick(4)) << 21, length: u64::from(b.pick(3)) << 20, status: 0 },
             _ => Event::Lost { records: b.size() },
         };
         out.push(Record { ts, pid, tid: pid, event, raw: None });

@@ -14,14 +14,19 @@ pub(super) struct Object {
     pub(super) alloc: Option<AllocId>,
     /// The GPU it belongs to: a device's own, inherited by everything below it.
     pub(super) gpu: Option<u32>,
+    /// Its RM class, as allocated or as its dup's source ([`UNKNOWN_CLASS`] when that was not seen).
+    pub(super) class: u32,
 }
+
+/// The class of a dup whose source was never seen: no class RM has (0 would read as a client).
+pub(super) const UNKNOWN_CLASS: u32 = u32::MAX;
 
 #[derive(Clone, Debug, Default)]
 pub(super) struct Client {
     pub(super) file: Option<FileId>,
     pub(super) objects: HashMap<u32, Object>,
     /// Parent handle to child handles, so freeing a subtree never scans the whole client.
-    children: HashMap<u32, HashSet<u32>>,
+    pub(super) children: HashMap<u32, HashSet<u32>>,
 }
 
 impl Client {
@@ -76,7 +81,7 @@ impl Model {
             self.clients.insert(client, Client::new(file));
         } else {
             let gpu = gpu.or_else(|| self.gpu_of(client, parent));
-            self.insert_object(client, pid, fd, ts, object, Object { parent, alloc: None, gpu });
+            self.insert_object(client, pid, fd, ts, object, Object { parent, alloc: None, gpu, class });
         }
     }
 
@@ -86,12 +91,13 @@ impl Model {
     }
 
     pub(super) fn on_dup_object(&mut self, pid: u32, ts: u64, fd: i32, (client, parent, object): (u32, u32, u32), src: (u32, u32)) {
-        let alloc = self.clients.get(&src.0).and_then(|c| c.objects.get(&src.1)).and_then(|o| o.alloc);
+        let source = self.clients.get(&src.0).and_then(|c| c.objects.get(&src.1));
+        let (alloc, class) = source.map_or((None, UNKNOWN_CLASS), |o| (o.alloc, o.class));
         if let Some(id) = alloc {
             *self.handle_refs.entry(id).or_default() += 1;
         }
         let gpu = alloc.and_then(|id| self.allocations[id].gpu).or_else(|| self.gpu_of(client, parent));
-        self.insert_object(client, pid, fd, ts, object, Object { parent, alloc, gpu });
+        self.insert_object(client, pid, fd, ts, object, Object { parent, alloc, gpu, class });
     }
 
     /// UVM_MAP_EXTERNAL_ALLOCATION: the mapping duplicates the RM memory object and keeps it
@@ -188,7 +194,7 @@ impl Model {
                 }
             }
             _ => {
-                let object = Object { parent: a.parent, alloc: Some(id), gpu };
+                let object = Object { parent: a.parent, alloc: Some(id), gpu, class: a.class };
                 self.insert_object(a.client, pid, a.fd, ts, a.object, object);
             }
         }
