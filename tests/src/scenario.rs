@@ -118,15 +118,7 @@ fn signal(pid: u32, sig: i32) {
 }
 
 fn wait_for(mut child: Child, limit: Duration) -> Result<()> {
-    let start = Instant::now();
-    while start.elapsed() < limit {
-        if child.try_wait()?.is_some() {
-            return Ok(());
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let _ = child.kill();
-    bail!("the recording did not end within {limit:?}")
+    wait_for_exit(&mut child, limit).context("the recording did not end")
 }
 
 /// A memory cgroup (v1 or v2) limited to `bytes`, for the host-oom scenario.
@@ -145,9 +137,52 @@ fn memory_cgroup(bytes: u64) -> Result<PathBuf> {
     bail!("no memory cgroup could be made (cgroup v1 memory controller or v2 memory.max)")
 }
 
+/// `gputrace watch` beside the recording, dumps to `dumps` with a 200 ms window: started (and
+/// tracing) before the scenario, stopped after it.
+fn watch(t: &Tools, dumps: &Path) -> Result<Child> {
+    let log_path = t.dir.join("watch.log");
+    let mut c = Command::new(&t.gputrace);
+    c.args(["watch", "--window", "200ms", "--aftermath", "1s", "--min-interval", "1h", "--dump-dir"]).arg(dumps);
+    let mut child = c.stdout(Stdio::null()).stderr(log(&t.dir, "watch.log")).spawn().context("starting gputrace watch")?;
+    let start = Instant::now();
+    while !std::fs::read_to_string(&log_path).unwrap_or_default().contains("gputrace: tracing every process") {
+        if child.try_wait()?.is_some() || start.elapsed() > Duration::from_secs(30) {
+            bail!("gputrace watch did not start; see {}", log_path.display());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(child)
+}
+
 /// Runs one scenario inside the fake GPU's namespace, NVML answering the recorder as `nvml` says.
+/// With GPUTRACE_WATCH_DUMPS set, `gputrace watch` runs beside the recording.
 pub fn inside(name: &str, server: &str, nvml: &str, dir: &Path, gputrace: &Path) -> Result<()> {
     let t = Tools::new(dir, gputrace, nvml)?;
+    let watching = match std::env::var_os("GPUTRACE_WATCH_DUMPS") {
+        Some(dumps) => Some(watch(&t, Path::new(&dumps))?),
+        None => None,
+    };
+    let result = scenario_inside(&t, name, server);
+    if let Some(mut w) = watching {
+        signal(w.id(), libc::SIGTERM);
+        wait_for_exit(&mut w, Duration::from_secs(30)).context("gputrace watch did not stop on SIGTERM")?;
+    }
+    result
+}
+
+fn wait_for_exit(child: &mut Child, limit: Duration) -> Result<()> {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if child.try_wait()?.is_some() {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    bail!("still running after {limit:?}")
+}
+
+fn scenario_inside(t: &Tools, name: &str, server: &str) -> Result<()> {
     let llama = server == "llama";
     let port = 8000 + (std::process::id() % 1000) as u16;
     let limit = Duration::from_secs(60);

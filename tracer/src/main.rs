@@ -63,6 +63,46 @@ enum Command {
         #[arg(last = true, value_name = "CMD")]
         command: Vec<String>,
     },
+    /// Trace every process indefinitely in bounded memory; when an allocation fails, the OOM
+    /// killer strikes or `gputrace dump` asks, write the window around it and its report.
+    Watch {
+        /// Where dumps and their reports go (created private when missing)
+        #[arg(long, value_name = "DIR", default_value = "/var/lib/gputrace/dumps")]
+        dump_dir: PathBuf,
+        /// How much history a dump holds before its trigger: 90s, 10m, 2h
+        #[arg(long, value_name = "DURATION", default_value = "10m", value_parser = gputrace::units::parse_duration)]
+        window: std::time::Duration,
+        /// The window's cap in memory, whatever its length in time
+        #[arg(long, value_name = "BYTES", default_value = "32MiB", value_parser = gputrace::units::parse_bytes)]
+        window_bytes: u64,
+        /// Dumps beyond this size in all are removed, oldest first
+        #[arg(long, value_name = "BYTES", default_value = "1GiB", value_parser = gputrace::units::parse_bytes)]
+        budget: u64,
+        /// How long after its trigger a dump waits, so the aftermath is in it
+        #[arg(long, value_name = "DURATION", default_value = "2s", value_parser = gputrace::units::parse_duration)]
+        aftermath: std::time::Duration,
+        /// The least time between two dumps; triggers in between are counted, not dumped
+        #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = gputrace::units::parse_duration)]
+        min_interval: std::time::Duration,
+        /// Decode with this driver's layouts instead of the running driver's (e.g. 535.104.05)
+        #[arg(long, value_name = "VERSION")]
+        driver_version: Option<String>,
+        /// A context with no allocation or request for this long is a suspect holder
+        #[arg(long, value_name = "MINUTES", default_value_t = 10)]
+        idle_minutes: u64,
+        /// Leave argument values and query strings out of dumps (program and flag names stay)
+        #[arg(long)]
+        redact: bool,
+        /// Each GPU's capacity where NVML cannot tell it (no NVML, unified memory): 80GiB, 128GiB...
+        #[arg(long, value_name = "BYTES", value_parser = gputrace::units::parse_bytes)]
+        capacity: Option<u64>,
+    },
+    /// Ask the running `gputrace watch` for a dump now (as SIGUSR1 does).
+    Dump {
+        /// The watch's pid [default: every watch running here]
+        #[arg(long)]
+        pid: Option<u32>,
+    },
     /// Mark the phase of a traced process's service in every running recording (overrides inference).
     Mark {
         #[arg(value_enum)]
@@ -196,6 +236,36 @@ fn main() -> ExitCode {
             };
             gputrace::record::run(opts).map(|outcome| ExitCode::from(outcome.exit_code.clamp(0, 255) as u8))
         }
+        Command::Watch {
+            dump_dir,
+            window,
+            window_bytes,
+            budget,
+            aftermath,
+            min_interval,
+            driver_version,
+            idle_minutes,
+            redact,
+            capacity,
+        } => {
+            let opts = gputrace::watch::Options {
+                dump_dir,
+                window,
+                window_bytes,
+                budget,
+                aftermath,
+                min_interval,
+                driver_version,
+                idle_ns: idle_minutes.saturating_mul(60_000_000_000),
+                redact,
+                capacity,
+            };
+            gputrace::watch::run(opts).map(|()| ExitCode::SUCCESS)
+        }
+        Command::Dump { pid } => gputrace::watch::ask(pid).map(|done| {
+            eprintln!("gputrace: {done}");
+            ExitCode::SUCCESS
+        }),
         Command::Mark { phase, pid } => {
             // SAFETY: getppid has no preconditions.
             let pid = pid.unwrap_or_else(|| unsafe { libc::getppid() } as u32);

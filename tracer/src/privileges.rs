@@ -6,13 +6,17 @@
 //! Still needed while recording: updating its own BPF maps (CAP_BPF; CAP_SYS_ADMIN on kernels
 //! older than 5.8, which lack CAP_BPF), reading other users' /proc/PID/fd and comparing their
 //! files with kcmp (CAP_SYS_PTRACE, CAP_DAC_READ_SEARCH), and passing a stop signal on to a
-//! command that runs as another user (CAP_KILL). Everything else goes: setuid, setgid, chown,
+//! command that runs as another user (CAP_KILL); for `watch` under sudo, creating each dump as the
+//! invoking user (CAP_SETUID, CAP_SETGID, used only for the filesystem identity of the thread
+//! that opens it). Everything else goes: setuid, setgid, chown,
 //! file ownership overrides, modules, raw I/O, the network, mounts.
 
 use std::io;
 
 const CAP_DAC_READ_SEARCH: u32 = 2;
 const CAP_KILL: u32 = 5;
+const CAP_SETGID: u32 = 6;
+const CAP_SETUID: u32 = 7;
 const CAP_SYS_PTRACE: u32 = 19;
 const CAP_SYS_ADMIN: u32 = 21;
 const CAP_PERFMON: u32 = 38;
@@ -35,8 +39,13 @@ struct Data {
 }
 
 /// The capabilities kept, as a 64-bit set, for a kernel whose highest capability is `last_cap`.
-pub fn kept(last_cap: u32) -> u64 {
+/// `open_as_user`: `watch` under sudo goes on creating dump files as the invoking user, which
+/// takes setfsuid/setgroups on the writing thread.
+pub fn kept(last_cap: u32, open_as_user: bool) -> u64 {
     let mut keep = [CAP_DAC_READ_SEARCH, CAP_KILL, CAP_SYS_PTRACE, CAP_PERFMON, CAP_BPF].iter().fold(0u64, |set, &c| set | 1 << c);
+    if open_as_user {
+        keep |= 1 << CAP_SETUID | 1 << CAP_SETGID;
+    }
     if last_cap < CAP_BPF {
         keep |= 1 << CAP_SYS_ADMIN;
     }
@@ -64,8 +73,8 @@ fn prctl(option: libc::c_int, arg: libc::c_ulong) -> io::Result<()> {
 /// Drops every other capability from the calling thread's effective, permitted, inheritable and
 /// bounding sets, and locks uid 0 out of regaining them. Call it while the recorder has one
 /// thread: capabilities are per thread, and threads started later inherit them.
-pub fn keep_only_what_recording_needs() -> io::Result<()> {
-    let keep = kept(last_cap());
+pub fn keep_only_what_recording_needs(open_as_user: bool) -> io::Result<()> {
+    let keep = kept(last_cap(), open_as_user);
     // These need CAP_SETPCAP, which goes last.
     prctl(PR_SET_SECUREBITS, SECUREBITS)?;
     for cap in (0..=last_cap()).filter(|&c| keep & 1 << c == 0) {
@@ -97,15 +106,15 @@ mod tests {
 
     #[test]
     fn what_is_kept() {
-        let modern = kept(40);
+        let modern = kept(40, false);
         for cap in [CAP_BPF, CAP_PERFMON, CAP_SYS_PTRACE, CAP_DAC_READ_SEARCH, CAP_KILL] {
             assert!(modern & 1 << cap != 0, "{cap} kept");
         }
-        const CAP_SETUID: u32 = 7;
         const CAP_SYS_MODULE: u32 = 16;
         for cap in [CAP_SYS_ADMIN, CAP_SETUID, CAP_SYS_MODULE] {
             assert!(modern & 1 << cap == 0, "{cap} dropped");
         }
-        assert!(kept(37) & 1 << CAP_SYS_ADMIN != 0, "before CAP_BPF existed, BPF needs CAP_SYS_ADMIN");
+        assert!(kept(37, false) & 1 << CAP_SYS_ADMIN != 0, "before CAP_BPF existed, BPF needs CAP_SYS_ADMIN");
+        assert!(kept(40, true) & (1 << CAP_SETUID | 1 << CAP_SETGID) != 0, "a watch under sudo writes dumps as the user");
     }
 }

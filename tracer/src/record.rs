@@ -27,6 +27,7 @@ use crate::signals::StopSignals;
 use crate::trace::{Header, Writer, FORMAT, VERSION};
 use crate::units::bytes;
 use crate::user::User;
+use crate::watch::Watcher;
 
 pub struct Options {
     pub output: Option<PathBuf>,
@@ -66,65 +67,94 @@ pub fn run(opts: Options) -> Result<Outcome> {
             bail!("no process has pid {pid}: check it with `ps -p {pid}`");
         }
     }
+    let path = opts.output.clone().unwrap_or_else(default_output);
+    let exit_code = trace_into(&opts, |header, user| Ok(Sink::Trace { writer: Writer::create(&path, header, user)?, error: None }))?;
+    Ok(Outcome { exit_code })
+}
+
+/// `gputrace watch`: every process, into the flight recorder `watcher` makes from the header.
+pub fn watch(opts: Options, watcher: impl FnOnce(Header) -> Watcher) -> Result<()> {
+    trace_into(&opts, |header, _| Ok(Sink::Watch(Box::new(watcher(header.clone())))))?;
+    Ok(())
+}
+
+/// Loads the probes, traces what `opts` asks into the sink made from the header, and closes.
+fn trace_into(opts: &Options, sink: impl FnOnce(&Header, Option<&User>) -> Result<Sink>) -> Result<i32> {
     let user = User::invoking()?;
     let kernel = probe::preflight()?;
     raise_fd_limit();
     let (version, source) = driver_version(opts.driver_version.as_deref())?;
     let layout = layout_for(version);
 
-    let mut header = header(&opts, version, source);
+    let mut header = header(opts, version, source);
     if let Some(bytes) = opts.capacity {
         header.assume_capacity(bytes);
     }
     if opts.redact {
         crate::redact::header(&mut header);
     }
-    let path = opts.output.clone().unwrap_or_else(default_output);
-    let writer = Writer::create(&path, &header, user.as_ref())?;
+    let sink = sink(&header, user.as_ref())?;
 
     let mut probe = Probe::load(&layout, opts.all, &kernel)?;
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().context("starting the event loop")?;
     let mut session = Session {
         pipeline: Pipeline::new(layout, ProcResolver, opts.raw, Some(std::process::id())),
         model: Model::new(),
-        writer,
+        sink,
+        records: 0,
         out: Vec::new(),
         updates: Vec::new(),
         lost_seen: 0,
         decode_errors: 0,
-        write_error: None,
         redact: opts.redact,
         user,
     };
-    let exit_code = runtime.block_on(session.trace(&mut probe, &opts))?;
+    let exit_code = runtime.block_on(session.trace(&mut probe, opts))?;
 
-    session.close(&probe, &header, &path, &opts)?;
-    Ok(Outcome { exit_code })
+    session.close(&probe, &header, opts)?;
+    Ok(exit_code)
+}
+
+/// Where records go: a trace file, or the flight recorder of `watch`.
+pub enum Sink {
+    Trace {
+        writer: Writer,
+        /// Why the trace file stopped (a full disk): recording then only waits for the command.
+        error: Option<String>,
+    },
+    Watch(Box<Watcher>),
 }
 
 struct Session {
     pipeline: Pipeline<ProcResolver>,
     model: Model,
-    writer: Writer,
+    sink: Sink,
+    records: u64,
     out: Vec<Record>,
     updates: Vec<KernelUpdate>,
     lost_seen: u64,
     /// Ring buffer records that did not parse (a mismatched kernel object).
     decode_errors: u64,
-    /// Why the trace file stopped (a full disk): recording then only waits for the command.
-    write_error: Option<String>,
     redact: bool,
     /// Who the command runs as, under sudo.
     user: Option<User>,
 }
 
 impl Session {
-    /// Flushes the trace and prints the closing report (JSON on stdout with --json).
-    fn close(&mut self, probe: &Probe, header: &Header, path: &Path, opts: &Options) -> Result<()> {
+    /// Flushes the trace and prints the closing report (JSON on stdout with --json); a watch
+    /// writes the dump waiting for its aftermath.
+    fn close(&mut self, probe: &Probe, header: &Header, opts: &Options) -> Result<()> {
         let counters = probe.counters();
-        if self.write_error.is_none() {
-            if let Err(e) = self.writer.flush() {
-                self.write_error = Some(e.to_string());
+        let (writer, write_error) = match &mut self.sink {
+            Sink::Watch(w) => {
+                w.finish();
+                return Ok(());
+            }
+            Sink::Trace { writer, error } => (writer, error),
+        };
+        if write_error.is_none() {
+            if let Err(e) = writer.flush() {
+                *write_error = Some(e.to_string());
             }
         }
         let loss = Loss {
@@ -133,9 +163,9 @@ impl Session {
             damaged_lines: 0,
             torn_tail: false,
             fds_not_followed: self.model.fd_refs_dropped,
-            write_error: self.write_error.clone(),
+            write_error: write_error.clone(),
         };
-        let mut summary = Report::new(header, &self.model, path.display().to_string(), self.writer.records, loss, opts.idle_ns);
+        let mut summary = Report::new(header, &self.model, writer.path().display().to_string(), writer.records, loss, opts.idle_ns);
         let filter = FdFilter {
             questions: counters.questions,
             pending_dropped: self.pipeline.files.pending_dropped,
@@ -162,19 +192,23 @@ impl Session {
         Ok(())
     }
 
-    /// Into the model and the trace. A write error stops the trace loudly, once; the model (and
+    /// Into the model and the sink. A write error stops the trace loudly, once; the model (and
     /// so the closing report) goes on, and so does the command.
     fn emit(&mut self, mut record: Record) {
         if self.redact {
             crate::redact::record(&mut record);
         }
         self.model.apply(&record);
-        if self.write_error.is_some() {
-            return;
-        }
-        if let Err(e) = self.writer.write(&record) {
-            eprintln!("gputrace: error: {e}: the trace stops here; waiting for the command to finish");
-            self.write_error = Some(e.to_string());
+        self.records += 1;
+        match &mut self.sink {
+            Sink::Watch(w) => w.push(&record),
+            Sink::Trace { error: Some(_), .. } => {}
+            Sink::Trace { writer, error } => {
+                if let Err(e) = writer.write(&record) {
+                    eprintln!("gputrace: error: {e}: the trace stops here; waiting for the command to finish");
+                    *error = Some(e.to_string());
+                }
+            }
         }
     }
 
@@ -183,11 +217,16 @@ impl Session {
         self.emit(Record { ts, pid, tid: 0, event, raw: None })
     }
 
-    fn flush(&mut self) {
-        if self.write_error.is_none() {
-            if let Err(e) = self.writer.flush() {
-                eprintln!("gputrace: error: {e}: the trace stops here; waiting for the command to finish");
-                self.write_error = Some(e.to_string());
+    /// A few times a second: the trace is flushed, or the flight recorder does its rounds.
+    fn tick(&mut self) {
+        match &mut self.sink {
+            Sink::Watch(w) => w.tick(&mut self.model),
+            Sink::Trace { error: Some(_), .. } => {}
+            Sink::Trace { writer, error } => {
+                if let Err(e) = writer.flush() {
+                    eprintln!("gputrace: error: {e}: the trace stops here; waiting for the command to finish");
+                    *error = Some(e.to_string());
+                }
             }
         }
     }
@@ -256,14 +295,18 @@ impl Session {
         } else {
             format!("`{}`", opts.command.join(" "))
         };
-        eprintln!("gputrace: tracing {what}, writing {} (Ctrl-C to stop)", self.writer.path().display());
+        match &self.sink {
+            Sink::Trace { writer, .. } => eprintln!("gputrace: tracing {what}, writing {} (Ctrl-C to stop)", writer.path().display()),
+            Sink::Watch(_) => eprintln!("gputrace: tracing {what} (`gputrace dump` or SIGUSR1 for a dump now)"),
+        }
         let child = match opts.command.is_empty() {
             true => None,
             false => Some(self.launch(probe, &opts.command)?),
         };
 
         // Launched, so nothing below needs to change identity or own files any more.
-        if let Err(e) = crate::privileges::keep_only_what_recording_needs() {
+        let open_as_user = matches!(self.sink, Sink::Watch(_)) && self.user.is_some();
+        if let Err(e) = crate::privileges::keep_only_what_recording_needs(open_as_user) {
             eprintln!("gputrace: warning: could not drop the capabilities recording no longer needs: {e}");
         }
         Ok(child)
@@ -282,6 +325,13 @@ impl Session {
         let marks = MarkServer::open(std::process::id(), invoking_uid);
         let mut child = self.begin(probe, opts)?;
         let (mark_tx, mut mark_rx) = tokio::sync::mpsc::channel::<MarkRequest>(MAX_CONNECTIONS);
+        // A watch dumps on SIGUSR1 (`gputrace dump`); elsewhere it keeps its default meaning.
+        let mut dump_asks = match self.sink {
+            Sink::Watch(_) => {
+                Some(tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined1()).context("listening for SIGUSR1")?)
+            }
+            Sink::Trace { .. } => None,
+        };
         let mut tick = tokio::time::interval(Duration::from_millis(100));
         // NVML and /proc/meminfo on a thread of their own: a slow NVML call never holds up events.
         let (sample_tx, mut sample_rx) = tokio::sync::mpsc::channel::<Sample>(4);
@@ -308,7 +358,7 @@ impl Session {
                     guard.clear_ready();
                 }
                 _ = tick.tick() => {
-                    self.flush();
+                    self.tick();
                     self.check_lost(probe);
                     if !attached.is_empty() {
                         attached.retain(|&pid| procfs::running(pid));
@@ -336,6 +386,11 @@ impl Session {
                     let _ = request.reply.send(self.mark(request.phase, request.pid));
                 }
                 Some(sample) = sample_rx.recv() => self.emit_now(0, Event::Sample(sample)),
+                Some(()) = async { dump_asks.as_mut().unwrap().recv().await }, if dump_asks.is_some() => {
+                    if let Sink::Watch(w) = &mut self.sink {
+                        w.ask();
+                    }
+                }
                 stop = stops.next() => {
                     let stop = stop?;
                     // A command is waited for: the signal is passed on (unless it already got it)
@@ -409,7 +464,7 @@ impl Session {
     }
 
     fn status_line(&self) {
-        let mut line = format!("gputrace: {} events", self.writer.records);
+        let mut line = format!("gputrace: {} events", self.records);
         let mut top: Vec<_> = self.model.processes.values().filter(|p| p.usage.physical_live() > 0).collect();
         top.sort_by_key(|p| std::cmp::Reverse(p.usage.physical_live()));
         for p in top.iter().take(3) {

@@ -59,6 +59,23 @@ pub fn parse_bytes(text: &str) -> Result<u64, String> {
     Ok(bytes as u64)
 }
 
+/// A duration as people write it: `90s`, `10m`, `2h`, `500ms`, `1d`. For clap.
+pub fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
+    let text = text.trim();
+    let split = text.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let value: f64 = number.parse().map_err(|_| format!("{text:?} is not a duration (write it as 90s, 10m or 2h)"))?;
+    let seconds = match unit.trim() {
+        "ms" => 0.001,
+        "s" | "" => 1.0,
+        "m" | "min" => 60.0,
+        "h" => 3600.0,
+        "d" => 86400.0,
+        other => return Err(format!("{other:?} is not a unit of time: use ms, s, m, h or d")),
+    };
+    std::time::Duration::try_from_secs_f64(value * seconds).map_err(|_| format!("{text:?} is out of range"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -76,6 +93,16 @@ mod tests {
         assert_eq!(parse_bytes("1.5T"), Ok(3 << 39));
         assert_eq!(parse_bytes("4096"), Ok(4096));
         assert!(parse_bytes("lots").is_err() && parse_bytes("5 parsecs").is_err() && parse_bytes("1e400").is_err());
+    }
+
+    #[test]
+    fn durations_as_people_write_them() {
+        use std::time::Duration;
+        assert_eq!(parse_duration("90s"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("10m"), Ok(Duration::from_secs(600)));
+        assert_eq!(parse_duration("2h"), Ok(Duration::from_secs(7200)));
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert!(parse_duration("soon").is_err() && parse_duration("5 fortnights").is_err() && parse_duration("1e300d").is_err());
     }
 
     #[test]

@@ -1,0 +1,277 @@
+//! The flight recorder behind `gputrace watch`: the state before a window (a model of
+//! everything older, kept to live state by compaction), the window itself as encoded records in
+//! shared `Bytes` segments, and the dumps that triggers ask for. Pure: records in, dumps out; the
+//! event loop and the files are `watch`'s.
+//!
+//! Memory stays bounded however long it runs: the window is capped in time and bytes, records
+//! leaving it go into the base model, and the base is rebuilt from its own snapshot (only what
+//! is live) as often as the window turns over.
+
+use std::collections::VecDeque;
+
+use bytes::{BufMut, Bytes, BytesMut};
+
+use crate::event::{Event, Record};
+use crate::model::Model;
+
+/// A segment is closed (and shareable with a dump) at this size.
+const SEGMENT_BYTES: usize = 64 << 10;
+
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// How much history a dump holds before its trigger.
+    pub window_ns: u64,
+    /// The window's cap in encoded bytes, whatever its length in time.
+    pub max_bytes: usize,
+    /// How long after a trigger a dump waits, so the aftermath is in it.
+    pub aftermath_ns: u64,
+    /// The least time between two dumps' triggers; triggers in between are counted.
+    pub min_interval_ns: u64,
+}
+
+/// Why a dump was written.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Trigger {
+    /// The driver refused an allocation (pid, bytes).
+    FailedAllocation { pid: u32, bytes: u64 },
+    /// The kernel's OOM killer chose a traced process.
+    OomKill { pid: u32 },
+    /// `gputrace dump` or SIGUSR1.
+    Manual,
+}
+
+impl Trigger {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Trigger::FailedAllocation { .. } => "failed-allocation",
+            Trigger::OomKill { .. } => "oom-kill",
+            Trigger::Manual => "manual",
+        }
+    }
+    fn of(record: &Record) -> Option<Trigger> {
+        match &record.event {
+            Event::Alloc(a) if !a.succeeded() => Some(Trigger::FailedAllocation { pid: record.pid, bytes: a.bytes }),
+            Event::OomKill => Some(Trigger::OomKill { pid: record.pid }),
+            _ => None,
+        }
+    }
+}
+
+/// A dump ready to write: the state at its window's start, then the window, in order.
+pub struct Dump {
+    pub trigger: Trigger,
+    pub trigger_ts: u64,
+    /// Triggers that came while it waited for its aftermath, counted in it.
+    pub joined: u64,
+    pub window_start: u64,
+    pub snapshot: Vec<Record>,
+    pub segments: Vec<Bytes>,
+}
+
+impl Dump {
+    /// Every record of the dump, the snapshot first.
+    pub fn records(&self) -> impl Iterator<Item = Record> + '_ {
+        self.snapshot.iter().cloned().chain(self.segments.iter().flat_map(decode))
+    }
+}
+
+struct Segment {
+    bytes: Bytes,
+    last_ts: u64,
+}
+
+struct Pending {
+    trigger: Trigger,
+    trigger_ts: u64,
+    joined: u64,
+    window_start: u64,
+    snapshot: Vec<Record>,
+    segments: Vec<Bytes>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Counters {
+    pub records: u64,
+    pub encoded_bytes: u64,
+    pub triggers: u64,
+    pub dumps: u64,
+    /// Triggers inside the least interval between dumps: not dumped.
+    pub suppressed: u64,
+    pub compactions: u64,
+}
+
+pub struct Flight {
+    config: Config,
+    /// Everything before the window.
+    base: Model,
+    segments: VecDeque<Segment>,
+    bytes_in_segments: usize,
+    current: BytesMut,
+    current_first_ts: Option<u64>,
+    current_last_ts: u64,
+    /// The first record's time in the window (the base's end).
+    window_start: u64,
+    pending: Option<Pending>,
+    last_trigger: Option<u64>,
+    last_compaction: u64,
+    pub counters: Counters,
+}
+
+impl Flight {
+    pub fn new(config: Config) -> Flight {
+        Flight {
+            config,
+            base: Model::new(),
+            segments: VecDeque::new(),
+            bytes_in_segments: 0,
+            current: BytesMut::with_capacity(SEGMENT_BYTES),
+            current_first_ts: None,
+            current_last_ts: 0,
+            window_start: 0,
+            pending: None,
+            last_trigger: None,
+            last_compaction: 0,
+            counters: Counters::default(),
+        }
+    }
+
+    /// Takes one record (already applied to the live model by the caller): into the window, and
+    /// a trigger if it is one.
+    pub fn push(&mut self, record: &Record) {
+        self.counters.records += 1;
+        let start = self.current.len();
+        // Serialising our own types to memory cannot fail.
+        let _ = serde_json::to_writer((&mut self.current).writer(), record);
+        self.current.put_u8(b'\n');
+        self.counters.encoded_bytes += (self.current.len() - start) as u64;
+        self.current_first_ts.get_or_insert(record.ts);
+        self.current_last_ts = self.current_last_ts.max(record.ts);
+        // Closed by size, or by age at a slow rate, so the window turns over in steps of an
+        // eighth of it either way.
+        let aged = self.current_first_ts.is_some_and(|first| record.ts.saturating_sub(first) > self.config.window_ns / 8);
+        if self.current.len() >= SEGMENT_BYTES || aged {
+            self.close_segment();
+        }
+        if let Some(trigger) = Trigger::of(record) {
+            self.trigger(trigger, record.ts);
+        }
+        self.evict(record.ts);
+    }
+
+    /// A trigger at `ts`: a dump starts waiting for its aftermath, or the one waiting counts it,
+    /// or it is too soon after the last and is counted only.
+    pub fn trigger(&mut self, trigger: Trigger, ts: u64) {
+        self.counters.triggers += 1;
+        if let Some(p) = &mut self.pending {
+            p.joined += 1;
+            return;
+        }
+        if self.last_trigger.is_some_and(|last| ts < last.saturating_add(self.config.min_interval_ns)) {
+            self.counters.suppressed += 1;
+            return;
+        }
+        self.last_trigger = Some(ts);
+        self.close_segment();
+        let segments = self.segments.iter().map(|s| s.bytes.clone()).collect();
+        // The state at the window's start: the base, as the window's first record found it.
+        self.pending =
+            Some(Pending { trigger, trigger_ts: ts, joined: 0, window_start: self.window_start, snapshot: self.base.snapshot(), segments });
+    }
+
+    /// What a dump waiting for its aftermath is for, and until when.
+    pub fn waiting(&self) -> Option<(&Trigger, u64)> {
+        self.pending.as_ref().map(|p| (&p.trigger, p.trigger_ts.saturating_add(self.config.aftermath_ns)))
+    }
+
+    /// The dump whose aftermath is over at `now` (or any waiting one, with `now` None: the
+    /// watch is stopping).
+    pub fn take_dump(&mut self, now: Option<u64>) -> Option<Dump> {
+        let (_, until) = self.waiting()?;
+        if now.is_some_and(|now| now < until) {
+            return None;
+        }
+        // What is in the open segment goes in too (closing it hands it to the waiting dump).
+        self.close_segment();
+        let p = self.pending.take()?;
+        self.counters.dumps += 1;
+        Some(Dump {
+            trigger: p.trigger,
+            trigger_ts: p.trigger_ts,
+            joined: p.joined,
+            window_start: p.window_start,
+            snapshot: p.snapshot,
+            segments: p.segments,
+        })
+    }
+
+    fn close_segment(&mut self) {
+        if self.current.is_empty() {
+            return;
+        }
+        let bytes = self.current.split().freeze();
+        self.bytes_in_segments += bytes.len();
+        // A waiting dump keeps every segment closed since its trigger, evicted or not.
+        if let Some(p) = &mut self.pending {
+            p.segments.push(bytes.clone());
+        }
+        self.segments.push_back(Segment { bytes, last_ts: self.current_last_ts });
+        self.current_first_ts = None;
+        self.current.reserve(SEGMENT_BYTES);
+    }
+
+    /// Segments older than the window, or past its byte cap, go into the base.
+    fn evict(&mut self, now: u64) {
+        let oldest_kept = now.saturating_sub(self.config.window_ns);
+        while let Some(first) = self.segments.front() {
+            let too_old = first.last_ts < oldest_kept;
+            let too_big = self.bytes_in_segments + self.current.len() > self.config.max_bytes;
+            if !(too_old || too_big) {
+                break;
+            }
+            let segment = self.segments.pop_front().expect("front exists");
+            self.bytes_in_segments -= segment.bytes.len();
+            let mut next_start = segment.last_ts;
+            for record in decode(&segment.bytes) {
+                next_start = record.ts;
+                self.base.apply(&record);
+            }
+            self.window_start = next_start;
+        }
+    }
+
+    /// Every window's turn: the base keeps only what is live (its own snapshot replayed), and
+    /// the live model is rebuilt from it and the window. Returns the new live model.
+    pub fn compact(&mut self, now: u64) -> Option<Model> {
+        if now < self.last_compaction.saturating_add(self.config.window_ns / 2) {
+            return None;
+        }
+        self.last_compaction = now;
+        self.counters.compactions += 1;
+        let snapshot = self.base.snapshot();
+        self.base = Model::from_records(&snapshot);
+        let mut live = Model::from_records(&snapshot);
+        for segment in &self.segments {
+            for record in decode(&segment.bytes) {
+                live.apply(&record);
+            }
+        }
+        for record in decode(&self.current.clone().freeze()) {
+            live.apply(&record);
+        }
+        Some(live)
+    }
+
+    /// Bytes the window holds now.
+    pub fn window_bytes(&self) -> usize {
+        self.bytes_in_segments + self.current.len()
+    }
+}
+
+/// The records of an encoded segment; a line that does not parse (it never should: we wrote
+/// it) is skipped rather than stopping the dump.
+fn decode(bytes: &Bytes) -> impl Iterator<Item = Record> + '_ {
+    bytes.split(|&b| b == b'\n').filter(|l| !l.is_empty()).filter_map(|line| serde_json::from_slice(line).ok())
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,128 @@
+use super::*;
+use crate::event::{Alloc, Device, Memory, Seen, Via};
+
+const S: u64 = 1_000_000_000;
+const GIB: u64 = 1 << 30;
+
+fn config() -> Config {
+    Config { window_ns: 10 * S, max_bytes: 1 << 20, aftermath_ns: 2 * S, min_interval_ns: 60 * S }
+}
+
+fn rec(ts: u64, pid: u32, event: Event) -> Record {
+    Record { ts, pid, tid: pid, event, raw: None }
+}
+
+fn alloc(ts: u64, pid: u32, client: u32, object: u32, bytes: u64, status: u32) -> Record {
+    let a = Alloc {
+        fd: 3,
+        via: Via::RmAllocNvos64,
+        memory: Memory::Video,
+        bytes,
+        status,
+        client,
+        parent: client,
+        object,
+        class: 0x40,
+        base: None,
+        errno: None,
+    };
+    rec(ts, pid, Event::Alloc(a))
+}
+
+/// A process that opens the control file, makes a client and allocates `bytes`.
+fn start(ts: u64, pid: u32, bytes: u64) -> Vec<Record> {
+    let client = 0xc1d0_0000 + pid;
+    vec![
+        rec(ts, pid, Event::Process { ppid: 1, seen: Seen::Forked, command: vec![format!("worker{pid}")] }),
+        rec(ts, pid, Event::Open { fd: 3, file: u64::from(pid), device: Device::Ctl, cloexec: false }),
+        rec(ts, pid, Event::Object { fd: 3, client, parent: client, object: client, class: 0x41, status: 0, gpu: None }),
+        alloc(ts, pid, client, 0x100, bytes, 0),
+    ]
+}
+
+fn push_all(flight: &mut Flight, live: &mut Model, records: &[Record]) {
+    for r in records {
+        live.apply(r);
+        flight.push(r);
+    }
+}
+
+/// A holder set up long before the window, then a minute of churn, then a failure: the dump
+/// holds the failure and, through its snapshot, the holder's memory from before its window.
+#[test]
+fn a_dump_carries_what_was_held_before_its_window() {
+    let mut flight = Flight::new(config());
+    let mut live = Model::new();
+    push_all(&mut flight, &mut live, &start(S, 10, 60 * GIB));
+    // Short-lived workers come and go, each past the window by the end.
+    for i in 0..600u32 {
+        let (ts, pid) = (2 * S + u64::from(i) * S / 10, 1000 + i);
+        let mut records = start(ts, pid, GIB);
+        records.push(rec(ts + 1, pid, Event::Exit { code: Some(0) }));
+        push_all(&mut flight, &mut live, &records);
+    }
+    let failed_at = 70 * S;
+    push_all(&mut flight, &mut live, &start(failed_at, 20, 0));
+    push_all(&mut flight, &mut live, &[alloc(failed_at + 1, 20, 0xc1d0_0014, 0x200, 30 * GIB, 0x51)]);
+    assert_eq!(flight.waiting().map(|(t, _)| t.clone()), Some(Trigger::FailedAllocation { pid: 20, bytes: 30 * GIB }));
+    assert!(flight.take_dump(Some(failed_at + S)).is_none(), "waits for the aftermath");
+    push_all(&mut flight, &mut live, &[rec(failed_at + 3 * S, 20, Event::Exit { code: Some(1) })]);
+    let dump = flight.take_dump(Some(failed_at + 3 * S)).expect("due");
+    assert!(dump.window_start > 50 * S, "the window is the last 10 s or so, not the run: {}", dump.window_start);
+    let model = Model::from_records(&dump.records().collect::<Vec<_>>());
+    let held: Vec<_> = model.live_allocations().map(|a| (a.pid, a.bytes, a.ts)).collect();
+    assert_eq!(held, [(10, 60 * GIB, S)], "the holder's memory, with its own time");
+    assert_eq!(model.failures.len(), 1);
+    assert_eq!(model.processes[&20].exit_code, Some(1), "the aftermath is in");
+    assert!(model.processes.len() < 100, "workers that came and went before the window are not: {}", model.processes.len());
+    assert_eq!(flight.counters.dumps, 1);
+}
+
+/// Triggers while a dump waits join it; one soon after it is counted, not dumped.
+#[test]
+fn dumps_are_rate_limited() {
+    let mut flight = Flight::new(config());
+    flight.trigger(Trigger::Manual, S);
+    flight.trigger(Trigger::OomKill { pid: 4 }, 2 * S);
+    let dump = flight.take_dump(Some(3 * S)).expect("due");
+    assert_eq!(dump.joined, 1);
+    flight.trigger(Trigger::Manual, 30 * S);
+    assert!(flight.waiting().is_none());
+    assert_eq!(flight.counters.suppressed, 1);
+    flight.trigger(Trigger::Manual, 62 * S);
+    assert!(flight.waiting().is_some(), "past the least interval");
+}
+
+/// Hours of pid churn (a server restarted, workers by the thousand): the window stays under its
+/// cap, and the models stay the size of what is live.
+#[test]
+fn memory_stays_bounded_under_churn() {
+    let mut flight = Flight::new(config());
+    let mut live = Model::new();
+    push_all(&mut flight, &mut live, &start(0, 10, GIB));
+    for i in 0..20_000u32 {
+        let ts = S + u64::from(i) * S / 20;
+        // pids come round again, as the kernel's do.
+        let pid = 100 + i % 3000;
+        let mut records = start(ts, pid, GIB);
+        records.push(rec(
+            ts + 1,
+            pid,
+            Event::Free { fd: 3, via: Via::RmFree, client: 0xc1d0_0000 + pid, parent: 0, object: 0x100, status: 0 },
+        ));
+        records.push(rec(ts + 2, pid, Event::Exit { code: Some(0) }));
+        push_all(&mut flight, &mut live, &records);
+        if let Some(model) = flight.compact(ts) {
+            live = model;
+        }
+        assert!(flight.window_bytes() <= config().max_bytes + SEGMENT_BYTES, "{}", flight.window_bytes());
+    }
+    assert!(flight.counters.compactions > 10);
+    // The base holds the living, and what left the window since the last compaction (at most
+    // half a window: 5 s of 20 workers a second), not the 20,000 that came and went.
+    let since = 5 * 20 + 10;
+    assert!(flight.base.processes.len() <= since, "the base keeps the living: {}", flight.base.processes.len());
+    assert!(flight.base.allocations.len() <= since, "and live memory: {}", flight.base.allocations.len());
+    assert!(live.processes.len() < 1000, "the live model is the window's: {}", live.processes.len());
+    assert_eq!(live.live_allocations().map(|a| (a.pid, a.bytes)).collect::<Vec<_>>(), [(10, GIB)]);
+}

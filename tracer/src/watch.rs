@@ -1,0 +1,301 @@
+//! `gputrace watch`: every process's NVIDIA calls, indefinitely, in bounded memory (see
+//! [`crate::flight`]); when an allocation fails, the OOM killer strikes or someone asks, the
+//! window around it goes to a dump file with its report beside it, and one line says where and
+//! what the verdict was.
+
+use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context as _, Result};
+
+use crate::flight::{Config, Dump, Flight, Trigger};
+use crate::model::Model;
+use crate::record::clocks;
+use crate::report::{Loss, Report};
+use crate::trace::{Header, Writer};
+use crate::units::bytes;
+use crate::user::{create_private, User};
+
+pub struct Options {
+    pub dump_dir: PathBuf,
+    pub window: Duration,
+    pub window_bytes: u64,
+    pub budget: u64,
+    pub aftermath: Duration,
+    pub min_interval: Duration,
+    pub driver_version: Option<String>,
+    pub idle_ns: u64,
+    pub redact: bool,
+    pub capacity: Option<u64>,
+}
+
+/// Watches until SIGTERM or SIGINT; a dump waiting for its aftermath is written first.
+pub fn run(opts: Options) -> Result<()> {
+    let user = User::invoking()?;
+    prepare_dir(&opts.dump_dir, user.as_ref())?;
+    let config = Config {
+        window_ns: opts.window.as_nanos().min(u128::from(u64::MAX)) as u64,
+        max_bytes: usize::try_from(opts.window_bytes).unwrap_or(usize::MAX),
+        aftermath_ns: opts.aftermath.as_nanos().min(u128::from(u64::MAX)) as u64,
+        min_interval_ns: opts.min_interval.as_nanos().min(u128::from(u64::MAX)) as u64,
+    };
+    let record = crate::record::Options {
+        output: None,
+        pids: Vec::new(),
+        all: true,
+        driver_version: opts.driver_version.clone(),
+        raw: false,
+        json: false,
+        idle_ns: opts.idle_ns,
+        command: Vec::new(),
+        invocation: std::env::args().collect(),
+        redact: opts.redact,
+        capacity: opts.capacity,
+    };
+    eprintln!(
+        "gputrace: watching every process; dumps go to {} (window {}s or {}, budget {})",
+        opts.dump_dir.display(),
+        opts.window.as_secs(),
+        bytes(opts.window_bytes),
+        bytes(opts.budget)
+    );
+    let watcher = |header: Header| Watcher {
+        flight: Flight::new(config),
+        dir: opts.dump_dir.clone(),
+        budget: opts.budget,
+        header,
+        user: user.clone(),
+        idle_ns: opts.idle_ns,
+        writing: Vec::new(),
+    };
+    crate::record::watch(record, watcher)
+}
+
+/// The dump directory, created private to the invoking user when missing; an existing one must
+/// be theirs (or root's) and writable by nobody else, or anyone could swap dumps there.
+fn prepare_dir(dir: &Path, user: Option<&User>) -> Result<()> {
+    if !dir.exists() {
+        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+        if let Some(u) = user {
+            std::os::unix::fs::chown(dir, Some(u.uid), Some(u.gid))
+                .with_context(|| format!("cannot give {} to uid {}", dir.display(), u.uid))?;
+        }
+    }
+    let meta = std::fs::symlink_metadata(dir).with_context(|| format!("cannot read {}", dir.display()))?;
+    let owner_ok = meta.uid() == 0 || user.is_some_and(|u| u.uid == meta.uid());
+    if !meta.is_dir() || !owner_ok || meta.mode() & 0o022 != 0 {
+        bail!(
+            "{} is not a directory that only you may write (owner uid {}, mode {:o}): give --dump-dir a private directory",
+            dir.display(),
+            meta.uid(),
+            meta.mode() & 0o7777
+        );
+    }
+    Ok(())
+}
+
+/// What `record`'s event loop hands records to when watching.
+pub struct Watcher {
+    flight: Flight,
+    dir: PathBuf,
+    budget: u64,
+    header: Header,
+    user: Option<User>,
+    idle_ns: u64,
+    /// Dumps being written off the event loop.
+    writing: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Watcher {
+    pub fn push(&mut self, record: &crate::event::Record) {
+        self.flight.push(record);
+    }
+
+    /// SIGUSR1 or `gputrace dump`.
+    pub fn ask(&mut self) {
+        let (_, now) = clocks();
+        let already = self.flight.waiting().is_some();
+        self.flight.trigger(Trigger::Manual, now);
+        match (already, self.flight.waiting()) {
+            (true, _) => eprintln!("gputrace: a dump is already on its way; it holds this moment too"),
+            (false, Some((_, until))) => eprintln!("gputrace: dump asked for; written in {:.1} s", until.saturating_sub(now) as f64 / 1e9),
+            (false, None) => eprintln!("gputrace: no dump: the last was less than --min-interval ago"),
+        }
+    }
+
+    /// A few times a second: a dump whose aftermath is over is written (on a thread of its own),
+    /// and once a window the models are compacted (the live one is replaced).
+    pub fn tick(&mut self, live: &mut Model) {
+        let (_, now) = clocks();
+        if let Some(dump) = self.flight.take_dump(Some(now)) {
+            let job = self.job(dump);
+            match std::thread::Builder::new().name("gputrace-dump".into()).spawn(move || job.run()) {
+                Ok(handle) => self.writing.push(handle),
+                Err(e) => eprintln!("gputrace: error: cannot start writing a dump: {e}"),
+            }
+        }
+        self.writing.retain(|h| !h.is_finished());
+        if let Some(model) = self.flight.compact(now) {
+            *live = model;
+        }
+    }
+
+    /// Stopping: the dump waiting for its aftermath is written with what was seen, and every
+    /// dump being written is finished.
+    pub fn finish(&mut self) {
+        if let Some(dump) = self.flight.take_dump(None) {
+            self.job(dump).run();
+        }
+        for handle in self.writing.drain(..) {
+            let _ = handle.join();
+        }
+        let c = &self.flight.counters;
+        eprintln!(
+            "gputrace: watched {} events ({} encoded, {} per event); {} dumps, {} triggers, {} too soon after a dump",
+            c.records,
+            bytes(c.encoded_bytes),
+            bytes(c.encoded_bytes.checked_div(c.records).unwrap_or(0)),
+            c.dumps,
+            c.triggers,
+            c.suppressed
+        );
+    }
+
+    fn job(&self, dump: Dump) -> DumpJob {
+        DumpJob {
+            dump,
+            header: self.header.clone(),
+            dir: self.dir.clone(),
+            budget: self.budget,
+            user: self.user.clone(),
+            idle_ns: self.idle_ns,
+            number: self.flight.counters.dumps,
+        }
+    }
+}
+
+struct DumpJob {
+    dump: Dump,
+    header: Header,
+    dir: PathBuf,
+    budget: u64,
+    user: Option<User>,
+    idle_ns: u64,
+    number: u64,
+}
+
+impl DumpJob {
+    fn run(self) {
+        if let Err(e) = self.write() {
+            eprintln!("gputrace: error: the {} dump was not written: {e:#}", self.dump.trigger.name());
+        }
+    }
+
+    fn write(&self) -> Result<()> {
+        let d = &self.dump;
+        let mut header = self.header.clone();
+        // The dump starts at its window: what came before is in its first records (the
+        // snapshot), not in the holders and NVML figures of when watching began.
+        if d.window_start > header.monotonic_start_ns {
+            header.wall_clock_start_ns += d.window_start - header.monotonic_start_ns;
+            header.monotonic_start_ns = d.window_start;
+        }
+        header.prior_use.clear();
+        header.holders_at_start.clear();
+        let wall = header.wall_clock_start_ns + d.trigger_ts.saturating_sub(header.monotonic_start_ns);
+        let name = format!("gputrace-dump-{}-{}-{}", stamp(wall), self.number, d.trigger.name());
+        let path = self.dir.join(format!("{name}.trace"));
+        let partial = self.dir.join(format!(".{name}.trace.partial"));
+        let mut writer = Writer::create(&partial, &header, self.user.as_ref())?;
+        let mut model = Model::new();
+        for record in d.records() {
+            model.apply(&record);
+            writer.write(&record)?;
+        }
+        writer.flush()?;
+        std::fs::rename(&partial, &path).with_context(|| format!("cannot rename {} to {}", partial.display(), path.display()))?;
+        let loss = Loss { lost_records: model.lost_records, undecodable: model.undecodable, ..Loss::default() };
+        let report = Report::new(&header, &model, path.display().to_string(), writer.records, loss, self.idle_ns);
+        let text = report.text();
+        let report_path = self.dir.join(format!("{name}.report.txt"));
+        let mut file =
+            create_private(&report_path, self.user.as_ref()).with_context(|| format!("cannot write {}", report_path.display()))?;
+        std::io::Write::write_all(&mut file, text.as_bytes()).with_context(|| format!("cannot write {}", report_path.display()))?;
+        let verdict = text.lines().find(|l| l.starts_with("VERDICT")).unwrap_or("no failure diagnosed");
+        let joined = if d.joined > 0 { format!(", {} more triggers in it", d.joined) } else { String::new() };
+        eprintln!(
+            "{}",
+            crate::units::for_terminal(&format!("gputrace: dump {} ({}{joined}): {verdict}", path.display(), d.trigger.name()))
+        );
+        rotate(&self.dir, self.budget, &path);
+        Ok(())
+    }
+}
+
+/// Oldest dumps (trace and report) go until the directory's dumps fit the budget; the newest
+/// always stays.
+fn rotate(dir: &Path, budget: u64, newest: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    let mut dumps: Vec<(i64, PathBuf, u64)> = Vec::new();
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(stem) = name.strip_suffix(".trace") else { continue };
+        if !stem.starts_with("gputrace-dump-") || path == newest {
+            continue;
+        }
+        let report = dir.join(format!("{stem}.report.txt"));
+        let size = |p: &Path| std::fs::symlink_metadata(p).map(|m| m.len()).unwrap_or(0);
+        let mtime = std::fs::symlink_metadata(&path).map(|m| m.mtime()).unwrap_or(0);
+        dumps.push((mtime, path.clone(), size(&path) + size(&report)));
+    }
+    let newest_size = std::fs::symlink_metadata(newest).map(|m| m.len()).unwrap_or(0);
+    let mut total: u64 = dumps.iter().map(|d| d.2).sum::<u64>() + newest_size;
+    dumps.sort();
+    for (_, path, size) in dumps {
+        if total <= budget {
+            break;
+        }
+        let _ = std::fs::remove_file(&path);
+        let _ = std::fs::remove_file(path.with_extension("report.txt"));
+        total = total.saturating_sub(size);
+        eprintln!("gputrace: removed {} to keep dumps within {}", path.display(), bytes(budget));
+    }
+}
+
+/// Local time as YYYYmmdd-HHMMSS.
+fn stamp(wall_ns: u64) -> String {
+    let secs = (wall_ns / 1_000_000_000) as libc::time_t;
+    // SAFETY: localtime_r fills a tm from a time_t.
+    let mut tm: libc::tm = unsafe { std::mem::zeroed() };
+    unsafe { libc::localtime_r(&secs, &mut tm) };
+    format!("{:04}{:02}{:02}-{:02}{:02}{:02}", tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec)
+}
+
+/// `gputrace dump`: asks every running watch (or the one given) for a dump now, by SIGUSR1.
+pub fn ask(pid: Option<u32>) -> Result<String> {
+    // Only a watch is signalled: SIGUSR1 ends most other programs.
+    let is_watch = |p: u32| {
+        let argv = crate::procfs::command(p).unwrap_or_default();
+        argv.first().is_some_and(|a| a.ends_with("gputrace")) && argv.get(1).is_some_and(|a| a == "watch")
+    };
+    let watches: Vec<u32> = match pid {
+        Some(pid) if is_watch(pid) => vec![pid],
+        Some(pid) => bail!("pid {pid} is not a `gputrace watch`"),
+        None => crate::procfs::all_pids().into_iter().filter(|&p| is_watch(p)).collect(),
+    };
+    if watches.is_empty() {
+        bail!("no `gputrace watch` is running here: start one with `sudo gputrace watch`");
+    }
+    let mut asked = Vec::new();
+    for pid in watches {
+        // SAFETY: kill(2) with SIGUSR1; the kernel checks who may signal whom.
+        if unsafe { libc::kill(pid as libc::pid_t, libc::SIGUSR1) } != 0 {
+            let e = std::io::Error::last_os_error();
+            bail!("cannot ask pid {pid} for a dump: {e} (only root or the user who started the watch may)");
+        }
+        asked.push(pid.to_string());
+    }
+    Ok(format!("asked gputrace watch (pid {}) for a dump; it logs where it goes", asked.join(", ")))
+}
