@@ -142,7 +142,8 @@ fn memory_cgroup(bytes: u64) -> Result<PathBuf> {
 fn watch(t: &Tools, dumps: &Path) -> Result<Child> {
     let log_path = t.dir.join("watch.log");
     let mut c = Command::new(&t.gputrace);
-    c.args(["watch", "--window", "200ms", "--aftermath", "1s", "--min-interval", "1h", "--dump-dir"]).arg(dumps);
+    c.args(["watch", "--window", "200ms", "--aftermath", "1s", "--min-interval", "1h", "--listen", &watch_address().to_string()]);
+    c.arg("--dump-dir").arg(dumps);
     let mut child = c.stdout(Stdio::null()).stderr(log(&t.dir, "watch.log")).spawn().context("starting gputrace watch")?;
     let start = Instant::now();
     while !std::fs::read_to_string(&log_path).unwrap_or_default().contains("gputrace: tracing every process") {
@@ -164,10 +165,36 @@ pub fn inside(name: &str, server: &str, nvml: &str, dir: &Path, gputrace: &Path)
     };
     let result = scenario_inside(&t, name, server);
     if let Some(mut w) = watching {
+        // After the aftermath of a failure, what the watch serves, then a dump asked for (that
+        // SIGTERM, right after, must finish).
+        std::thread::sleep(Duration::from_millis(1500));
+        for (path, file) in [("/metrics", "metrics.txt"), ("/healthz", "healthz.txt"), ("/report", "report.json")] {
+            std::fs::write(t.dir.join(file), http_get(path)?)?;
+        }
+        let asked = Command::new(&t.gputrace).arg("dump").stderr(log(&t.dir, "watch.log")).status()?;
+        if !asked.success() {
+            bail!("gputrace dump failed ({asked})");
+        }
+        std::thread::sleep(Duration::from_millis(100));
         signal(w.id(), libc::SIGTERM);
         wait_for_exit(&mut w, Duration::from_secs(30)).context("gputrace watch did not stop on SIGTERM")?;
     }
     result
+}
+
+fn watch_address() -> std::net::SocketAddr {
+    std::net::SocketAddr::from(([127, 0, 0, 1], 9500 + (std::process::id() % 400) as u16))
+}
+
+/// GET of a path from the watch: the status line and the body.
+fn http_get(path: &str) -> Result<String> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(watch_address()).context("connecting to gputrace watch")?;
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n")?;
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer)?;
+    let (head, body) = answer.split_once("\r\n\r\n").unwrap_or((&answer, ""));
+    Ok(format!("{}\n{body}", head.lines().next().unwrap_or("")))
 }
 
 fn wait_for_exit(child: &mut Child, limit: Duration) -> Result<()> {

@@ -32,9 +32,13 @@ fn watched(name: &str) {
     assert!(out.status.success(), "{name}: {}\n{log}", String::from_utf8_lossy(&out.stderr));
     let traces: Vec<_> =
         std::fs::read_dir(&dumps).unwrap().flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|e| e == "trace")).collect();
-    assert_eq!(traces.len(), 1, "one dump for the failure (the rest joined it or came too soon): {traces:?}\n{log}");
-    let dump = &traces[0];
-    assert!(dump.file_name().unwrap().to_string_lossy().contains("failed-allocation"), "{}", dump.display());
+    let named = |what: &str| traces.iter().filter(|t| t.file_name().unwrap().to_string_lossy().contains(what)).collect::<Vec<_>>();
+    // One for the failure (the server's exit joined it or came too soon), one asked for by
+    // `gputrace dump` and finished by SIGTERM.
+    assert_eq!(traces.len(), 2, "{traces:?}\n{log}");
+    let (failed, asked) = (named("-failed-allocation."), named("-manual."));
+    assert_eq!((failed.len(), asked.len()), (1, 1), "{traces:?}");
+    let dump = failed[0];
     assert!(dump.with_extension("report.txt").exists(), "its report is beside it");
     let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(dump).unwrap().permissions());
     assert_eq!(mode & 0o777, 0o600);
@@ -55,6 +59,32 @@ fn watched(name: &str) {
     let (ws, ds) = (w["service"].as_str().unwrap(), d["service"].as_str().unwrap());
     let args = ws.split_once(' ').map_or(ws, |(_, args)| args);
     assert!(ds == ws || (ds.starts_with("gputrace record") && ds.ends_with(args)), "{name}: service {ds:?}, recorded {ws:?}");
+    // The asked-for dump holds the whole window's state too: the same failure's aftermath.
+    assert_eq!(report(asked[0])["loss"]["damaged_lines"], 0);
+
+    // What the watch served while it ran.
+    let served = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap();
+    assert!(served("healthz.txt").starts_with("HTTP/1.1 200"), "{}", served("healthz.txt"));
+    let metrics = served("metrics.txt");
+    assert!(metrics.starts_with("HTTP/1.1 200"), "{metrics}");
+    let value = |name: &str| -> f64 {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in {metrics}"))
+    };
+    assert_eq!(value("gputrace_allocation_failures_total"), 1.0, "the one refusal");
+    assert_eq!(value("gputrace_dumps_total"), 1.0, "the failure's dump was written before the scrape");
+    assert!(
+        metrics.contains("gputrace_diagnoses_total{category=\"")
+            && metrics.contains(&format!("category=\"{}\"", w["category"].as_str().unwrap()))
+    );
+    assert!(value("gputrace_allocations_total") > 10.0 && value("process_resident_memory_bytes") > 0.0);
+    // Everything had exited by the scrape: no live series, and no argument value anywhere (the
+    // labels of live processes are held to that in watch.rs's own tests).
+    assert!(metrics.contains("# TYPE gputrace_live_bytes gauge") && !metrics.contains("--truth /tmp"), "{metrics}");
+    // /report is for root and the user who started the watch: this test is root.
+    assert!(served("report.json").starts_with("HTTP/1.1 200"));
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -7,7 +7,7 @@
 //! leaving it go into the base model, and the base is rebuilt from its own snapshot (only what
 //! is live) as often as the window turns over.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 
 use bytes::{BufMut, Bytes, BytesMut};
 
@@ -25,7 +25,7 @@ pub struct Config {
     pub max_bytes: usize,
     /// How long after a trigger a dump waits, so the aftermath is in it.
     pub aftermath_ns: u64,
-    /// The least time between two dumps' triggers; triggers in between are counted.
+    /// The least time between two dumps of one kind of trigger; triggers in between are counted.
     pub min_interval_ns: u64,
 }
 
@@ -36,6 +36,11 @@ pub enum Trigger {
     FailedAllocation { pid: u32, bytes: u64 },
     /// The kernel's OOM killer chose a traced process.
     OomKill { pid: u32 },
+    /// A process that had allocations refused exited with a failure status.
+    ExitAfterFailure { pid: u32, code: Option<i32> },
+    /// A process exited and its memory lives on: a forked child or another process still holds
+    /// its files (the stale holder a later server will run into).
+    LeftBehind { pid: u32, bytes: u64 },
     /// `gputrace dump` or SIGUSR1.
     Manual,
 }
@@ -45,13 +50,26 @@ impl Trigger {
         match self {
             Trigger::FailedAllocation { .. } => "failed-allocation",
             Trigger::OomKill { .. } => "oom-kill",
+            Trigger::ExitAfterFailure { .. } => "exit-after-failure",
+            Trigger::LeftBehind { .. } => "left-behind",
             Trigger::Manual => "manual",
         }
     }
-    fn of(record: &Record) -> Option<Trigger> {
+
+    /// Whether `record` (already applied to `live`) calls for a dump.
+    fn of(record: &Record, live: &Model) -> Option<Trigger> {
+        let pid = record.pid;
         match &record.event {
-            Event::Alloc(a) if !a.succeeded() => Some(Trigger::FailedAllocation { pid: record.pid, bytes: a.bytes }),
-            Event::OomKill => Some(Trigger::OomKill { pid: record.pid }),
+            Event::Alloc(a) if !a.succeeded() => Some(Trigger::FailedAllocation { pid, bytes: a.bytes }),
+            Event::OomKill => Some(Trigger::OomKill { pid }),
+            Event::Exit { code } => {
+                let p = live.processes.get(&pid)?;
+                if p.usage.failed > 0 && *code != Some(0) {
+                    return Some(Trigger::ExitAfterFailure { pid, code: *code });
+                }
+                let bytes = p.usage.physical_live();
+                (bytes > 0).then_some(Trigger::LeftBehind { pid, bytes })
+            }
             _ => None,
         }
     }
@@ -92,6 +110,11 @@ struct Pending {
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Counters {
     pub records: u64,
+    pub allocations: u64,
+    pub failures: u64,
+    pub frees: u64,
+    /// Records the kernel side dropped, as its Lost records said.
+    pub lost: u64,
     pub encoded_bytes: u64,
     pub triggers: u64,
     pub dumps: u64,
@@ -112,10 +135,15 @@ pub struct Flight {
     /// The first record's time in the window (the base's end).
     window_start: u64,
     pending: Option<Pending>,
-    last_trigger: Option<u64>,
+    /// When each kind of trigger last started a dump.
+    last_trigger: HashMap<&'static str, u64>,
     last_compaction: u64,
+    records_at_compaction: u64,
     pub counters: Counters,
 }
+
+/// Records between compactions at most, whatever the rate.
+pub const COMPACT_EVERY: u64 = 100_000;
 
 impl Flight {
     pub fn new(config: Config) -> Flight {
@@ -129,16 +157,25 @@ impl Flight {
             current_last_ts: 0,
             window_start: 0,
             pending: None,
-            last_trigger: None,
+            last_trigger: HashMap::new(),
             last_compaction: 0,
+            records_at_compaction: 0,
             counters: Counters::default(),
         }
     }
 
-    /// Takes one record (already applied to the live model by the caller): into the window, and
-    /// a trigger if it is one.
-    pub fn push(&mut self, record: &Record) {
-        self.counters.records += 1;
+    /// Takes one record, already applied to the live model `live`: into the window, and a
+    /// trigger if it is one.
+    pub fn push(&mut self, record: &Record, live: &Model) {
+        let c = &mut self.counters;
+        c.records += 1;
+        match &record.event {
+            Event::Alloc(a) if a.succeeded() => c.allocations += 1,
+            Event::Alloc(_) => c.failures += 1,
+            Event::Free { .. } | Event::UvmFree { .. } => c.frees += 1,
+            Event::Lost { records } => c.lost = c.lost.saturating_add(*records),
+            _ => {}
+        }
         let start = self.current.len();
         // Serialising our own types to memory cannot fail.
         let _ = serde_json::to_writer((&mut self.current).writer(), record);
@@ -152,25 +189,28 @@ impl Flight {
         if self.current.len() >= SEGMENT_BYTES || aged {
             self.close_segment();
         }
-        if let Some(trigger) = Trigger::of(record) {
+        if let Some(trigger) = Trigger::of(record, live) {
             self.trigger(trigger, record.ts);
         }
         self.evict(record.ts);
     }
 
     /// A trigger at `ts`: a dump starts waiting for its aftermath, or the one waiting counts it,
-    /// or it is too soon after the last and is counted only.
+    /// or it is too soon after the last and is counted only (unless someone asked for it).
     pub fn trigger(&mut self, trigger: Trigger, ts: u64) {
         self.counters.triggers += 1;
         if let Some(p) = &mut self.pending {
             p.joined += 1;
             return;
         }
-        if self.last_trigger.is_some_and(|last| ts < last.saturating_add(self.config.min_interval_ns)) {
+        // Each kind on its own: a dump of memory left behind never holds back the failure's.
+        let last = self.last_trigger.get(trigger.name()).copied();
+        let asked = trigger == Trigger::Manual;
+        if !asked && last.is_some_and(|last| ts < last.saturating_add(self.config.min_interval_ns)) {
             self.counters.suppressed += 1;
             return;
         }
-        self.last_trigger = Some(ts);
+        self.last_trigger.insert(trigger.name(), ts);
         self.close_segment();
         let segments = self.segments.iter().map(|s| s.bytes.clone()).collect();
         // The state at the window's start: the base, as the window's first record found it.
@@ -239,26 +279,22 @@ impl Flight {
         }
     }
 
-    /// Every window's turn: the base keeps only what is live (its own snapshot replayed), and
-    /// the live model is rebuilt from it and the window. Returns the new live model.
-    pub fn compact(&mut self, now: u64) -> Option<Model> {
-        if now < self.last_compaction.saturating_add(self.config.window_ns / 2) {
-            return None;
+    /// Both models keep only what is live, each rebuilt from its own snapshot: the base (what
+    /// came before the window) and the caller's live model, which is replaced. Often enough that
+    /// neither grows far (every eighth of a window, or every [`COMPACT_EVERY`] records), cheap
+    /// since a snapshot is only what is live. What compaction forgets (freed allocations, ended
+    /// requests, failures) is in the window for a dump.
+    pub fn compact(&mut self, now: u64, live: &mut Model) -> bool {
+        let due_by_time = now >= self.last_compaction.saturating_add(self.config.window_ns / 8);
+        if !due_by_time && self.counters.records < self.records_at_compaction + COMPACT_EVERY {
+            return false;
         }
         self.last_compaction = now;
+        self.records_at_compaction = self.counters.records;
         self.counters.compactions += 1;
-        let snapshot = self.base.snapshot();
-        self.base = Model::from_records(&snapshot);
-        let mut live = Model::from_records(&snapshot);
-        for segment in &self.segments {
-            for record in decode(&segment.bytes) {
-                live.apply(&record);
-            }
-        }
-        for record in decode(&self.current.clone().freeze()) {
-            live.apply(&record);
-        }
-        Some(live)
+        self.base = Model::from_records(&self.base.snapshot());
+        *live = Model::from_records(&live.snapshot());
+        true
     }
 
     /// Bytes the window holds now.

@@ -73,7 +73,7 @@ enum Command {
         #[arg(long, value_name = "DURATION", default_value = "10m", value_parser = gputrace::units::parse_duration)]
         window: std::time::Duration,
         /// The window's cap in memory, whatever its length in time
-        #[arg(long, value_name = "BYTES", default_value = "32MiB", value_parser = gputrace::units::parse_bytes)]
+        #[arg(long, value_name = "BYTES", default_value = "24MiB", value_parser = gputrace::units::parse_bytes)]
         window_bytes: u64,
         /// Dumps beyond this size in all are removed, oldest first
         #[arg(long, value_name = "BYTES", default_value = "1GiB", value_parser = gputrace::units::parse_bytes)]
@@ -96,6 +96,9 @@ enum Command {
         /// Each GPU's capacity where NVML cannot tell it (no NVML, unified memory): 80GiB, 128GiB...
         #[arg(long, value_name = "BYTES", value_parser = gputrace::units::parse_bytes)]
         capacity: Option<u64>,
+        /// Where to serve /metrics, /report and /healthz, or `off`
+        #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:9431", value_parser = listen_address)]
+        listen: Listen,
     },
     /// Ask the running `gputrace watch` for a dump now (as SIGUSR1 does).
     Dump {
@@ -146,6 +149,19 @@ enum Command {
         #[arg(long, value_name = "BYTES", value_parser = gputrace::units::parse_bytes)]
         capacity: Option<u64>,
     },
+}
+
+/// `--listen`: an address, or off.
+#[derive(Clone, Copy)]
+struct Listen(Option<std::net::SocketAddr>);
+
+fn listen_address(text: &str) -> Result<Listen, String> {
+    if text == "off" {
+        return Ok(Listen(None));
+    }
+    text.parse()
+        .map(|a| Listen(Some(a)))
+        .map_err(|_| format!("{text:?} is not an address: give it as 127.0.0.1:9431 or [::1]:9431, or off"))
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -247,6 +263,7 @@ fn main() -> ExitCode {
             idle_minutes,
             redact,
             capacity,
+            listen,
         } => {
             let opts = gputrace::watch::Options {
                 dump_dir,
@@ -259,6 +276,7 @@ fn main() -> ExitCode {
                 idle_ns: idle_minutes.saturating_mul(60_000_000_000),
                 redact,
                 capacity,
+                listen: listen.0,
             };
             gputrace::watch::run(opts).map(|()| ExitCode::SUCCESS)
         }

@@ -154,6 +154,35 @@ pub fn owner(pid: u32) -> Option<u32> {
     status.lines().find_map(|l| l.strip_prefix("Uid:"))?.split_whitespace().next()?.parse().ok()
 }
 
+/// Resident memory (VmRSS), in bytes.
+pub fn resident_bytes(pid: u32) -> Option<u64> {
+    let status = read_bounded(&format!("/proc/{pid}/status"), 64 * 1024)?;
+    let kib: u64 = status.lines().find_map(|l| l.strip_prefix("VmRSS:")?.split_whitespace().next()?.parse().ok())?;
+    Some(kib.saturating_mul(1024))
+}
+
+/// The uid owning the TCP socket at `peer` connected to `local`, from /proc/net/tcp and tcp6: who
+/// is talking on a loopback connection.
+pub fn tcp_peer_uid(local: std::net::SocketAddr, peer: std::net::SocketAddr) -> Option<u32> {
+    ["/proc/net/tcp", "/proc/net/tcp6"].iter().find_map(|path| parse_tcp_owner(&read_bounded(path, 16 << 20)?, peer, local))
+}
+
+/// The uid column of the line whose local address is `local` and remote address `remote`.
+fn parse_tcp_owner(text: &str, local: std::net::SocketAddr, remote: std::net::SocketAddr) -> Option<u32> {
+    let key = |a: std::net::SocketAddr| match a.ip() {
+        std::net::IpAddr::V4(ip) => format!("{:08X}:{:04X}", u32::from_ne_bytes(ip.octets()), a.port()),
+        std::net::IpAddr::V6(ip) => {
+            let words: String = ip.octets().chunks(4).map(|w| format!("{:08X}", u32::from_ne_bytes([w[0], w[1], w[2], w[3]]))).collect();
+            format!("{words}:{:04X}", a.port())
+        }
+    };
+    let (local, remote) = (key(local), key(remote));
+    text.lines().skip(1).find_map(|line| {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        (f.get(1) == Some(&local.as_str()) && f.get(2) == Some(&remote.as_str())).then(|| f.get(7)?.parse().ok()).flatten()
+    })
+}
+
 /// The path an open fd refers to, None when the process or fd is gone.
 pub fn fd_path(pid: u32, fd: i32) -> Option<PathBuf> {
     std::fs::read_link(format!("/proc/{pid}/fd/{fd}")).ok()
@@ -203,6 +232,19 @@ fn descendants(roots: &[u32], parents: &[(u32, u32)]) -> Vec<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn who_is_on_the_other_end_of_a_loopback_connection() {
+        let text = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 0100007F:24B8 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1 1 0 100 0 0 10 0
+   1: 0100007F:D431 0100007F:24B8 01 00000000:00000000 00:00000000 00000000   113        0 2 1 0 20 4 30 10 -1
+   2: 0100007F:24B8 0100007F:D431 01 00000000:00000000 00:00000000 00000000     0        0 3 1 0 20 4 30 10 -1";
+        let server: std::net::SocketAddr = "127.0.0.1:9400".parse().unwrap();
+        let client: std::net::SocketAddr = "127.0.0.1:54321".parse().unwrap();
+        assert_eq!(parse_tcp_owner(text, client, server), Some(113), "the client's socket is prometheus's (uid 113)");
+        assert_eq!(parse_tcp_owner(text, server, client), Some(0));
+        assert_eq!(parse_tcp_owner(text, "127.0.0.1:1".parse().unwrap(), server), None);
+    }
 
     #[test]
     fn stat_fields_after_the_last_parenthesis() {

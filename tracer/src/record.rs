@@ -201,7 +201,7 @@ impl Session {
         self.model.apply(&record);
         self.records += 1;
         match &mut self.sink {
-            Sink::Watch(w) => w.push(&record),
+            Sink::Watch(w) => w.push(&record, &self.model),
             Sink::Trace { error: Some(_), .. } => {}
             Sink::Trace { writer, error } => {
                 if let Err(e) = writer.write(&record) {
@@ -325,6 +325,19 @@ impl Session {
         let marks = MarkServer::open(std::process::id(), invoking_uid);
         let mut child = self.begin(probe, opts)?;
         let (mark_tx, mut mark_rx) = tokio::sync::mpsc::channel::<MarkRequest>(MAX_CONNECTIONS);
+        // A watch serves /metrics, /report and /healthz where asked.
+        let (http_tx, mut http_rx) = tokio::sync::mpsc::channel::<crate::http::Request>(crate::http::MAX_CONNECTIONS);
+        let http = match &self.sink {
+            Sink::Watch(w) => match w.listen {
+                Some(addr) => {
+                    let server = crate::http::Server::bind(addr).await?;
+                    eprintln!("gputrace: serving /metrics, /report and /healthz on http://{}", server.local_addr());
+                    Some(server)
+                }
+                None => None,
+            },
+            Sink::Trace { .. } => None,
+        };
         // A watch dumps on SIGUSR1 (`gputrace dump`); elsewhere it keeps its default meaning.
         let mut dump_asks = match self.sink {
             Sink::Watch(_) => {
@@ -386,6 +399,12 @@ impl Session {
                     let _ = request.reply.send(self.mark(request.phase, request.pid));
                 }
                 Some(sample) = sample_rx.recv() => self.emit_now(0, Event::Sample(sample)),
+                _ = async { http.as_ref().unwrap().accept(&http_tx).await }, if http.is_some() => {}
+                Some(request) = http_rx.recv() => {
+                    if let Sink::Watch(w) = &self.sink {
+                        let _ = request.reply.send(w.respond(request.route, request.peer_uid, &self.model));
+                    }
+                }
                 Some(()) = async { dump_asks.as_mut().unwrap().recv().await }, if dump_asks.is_some() => {
                     if let Sink::Watch(w) = &mut self.sink {
                         w.ask();

@@ -3,14 +3,18 @@
 //! window around it goes to a dump file with its report beside it, and one line says where and
 //! what the verdict was.
 
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt};
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{bail, Context as _, Result};
 
 use crate::flight::{Config, Dump, Flight, Trigger};
-use crate::model::Model;
+use crate::http::{Response, Route};
+use crate::model::{display_command, Model};
 use crate::record::clocks;
 use crate::report::{Loss, Report};
 use crate::trace::{Header, Writer};
@@ -28,6 +32,8 @@ pub struct Options {
     pub idle_ns: u64,
     pub redact: bool,
     pub capacity: Option<u64>,
+    /// Where /metrics, /report and /healthz are served; None: nowhere.
+    pub listen: Option<SocketAddr>,
 }
 
 /// Watches until SIGTERM or SIGINT; a dump waiting for its aftermath is written first.
@@ -68,6 +74,8 @@ pub fn run(opts: Options) -> Result<()> {
         user: user.clone(),
         idle_ns: opts.idle_ns,
         writing: Vec::new(),
+        listen: opts.listen,
+        diagnoses: Arc::default(),
     };
     crate::record::watch(record, watcher)
 }
@@ -105,11 +113,14 @@ pub struct Watcher {
     idle_ns: u64,
     /// Dumps being written off the event loop.
     writing: Vec<std::thread::JoinHandle<()>>,
+    pub listen: Option<SocketAddr>,
+    /// The verdicts of the dumps written, by category (for /metrics).
+    diagnoses: Arc<Mutex<BTreeMap<String, u64>>>,
 }
 
 impl Watcher {
-    pub fn push(&mut self, record: &crate::event::Record) {
-        self.flight.push(record);
+    pub fn push(&mut self, record: &crate::event::Record, live: &Model) {
+        self.flight.push(record, live);
     }
 
     /// SIGUSR1 or `gputrace dump`.
@@ -125,7 +136,7 @@ impl Watcher {
     }
 
     /// A few times a second: a dump whose aftermath is over is written (on a thread of its own),
-    /// and once a window the models are compacted (the live one is replaced).
+    /// and the models are compacted when due (the live one is replaced).
     pub fn tick(&mut self, live: &mut Model) {
         let (_, now) = clocks();
         if let Some(dump) = self.flight.take_dump(Some(now)) {
@@ -136,9 +147,7 @@ impl Watcher {
             }
         }
         self.writing.retain(|h| !h.is_finished());
-        if let Some(model) = self.flight.compact(now) {
-            *live = model;
-        }
+        self.flight.compact(now, live);
     }
 
     /// Stopping: the dump waiting for its aftermath is written with what was seen, and every
@@ -162,6 +171,52 @@ impl Watcher {
         );
     }
 
+    /// An HTTP request, answered from the live model.
+    pub fn respond(&self, route: Route, peer_uid: Option<u32>, model: &Model) -> Response {
+        match route {
+            Route::Health => Response::text(200, "ok\n"),
+            Route::Report => {
+                let may = peer_uid.is_some_and(|uid| uid == 0 || self.user.as_ref().is_some_and(|u| u.uid == uid));
+                if !may {
+                    return Response::text(
+                        403,
+                        "the report holds command lines and request lines: only root and the user who started the watch may read it\n",
+                    );
+                }
+                let body = serde_json::to_string_pretty(&self.report(model)).unwrap_or_default();
+                Response { status: 200, content_type: "application/json", body }
+            }
+            Route::Metrics => {
+                let mut report = self.report(model);
+                // Anyone on the host may scrape: labels carry program and flag names, no values.
+                let redacted: HashMap<String, String> =
+                    model.processes.values().map(|p| (p.command_line(), display_command(&crate::redact::command(&p.command)))).collect();
+                for p in &mut report.processes {
+                    for field in [&mut p.command, &mut p.service] {
+                        if let Some(r) = redacted.get(field.as_str()) {
+                            field.clone_from(r);
+                        }
+                    }
+                }
+                let diagnoses = self.diagnoses.lock().map(|d| d.clone()).unwrap_or_default();
+                let figures = crate::metrics::Figures {
+                    report: &report,
+                    model,
+                    counters: &self.flight.counters,
+                    window_bytes: self.flight.window_bytes(),
+                    diagnoses: &diagnoses,
+                    now: clocks().1,
+                };
+                Response { status: 200, content_type: "text/plain; version=0.0.4", body: crate::metrics::exposition(&figures) }
+            }
+        }
+    }
+
+    fn report(&self, model: &Model) -> Report {
+        let loss = Loss { lost_records: self.flight.counters.lost, ..Loss::default() };
+        Report::new(&self.header, model, "live".into(), self.flight.counters.records, loss, self.idle_ns)
+    }
+
     fn job(&self, dump: Dump) -> DumpJob {
         DumpJob {
             dump,
@@ -171,6 +226,7 @@ impl Watcher {
             user: self.user.clone(),
             idle_ns: self.idle_ns,
             number: self.flight.counters.dumps,
+            diagnoses: self.diagnoses.clone(),
         }
     }
 }
@@ -183,6 +239,7 @@ struct DumpJob {
     user: Option<User>,
     idle_ns: u64,
     number: u64,
+    diagnoses: Arc<Mutex<BTreeMap<String, u64>>>,
 }
 
 impl DumpJob {
@@ -217,6 +274,9 @@ impl DumpJob {
         std::fs::rename(&partial, &path).with_context(|| format!("cannot rename {} to {}", partial.display(), path.display()))?;
         let loss = Loss { lost_records: model.lost_records, undecodable: model.undecodable, ..Loss::default() };
         let report = Report::new(&header, &model, path.display().to_string(), writer.records, loss, self.idle_ns);
+        if let Ok(mut d) = self.diagnoses.lock() {
+            *d.entry(report.diagnosis.category.name().to_string()).or_default() += 1;
+        }
         let text = report.text();
         let report_path = self.dir.join(format!("{name}.report.txt"));
         let mut file =
@@ -298,4 +358,74 @@ pub fn ask(pid: Option<u32>) -> Result<String> {
         asked.push(pid.to_string());
     }
     Ok(format!("asked gputrace watch (pid {}) for a dump; it logs where it goes", asked.join(", ")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::{Alloc, Device, Event, Memory, Record, Seen, Via};
+
+    fn watcher() -> Watcher {
+        let config = Config { window_ns: 1 << 40, max_bytes: 1 << 20, aftermath_ns: 0, min_interval_ns: 0 };
+        Watcher {
+            flight: Flight::new(config),
+            dir: PathBuf::from("/nonexistent"),
+            budget: 0,
+            header: Header::default(),
+            user: None,
+            idle_ns: u64::MAX,
+            writing: Vec::new(),
+            listen: None,
+            diagnoses: Arc::default(),
+        }
+    }
+
+    /// A server whose command line holds a secret, holding 2 GiB.
+    fn model() -> Model {
+        let argv = ["vllm", "serve", "m", "--api-key", "sk-secret", "--max-model-len", "8192"];
+        let alloc = Alloc {
+            fd: 3,
+            via: Via::RmAllocNvos64,
+            memory: Memory::Video,
+            bytes: 2 << 30,
+            status: 0,
+            client: 1,
+            parent: 1,
+            object: 2,
+            class: 0x40,
+            base: None,
+            errno: None,
+        };
+        let events = [
+            Event::Process { ppid: 1, seen: Seen::Running, command: argv.iter().map(|a| a.to_string()).collect() },
+            Event::Open { fd: 3, file: 1, device: Device::Ctl, cloexec: false },
+            Event::Object { fd: 3, client: 1, parent: 1, object: 1, class: 0x41, status: 0, gpu: None },
+            Event::Alloc(alloc),
+        ];
+        Model::from_records(&events.map(|event| Record { ts: 1, pid: 77, tid: 77, event, raw: None }))
+    }
+
+    #[test]
+    fn metrics_labels_carry_no_argument_values() {
+        let body = watcher().respond(Route::Metrics, Some(1234), &model()).body;
+        assert!(!body.contains("sk-secret"), "{body}");
+        assert!(
+            body.contains("gputrace_process_live_bytes{pid=\"77\",command=\"vllm … … --api-key … --max-model-len 8192\"} 2147483648"),
+            "{body}"
+        );
+        assert!(
+            body.contains("gputrace_live_bytes{service=\"vllm … … --api-key … --max-model-len 8192\",memory=\"video\"} 2147483648"),
+            "{body}"
+        );
+    }
+
+    #[test]
+    fn the_report_is_only_for_root_and_the_user_who_started_the_watch() {
+        let w = watcher();
+        assert_eq!(w.respond(Route::Report, Some(1234), &model()).status, 403);
+        assert_eq!(w.respond(Route::Report, None, &model()).status, 403, "an unknown peer is refused");
+        let ok = w.respond(Route::Report, Some(0), &model());
+        assert_eq!(ok.status, 200);
+        assert!(ok.body.contains("sk-secret"), "the report is the unredacted state");
+    }
 }

@@ -297,6 +297,60 @@ unsafe extern "C" {
     fn libc_kill(pid: i32, sig: i32) -> i32;
 }
 
+/// Each program's run time and run count, by name, from `bpftool prog show` (the kernel counts
+/// them while kernel.bpf_stats_enabled is 1).
+fn bpf_stats() -> Result<std::collections::BTreeMap<String, (u64, u64)>> {
+    let text = output(Command::new("bpftool").args(["prog", "show", "--json"])).ok_or("bpftool prog show failed")?;
+    let progs: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("bpftool's JSON: {e}"))?;
+    let mut stats = std::collections::BTreeMap::new();
+    for p in progs.as_array().into_iter().flatten() {
+        let (Some(name), Some(ns), Some(count)) = (p["name"].as_str(), p["run_time_ns"].as_u64(), p["run_cnt"].as_u64()) else {
+            continue;
+        };
+        let entry = stats.entry(name.to_string()).or_insert((0, 0));
+        entry.0 += ns;
+        entry.1 += count;
+    }
+    Ok(stats)
+}
+
+/// The kernel's own figure for each of gputrace's programs: ns per run while each case runs
+/// under `record --all` (kernel.bpf_stats_enabled for the duration).
+fn bpf_program_costs(pinned: &dyn Fn(&str) -> Command) -> Result<()> {
+    if output(Command::new("sh").args(["-c", "command -v bpftool"])).is_none() {
+        eprintln!("xtask: installing bpftool (Debian package), for the kernel's per-program statistics");
+        run(Command::new("apt-get").args(["install", "-y", "-qq", "bpftool"]).env("DEBIAN_FRONTEND", "noninteractive"))?;
+    }
+    const STATS: &str = "/proc/sys/kernel/bpf_stats_enabled";
+    let before = std::fs::read_to_string(STATS).unwrap_or_else(|_| "0".into());
+    std::fs::write(STATS, "1").map_err(|e| format!("cannot enable BPF statistics ({STATS}): {e}"))?;
+    let trace = std::env::temp_dir().join("gputrace-bench-stats.trace");
+    let recorder = start_tracer(Command::new(bin("gputrace")).args(["record", "--all", "-o"]).arg(&trace), "gputrace: tracing", false)?;
+    let mut rows = Vec::new();
+    for case in ["null-plain", "null-nvidia-looking", "read-zero", "write-null"] {
+        let start = bpf_stats()?;
+        run(pinned(case).stdout(Stdio::null()))?;
+        let end = bpf_stats()?;
+        for (name, (ns, count)) in end {
+            let (ns0, count0) = start.get(&name).copied().unwrap_or((0, 0));
+            let runs = count.saturating_sub(count0);
+            // Programs of this case's syscall: each ran once per call (a million), not by chance.
+            if runs >= 900_000 {
+                rows.push((case, name, ns.saturating_sub(ns0) as f64 / runs as f64, runs));
+            }
+        }
+    }
+    stop(recorder);
+    let _ = std::fs::remove_file(&trace);
+    let _ = std::fs::write(STATS, before.trim());
+    println!("\nThe kernel's statistics for each of gputrace's programs that ran once per call (record --all):");
+    println!("{:<22} {:<18} {:>12} {:>10}", "case", "program", "ns per run", "runs");
+    for (case, name, ns, runs) in rows {
+        println!("{case:<22} {name:<18} {ns:>12.0} {runs:>10}");
+    }
+    Ok(())
+}
+
 /// What tracing costs an ioctl: per call, with nothing attached, with empty programs on the same
 /// tracepoints (what any syscall tracer costs), and with gputrace tracing every process.
 fn bench() -> Result<()> {
@@ -330,6 +384,7 @@ fn bench() -> Result<()> {
         let _ = std::fs::remove_file(&trace);
         table.push((case, bare, empty, traced));
     }
+    bpf_program_costs(&pinned)?;
     println!("\nns per call (median of 3 runs of {COUNT}, pinned to CPU 1); empty probes are on the same syscall's tracepoints:");
     println!("{:<22} {:>10} {:>14} {:>16} {:>22}", "case", "untraced", "empty probes", "gputrace --all", "gputrace/empty probes");
     for (case, bare, empty, traced) in &table {
@@ -355,7 +410,9 @@ fn bench() -> Result<()> {
     );
 
     println!("\nReport and exports of a trace of a million events, against merely reading it:");
-    run(Command::new("cargo").current_dir(root()).args(["bench", "--quiet", "-p", "tracer", "--bench", "export"]))
+    run(Command::new("cargo").current_dir(root()).args(["bench", "--quiet", "-p", "tracer", "--bench", "export"]))?;
+    println!("\n`gputrace watch`'s flight recorder against keeping the whole trace in the model:");
+    run(Command::new("cargo").current_dir(root()).args(["bench", "--quiet", "-p", "tracer", "--bench", "flight"]))
 }
 
 /// The fuzz targets (tests/fuzz), each run this long by `cargo xtask test`.

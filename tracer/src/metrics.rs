@@ -1,0 +1,218 @@
+//! `/metrics` of `gputrace watch`, in Prometheus's text format: what is live now (from the
+//! report of the live model), what has happened since watching began (the flight recorder's
+//! counters) and what the tracer itself costs. Label sets are bounded: the services and
+//! processes holding most, the rest summed under `other`. Names and units in docs/metrics.md.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use crate::flight::Counters;
+use crate::model::Model;
+use crate::report::Report;
+
+/// Services and processes given a series of their own; the rest are summed.
+pub const TOP_SERVICES: usize = 20;
+pub const TOP_PROCESSES: usize = 10;
+/// Label values (command lines, service names) are cut to this many characters.
+const LABEL_CHARS: usize = 120;
+
+/// What the watch knows beside the live model.
+pub struct Figures<'a> {
+    pub report: &'a Report,
+    pub model: &'a Model,
+    pub counters: &'a Counters,
+    pub window_bytes: usize,
+    /// Diagnoses of the dumps written so far, by category.
+    pub diagnoses: &'a BTreeMap<String, u64>,
+    pub now: u64,
+}
+
+#[derive(Default)]
+struct Text {
+    out: String,
+}
+
+impl Text {
+    fn family(&mut self, name: &str, kind: &str, help: &str) {
+        let _ = writeln!(self.out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+    }
+    fn sample(&mut self, name: &str, labels: &[(&str, &str)], value: f64) {
+        self.out.push_str(name);
+        if !labels.is_empty() {
+            self.out.push('{');
+            for (i, (k, v)) in labels.iter().enumerate() {
+                if i > 0 {
+                    self.out.push(',');
+                }
+                let _ = write!(self.out, "{k}=\"{}\"", escape(v));
+            }
+            self.out.push('}');
+        }
+        let _ = writeln!(self.out, " {value}");
+    }
+    fn one(&mut self, name: &str, kind: &str, help: &str, value: f64) {
+        self.family(name, kind, help);
+        self.sample(name, &[], value);
+    }
+}
+
+/// A label value as the format wants it: backslash, quote and newline escaped, cut short.
+fn escape(value: &str) -> String {
+    let mut out = String::new();
+    for c in value.chars().take(LABEL_CHARS) {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '"' => out.push_str("\\\""),
+            '\n' => out.push_str("\\n"),
+            c if c.is_control() => out.push('?'),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// The top `n` by value, the rest summed under `other`.
+fn top<K: Ord + Clone + From<&'static str>>(mut items: Vec<(K, u64)>, n: usize) -> Vec<(K, u64)> {
+    items.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    if items.len() > n {
+        let rest: u64 = items[n..].iter().map(|i| i.1).fold(0, u64::saturating_add);
+        items.truncate(n);
+        items.push((K::from("other"), rest));
+    }
+    items
+}
+
+pub fn exposition(f: &Figures) -> String {
+    let mut t = Text::default();
+    let r = f.report;
+
+    // Live memory by service and kind.
+    let mut by_service: BTreeMap<(String, &str), u64> = BTreeMap::new();
+    for p in r.processes.iter().filter(|p| !p.exited) {
+        let service = if p.service.is_empty() { p.command.clone() } else { p.service.clone() };
+        for (kind, totals) in &p.by_kind {
+            let v = by_service.entry((service.clone(), kind)).or_default();
+            *v = v.saturating_add(totals.live);
+        }
+    }
+    let mut services: BTreeMap<String, u64> = BTreeMap::new();
+    for ((s, _), v) in &by_service {
+        let e = services.entry(s.clone()).or_default();
+        *e = e.saturating_add(*v);
+    }
+    let kept: Vec<String> = top(services.into_iter().collect(), TOP_SERVICES).into_iter().map(|(s, _)| s).collect();
+    let mut series: BTreeMap<(String, &str), u64> = BTreeMap::new();
+    for ((s, kind), v) in by_service {
+        let s = if kept.contains(&s) { s } else { "other".into() };
+        let e = series.entry((s, kind)).or_default();
+        *e = e.saturating_add(v);
+    }
+    t.family("gputrace_live_bytes", "gauge", "GPU memory live now as traced, by service and memory kind (video, system, virtual).");
+    for ((service, kind), v) in &series {
+        t.sample("gputrace_live_bytes", &[("service", service), ("memory", kind)], *v as f64);
+    }
+
+    // The processes holding most.
+    let procs: Vec<(String, u64)> =
+        r.processes.iter().filter(|p| !p.exited).map(|p| (format!("{}\u{0}{}", p.pid, p.command), p.bytes_live)).collect();
+    t.family("gputrace_process_live_bytes", "gauge", "Video and system memory live now, for the processes holding most.");
+    for (key, v) in top(procs, TOP_PROCESSES) {
+        let (pid, command) = key.split_once('\u{0}').unwrap_or(("", "other"));
+        let labels: Vec<(&str, &str)> = if pid.is_empty() { vec![("pid", "other")] } else { vec![("pid", pid), ("command", command)] };
+        t.sample("gputrace_process_live_bytes", &labels, v as f64);
+    }
+
+    // Each GPU: its capacity, the driver's count (NVML) and the traced one.
+    let sample = f.model.samples.last().map(|(_, s)| s);
+    t.family("gputrace_gpu_capacity_bytes", "gauge", "Each GPU's memory as NVML reports it (absent on unified memory without --capacity).");
+    for g in &r.gpus {
+        if let (Some(gpu), Some(total)) = (g.gpu, g.capacity_bytes) {
+            t.sample("gputrace_gpu_capacity_bytes", &[("gpu", &gpu.to_string())], total as f64);
+        }
+    }
+    t.family("gputrace_gpu_used_bytes", "gauge", "Each GPU's used memory as the driver counts it (NVML), beside the traced figure.");
+    for u in sample.map(|s| s.gpus.as_slice()).unwrap_or_default() {
+        t.sample("gputrace_gpu_used_bytes", &[("gpu", &u.gpu.to_string())], u.used_bytes as f64);
+    }
+    t.family(
+        "gputrace_gpu_traced_live_bytes",
+        "gauge",
+        "Video memory live now on each GPU as traced (\"unknown\": allocated under a device set up before tracing).",
+    );
+    for g in &r.gpus {
+        let gpu = g.gpu.map_or("unknown".to_string(), |g| g.to_string());
+        t.sample("gputrace_gpu_traced_live_bytes", &[("gpu", &gpu)], g.live_bytes as f64);
+    }
+
+    // Requests in flight, by service.
+    let service_of: BTreeMap<u32, &str> =
+        r.processes.iter().map(|p| (p.pid, if p.service.is_empty() { p.command.as_str() } else { p.service.as_str() })).collect();
+    let mut in_flight: BTreeMap<String, u64> = BTreeMap::new();
+    for q in f.model.requests.iter().filter(|q| q.in_flight_at(f.now)) {
+        let s = service_of.get(&q.pid).copied().unwrap_or("other");
+        let s = if kept.iter().any(|k| k == s) { s } else { "other" };
+        *in_flight.entry(s.to_string()).or_default() += 1;
+    }
+    t.family("gputrace_requests_in_flight", "gauge", "HTTP requests a traced server has received and not yet finished.");
+    for (s, n) in &in_flight {
+        t.sample("gputrace_requests_in_flight", &[("service", s)], *n as f64);
+    }
+
+    t.one(
+        "gputrace_contexts_never_freed",
+        "gauge",
+        "Contexts holding memory that no live, active service accounts for (stale holders).",
+        r.contexts_never_freed.len() as f64,
+    );
+
+    let c = f.counters;
+    t.one("gputrace_events_total", "counter", "Events traced since watching began.", c.records as f64);
+    t.one("gputrace_allocations_total", "counter", "Allocations the driver granted.", c.allocations as f64);
+    t.one("gputrace_allocation_failures_total", "counter", "Allocations the driver refused.", c.failures as f64);
+    t.one("gputrace_frees_total", "counter", "Frees asked of the driver (RM_FREE, VID_HEAP_CONTROL FREE, UVM_FREE).", c.frees as f64);
+    t.one("gputrace_lost_events_total", "counter", "Events the kernel side dropped (its ring buffer was full).", c.lost as f64);
+    t.one("gputrace_dumps_total", "counter", "Dumps written.", c.dumps as f64);
+    t.one("gputrace_triggers_total", "counter", "Dump triggers (failed allocations, OOM kills, asked).", c.triggers as f64);
+    t.one(
+        "gputrace_triggers_suppressed_total",
+        "counter",
+        "Triggers too soon after a dump (--min-interval), not dumped.",
+        c.suppressed as f64,
+    );
+    t.family("gputrace_diagnoses_total", "counter", "Verdicts of the dumps written, by category.");
+    for (category, n) in f.diagnoses {
+        t.sample("gputrace_diagnoses_total", &[("category", category)], *n as f64);
+    }
+    t.one("gputrace_window_bytes", "gauge", "Bytes of encoded events the flight recorder's window holds.", f.window_bytes as f64);
+    t.one("gputrace_encoded_bytes_total", "counter", "Bytes of events encoded into the window.", c.encoded_bytes as f64);
+
+    // The tracer's own cost, under the names Prometheus's client libraries use.
+    if let Some(stat) = crate::procfs::stat(std::process::id()) {
+        let cpu = stat.cpu_ticks as f64 / crate::procfs::ticks_per_second() as f64;
+        t.one("process_cpu_seconds_total", "counter", "CPU time gputrace has used, user and system.", cpu);
+    }
+    if let Some(rss) = crate::procfs::resident_bytes(std::process::id()) {
+        t.one("process_resident_memory_bytes", "gauge", "gputrace's resident memory.", rss as f64);
+    }
+    t.out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn label_values_are_escaped_and_bounded() {
+        assert_eq!(escape("a\"b\\c\nd\x1b"), "a\\\"b\\\\c\\nd?");
+        assert_eq!(escape(&"x".repeat(500)).len(), LABEL_CHARS);
+    }
+
+    #[test]
+    fn the_rest_is_summed_under_other() {
+        let items: Vec<(String, u64)> = (0..30).map(|i| (format!("s{i}"), i)).collect();
+        let kept = top(items, 20);
+        assert_eq!(kept.len(), 21);
+        assert_eq!(kept[0], ("s29".to_string(), 29));
+        assert_eq!(kept[20], ("other".to_string(), (0..10).sum()));
+    }
+}
