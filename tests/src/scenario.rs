@@ -176,14 +176,20 @@ pub fn inside(name: &str, server: &str, nvml: &str, dir: &Path, gputrace: &Path)
             bail!("gputrace dump failed ({asked})");
         }
         std::thread::sleep(Duration::from_millis(100));
+        // Time for a scraper to see the state after the scenario (GPUTRACE_WATCH_LINGER_MS).
+        let linger = std::env::var("GPUTRACE_WATCH_LINGER_MS").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+        std::thread::sleep(Duration::from_millis(linger));
+        std::fs::write(t.dir.join("watch-stopped.txt"), crate::truth::monotonic_ns().to_string())?;
         signal(w.id(), libc::SIGTERM);
         wait_for_exit(&mut w, Duration::from_secs(30)).context("gputrace watch did not stop on SIGTERM")?;
     }
     result
 }
 
+/// Where the watch listens: GPUTRACE_WATCH_LISTEN, or a port of this run's own.
 fn watch_address() -> std::net::SocketAddr {
-    std::net::SocketAddr::from(([127, 0, 0, 1], 9500 + (std::process::id() % 400) as u16))
+    let own = std::net::SocketAddr::from(([127, 0, 0, 1], 9500 + (std::process::id() % 400) as u16));
+    std::env::var("GPUTRACE_WATCH_LISTEN").ok().and_then(|a| a.parse().ok()).unwrap_or(own)
 }
 
 /// GET of a path from the watch: the status line and the body.

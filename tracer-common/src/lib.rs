@@ -113,6 +113,8 @@ pub struct KernelOffsets {
     pub files_fdt: u32,
     pub fdtable_fd: u32,
     pub fdtable_max_fds: u32,
+    /// `task_struct.exit_code` (a wait status), read at the process's exit; 0 when unknown.
+    pub task_exit_code: u32,
 }
 
 #[repr(C)]

@@ -59,8 +59,22 @@ pub fn process_exit(ctx: TracePointContext) -> u32 {
         return 0;
     }
     let _ = TRACED.remove(&tgid);
-    send_fd_record(kind::EXIT, 0, 0, 0);
+    // do_exit has stored the wait status by now: a watch has no waitpid to learn it from.
+    match exit_status() {
+        Some(status) => send_fd_record(kind::EXIT, status as i64, 1, 0),
+        None => send_fd_record(kind::EXIT, 0, 0, 0),
+    }
     0
+}
+
+/// `current->exit_code`, where the kernel's BTF gave its offset.
+fn exit_status() -> Option<i32> {
+    let at = OFFSETS.get(0)?.task_exit_code;
+    if at == 0 {
+        return None;
+    }
+    let task = unsafe { bpf_get_current_task() };
+    unsafe { bpf_probe_read_kernel((task + at as u64) as *const i32) }.ok()
 }
 
 /// The kernel's OOM killer chose a victim: recorded when it is a traced process.

@@ -70,7 +70,8 @@ pub fn struct_members(data: &[u8], wanted: &[&str]) -> Result<HashMap<String, Ha
     Ok(found)
 }
 
-/// The offsets of `task_struct.files`, `files_struct.fdt`, `fdtable.fd` and `fdtable.max_fds`.
+/// The offsets of `task_struct.files`, `files_struct.fdt`, `fdtable.fd`, `fdtable.max_fds` and
+/// `task_struct.exit_code` (that one optional: without it exits carry no status).
 pub fn kernel_offsets(data: &[u8]) -> Result<KernelOffsets, String> {
     let found = struct_members(data, &["task_struct", "files_struct", "fdtable"])?;
     let get = |s: &str, m: &str| {
@@ -81,6 +82,7 @@ pub fn kernel_offsets(data: &[u8]) -> Result<KernelOffsets, String> {
         files_fdt: get("files_struct", "fdt")?,
         fdtable_fd: get("fdtable", "fd")?,
         fdtable_max_fds: get("fdtable", "max_fds")?,
+        task_exit_code: get("task_struct", "exit_code").unwrap_or(0),
     })
 }
 
@@ -140,5 +142,6 @@ mod tests {
         assert!(o.task_files > 0 && o.task_files < 16384, "{o:?}");
         assert!(o.files_fdt < 256 && o.fdtable_fd < 64 && o.fdtable_max_fds < 64, "{o:?}");
         assert_ne!(o.fdtable_fd, o.fdtable_max_fds);
+        assert!(o.task_exit_code > 0 && o.task_exit_code < 16384 && o.task_exit_code != o.task_files, "{o:?}");
     }
 }

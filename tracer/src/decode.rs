@@ -72,7 +72,11 @@ pub enum RawKind {
     Exec {
         filename: String,
     },
-    Exit,
+    /// The whole process is gone; `status` as wait(2) would give it, where the kernel's BTF let
+    /// the kernel side read it.
+    Exit {
+        status: Option<i32>,
+    },
     Bind {
         fd: i32,
         port: u16,
@@ -175,7 +179,10 @@ pub fn parse_record(bytes: &[u8]) -> Result<Raw, DecodeError> {
             let r: ExecRecord = read(bytes, k)?;
             RawKind::Exec { filename: c_string(&r.filename) }
         }
-        kind::EXIT => RawKind::Exit,
+        kind::EXIT => {
+            let r = fd_record()?;
+            RawKind::Exit { status: (r.b != 0).then_some(r.a as i32) }
+        }
         kind::BIND => {
             let r = fd_record()?;
             RawKind::Bind { fd: r.a as i32, port: r.b as u16 }

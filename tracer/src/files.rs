@@ -25,6 +25,11 @@ pub trait Resolver {
     fn parent(&self, pid: u32) -> Option<u32>;
     /// The fds a running process has open now.
     fn open_fds(&self, pid: u32) -> Vec<i32>;
+    /// Whether a fd is a Unix socket (a server's readiness is its TCP listening, not a control
+    /// socket's: gputrace record's own mark socket, an admin socket).
+    fn is_unix_socket(&self, _pid: u32, _fd: i32) -> bool {
+        false
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -120,6 +125,11 @@ pub struct FileTable<R: Resolver> {
 const CLOSE_RANGE_CLOEXEC: u32 = 4;
 
 impl<R: Resolver> FileTable<R> {
+    /// Whether `fd` of `pid` is a Unix socket (see [`Resolver::is_unix_socket`]).
+    pub fn is_unix_socket(&self, pid: u32, fd: i32) -> bool {
+        self.resolver.is_unix_socket(pid, fd)
+    }
+
     pub fn new(resolver: R) -> Self {
         FileTable {
             resolver,
@@ -388,6 +398,9 @@ impl Resolver for ProcResolver {
     }
     fn open_fds(&self, pid: u32) -> Vec<i32> {
         procfs::open_fds(pid)
+    }
+    fn is_unix_socket(&self, pid: u32, fd: i32) -> bool {
+        procfs::is_unix_socket(pid, fd)
     }
 }
 

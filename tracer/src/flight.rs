@@ -7,7 +7,7 @@
 //! leaving it go into the base model, and the base is rebuilt from its own snapshot (only what
 //! is live) as often as the window turns over.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 use bytes::{BufMut, Bytes, BytesMut};
 
@@ -36,8 +36,9 @@ pub enum Trigger {
     FailedAllocation { pid: u32, bytes: u64 },
     /// The kernel's OOM killer chose a traced process.
     OomKill { pid: u32 },
-    /// A process that had allocations refused exited with a failure status.
-    ExitAfterFailure { pid: u32, code: Option<i32> },
+    /// A process that used the GPU exited with a failure status (a server refusing to start
+    /// for want of memory exits so, with no allocation refused).
+    FailedExit { pid: u32, code: i32 },
     /// A process exited and its memory lives on: a forked child or another process still holds
     /// its files (the stale holder a later server will run into).
     LeftBehind { pid: u32, bytes: u64 },
@@ -50,23 +51,27 @@ impl Trigger {
         match self {
             Trigger::FailedAllocation { .. } => "failed-allocation",
             Trigger::OomKill { .. } => "oom-kill",
-            Trigger::ExitAfterFailure { .. } => "exit-after-failure",
+            Trigger::FailedExit { .. } => "failed-exit",
             Trigger::LeftBehind { .. } => "left-behind",
             Trigger::Manual => "manual",
         }
     }
 
-    /// Whether `record` (already applied to `live`) calls for a dump.
-    fn of(record: &Record, live: &Model) -> Option<Trigger> {
+    /// Whether `record` (already applied to `live`) calls for a dump; `used_gpu`: whether its
+    /// process opened an NVIDIA device file or allocated since it started.
+    fn of(record: &Record, live: &Model, used_gpu: bool) -> Option<Trigger> {
         let pid = record.pid;
         match &record.event {
             Event::Alloc(a) if !a.succeeded() => Some(Trigger::FailedAllocation { pid, bytes: a.bytes }),
             Event::OomKill => Some(Trigger::OomKill { pid }),
             Event::Exit { code } => {
-                let p = live.processes.get(&pid)?;
-                if p.usage.failed > 0 && *code != Some(0) {
-                    return Some(Trigger::ExitAfterFailure { pid, code: *code });
+                // Stopped on purpose (SIGINT, SIGTERM; SIGKILL is a person's or the OOM killer's,
+                // which has its own trigger) is no failure.
+                let failed = code.filter(|c| ![0, 130, 137, 143].contains(c));
+                if let Some(code) = failed.filter(|_| used_gpu) {
+                    return Some(Trigger::FailedExit { pid, code });
                 }
+                let p = live.processes.get(&pid)?;
                 let bytes = p.usage.physical_live();
                 (bytes > 0).then_some(Trigger::LeftBehind { pid, bytes })
             }
@@ -135,6 +140,8 @@ pub struct Flight {
     /// The first record's time in the window (the base's end).
     window_start: u64,
     pending: Option<Pending>,
+    /// Running processes that opened an NVIDIA file or allocated (compaction keeps no history).
+    gpu_users: HashSet<u32>,
     /// When each kind of trigger last started a dump.
     last_trigger: HashMap<&'static str, u64>,
     last_compaction: u64,
@@ -158,6 +165,7 @@ impl Flight {
             window_start: 0,
             pending: None,
             last_trigger: HashMap::new(),
+            gpu_users: HashSet::new(),
             last_compaction: 0,
             records_at_compaction: 0,
             counters: Counters::default(),
@@ -189,7 +197,15 @@ impl Flight {
         if self.current.len() >= SEGMENT_BYTES || aged {
             self.close_segment();
         }
-        if let Some(trigger) = Trigger::of(record, live) {
+        let used_gpu = match &record.event {
+            Event::Open { .. } | Event::FdFound { .. } | Event::Alloc(_) => {
+                self.gpu_users.insert(record.pid);
+                true
+            }
+            Event::Exit { .. } => self.gpu_users.remove(&record.pid),
+            _ => self.gpu_users.contains(&record.pid),
+        };
+        if let Some(trigger) = Trigger::of(record, live, used_gpu) {
             self.trigger(trigger, record.ts);
         }
         self.evict(record.ts);
@@ -308,6 +324,8 @@ impl Flight {
 fn decode(bytes: &Bytes) -> impl Iterator<Item = Record> + '_ {
     bytes.split(|&b| b == b'\n').filter(|l| !l.is_empty()).filter_map(|line| serde_json::from_slice(line).ok())
 }
+
+pub mod stream;
 
 #[cfg(test)]
 mod tests;

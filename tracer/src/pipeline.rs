@@ -74,11 +74,12 @@ impl<R: Resolver> Pipeline<R> {
                 push(child, self.files.forked(pid, child, seen, updates), None)
             }
             RawKind::Exec { filename } => push(pid, self.files.exec(pid, &filename, updates), None),
-            RawKind::Exit => {
+            RawKind::Exit { status } => {
                 self.files.exited(pid, updates);
-                push(pid, Event::Exit { code: None }, None);
+                push(pid, Event::Exit { code: status.map(exit_code) }, None);
             }
             RawKind::Bind { fd, port } => push(pid, Event::Bind { fd, port }, None),
+            RawKind::Listen { fd } if self.files.is_unix_socket(pid, fd) => {}
             RawKind::Listen { fd } => push(pid, Event::Listen { fd }, None),
             RawKind::Accept { fd } => push(pid, self.files.accepted(pid, fd), None),
             RawKind::ConnClose { fd } => {
@@ -114,4 +115,23 @@ fn hex(params: &[u8], class_params: &[u8]) -> String {
         }
     }
     s
+}
+
+/// A wait status as a shell reports it: the exit status, or 128 + the signal that ended it.
+pub fn exit_code(status: i32) -> i32 {
+    match status & 0x7f {
+        0 => (status >> 8) & 0xff,
+        signal => 128 + signal,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn wait_statuses_as_a_shell_reports_them() {
+        assert_eq!(super::exit_code(0), 0);
+        assert_eq!(super::exit_code(1 << 8), 1);
+        assert_eq!(super::exit_code(9), 137, "SIGKILL");
+        assert_eq!(super::exit_code(11 | 0x80), 139, "SIGSEGV with a core dump");
+    }
 }

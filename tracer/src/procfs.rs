@@ -154,6 +154,22 @@ pub fn owner(pid: u32) -> Option<u32> {
     status.lines().find_map(|l| l.strip_prefix("Uid:"))?.split_whitespace().next()?.parse().ok()
 }
 
+/// Whether `fd` of `pid` is a Unix socket: its inode is in /proc/net/unix.
+pub fn is_unix_socket(pid: u32, fd: i32) -> bool {
+    let Some(inode) = fd_path(pid, fd).and_then(|p| socket_inode(&p.to_string_lossy())) else { return false };
+    read_bounded("/proc/net/unix", 16 << 20).is_some_and(|text| unix_socket_listed(&text, inode))
+}
+
+/// The inode of a "socket:[N]" fd link.
+fn socket_inode(link: &str) -> Option<u64> {
+    link.strip_prefix("socket:[")?.strip_suffix(']')?.parse().ok()
+}
+
+/// Whether /proc/net/unix (Num RefCount Protocol Flags Type St Inode Path) lists `inode`.
+fn unix_socket_listed(text: &str, inode: u64) -> bool {
+    text.lines().skip(1).any(|l| l.split_whitespace().nth(6).and_then(|i| i.parse::<u64>().ok()) == Some(inode))
+}
+
 /// Resident memory (VmRSS), in bytes.
 pub fn resident_bytes(pid: u32) -> Option<u64> {
     let status = read_bounded(&format!("/proc/{pid}/status"), 64 * 1024)?;
@@ -232,6 +248,17 @@ fn descendants(roots: &[u32], parents: &[(u32, u32)]) -> Vec<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn unix_sockets_are_told_from_their_inode() {
+        let text = "Num       RefCount Protocol Flags    Type St Inode Path
+0000000000000000: 00000002 00000000 00010000 0001 01 4242 /run/gputrace/77.sock
+0000000000000000: 00000003 00000000 00000000 0001 03 5151";
+        assert_eq!(socket_inode("socket:[4242]"), Some(4242));
+        assert_eq!(socket_inode("/dev/nvidiactl"), None);
+        assert!(unix_socket_listed(text, 4242) && unix_socket_listed(text, 5151));
+        assert!(!unix_socket_listed(text, 77), "a TCP socket's inode is not there");
+    }
 
     #[test]
     fn who_is_on_the_other_end_of_a_loopback_connection() {

@@ -105,6 +105,27 @@ fn bin(name: &str) -> PathBuf {
     root().join("target/release").join(name)
 }
 
+/// The Debian packages the root-only tests use, installed when their command is missing.
+fn install_test_tools() -> Result<()> {
+    let tools: [(&str, &[&str], &str); 2] = [
+        ("chromium", &["chromium", "chromium-driver"], "the HTML report's test renders it in headless Chromium"),
+        ("prometheus", &["prometheus"], "a real Prometheus scrapes gputrace watch, and promtool checks its metrics"),
+    ];
+    let mut updated = false;
+    for (command, packages, why) in tools {
+        if output(Command::new("sh").args(["-c", &format!("command -v {command}")])).is_some() {
+            continue;
+        }
+        eprintln!("xtask: installing {} (Debian): {why}", packages.join(", "));
+        if !updated {
+            run(Command::new("apt-get").args(["update", "-qq"]))?;
+            updated = true;
+        }
+        run(Command::new("apt-get").args(["install", "-y", "-qq"]).args(packages).env("DEBIAN_FRONTEND", "noninteractive"))?;
+    }
+    Ok(())
+}
+
 /// Runs every test binary, showing its output as it comes, and closes with one line that totals
 /// them all (cargo's own last line is only the last binary's, often a doc-test run of none).
 fn test() -> Result<()> {
@@ -112,13 +133,8 @@ fn test() -> Result<()> {
     let as_root = is_root();
     if !as_root {
         eprintln!("xtask: not root: the end-to-end tests are skipped, and counted so (run `sudo cargo xtask test` for them)");
-    } else if output(Command::new("sh").args(["-c", "command -v chromium"])).is_none() {
-        // The HTML report's test renders it in headless Chromium.
-        eprintln!("xtask: installing chromium (Debian packages chromium, chromium-driver) for the HTML report's test");
-        run(Command::new("apt-get").args(["update", "-qq"]))?;
-        run(Command::new("apt-get")
-            .args(["install", "-y", "-qq", "chromium", "chromium-driver"])
-            .env("DEBIAN_FRONTEND", "noninteractive"))?;
+    } else {
+        install_test_tools()?;
     }
     // The team's habits, enforced: formatted as rustfmt.toml says, and clippy-clean.
     run(Command::new("cargo").current_dir(root()).args(["fmt", "--all", "--check"])).map_err(|e| format!("{e}: run `cargo fmt --all`"))?;

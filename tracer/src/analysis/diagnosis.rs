@@ -322,7 +322,9 @@ impl<'a> Diagnoser<'a> {
             if code == 0 || explained || !self.touched_gpu(s) {
                 continue;
             }
-            let symptom = if code > 128 && code != 130 && code != 143 {
+            // SIGINT, SIGTERM and SIGKILL are a person's (the OOM killer's SIGKILL is recorded as
+            // such, above): stopped, not crashed.
+            let symptom = if code > 128 && ![130, 137, 143].contains(&code) {
                 Symptom::Crash
             } else if self.services.phase(s, ts) == Phase::Load {
                 Symptom::StartupRefusal

@@ -67,6 +67,11 @@ fn is_completion(r: &Request) -> bool {
     r.line.starts_with("POST ")
 }
 
+/// A gputrace process (a recording that wraps a server), by its program's name.
+fn is_gputrace(p: &crate::model::Process) -> bool {
+    p.command.first().is_some_and(|program| program.rsplit('/').next() == Some("gputrace"))
+}
+
 impl<'m> Services<'m> {
     /// Groups processes into services and finds when each became ready:
     /// - a server that listens only after it allocated (vLLM, SGLang, TGI) is ready when it listens;
@@ -78,7 +83,9 @@ impl<'m> Services<'m> {
             let mut root = p.pid;
             let mut hops = 0;
             while let Some(parent) = model.processes.get(&model.processes[&root].ppid) {
-                if model.processes[&root].seen != Seen::Forked || hops > 64 {
+                // `gputrace record -- CMD` is a wrapper, as sudo is: a watch sees it as CMD's
+                // parent, and the service is still CMD's.
+                if model.processes[&root].seen != Seen::Forked || hops > 64 || is_gputrace(parent) {
                     break;
                 }
                 root = parent.pid;

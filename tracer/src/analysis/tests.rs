@@ -89,6 +89,28 @@ impl Trace {
     }
 }
 
+/// Seen by a watch, `gputrace record -- vllm serve` is vLLM's parent: a wrapper, not the service.
+#[test]
+fn a_recording_that_wraps_a_server_is_not_its_service() {
+    let mut t = Trace::vllm(16 * GIB);
+    let wrapper = vec!["/usr/bin/gputrace".to_string(), "record".into(), "--".into(), "vllm".into()];
+    t.0.insert(
+        0,
+        Record { ts: 0, pid: 4000, tid: 4000, event: Event::Process { ppid: 1, seen: Seen::Running, command: wrapper }, raw: None },
+    );
+    for r in &mut t.0 {
+        if let Event::Process { ppid, seen, .. } = &mut r.event {
+            if r.pid == API {
+                (*ppid, *seen) = (4000, Seen::Forked);
+            }
+        }
+    }
+    let m = Model::from_records(&t.0);
+    assert_eq!(m.processes[&API].ppid, 4000, "vLLM runs under the wrapper");
+    let services = Services::new(&m);
+    assert_eq!(services.of(ENGINE).map(|s| s.root), Some(API), "the service is vLLM's, under its wrapper");
+}
+
 #[test]
 fn phases_for_both_server_families() {
     let mut t = Trace::vllm(16 * GIB);
@@ -302,10 +324,13 @@ fn a_crash_without_a_failed_allocation() {
     t.at(220 * MS, API, Event::Exit { code: Some(134) });
     let d = &t.diagnose(80 * GIB, &[], 0)[0];
     assert_eq!((d.symptom, d.category, d.pid), (Symptom::Crash, Category::LongRequest, Some(API)));
-    // Stopped by Ctrl-C or SIGTERM is no failure at all.
-    let mut t = Trace::vllm(16 * GIB);
-    t.at(220 * MS, API, Event::Exit { code: Some(143) });
-    assert_eq!(t.diagnose(80 * GIB, &[], 0)[0].category, Category::None);
+    // Stopped by Ctrl-C, SIGTERM or kill -9 is no failure at all (the OOM killer's SIGKILL comes
+    // with its own record).
+    for code in [130, 137, 143] {
+        let mut t = Trace::vllm(16 * GIB);
+        t.at(220 * MS, API, Event::Exit { code: Some(code) });
+        assert_eq!(t.diagnose(80 * GIB, &[], 0)[0].category, Category::None, "exit {code}");
+    }
 }
 
 /// Reports print `name()`, scripts read the JSON: the two never differ.

@@ -149,3 +149,19 @@ fn memory_left_behind_by_an_exit_triggers_a_dump() {
     push_all(&mut flight, &mut live, &records);
     assert!(flight.waiting().is_none());
 }
+
+/// A server that used the GPU and exits with a failure status (a refusal at start allocates
+/// nothing that fails) is a reason for a dump; one stopped with SIGTERM is not.
+#[test]
+fn a_failed_exit_of_a_gpu_user_triggers_a_dump() {
+    for (code, dumps) in [(Some(1), true), (Some(143), false), (Some(137), false), (None, false)] {
+        let mut flight = Flight::new(config());
+        let mut live = Model::new();
+        let mut records = start(S, 30, GIB);
+        records.push(rec(2 * S, 30, Event::Free { fd: 3, via: Via::RmFree, client: 0xc1d0_001e, parent: 0, object: 0x100, status: 0 }));
+        records.push(rec(3 * S, 30, Event::Exit { code }));
+        push_all(&mut flight, &mut live, &records);
+        let expected = dumps.then_some(Trigger::FailedExit { pid: 30, code: 1 });
+        assert_eq!(flight.waiting().map(|(t, _)| t.clone()), expected, "exit code {code:?}");
+    }
+}
