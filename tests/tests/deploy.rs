@@ -46,3 +46,92 @@ fn the_unit_grants_what_gputrace_keeps_and_no_more() {
     }
     assert!(unit.contains("NoNewPrivileges=yes") && unit.contains("ProtectSystem=strict"));
 }
+
+fn deploy(path: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy").join(path)
+}
+
+/// The metric names gputrace serves: the families of an exposition of a small live state.
+fn served_metrics() -> Vec<String> {
+    use gputrace::event::{Alloc, Device, Event, Memory, Record, Seen, Via};
+    let alloc = Alloc {
+        fd: 3,
+        via: Via::RmAllocNvos64,
+        memory: Memory::Video,
+        bytes: 1 << 30,
+        status: 0,
+        client: 1,
+        parent: 1,
+        object: 2,
+        class: 0x40,
+        base: None,
+        errno: None,
+    };
+    let events = [
+        Event::Process { ppid: 1, seen: Seen::Running, command: vec!["vllm".into()] },
+        Event::Open { fd: 3, file: 1, device: Device::Ctl, cloexec: false },
+        Event::Object { fd: 3, client: 1, parent: 1, object: 1, class: 0x41, status: 0, gpu: Some(0) },
+        Event::Alloc(alloc),
+    ];
+    let model = gputrace::model::Model::from_records(&events.map(|event| Record { ts: 1, pid: 7, tid: 7, event, raw: None }));
+    let header = gputrace::trace::Header::default();
+    let report = gputrace::report::Report::new(&header, &model, String::new(), 4, Default::default(), u64::MAX);
+    let counters = gputrace::flight::Counters::default();
+    let diagnoses = [("none".to_string(), 1)].into_iter().collect();
+    let figures =
+        gputrace::metrics::Figures { report: &report, model: &model, counters: &counters, window_bytes: 0, diagnoses: &diagnoses, now: 2 };
+    let text = gputrace::metrics::exposition(&figures);
+    text.lines().filter_map(|l| l.strip_prefix("# TYPE ")).map(|l| l.split_whitespace().next().unwrap().to_string()).collect()
+}
+
+/// The metric names a PromQL expression uses (every identifier that names one of ours, or `up`).
+fn metrics_in(expr: &str) -> Vec<String> {
+    let words = expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'));
+    words.filter(|w| w.starts_with("gputrace_") || w.starts_with("process_")).map(str::to_string).collect()
+}
+
+/// Every query of the Grafana dashboard and every alert rule names metrics gputrace serves.
+#[test]
+fn the_dashboard_and_the_alerts_use_only_metrics_that_exist() {
+    let served = served_metrics();
+    assert!(served.len() > 15, "{served:?}");
+    let dashboard: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(deploy("grafana/gputrace-dashboard.json")).unwrap()).unwrap();
+    let exprs: Vec<String> = dashboard["panels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|p| p["targets"].as_array().unwrap().iter().map(|t| t["expr"].as_str().unwrap().to_string()))
+        .collect();
+    let rules = std::fs::read_to_string(deploy("prometheus/gputrace-rules.yaml")).unwrap();
+    let rule_exprs = rules.lines().filter_map(|l| l.trim().strip_prefix("expr:")).map(str::to_string);
+    let mut used = 0;
+    for expr in exprs.into_iter().chain(rule_exprs) {
+        for metric in metrics_in(&expr) {
+            assert!(served.contains(&metric), "`{expr}` uses {metric}, which gputrace does not serve ({served:?})");
+            used += 1;
+        }
+    }
+    assert!(used > 15, "the dashboard and rules query our metrics ({used})");
+}
+
+/// `promtool check rules` accepts the alert rules.
+#[test]
+#[ignore = "needs promtool, which `sudo cargo xtask test` installs (Debian's prometheus)"]
+fn promtool_accepts_the_alert_rules() {
+    let out = Command::new("promtool").args(["check", "rules"]).arg(deploy("prometheus/gputrace-rules.yaml")).output().expect("promtool");
+    assert!(out.status.success(), "{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+}
+
+/// The DaemonSet and its namespace validate, strictly, against Kubernetes' own schemas, offline.
+#[test]
+#[ignore = "needs kubernetes-validate, which `sudo cargo xtask test` installs (PyPI)"]
+fn the_kubernetes_manifests_validate() {
+    let out = Command::new("python3")
+        .args(["-m", "kubernetes_validate", "--strict"])
+        .arg(deploy("kubernetes/daemonset.yaml"))
+        .output()
+        .expect("python3 with kubernetes-validate");
+    let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && said.matches("passed").count() == 2, "{said}");
+}

@@ -382,3 +382,48 @@ fn memory_released_while_mapped_lives_until_unmapped() {
     assert!(freed_at < range_freed, "freed by the unmap (cuMemUnmap), before its address range went");
     std::fs::remove_dir_all(&run.dir).ok();
 }
+
+/// A cgroup as a container runtime names it (`docker-<64 hex>.scope`), in the pids hierarchy of
+/// cgroup v1 or in cgroup v2; returns its cgroup.procs.
+fn container_cgroup(id: &str) -> std::path::PathBuf {
+    for root in ["/sys/fs/cgroup/pids", "/sys/fs/cgroup"] {
+        let parent = std::path::Path::new(root).join(format!("gputrace-test-{}", std::process::id()));
+        let dir = parent.join(format!("docker-{id}.scope"));
+        if std::fs::create_dir_all(&dir).is_ok() && dir.join("cgroup.procs").exists() {
+            return dir.join("cgroup.procs");
+        }
+        let _ = std::fs::remove_dir(&dir);
+        let _ = std::fs::remove_dir(&parent);
+    }
+    panic!("no cgroup could be made under /sys/fs/cgroup (v1 pids or v2)");
+}
+
+/// A command that joins a container's cgroup and starts a child in a pid namespace of its own:
+/// the trace says the container and the child's pid inside it.
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn processes_in_a_container_show_its_id_and_their_pid_inside() {
+    let _root = as_root();
+    let dir = std::env::temp_dir().join(format!("gputrace-container-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let trace = dir.join("run.trace");
+    let id = format!("{:0>64x}", 0xc0ffee_u64 + u64::from(std::process::id()));
+    let procs = container_cgroup(&id);
+    let script = format!("echo $$ > {} && exec unshare --pid --fork sh -c 'sleep 0.1; true'", procs.display());
+    let out = Command::new(gputrace_bin()).args(["record", "-o", trace.to_str().unwrap(), "--", "sh", "-c", &script]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let (_, records, _) = Reader::read_all(&trace).unwrap();
+    let places: Vec<&gputrace::event::Place> = records
+        .iter()
+        .filter_map(|r| match &r.event {
+            Event::Place(p) => Some(p),
+            _ => None,
+        })
+        .collect();
+    assert!(places.iter().any(|p| p.container.as_deref() == Some(&id[..12])), "the container's id: {places:?}");
+    assert!(places.iter().any(|p| p.ns_pid == Some(1) && p.container.as_deref() == Some(&id[..12])), "pid 1 in its namespace: {places:?}");
+    let cgroup = procs.parent().unwrap();
+    let _ = std::fs::remove_dir(cgroup);
+    let _ = std::fs::remove_dir(cgroup.parent().unwrap());
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -100,6 +100,9 @@ pub enum Event {
     Exec {
         command: Vec<String>,
     },
+    /// Where the record's process runs, when it is first seen or that changed (a fork into a
+    /// container, an exec after joining a cgroup).
+    Place(Place),
     /// The whole process is gone; its file descriptors with it. `code` when the recorder reaped it.
     Exit {
         #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -259,6 +262,22 @@ pub enum Event {
     /// What NVML and the host said at this moment (sampled a few times a second, off the event
     /// path): the driver's own accounting, beside the traced allocations. Pid 0.
     Sample(Sample),
+}
+
+/// Where a process runs: its control group, the container and Kubernetes pod that names, and its
+/// pid as seen inside its own pid namespace (what `ps` in its container shows).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Place {
+    pub cgroup: String,
+    /// The container id, shortened as `docker ps` shows it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container: Option<String>,
+    /// The Kubernetes pod's UID.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod: Option<String>,
+    /// Its pid in its own pid namespace, where that is not the host's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ns_pid: Option<u32>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]

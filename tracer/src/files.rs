@@ -30,6 +30,10 @@ pub trait Resolver {
     fn is_unix_socket(&self, _pid: u32, _fd: i32) -> bool {
         false
     }
+    /// Where a process runs (see [`crate::event::Place`]).
+    fn place(&self, _pid: u32) -> Option<crate::event::Place> {
+        None
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -120,11 +124,23 @@ pub struct FileTable<R: Resolver> {
     pub questions_answered: u64,
     /// ioctls sent while their fd's question was open, dropped because it was not NVIDIA.
     pub pending_dropped: u64,
+    /// Where each live process was last seen to run.
+    places: HashMap<u32, crate::event::Place>,
 }
 
 const CLOSE_RANGE_CLOEXEC: u32 = 4;
 
 impl<R: Resolver> FileTable<R> {
+    /// Where `pid` runs, when that is news: first seen, or changed since its parent's or its
+    /// own last (a fork into a container, an exec after joining a cgroup). Kept per live process.
+    pub fn place_if_new(&mut self, pid: u32, parent: Option<u32>) -> Option<crate::event::Place> {
+        let place = self.resolver.place(pid)?;
+        let before = self.places.get(&pid).or_else(|| parent.and_then(|p| self.places.get(&p)));
+        let news = before != Some(&place);
+        self.places.insert(pid, place.clone());
+        news.then_some(place)
+    }
+
     /// Whether `fd` of `pid` is a Unix socket (see [`Resolver::is_unix_socket`]).
     pub fn is_unix_socket(&self, pid: u32, fd: i32) -> bool {
         self.resolver.is_unix_socket(pid, fd)
@@ -139,6 +155,7 @@ impl<R: Resolver> FileTable<R> {
             next_file: 1,
             questions_answered: 0,
             pending_dropped: 0,
+            places: HashMap::new(),
         }
     }
 
@@ -305,6 +322,7 @@ impl<R: Resolver> FileTable<R> {
     }
 
     pub fn exited(&mut self, pid: u32, updates: &mut Vec<KernelUpdate>) {
+        self.places.remove(&pid);
         for fd in self.fds_of(pid) {
             self.unset((pid, fd));
             updates.push(KernelUpdate::ForgetFd { pid, fd });
@@ -369,6 +387,7 @@ impl<R: Resolver> FileTable<R> {
         let command = self.resolver.command(pid).unwrap_or_default();
         let ppid = self.resolver.parent(pid).unwrap_or(0);
         let mut events = vec![Event::Process { ppid, seen: Seen::Running, command }];
+        events.extend(self.place_if_new(pid, None).map(Event::Place));
         for fd in self.resolver.open_fds(pid) {
             let Some(device) = self.resolver.fd_path(pid, fd).and_then(|p| p.to_str().and_then(device_of_path)) else {
                 continue;
@@ -401,6 +420,9 @@ impl Resolver for ProcResolver {
     }
     fn is_unix_socket(&self, pid: u32, fd: i32) -> bool {
         procfs::is_unix_socket(pid, fd)
+    }
+    fn place(&self, pid: u32) -> Option<crate::event::Place> {
+        procfs::place(pid)
     }
 }
 

@@ -113,12 +113,23 @@ pub fn exposition(f: &Figures) -> String {
     }
 
     // The processes holding most.
-    let procs: Vec<(String, u64)> =
-        r.processes.iter().filter(|p| !p.exited).map(|p| (format!("{}\u{0}{}", p.pid, p.command), p.bytes_live)).collect();
-    t.family("gputrace_process_live_bytes", "gauge", "Video and system memory live now, for the processes holding most.");
+    let container = |p: &crate::report::ProcessReport| p.place.as_ref().and_then(|pl| pl.container.clone()).unwrap_or_default();
+    let procs: Vec<(String, u64)> = r
+        .processes
+        .iter()
+        .filter(|p| !p.exited)
+        .map(|p| (format!("{}\u{0}{}\u{0}{}", p.pid, container(p), p.command), p.bytes_live))
+        .collect();
+    t.family(
+        "gputrace_process_live_bytes",
+        "gauge",
+        "Video and system memory live now, for the processes holding most (container: its id where it runs in one).",
+    );
     for (key, v) in top(procs, TOP_PROCESSES) {
-        let (pid, command) = key.split_once('\u{0}').unwrap_or(("", "other"));
-        let labels: Vec<(&str, &str)> = if pid.is_empty() { vec![("pid", "other")] } else { vec![("pid", pid), ("command", command)] };
+        let mut parts = key.splitn(3, '\u{0}');
+        let (pid, container, command) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+        let labels: Vec<(&str, &str)> =
+            if key == "other" { vec![("pid", "other")] } else { vec![("pid", pid), ("container", container), ("command", command)] };
         t.sample("gputrace_process_live_bytes", &labels, v as f64);
     }
 

@@ -152,6 +152,8 @@ pub struct Process {
     pub listened: Option<u64>,
     /// When the kernel's OOM killer chose it.
     pub oom_killed: Option<u64>,
+    /// Its cgroup, container, pod and namespaced pid, where the recorder could read them.
+    pub place: Option<crate::event::Place>,
     pub usage: Usage,
     #[serde(skip)]
     fds: HashMap<i32, FdRef>,
@@ -320,6 +322,7 @@ impl Model {
             bound: Vec::new(),
             listened: None,
             oom_killed: None,
+            place: None,
             usage: Usage::default(),
             fds: HashMap::new(),
         })
@@ -334,6 +337,7 @@ impl Model {
         match &r.event {
             Event::Process { ppid, seen, command } => self.on_process(pid, ts, *ppid, *seen, command),
             Event::Exec { command } => self.on_exec(pid, ts, command),
+            Event::Place(place) => self.process(pid, ts).place = Some(place.clone()),
             Event::Exit { code } => self.on_exit(pid, ts, *code),
             Event::Open { fd, file, device, cloexec } => self.on_open(pid, ts, *fd, *file, *device, *cloexec),
             Event::FdFound { fd, file, device } => self.on_fd_found(pid, ts, *fd, *file, *device),

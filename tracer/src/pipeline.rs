@@ -71,9 +71,19 @@ impl<R: Resolver> Pipeline<R> {
             }
             RawKind::Fork { child } => {
                 let seen = if Some(pid) == self.launcher { Seen::Launched } else { Seen::Forked };
-                push(child, self.files.forked(pid, child, seen, updates), None)
+                push(child, self.files.forked(pid, child, seen, updates), None);
+                // The recorder's own place is not the launched command's parent's to compare with.
+                let parent = (seen == Seen::Forked).then_some(pid);
+                if let Some(place) = self.files.place_if_new(child, parent) {
+                    push(child, Event::Place(place), None);
+                }
             }
-            RawKind::Exec { filename } => push(pid, self.files.exec(pid, &filename, updates), None),
+            RawKind::Exec { filename } => {
+                push(pid, self.files.exec(pid, &filename, updates), None);
+                if let Some(place) = self.files.place_if_new(pid, None) {
+                    push(pid, Event::Place(place), None);
+                }
+            }
             RawKind::Exit { status } => {
                 self.files.exited(pid, updates);
                 push(pid, Event::Exit { code: status.map(exit_code) }, None);

@@ -60,11 +60,17 @@ fn read_bounded(path: &str, limit: u64) -> Option<String> {
     Some(String::from_utf8_lossy(&raw).into_owned())
 }
 
-/// Its control group path (cgroup v2's line, else the first v1 line): where a container shows.
+/// Its control group path, where a container shows: the first that names a container (on a
+/// hybrid host Docker's may be in the v1 hierarchies only), else cgroup v2's, else the first.
 pub fn cgroup(pid: u32) -> Option<String> {
-    let text = read_bounded(&format!("/proc/{pid}/cgroup"), 16 * 1024)?;
-    let path = |l: &str| l.splitn(3, ':').nth(2).map(String::from);
-    text.lines().find(|l| l.starts_with("0::")).and_then(path).or_else(|| text.lines().next().and_then(path))
+    pick_cgroup(&read_bounded(&format!("/proc/{pid}/cgroup"), 16 * 1024)?)
+}
+
+fn pick_cgroup(text: &str) -> Option<String> {
+    let paths: Vec<(&str, &str)> = text.lines().filter_map(|l| l.split_once(':').and_then(|(_, rest)| rest.split_once(':'))).collect();
+    let named = paths.iter().find(|(_, p)| container_of(p).is_some() || pod_of(p).is_some());
+    let v2 = paths.iter().find(|(controllers, p)| controllers.is_empty() && *p != "/");
+    named.or(v2).or(paths.first()).map(|(_, p)| p.to_string())
 }
 
 /// The container a cgroup path names: the 64-hex id Docker, containerd, CRI-O and Podman put in
@@ -74,6 +80,30 @@ pub fn container_of(cgroup: &str) -> Option<String> {
         .split(['/', '-', '.', ':'])
         .find(|part| part.len() == 64 && part.bytes().all(|b| b.is_ascii_hexdigit()))
         .map(|id| id[..12].to_string())
+}
+
+/// The Kubernetes pod UID a cgroup path names: `pod<uid>` (cgroupfs driver) or
+/// `kubepods-...-pod<uid with _>.slice` (systemd driver).
+pub fn pod_of(cgroup: &str) -> Option<String> {
+    cgroup.split('/').find_map(|part| {
+        let (_, after) = part.rsplit_once("pod")?;
+        let uid = after.trim_end_matches(".slice").replace('_', "-");
+        (uid.len() == 36 && uid.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-')).then_some(uid)
+    })
+}
+
+/// The last NSpid of /proc/PID/status: the pid inside the innermost pid namespace, where that
+/// differs from the host's.
+fn ns_pid(status: &str) -> Option<u32> {
+    let pids: Vec<u32> = status.lines().find_map(|l| l.strip_prefix("NSpid:"))?.split_whitespace().filter_map(|p| p.parse().ok()).collect();
+    (pids.len() > 1).then(|| *pids.last().expect("more than one"))
+}
+
+/// Where a process runs (cgroup, container, pod, pid in its namespace); None when it is gone.
+pub fn place(pid: u32) -> Option<crate::event::Place> {
+    let cgroup = cgroup(pid)?;
+    let status = read_bounded(&format!("/proc/{pid}/status"), 64 * 1024).unwrap_or_default();
+    Some(crate::event::Place { container: container_of(&cgroup), pod: pod_of(&cgroup), ns_pid: ns_pid(&status), cgroup })
 }
 
 /// TCP ports the process listens on (IPv4 and IPv6), from the socket inodes its fds hold and
@@ -248,6 +278,28 @@ fn descendants(roots: &[u32], parents: &[(u32, u32)]) -> Vec<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_cgroup_that_names_the_container() {
+        let hex = "b".repeat(64);
+        let hybrid = format!("4:memory:/docker/{hex}\n1:name=systemd:/docker/{hex}\n0::/\n");
+        assert_eq!(pick_cgroup(&hybrid), Some(format!("/docker/{hex}")), "v1's, where v2's is the root");
+        assert_eq!(pick_cgroup("0::/user.slice/session-1.scope\n"), Some("/user.slice/session-1.scope".into()));
+        assert_eq!(pick_cgroup("4:memory:/\n0::/\n"), Some("/".into()));
+    }
+
+    #[test]
+    fn containers_pods_and_namespaced_pids() {
+        let hex = "a".repeat(64);
+        let cgroupfs = format!("/kubepods/burstable/pod0b3c2d1e-aaaa-bbbb-cccc-0123456789ab/{hex}");
+        assert_eq!(pod_of(&cgroupfs).as_deref(), Some("0b3c2d1e-aaaa-bbbb-cccc-0123456789ab"));
+        assert_eq!(container_of(&cgroupfs).as_deref(), Some("aaaaaaaaaaaa"));
+        let systemd = format!("/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod0b3c2d1e_aaaa_bbbb_cccc_0123456789ab.slice/cri-containerd-{hex}.scope");
+        assert_eq!(pod_of(&systemd).as_deref(), Some("0b3c2d1e-aaaa-bbbb-cccc-0123456789ab"));
+        assert_eq!(pod_of("/system.slice/docker-x.scope"), None);
+        assert_eq!(ns_pid("Name:\tsleep\nNSpid:\t4242\t1\n"), Some(1));
+        assert_eq!(ns_pid("NSpid:\t4242\n"), None, "the host's own namespace");
+    }
 
     #[test]
     fn unix_sockets_are_told_from_their_inode() {

@@ -68,6 +68,9 @@ pub struct ProcessReport {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub exit_code: Option<i32>,
     pub exited: bool,
+    /// Its cgroup, container, pod and pid inside its container, where recorded.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub place: Option<crate::event::Place>,
 }
 
 /// A driver context (an open nvidiactl file and the clients on it) still holding memory that no
@@ -245,6 +248,7 @@ fn process_report(p: &Process, model: &Model, services: &Services) -> ProcessRep
         by_phase,
         exit_code: p.exit_code,
         exited: p.exited.is_some(),
+        place: p.place.clone(),
     }
 }
 

@@ -410,7 +410,9 @@ mod tests {
         let body = watcher().respond(Route::Metrics, Some(1234), &model()).body;
         assert!(!body.contains("sk-secret"), "{body}");
         assert!(
-            body.contains("gputrace_process_live_bytes{pid=\"77\",command=\"vllm … … --api-key … --max-model-len 8192\"} 2147483648"),
+            body.contains(
+                "gputrace_process_live_bytes{pid=\"77\",container=\"\",command=\"vllm … … --api-key … --max-model-len 8192\"} 2147483648"
+            ),
             "{body}"
         );
         assert!(

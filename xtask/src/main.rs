@@ -123,6 +123,10 @@ fn install_test_tools() -> Result<()> {
         }
         run(Command::new("apt-get").args(["install", "-y", "-qq"]).args(packages).env("DEBIAN_FRONTEND", "noninteractive"))?;
     }
+    if output(Command::new("python3").args(["-c", "import kubernetes_validate"])).is_none() {
+        eprintln!("xtask: installing kubernetes-validate (PyPI): the DaemonSet is checked against Kubernetes' schemas, offline");
+        run(Command::new("python3").args(["-m", "pip", "install", "-q", "kubernetes-validate"]))?;
+    }
     Ok(())
 }
 

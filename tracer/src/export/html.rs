@@ -5,6 +5,7 @@
 
 use std::io::{self, Write};
 
+use serde::Serialize;
 use serde_json::{json, Value};
 
 use super::{live_changes, saturate};
@@ -79,7 +80,27 @@ fn stacked(changes: &[(u64, usize, i128)], names: &[String], first: u64, last: u
 
 /// The chart's data: both stacked series (by process and by phase), the capacity and the markers;
 /// with several GPUs the same for each GPU, the page opening on the one the verdict is about.
-fn chart(header: &Header, model: &Model, services: &Services, report: &Report) -> Value {
+/// The page's data. The bands hold an edge per request (a busy server has hundreds of thousands):
+/// typed vectors, serialised straight to text, not a JSON tree in memory.
+#[derive(Serialize)]
+struct Chart {
+    end: f64,
+    all: Value,
+    gpus: Vec<Value>,
+    initial: Option<usize>,
+    bands: Vec<Band>,
+    host_available: Vec<(f64, u64)>,
+}
+
+/// A service's phases, [from, until, phase], and its completions in flight, [at, count].
+#[derive(Serialize)]
+struct Band {
+    name: String,
+    phases: Vec<(f64, f64, &'static str)>,
+    in_flight: Vec<(f64, usize)>,
+}
+
+fn chart(header: &Header, model: &Model, services: &Services, report: &Report) -> Chart {
     let first = model.first_ts.unwrap_or(header.monotonic_start_ns);
     let last = model.last_ts.max(first.saturating_add(1));
     let changes: Vec<_> = live_changes(model, services).into_iter().filter(|c| c.memory != Memory::Virtual).collect();
@@ -154,44 +175,37 @@ fn chart(header: &Header, model: &Model, services: &Services, report: &Report) -
     let active = |s: &&crate::analysis::Service| {
         model.allocations.iter().any(|a| s.pids.contains(&a.pid)) || model.requests.iter().any(|r| s.pids.contains(&r.pid))
     };
-    let bands: Vec<Value> = services
+    let bands: Vec<Band> = services
         .list
         .iter()
         .filter(active)
         .map(|s| {
             let timeline = services.timeline(s);
-            let edges: Vec<(f64, &str, usize)> = timeline
+            let edges: Vec<(f64, &'static str, usize)> = timeline
                 .iter()
                 .map(|(t, phase, n)| (at((*t).max(s.first_ts)), phase.name(), *n))
                 .filter(|(t, _, _)| *t <= at(last))
                 .collect();
-            let mut phases: Vec<Value> = Vec::new();
+            let mut phases: Vec<(f64, f64, &'static str)> = Vec::new();
             for (i, (t, phase, _)) in edges.iter().enumerate() {
                 let until = edges.get(i + 1).map_or(at(last), |e| e.0);
                 match phases.last_mut() {
-                    Some(open) if open[2] == *phase => open[1] = json!(until),
-                    _ => phases.push(json!([t, until, phase])),
+                    Some(open) if open.2 == *phase => open.1 = until,
+                    _ => phases.push((*t, until, phase)),
                 }
             }
-            let in_flight: Vec<Value> = edges.iter().map(|(t, _, n)| json!([t, n])).collect();
-            json!({"name": format!("{} {}", s.root, s.name), "phases": phases, "in_flight": in_flight})
+            let in_flight = edges.iter().map(|(t, _, n)| (*t, *n)).collect();
+            Band { name: format!("{} {}", s.root, s.name), phases, in_flight }
         })
         .collect();
     // On unified memory the host's available memory is the GPU's: drawn over the chart.
     let unified = header.nvml == "ok" && !header.gpus.is_empty() && header.gpus.iter().all(|g| g.total_bytes.is_none());
-    let host: Vec<Value> = if unified {
-        model.samples.iter().filter_map(|(t, s)| Some(json!([at(*t), s.host.as_ref()?.available_bytes]))).collect()
+    let host_available = if unified {
+        model.samples.iter().filter_map(|(t, s)| Some((at(*t), s.host.as_ref()?.available_bytes))).collect()
     } else {
         Vec::new()
     };
-    json!({
-        "end": at(last),
-        "all": all,
-        "gpus": per_gpu.into_iter().map(|(_, v)| v).collect::<Vec<_>>(),
-        "initial": initial,
-        "bands": bands,
-        "host_available": host,
-    })
+    Chart { end: at(last), all, gpus: per_gpu.into_iter().map(|(_, v)| v).collect(), initial, bands, host_available }
 }
 
 /// The verdict box and the tables under the chart.
@@ -273,7 +287,7 @@ fn verdict_and_tables(report: &Report) -> (String, String) {
 
 pub fn html(header: &Header, model: &Model, report: &Report, out: &mut dyn Write) -> io::Result<()> {
     let services = Services::new(model);
-    let data = chart(header, model, &services, report).to_string().replace("</", "<\\/");
+    let data = serde_json::to_string(&chart(header, model, &services, report)).map_err(io::Error::other)?.replace("</", "<\\/");
     let (verdict, tables) = verdict_and_tables(report);
     let loss = if report.loss.is_lossless() {
         "Lost events: 0.".to_string()

@@ -91,6 +91,9 @@ impl<'a> Snapshot<'a> {
             self.written.insert(p.pid);
             let event = Event::Process { ppid: p.ppid, seen: p.seen, command: p.command.clone() };
             self.push(p.first_ts, p.pid, event);
+            if let Some(place) = &p.place {
+                self.push(p.first_ts, p.pid, Event::Place(place.clone()));
+            }
             for &(ts, port) in &p.bound {
                 self.push(ts, p.pid, Event::Bind { fd: -1, port });
             }
