@@ -53,20 +53,8 @@ fn deploy(path: &str) -> std::path::PathBuf {
 
 /// The metric names gputrace serves: the families of an exposition of a small live state.
 fn served_metrics() -> Vec<String> {
-    use gputrace::event::{Alloc, Device, Event, Memory, Record, Seen, Via};
-    let alloc = Alloc {
-        fd: 3,
-        via: Via::RmAllocNvos64,
-        memory: Memory::Video,
-        bytes: 1 << 30,
-        status: 0,
-        client: 1,
-        parent: 1,
-        object: 2,
-        class: 0x40,
-        base: None,
-        errno: None,
-    };
+    use gputrace::event::{Alloc, Device, Event, Record, Seen};
+    let alloc = Alloc::video(1, 1, 2, 1 << 30);
     let events = [
         Event::Process { ppid: 1, seen: Seen::Running, command: vec!["vllm".into()] },
         Event::Open { fd: 3, file: 1, device: Device::Ctl, cloexec: false },

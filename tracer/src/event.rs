@@ -344,6 +344,24 @@ pub struct Alloc {
 }
 
 impl Alloc {
+    /// Video memory asked of RM (RM_ALLOC with NVOS64, class 0x40) on fd 3, granted: the
+    /// allocation tests and benchmarks build most.
+    pub fn video(client: u32, parent: u32, object: u32, bytes: u64) -> Alloc {
+        Alloc {
+            fd: 3,
+            via: Via::RmAllocNvos64,
+            memory: Memory::Video,
+            bytes,
+            status: 0,
+            client,
+            parent,
+            object,
+            class: 0x40,
+            base: None,
+            errno: None,
+        }
+    }
+
     pub fn succeeded(&self) -> bool {
         self.status == 0 && self.errno.is_none()
     }

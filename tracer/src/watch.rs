@@ -363,7 +363,7 @@ pub fn ask(pid: Option<u32>) -> Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::event::{Alloc, Device, Event, Memory, Record, Seen, Via};
+    use crate::event::{Alloc, Device, Event, Record, Seen};
 
     fn watcher() -> Watcher {
         let config = Config { window_ns: 1 << 40, max_bytes: 1 << 20, aftermath_ns: 0, min_interval_ns: 0 };
@@ -383,19 +383,7 @@ mod tests {
     /// A server whose command line holds a secret, holding 2 GiB.
     fn model() -> Model {
         let argv = ["vllm", "serve", "m", "--api-key", "sk-secret", "--max-model-len", "8192"];
-        let alloc = Alloc {
-            fd: 3,
-            via: Via::RmAllocNvos64,
-            memory: Memory::Video,
-            bytes: 2 << 30,
-            status: 0,
-            client: 1,
-            parent: 1,
-            object: 2,
-            class: 0x40,
-            base: None,
-            errno: None,
-        };
+        let alloc = Alloc::video(1, 1, 2, 2 << 30);
         let events = [
             Event::Process { ppid: 1, seen: Seen::Running, command: argv.iter().map(|a| a.to_string()).collect() },
             Event::Open { fd: 3, file: 1, device: Device::Ctl, cloexec: false },

@@ -2,7 +2,7 @@
 //! requests (allocating scratch in each, freeing it after), and short-lived workers coming and
 //! going with reused pids, a sample now and then.
 
-use crate::event::{Alloc, Device, Event, Memory, Record, Seen, Via};
+use crate::event::{Alloc, Device, Event, Record, Seen, Via};
 
 const SERVER: u32 = 4242;
 
@@ -16,21 +16,7 @@ pub fn stream(rate: u64, events: u64, mut f: impl FnMut(&Record)) {
         n.set(n.get() + 1);
         f(&Record { ts, pid, tid: pid, event, raw: None });
     };
-    let alloc = |client: u32, object: u32, bytes: u64| {
-        Event::Alloc(Alloc {
-            fd: 3,
-            via: Via::RmAllocNvos64,
-            memory: Memory::Video,
-            bytes,
-            status: 0,
-            client,
-            parent: client,
-            object,
-            class: 0x40,
-            base: None,
-            errno: None,
-        })
-    };
+    let alloc = |client: u32, object: u32, bytes: u64| Event::Alloc(Alloc::video(client, client, object, bytes));
     let start = |put: &mut dyn FnMut(u32, Event), pid: u32| {
         put(pid, Event::Process { ppid: 1, seen: Seen::Forked, command: vec![format!("worker-{pid}"), "--model".into(), "x".into()] });
         put(pid, Event::Open { fd: 3, file: u64::from(pid), device: Device::Ctl, cloexec: true });

@@ -1,5 +1,5 @@
 use super::*;
-use crate::event::{Alloc, Device, Memory, Seen, Via};
+use crate::event::{Alloc, Device, Seen, Via};
 
 const S: u64 = 1_000_000_000;
 const GIB: u64 = 1 << 30;
@@ -13,20 +13,7 @@ fn rec(ts: u64, pid: u32, event: Event) -> Record {
 }
 
 fn alloc(ts: u64, pid: u32, client: u32, object: u32, bytes: u64, status: u32) -> Record {
-    let a = Alloc {
-        fd: 3,
-        via: Via::RmAllocNvos64,
-        memory: Memory::Video,
-        bytes,
-        status,
-        client,
-        parent: client,
-        object,
-        class: 0x40,
-        base: None,
-        errno: None,
-    };
-    rec(ts, pid, Event::Alloc(a))
+    rec(ts, pid, Event::Alloc(Alloc { status, ..Alloc::video(client, client, object, bytes) }))
 }
 
 /// A process that opens the control file, makes a client and allocates `bytes`.
