@@ -69,6 +69,12 @@ pub struct Layout {
     pub uvm_semaphore_pool_size: u32,
     /// UVM_FREE: 24 bytes (base, length, status) before 590, 16 (base, status) from 590.
     pub uvm_free_size: u32,
+    /// NV00FD_ALLOCATION_PARAMETERS (multicast fabric): 40 bytes with allocSize@8 before 545,
+    /// 80 with allocSize@48 from 545 (an export packet and index come first; cl00fd.h).
+    pub multicast_params: (u32, usize),
+    /// VID_HEAP_CONTROL's ALLOC_SIZE with attr2 USE_EGM allocates EGM (class 0x42): 550 to 590
+    /// (rmapi_deprecated_vidheapctrl.c); before and after, the bit is not read.
+    pub vid_heap_egm: bool,
     /// True when the version is outside every range compiled and checked: fields stable across
     /// versions still decode, the rest is the nearest known layout.
     pub assumed: bool,
@@ -97,6 +103,8 @@ impl Layout {
             uvm_map_external_size: if big_uvm { 9264 } else { 1200 },
             uvm_semaphore_pool_size: if big_uvm { 9248 } else { 1184 },
             uvm_free_size: if at_least(590, 0, 0) { 16 } else { 24 },
+            multicast_params: if at_least(545, 0, 0) { (80, 48) } else { (40, 8) },
+            vid_heap_egm: at_least(550, 0, 0) && !at_least(595, 0, 0),
             assumed: v < OLDEST_KNOWN || v > NEWEST_KNOWN,
         }
     }
@@ -119,10 +127,11 @@ impl Layout {
     /// Size of the allocation params RM copies for a class, for the classes gputrace decodes.
     pub fn class_params_size(&self, class: u32) -> Option<u32> {
         match class {
-            class::LOCAL_USER | class::SYSTEM | class::NV50_MEMORY_VIRTUAL => Some(self.memory_params_size),
+            class::LOCAL_USER | class::SYSTEM | class::NV50_MEMORY_VIRTUAL | class::EXTENDED_USER => Some(self.memory_params_size),
             class::MEMORY_VIRTUAL => Some(24),
             class::OS_DESCRIPTOR => Some(40),
             class::MEMORY_FABRIC => Some(48),
+            class::MULTICAST_FABRIC => Some(self.multicast_params.0),
             class::DEVICE => Some(4),
             _ => None,
         }
@@ -146,6 +155,9 @@ pub mod class {
     pub const MEMORY_VIRTUAL: u32 = 0x70;
     pub const OS_DESCRIPTOR: u32 = 0x71;
     pub const LOCAL_PHYSICAL: u32 = 0xc2;
+    /// NV_MEMORY_EXTENDED_USER: extended GPU memory (EGM), CPU-attached memory of a Grace system
+    /// the GPU reaches over C2C, from the host's page allocator (egm_mem.c); 535 to 590.
+    pub const EXTENDED_USER: u32 = 0x42;
     pub const MEMORY_FABRIC: u32 = 0xf8;
     pub const MULTICAST_FABRIC: u32 = 0xfd;
     pub const NV50_MEMORY_VIRTUAL: u32 = 0x50a0;
@@ -154,7 +166,8 @@ pub mod class {
     pub const CONTEXT_SHARE: u32 = 0x9067;
 
     /// Classes whose params the kernel side copies.
-    pub const WITH_PARAMS: [u32; 7] = [LOCAL_USER, SYSTEM, NV50_MEMORY_VIRTUAL, MEMORY_VIRTUAL, OS_DESCRIPTOR, MEMORY_FABRIC, DEVICE];
+    pub const WITH_PARAMS: [u32; 9] =
+        [LOCAL_USER, SYSTEM, NV50_MEMORY_VIRTUAL, MEMORY_VIRTUAL, OS_DESCRIPTOR, MEMORY_FABRIC, MULTICAST_FABRIC, EXTENDED_USER, DEVICE];
 
     /// escape.c turns an RM_ALLOC of any of these into a new client.
     pub fn is_client(class: u32) -> bool {
@@ -172,9 +185,12 @@ pub mod status {
     /// NV_ERR_GENERIC; gputrace also uses it for an ioctl() that failed before RM saw it.
     pub const GENERIC_FAILURE: u32 = 0xffff;
 
-    /// The statuses that mean the driver ran out of memory.
+    /// The statuses that mean the driver ran out of memory: NO_MEMORY (PMA, the heap,
+    /// osAllocPages) and INSUFFICIENT_RESOURCES (the PMA scrubber's OOM, the page-blacklist limit).
+    /// Not MEMORY_ERROR (a BAR, NVLink or MMU fault) nor INVALID_HEAP ("heap corrupted", which no
+    /// open RM code returns): docs/driver-truth.md.
     pub fn is_out_of_memory(status: u32) -> bool {
-        matches!(status, NO_MEMORY | INSUFFICIENT_RESOURCES | MEMORY_ERROR | INVALID_HEAP)
+        matches!(status, NO_MEMORY | INSUFFICIENT_RESOURCES)
     }
 
     /// The driver's own name for a status, as its headers spell it (shown beside failures).
@@ -245,6 +261,8 @@ pub mod offsets {
     pub const VID_SIZE: usize = 88;
     pub const VID_OFFSET: usize = 104;
     pub const VID_ATTR2: usize = 144;
+    /// NVOS32_ATTR2_USE_EGM, bit 24: VID_HEAP_CONTROL allocates class 0x42 (550 to 590).
+    pub const ATTR2_USE_EGM: u32 = 1 << 24;
     pub const VID_FUNCTION_ALLOC_SIZE: u32 = 2;
     pub const VID_FUNCTION_FREE: u32 = 3;
     pub const VID_ALLOC_FLAGS_VIRTUAL: u32 = 0x80000;

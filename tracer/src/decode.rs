@@ -257,7 +257,7 @@ pub fn decode_ioctl(layout: &Layout, raw: &RawIoctl) -> Option<Event> {
             object: p.u32(o::FREE_OLD)?,
             status: status_or_errno(raw, p.u32(o::FREE_STATUS)?),
         }),
-        escape::RM_VID_HEAP_CONTROL => decode_vid_heap(raw, &p),
+        escape::RM_VID_HEAP_CONTROL => decode_vid_heap(layout, raw, &p),
         escape::RM_ALLOC_MEMORY => decode_alloc_memory(raw, &p),
         escape::RM_DUP_OBJECT => Some(Event::DupObject {
             fd: raw.fd,
@@ -310,7 +310,9 @@ fn decode_rm_alloc(layout: &Layout, raw: &RawIoctl, p: &Fields, size: u32) -> Op
         // LOCAL_PHYSICAL "does not allocate ANY framebuffer memory": a linear mapping of all of
         // it (phys_mem.c). An object, not memory.
         class::LOCAL_USER => Memory::Video,
-        class::SYSTEM | class::OS_DESCRIPTOR => Memory::System,
+        // EGM is host memory on a Grace system's NUMA node, not the GPU's.
+        class::SYSTEM | class::OS_DESCRIPTOR | class::EXTENDED_USER => Memory::System,
+        // Fabric objects are address space (FLA) over memory allocated as LOCAL_USER.
         class::NV50_MEMORY_VIRTUAL | class::MEMORY_VIRTUAL | class::MEMORY_FABRIC | class::MULTICAST_FABRIC => Memory::Virtual,
         _ => {
             // A new client's handle is hObjectNew; it is its own root.
@@ -321,7 +323,8 @@ fn decode_rm_alloc(layout: &Layout, raw: &RawIoctl, p: &Fields, size: u32) -> Op
     };
     let c = Fields(&raw.class_params);
     let bytes = match hclass {
-        class::LOCAL_USER | class::SYSTEM | class::NV50_MEMORY_VIRTUAL => c.u64(o::MEM_SIZE),
+        class::LOCAL_USER | class::SYSTEM | class::NV50_MEMORY_VIRTUAL | class::EXTENDED_USER => c.u64(o::MEM_SIZE),
+        class::MULTICAST_FABRIC => c.u64(layout.multicast_params.1),
         class::MEMORY_VIRTUAL => c.u64(o::VIRT_LIMIT).map(|l| l.wrapping_add(1)),
         class::OS_DESCRIPTOR => c.u64(o::OS_DESC_LIMIT).map(|l| l.wrapping_add(1)),
         class::MEMORY_FABRIC => c.u64(o::FABRIC_SIZE),
@@ -351,8 +354,9 @@ fn decode_rm_alloc(layout: &Layout, raw: &RawIoctl, p: &Fields, size: u32) -> Op
 }
 
 /// VID_HEAP_CONTROL: RM turns ALLOC_SIZE into an RM_ALLOC of NV50_MEMORY_VIRTUAL (flags VIRTUAL),
-/// LOCAL_USER (attr LOCATION VIDMEM) or SYSTEM (anything else).
-fn decode_vid_heap(raw: &RawIoctl, p: &Fields) -> Option<Event> {
+/// EXTENDED_USER (attr2 USE_EGM, 550 to 590), LOCAL_USER (attr LOCATION VIDMEM) or SYSTEM
+/// (anything else).
+fn decode_vid_heap(layout: &Layout, raw: &RawIoctl, p: &Fields) -> Option<Event> {
     let function = p.u32(o::VID_FUNCTION)?;
     let client = p.u32(o::VID_ROOT)?;
     let parent = p.u32(o::VID_PARENT)?;
@@ -362,8 +366,11 @@ fn decode_vid_heap(raw: &RawIoctl, p: &Fields) -> Option<Event> {
         o::VID_FUNCTION_ALLOC_SIZE => {
             let flags = p.u32(o::VID_FLAGS)?;
             let attr = p.u32(o::VID_ATTR)?;
+            let egm = layout.vid_heap_egm && p.u32(o::VID_ATTR2).is_some_and(|a| a & o::ATTR2_USE_EGM != 0);
             let (memory, class) = if flags & o::VID_ALLOC_FLAGS_VIRTUAL != 0 {
                 (Memory::Virtual, class::NV50_MEMORY_VIRTUAL)
+            } else if egm {
+                (Memory::System, class::EXTENDED_USER)
             } else if (attr >> o::ATTR_LOCATION_SHIFT) & 3 == o::ATTR_LOCATION_VIDMEM {
                 (Memory::Video, class::LOCAL_USER)
             } else {

@@ -62,7 +62,10 @@ impl Trigger {
     fn of(record: &Record, live: &Model, used_gpu: bool) -> Option<Trigger> {
         let pid = record.pid;
         match &record.event {
-            Event::Alloc(a) if !a.succeeded() => Some(Trigger::FailedAllocation { pid, bytes: a.bytes }),
+            // Refused for want of memory: a bad argument or a probe of a feature is no OOM.
+            Event::Alloc(a) if crate::abi::status::is_out_of_memory(a.status) || a.errno == Some(libc::ENOMEM) => {
+                Some(Trigger::FailedAllocation { pid, bytes: a.bytes })
+            }
             Event::OomKill => Some(Trigger::OomKill { pid }),
             Event::Exit { code } => {
                 // Stopped on purpose (SIGINT, SIGTERM; SIGKILL is a person's or the OOM killer's,

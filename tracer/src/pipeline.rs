@@ -25,6 +25,17 @@ impl<R: Resolver> Pipeline<R> {
     }
 
     pub fn handle(&mut self, raw: Raw, out: &mut Vec<Record>, updates: &mut Vec<KernelUpdate>) {
+        let before = out.len();
+        self.decode(raw, out, updates);
+        // With --all (and so in a watch) the kernel sends gputrace's own calls too (its NVML
+        // samples, its sockets): answered, never recorded. What it launches is recorded.
+        if let Some(me) = self.launcher {
+            let new = out.split_off(before);
+            out.extend(new.into_iter().filter(|r| r.pid != me));
+        }
+    }
+
+    fn decode(&mut self, raw: Raw, out: &mut Vec<Record>, updates: &mut Vec<KernelUpdate>) {
         let Raw { ts, pid, tid, kind } = raw;
         let mut push = |pid: u32, event: Event, raw_bytes: Option<String>| out.push(Record { ts, pid, tid, event, raw: raw_bytes });
         match kind {

@@ -357,7 +357,8 @@ impl Session {
                 }
             })
             .context("starting the sampler thread")?;
-        let status_line = std::io::stderr().is_terminal() && !opts.json;
+        // A watch logs in lines (journald, a terminal alike); a recording shows a status line.
+        let status_line = std::io::stderr().is_terminal() && !opts.json && matches!(self.sink, Sink::Trace { .. });
         let mut last_status = Instant::now();
         // Attached with --pid and nothing launched: done when every attached process is gone.
         let mut attached: Vec<u32> = if child.is_none() && !opts.all { opts.pids.clone() } else { Vec::new() };

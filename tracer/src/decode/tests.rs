@@ -100,6 +100,23 @@ fn rm_alloc_sizes_every_memory_class() {
     }
 }
 
+/// EGM (0x42) is host memory (size in NV_MEMORY_ALLOCATION_PARAMS); multicast fabric (0xfd) is
+/// address space, its params 40 bytes (allocSize@8) before 545 and 80 (allocSize@48) from 545.
+#[test]
+fn rm_alloc_of_egm_and_multicast_fabric() {
+    for l in [layout(535, 288, 1), layout(580, 142, 0)] {
+        let params = Buf::new(48).u32(12, 0x42);
+        let egm = alloc(decode_ioctl(&l, &rm(escape::RM_ALLOC, params, memory_params(&l, 2 << 30))));
+        assert_eq!((egm.memory, egm.bytes, egm.class), (Memory::System, 2 << 30, 0x42));
+    }
+    for (l, size, at) in [(layout(535, 288, 1), 40, 8), (layout(550, 163, 1), 80, 48), (layout(595, 45, 4), 80, 48)] {
+        assert_eq!(l.class_params_size(0xfd), Some(size));
+        let params = Buf::new(48).u32(12, 0xfd);
+        let mc = alloc(decode_ioctl(&l, &rm(escape::RM_ALLOC, params, Buf::new(size as usize).u64(at, 512 << 20).0)));
+        assert_eq!((mc.memory, mc.bytes), (Memory::Virtual, 512 << 20), "{size}-byte params");
+    }
+}
+
 #[test]
 fn rm_alloc_of_a_client_is_an_object_rooted_at_itself() {
     let l = layout(580, 95, 5);
@@ -145,6 +162,20 @@ fn vid_heap_control_alloc_size_by_location_and_flags() {
     assert_eq!(virt.memory, Memory::Virtual);
     let failed = alloc(decode_ioctl(&l, &rm(escape::RM_VID_HEAP_CONTROL, base().u32(20, status::NO_MEMORY), vec![])));
     assert_eq!(failed.status, status::NO_MEMORY);
+    // attr2 USE_EGM (bit 24, @144): EGM from 550 to 590, and not read before or after.
+    for (l, egm) in [(layout(535, 288, 1), false), (layout(550, 40, 7), true), (layout(580, 142, 0), true), (layout(595, 45, 4), false)] {
+        let a = alloc(decode_ioctl(&l, &rm(escape::RM_VID_HEAP_CONTROL, base().u32(144, 1 << 24), vec![])));
+        let want = if egm { (Memory::System, 0x42) } else { (Memory::Video, 0x40) };
+        assert_eq!((a.memory, a.class), want, "{l:?}");
+    }
+}
+
+/// Only NO_MEMORY and INSUFFICIENT_RESOURCES mean the driver ran out: MEMORY_ERROR is a BAR,
+/// NVLink or MMU fault, INVALID_HEAP "heap corrupted" (no open RM code returns it).
+#[test]
+fn out_of_memory_statuses() {
+    assert!(status::is_out_of_memory(status::NO_MEMORY) && status::is_out_of_memory(status::INSUFFICIENT_RESOURCES));
+    assert!(!status::is_out_of_memory(status::MEMORY_ERROR) && !status::is_out_of_memory(status::INVALID_HEAP));
 }
 
 #[test]
