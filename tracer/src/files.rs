@@ -141,6 +141,14 @@ impl<R: Resolver> FileTable<R> {
         news.then_some(place)
     }
 
+    /// Whether userspace holds `fd` of `pid` to be an NVIDIA file, or to be none.
+    pub fn knows_nvidia(&self, pid: u32, fd: i32) -> bool {
+        matches!(self.fds.get(&(pid, fd)), Some(Answer::Nvidia { .. }))
+    }
+    pub fn knows_not_nvidia(&self, pid: u32, fd: i32) -> bool {
+        matches!(self.fds.get(&(pid, fd)), Some(Answer::NotNvidia))
+    }
+
     /// Whether `fd` of `pid` is a Unix socket (see [`Resolver::is_unix_socket`]).
     pub fn is_unix_socket(&self, pid: u32, fd: i32) -> bool {
         self.resolver.is_unix_socket(pid, fd)

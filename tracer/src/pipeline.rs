@@ -41,8 +41,11 @@ impl<R: Resolver> Pipeline<R> {
         match kind {
             RawKind::Ioctl(ioctl) => {
                 let device = match ioctl.device {
-                    Some(device) => Some(device),
-                    None => {
+                    Some(device) if self.files.knows_nvidia(pid, ioctl.fd) => Some(device),
+                    // Asked, or the kernel still holding an entry userspace has dropped: an exec
+                    // closed the fd and the program reused its number (a received fd, say) before
+                    // the kernel heard of the exec. Asked afresh either way.
+                    kernel => {
                         let (device, found) = self.files.answer(pid, ioctl.fd, ioctl.file, updates);
                         if let Some(found) = found {
                             push(pid, found, None);
@@ -50,7 +53,8 @@ impl<R: Resolver> Pipeline<R> {
                         if device.is_none() && ioctl.flags & ioctl_flag::PENDING != 0 {
                             self.files.pending_dropped += 1;
                         }
-                        device
+                        // Gone by now (not refused as not NVIDIA): the kernel's word stands.
+                        device.or_else(|| kernel.filter(|_| !self.files.knows_not_nvidia(pid, ioctl.fd)))
                     }
                 };
                 let Some(device) = device else { return };
