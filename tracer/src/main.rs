@@ -2,7 +2,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{Args, CommandFactory, Parser, Subcommand};
 use gputrace::analysis::Phase;
 use gputrace::report;
 use gputrace::user::{create_private, User};
@@ -50,15 +50,8 @@ enum Command {
         /// Print the report as JSON on stdout
         #[arg(long)]
         json: bool,
-        /// A context with no allocation or request for this long is a suspect holder
-        #[arg(long, value_name = "MINUTES", default_value_t = 10)]
-        idle_minutes: u64,
-        /// Leave argument values and query strings out of the trace (program and flag names stay)
-        #[arg(long)]
-        redact: bool,
-        /// Each GPU's capacity where NVML cannot tell it (no NVML, unified memory): 80GiB, 128GiB...
-        #[arg(long, value_name = "BYTES", value_parser = gputrace::units::parse_bytes)]
-        capacity: Option<u64>,
+        #[command(flatten)]
+        judging: Judging,
         /// The command to run and trace, after `--`
         #[arg(last = true, value_name = "CMD")]
         command: Vec<String>,
@@ -87,15 +80,8 @@ enum Command {
         /// Decode with this driver's layouts instead of the running driver's (e.g. 535.104.05)
         #[arg(long, value_name = "VERSION")]
         driver_version: Option<String>,
-        /// A context with no allocation or request for this long is a suspect holder
-        #[arg(long, value_name = "MINUTES", default_value_t = 10)]
-        idle_minutes: u64,
-        /// Leave argument values and query strings out of dumps (program and flag names stay)
-        #[arg(long)]
-        redact: bool,
-        /// Each GPU's capacity where NVML cannot tell it (no NVML, unified memory): 80GiB, 128GiB...
-        #[arg(long, value_name = "BYTES", value_parser = gputrace::units::parse_bytes)]
-        capacity: Option<u64>,
+        #[command(flatten)]
+        judging: Judging,
         /// Where to serve /metrics, /report and /healthz, or `off`
         #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:9431", value_parser = listen_address)]
         listen: Listen,
@@ -122,15 +108,8 @@ enum Command {
         /// Where to write it [default: standard output]
         #[arg(short, long)]
         output: Option<PathBuf>,
-        /// Leave argument values and query strings out (program and flag names stay)
-        #[arg(long)]
-        redact: bool,
-        /// A context with no allocation or request for this long is a suspect holder
-        #[arg(long, value_name = "MINUTES", default_value_t = 10)]
-        idle_minutes: u64,
-        /// Each GPU's capacity where NVML cannot tell it (no NVML, unified memory): 80GiB, 128GiB...
-        #[arg(long, value_name = "BYTES", value_parser = gputrace::units::parse_bytes)]
-        capacity: Option<u64>,
+        #[command(flatten)]
+        judging: Judging,
     },
     /// Which "CUDA out of memory" a recorded trace shows, the evidence and the fix; per process
     /// and per phase what was allocated; the contexts nobody freed.
@@ -139,15 +118,46 @@ enum Command {
         /// Print the report as JSON (schema in docs/report-schema.md)
         #[arg(long)]
         json: bool,
-        /// A context with no allocation or request for this long is a suspect holder
-        #[arg(long, value_name = "MINUTES", default_value_t = 10)]
-        idle_minutes: u64,
-        /// Leave argument values and query strings out (program and flag names stay)
-        #[arg(long)]
-        redact: bool,
-        /// Each GPU's capacity where NVML cannot tell it (no NVML, unified memory): 80GiB, 128GiB...
-        #[arg(long, value_name = "BYTES", value_parser = gputrace::units::parse_bytes)]
-        capacity: Option<u64>,
+        #[command(flatten)]
+        judging: Judging,
+    },
+    /// The man pages and shell completions, generated from these definitions (for packagers:
+    /// `cargo xtask dist` runs it).
+    #[command(hide = true)]
+    Generate {
+        #[command(subcommand)]
+        what: Generate,
+    },
+}
+
+/// How a recording is judged: the same for every command that makes a report.
+#[derive(Args)]
+struct Judging {
+    /// A context with no allocation or request for this long is a suspect holder
+    #[arg(long, value_name = "MINUTES", default_value_t = 10)]
+    idle_minutes: u64,
+    /// Leave argument values and query strings out of what is written (program and flag names stay)
+    #[arg(long)]
+    redact: bool,
+    /// Each GPU's capacity where NVML cannot tell it (no NVML, unified memory): 80GiB, 128GiB...
+    #[arg(long, value_name = "BYTES", value_parser = gputrace::units::parse_bytes)]
+    capacity: Option<u64>,
+}
+
+impl Judging {
+    fn idle_ns(&self) -> u64 {
+        self.idle_minutes.saturating_mul(60_000_000_000)
+    }
+}
+
+#[derive(Subcommand)]
+enum Generate {
+    /// Write gputrace.1 and a gputrace-COMMAND.1 page for each command into DIR
+    Man { dir: PathBuf },
+    /// Print the completion script for SHELL
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
     },
 }
 
@@ -171,14 +181,17 @@ enum Format {
     Csv,
 }
 
-fn export(
-    path: PathBuf,
-    format: Format,
-    output: Option<PathBuf>,
-    redact: bool,
-    idle_minutes: u64,
-    capacity: Option<u64>,
-) -> anyhow::Result<()> {
+/// A recording read back from its trace, judged as `judging` says.
+fn load(path: &std::path::Path, judging: &Judging) -> anyhow::Result<(gputrace::trace::Header, gputrace::model::Model, report::Report)> {
+    let (mut header, model, events, loss) = report::load(path, judging.redact)?;
+    if let Some(bytes) = judging.capacity {
+        header.assume_capacity(bytes);
+    }
+    let summary = report::Report::new(&header, &model, path.display().to_string(), events, loss, judging.idle_ns());
+    Ok((header, model, summary))
+}
+
+fn export(path: PathBuf, format: Format, output: Option<PathBuf>, judging: Judging) -> anyhow::Result<()> {
     // The output is opened first, as the invoking user: a refused name costs no reading.
     let mut out: Box<dyn std::io::Write> = match &output {
         Some(file) => {
@@ -186,39 +199,45 @@ fn export(
         }
         None => Box::new(std::io::stdout().lock()),
     };
-    let (mut header, model, events, loss) = report::load(&path, redact)?;
-    if let Some(bytes) = capacity {
-        header.assume_capacity(bytes);
-    }
+    let (header, model, report) = load(&path, &judging)?;
     let mut out = std::io::BufWriter::with_capacity(1 << 16, &mut out);
     match format {
-        Format::Perfetto => {
-            let report =
-                report::Report::new(&header, &model, path.display().to_string(), events, loss, idle_minutes.saturating_mul(60_000_000_000));
-            gputrace::export::perfetto(&header, &model, &report, &mut out)?
-        }
-        Format::Html => {
-            let report =
-                report::Report::new(&header, &model, path.display().to_string(), events, loss, idle_minutes.saturating_mul(60_000_000_000));
-            gputrace::export::html(&header, &model, &report, &mut out)?
-        }
+        Format::Perfetto => gputrace::export::perfetto(&header, &model, &report, &mut out)?,
+        Format::Html => gputrace::export::html(&header, &model, &report, &mut out)?,
         Format::Csv => gputrace::export::csv(&header, &model, &mut out)?,
     }
     std::io::Write::flush(&mut out)?;
     Ok(())
 }
 
-fn print_report(path: PathBuf, json: bool, idle_minutes: u64, redact: bool, capacity: Option<u64>) -> anyhow::Result<()> {
-    let (mut header, model, events, loss) = report::load(&path, redact)?;
-    if let Some(bytes) = capacity {
-        header.assume_capacity(bytes);
-    }
-    let summary =
-        report::Report::new(&header, &model, path.display().to_string(), events, loss, idle_minutes.saturating_mul(60_000_000_000));
+fn print_report(path: PathBuf, json: bool, judging: Judging) -> anyhow::Result<()> {
+    let (_, _, summary) = load(&path, &judging)?;
     if json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
     } else {
         print!("{}", gputrace::units::for_terminal(&summary.text()));
+    }
+    Ok(())
+}
+
+/// The man pages (gputrace.1, gputrace-record.1, ...) into `dir`, written as the invoking user
+/// would, readable by all as man pages are; or a shell's completions on standard output.
+fn generate(what: Generate) -> anyhow::Result<()> {
+    let mut cli = Cli::command().disable_help_subcommand(true);
+    cli.build();
+    match what {
+        Generate::Completions { shell } => clap_complete::generate(shell, &mut cli, "gputrace", &mut std::io::stdout()),
+        Generate::Man { dir } => {
+            let user = User::invoking()?;
+            let pages = std::iter::once(cli.clone()).chain(cli.get_subcommands().filter(|c| !c.is_hide_set()).cloned());
+            for page in pages {
+                let man = clap_mangen::Man::new(page).manual("gputrace manual");
+                let path = dir.join(man.get_filename());
+                let mut file = create_private(&path, user.as_ref()).map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))?;
+                man.render(&mut file)?;
+                file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(0o644))?;
+            }
+        }
     }
     Ok(())
 }
@@ -236,7 +255,7 @@ fn main() -> ExitCode {
             }
             .map(|()| ExitCode::from(findings.exit_code()))
         }
-        Command::Record { output, pids, all, driver_version, raw, json, idle_minutes, redact, capacity, command } => {
+        Command::Record { output, pids, all, driver_version, raw, json, judging, command } => {
             let opts = gputrace::record::Options {
                 output,
                 pids,
@@ -244,27 +263,15 @@ fn main() -> ExitCode {
                 driver_version,
                 raw,
                 json,
-                idle_ns: idle_minutes.saturating_mul(60_000_000_000),
+                idle_ns: judging.idle_ns(),
                 command,
                 invocation: std::env::args().collect(),
-                redact,
-                capacity,
+                redact: judging.redact,
+                capacity: judging.capacity,
             };
             gputrace::record::run(opts).map(|outcome| ExitCode::from(outcome.exit_code.clamp(0, 255) as u8))
         }
-        Command::Watch {
-            dump_dir,
-            window,
-            window_bytes,
-            budget,
-            aftermath,
-            min_interval,
-            driver_version,
-            idle_minutes,
-            redact,
-            capacity,
-            listen,
-        } => {
+        Command::Watch { dump_dir, window, window_bytes, budget, aftermath, min_interval, driver_version, judging, listen } => {
             let opts = gputrace::watch::Options {
                 dump_dir,
                 window,
@@ -273,9 +280,9 @@ fn main() -> ExitCode {
                 aftermath,
                 min_interval,
                 driver_version,
-                idle_ns: idle_minutes.saturating_mul(60_000_000_000),
-                redact,
-                capacity,
+                idle_ns: judging.idle_ns(),
+                redact: judging.redact,
+                capacity: judging.capacity,
                 listen: listen.0,
             };
             gputrace::watch::run(opts).map(|()| ExitCode::SUCCESS)
@@ -292,12 +299,9 @@ fn main() -> ExitCode {
                 ExitCode::SUCCESS
             })
         }
-        Command::Export { trace, format, output, redact, idle_minutes, capacity } => {
-            export(trace, format, output, redact, idle_minutes, capacity).map(|()| ExitCode::SUCCESS)
-        }
-        Command::Report { trace, json, idle_minutes, redact, capacity } => {
-            print_report(trace, json, idle_minutes, redact, capacity).map(|()| ExitCode::SUCCESS)
-        }
+        Command::Export { trace, format, output, judging } => export(trace, format, output, judging).map(|()| ExitCode::SUCCESS),
+        Command::Report { trace, json, judging } => print_report(trace, json, judging).map(|()| ExitCode::SUCCESS),
+        Command::Generate { what } => generate(what).map(|()| ExitCode::SUCCESS),
     };
     match result {
         Ok(code) => code,

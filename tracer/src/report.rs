@@ -514,6 +514,28 @@ impl Report {
                     p.failed_allocations
                 );
             }
+            // Where each ran, only when some ran in a container, a pod or a pid namespace of its own.
+            let placed: Vec<(&ProcessReport, &crate::event::Place)> = self
+                .processes
+                .iter()
+                .filter_map(|p| Some((p, p.place.as_ref()?)))
+                .filter(|(_, w)| w.container.is_some() || w.pod.is_some() || w.ns_pid.is_some())
+                .collect();
+            if !placed.is_empty() {
+                let _ = writeln!(out, "\n{:>8}  {:>8}  {:<13} {:<36}   (where each ran)", "PID", "NS PID", "CONTAINER", "POD UID");
+                for (p, w) in placed {
+                    let or_dash = |v: Option<&str>| v.unwrap_or("-").to_string();
+                    let ns_pid = w.ns_pid.map_or_else(|| "-".to_string(), |n| n.to_string());
+                    let _ = writeln!(
+                        out,
+                        "{:>8}  {:>8}  {:<13} {:<36}",
+                        p.pid,
+                        ns_pid,
+                        or_dash(w.container.as_deref()),
+                        or_dash(w.pod.as_deref())
+                    );
+                }
+            }
             let _ = writeln!(
                 out,
                 "\n{:>8}  {:>11} {:>11} {:>11} {:>11}   (bytes allocated in each phase)",
@@ -623,5 +645,38 @@ mod tests {
         assert!(report.contexts_never_freed[0].why.contains("no allocation or request for 899 s"), "{:?}", report.contexts_never_freed);
         let report = Report::new(&header(), &model, String::new(), 4, Loss::default(), 20 * minute);
         assert!(report.contexts_never_freed.is_empty(), "active within the threshold");
+    }
+
+    /// The text report says where each GPU user ran when one ran in a container or a pid
+    /// namespace of its own, with its pid there beside the host's; none of it for a host process.
+    #[test]
+    fn the_text_report_shows_the_container_and_the_pid_inside() {
+        let rec = |pid: u32, event| Record { ts: 1, pid, tid: pid, event, raw: None };
+        let user = |pid: u32, client: u32| {
+            [
+                rec(pid, Event::Process { ppid: 1, seen: Seen::Running, command: vec![format!("server{pid}")] }),
+                rec(pid, Event::Open { fd: 3, file: u64::from(pid), device: Device::Ctl, cloexec: false }),
+                rec(pid, Event::Object { fd: 3, client, parent: client, object: client, class: 0x41, status: 0, gpu: Some(0) }),
+                rec(pid, Event::Alloc(Alloc::video(client, client, client + 1, 1 << 30))),
+            ]
+        };
+        let inside = crate::event::Place {
+            cgroup: "/kubepods/podabc/cri-containerd-0123456789ab.scope".into(),
+            container: Some("0123456789ab".into()),
+            pod: Some("6f1f7b9e-1111-2222-3333-444455556666".into()),
+            ns_pid: Some(1),
+        };
+        let mut records: Vec<Record> = user(4000, 10).into_iter().chain(user(5000, 20)).collect();
+        records.insert(1, rec(4000, Event::Place(inside)));
+        let model = Model::from_records(&records);
+        let text = Report::new(&header(), &model, String::new(), 8, Loss::default(), u64::MAX).text();
+        let table = text.split("(where each ran)").nth(1).expect("a table of where each ran");
+        let row = table.lines().find(|l| l.trim_start().starts_with("4000")).expect("the containerised process's row");
+        let cells: Vec<&str> = row.split_whitespace().collect();
+        assert_eq!(cells, ["4000", "1", "0123456789ab", "6f1f7b9e-1111-2222-3333-444455556666"], "{text}");
+        assert!(!table.split("(bytes allocated").next().unwrap().contains("5000"), "a host process has no row: {text}");
+
+        let host_only = Model::from_records(&user(5000, 20));
+        assert!(!Report::new(&header(), &host_only, String::new(), 4, Loss::default(), u64::MAX).text().contains("where each ran"));
     }
 }

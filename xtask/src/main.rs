@@ -1,4 +1,4 @@
-//! Setup and build helpers: `cargo xtask setup | build | test | demo [SCENARIO [vllm|llama]] | bench`.
+//! Setup and build helpers: `cargo xtask setup | build | test | demo [SCENARIO [vllm|llama]] | bench | dist`.
 //! Each command installs and builds what it needs, so a fresh machine needs nothing else.
 //! Few dependencies, so it builds in seconds.
 
@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 use std::time::Instant;
 
+mod dist;
 mod vm;
 
 type Result<T> = std::result::Result<T, String>;
@@ -96,6 +97,20 @@ fn setup() -> Result<()> {
     Ok(())
 }
 
+/// Debian packages, each only when it is not installed yet.
+fn install_packages(packages: &[&str]) -> Result<()> {
+    let missing: Vec<&str> = packages
+        .iter()
+        .copied()
+        .filter(|p| output(Command::new("dpkg-query").args(["-W", "-f=${Status}", p])).is_none_or(|s| !s.contains("ok installed")))
+        .collect();
+    if !missing.is_empty() {
+        eprintln!("xtask: installing {} (Debian packages)", missing.join(" "));
+        run(Command::new("apt-get").args(["install", "-y", "-qq"]).args(&missing).env("DEBIAN_FRONTEND", "noninteractive"))?;
+    }
+    Ok(())
+}
+
 fn build() -> Result<()> {
     setup()?;
     run(Command::new("cargo").current_dir(root()).args(["build", "--quiet", "--release"]))
@@ -140,6 +155,8 @@ fn test() -> Result<()> {
     } else {
         install_test_tools()?;
     }
+    // The package the install test puts on a copy of this machine's root.
+    let package = if as_root { Some(dist::dist(None)?) } else { None };
     // The team's habits, enforced: formatted as rustfmt.toml says, and clippy-clean.
     run(Command::new("cargo").current_dir(root()).args(["fmt", "--all", "--check"])).map_err(|e| format!("{e}: run `cargo fmt --all`"))?;
     run(Command::new("cargo").current_dir(root()).args(["clippy", "--quiet", "--release", "--all-targets", "--", "-D", "warnings"]))?;
@@ -161,6 +178,7 @@ fn test() -> Result<()> {
         .current_dir(root())
         .args(["test", "--release"])
         .env("GPUTRACE_BIN", bin("gputrace"))
+        .envs(package.map(|deb| ("GPUTRACE_DEB", deb)))
         // One at a time: the end-to-end tests share the kernel's tracepoints. As root, the
         // root-only tests (ignored otherwise, so a skip always shows) run too.
         .args(["--", "--test-threads=1"])
@@ -527,8 +545,9 @@ fn main() -> ExitCode {
             Some(Ok(seconds)) => fuzz(seconds),
             Some(Err(_)) => Err("usage: cargo xtask fuzz [SECONDS per target]".into()),
         },
+        Some("dist") => dist::dist(args.get(1).map(String::as_str)).map(|_| ()),
         Some("vm") => vm::vm(args.get(1).map_or("arm64", String::as_str)),
-        _ => Err("usage: cargo xtask setup | build | test | demo [SCENARIO [vllm|llama]] | bench | fuzz [SECONDS] | vm [arm64|x86]".into()),
+        _ => Err("usage: cargo xtask setup | build | test | demo [SCENARIO [vllm|llama]] | bench | fuzz [SECONDS] | vm [arm64|x86] | dist [amd64|arm64]".into()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -61,16 +61,7 @@ fn sh(script: &str) -> Result<()> {
 
 /// Host tools, the Rust target, the guest kernel and busybox: each only when missing.
 fn install(guest: &Guest, cache: &Path) -> Result<()> {
-    let missing: Vec<&str> = guest
-        .host_packages
-        .iter()
-        .copied()
-        .filter(|p| output(Command::new("dpkg-query").args(["-W", "-f=${Status}", p])).is_none_or(|s| !s.contains("ok installed")))
-        .collect();
-    if !missing.is_empty() {
-        eprintln!("xtask: installing {} (Debian packages)", missing.join(" "));
-        run(Command::new("apt-get").args(["install", "-y", "-qq"]).args(&missing).env("DEBIAN_FRONTEND", "noninteractive"))?;
-    }
+    crate::install_packages(guest.host_packages)?;
     let installed = output(Command::new("rustup").args(["target", "list", "--installed"])).unwrap_or_default();
     if !installed.lines().any(|t| t == guest.rust_target) {
         run(Command::new("rustup").args(["target", "add", guest.rust_target]))?;
