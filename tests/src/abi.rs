@@ -84,6 +84,8 @@ pub mod class {
     pub const MEMORY_VIRTUAL: u32 = 0x70;
     pub const OS_DESCRIPTOR: u32 = 0x71;
     pub const NV50_MEMORY_VIRTUAL: u32 = 0x50a0;
+    /// NV_MEMORY_FABRIC: 48-byte params, allocSize@8, allocFlags@24 (bit 0 FLEXIBLE), map.hVidMem@40.
+    pub const MEMORY_FABRIC: u32 = 0xf8;
     pub const VASPACE: u32 = 0x90f1;
     pub const CHANNEL_GROUP: u32 = 0xa06c;
 }

@@ -231,6 +231,43 @@ impl Gpu {
         Ok(get32(&p, 8))
     }
 
+    /// RM_CONTROL on the client (NVOS54), its params behind the pointer.
+    fn control(&self, cmd: u32, params: &mut [u8]) -> Result<(), Status> {
+        let mut p = [0u8; 32];
+        put32(&mut p, 0, self.client);
+        put32(&mut p, 4, self.client);
+        put32(&mut p, 8, cmd);
+        put64(&mut p, 16, params.as_mut_ptr() as u64);
+        put32(&mut p, 24, params.len() as u32);
+        ioctl(&self.ctl, rm_cmd(esc::RM_CONTROL, 32), p.as_mut_ptr())?;
+        check(get32(&p, 28))
+    }
+
+    /// cuMemExportToShareableHandle (POSIX fd): a fresh nvidiactl file that the driver makes hold
+    /// the memory (EXPORT_OBJECT_TO_FD); it lives until that file's last close.
+    pub fn export(&self, buffer: &Buffer) -> Result<File, Status> {
+        let share = open("/dev/nvidiactl").map_err(|_| IOCTL_FAILED)?;
+        let mut p = [0u8; 24];
+        put32(&mut p, 0, 1);
+        put32(&mut p, 4, self.device);
+        put32(&mut p, 8, self.device);
+        put32(&mut p, 12, buffer.handle);
+        put32(&mut p, 16, share.as_raw_fd() as u32);
+        self.control(0x3d05, &mut p)?;
+        Ok(share)
+    }
+
+    /// cuMemImportFromShareableHandle: a handle in this context to what `share` holds.
+    pub fn import(&self, share: &File) -> Result<u32, Status> {
+        let mut p = [0u8; 20];
+        put32(&mut p, 0, share.as_raw_fd() as u32);
+        put32(&mut p, 4, 1);
+        put32(&mut p, 8, self.device);
+        put32(&mut p, 12, self.device);
+        self.control(0x3d06, &mut p)?;
+        Ok(get32(&p, 16))
+    }
+
     /// RM_FREE of one handle, directly or wrapped in NV_ESC_IOCTL_XFER_CMD.
     pub fn free_handle(&self, handle: u32, wrapped: bool) -> Result<(), Status> {
         let mut p = [0u8; 16];

@@ -46,6 +46,8 @@ struct Memory {
     kind: Kind,
     bytes: u64,
     handles: u32,
+    /// A sticky fabric object's: the memory it dup'ed (mem_fabric.c), let go when it goes.
+    holds: Option<u64>,
 }
 
 struct Object {
@@ -72,6 +74,9 @@ struct OpenFile {
     /// RM memory mapped into this file's ranges: (base of the mapping, memory id). Each holds a
     /// reference, as uvm_map_external.c's duplicate of the memory object does.
     maps: Vec<(u64, u64)>,
+    /// The memory an object exported to this nvidiactl file refers to: a reference held by the
+    /// kernel's client of the file until its release (rmobjexportimport.c).
+    export: Option<u64>,
 }
 
 pub struct Config {
@@ -261,7 +266,7 @@ impl Driver {
         let id = self.next_memory;
         self.next_memory += 1;
         let pid = self.tgid(caller.tid);
-        self.memory.insert(id, Memory { pid, gpu: on, client, object, kind, bytes, handles: 1 });
+        self.memory.insert(id, Memory { pid, gpu: on, client, object, kind, bytes, handles: 1, holds: None });
         let _ = self.write_state();
         Ok(id)
     }
@@ -276,6 +281,9 @@ impl Driver {
         self.account(m.kind, m.gpu.unwrap_or(0), -i128::from(m.bytes));
         self.record(caller, DriverOp::Free { client: m.client, object: m.object, kind: m.kind.name(), bytes: m.bytes, how: how.into() });
         let _ = self.write_state();
+        if let Some(held) = m.holds {
+            self.drop_handle(caller, held, how);
+        }
     }
 
     fn free_client(&mut self, caller: Caller, client: u32, how: &str) {
@@ -338,6 +346,7 @@ impl Driver {
                 }
             }
             class::CHANNEL_GROUP => 20,
+            class::MEMORY_FABRIC => 48,
             _ => 0,
         }
     }
@@ -382,14 +391,26 @@ impl Driver {
         let kind = match hclass {
             class::LOCAL_USER => Some(Kind::Video),
             class::SYSTEM => Some(Kind::System),
-            class::NV50_MEMORY_VIRTUAL => Some(Kind::Virtual),
+            class::NV50_MEMORY_VIRTUAL | class::MEMORY_FABRIC => Some(Kind::Virtual),
             _ => None,
         };
+        // A fabric object made over memory of this client, not FLEXIBLE, dups that memory.
+        let held = if hclass == class::MEMORY_FABRIC && get32(&class_params, 24) & 1 == 0 && get32(&class_params, 40) != 0 {
+            let object = self.clients.get(&root).and_then(|c| c.objects.get(&get32(&class_params, 40)));
+            Some(object.and_then(|o| o.memory).ok_or(status::INVALID_OBJECT_HANDLE)?)
+        } else {
+            None
+        };
+        let size = if hclass == class::MEMORY_FABRIC { get64(&class_params, 8) } else { get64(&class_params, 64) };
         let gpu = self.gpu_under(root, parent);
         let memory = match kind {
-            Some(kind) => Some(self.take(caller, (root, new, hclass), kind, gpu, get64(&class_params, 64), "rm_alloc")?),
+            Some(kind) => Some(self.take(caller, (root, new, hclass), kind, gpu, size, "rm_alloc")?),
             None => None,
         };
+        if let (Some(fabric), Some(held)) = (memory, held) {
+            self.memory.get_mut(&held).expect("a live object's memory").handles += 1;
+            self.memory.get_mut(&fabric).expect("just taken").holds = Some(held);
+        }
         self.insert_object(root, new, parent, memory, device);
         Ok(())
     }
@@ -504,7 +525,10 @@ impl Driver {
             (esc::RM_FREE, 16) if on_ctl => self.rm_free(caller, p),
             (esc::RM_VID_HEAP_CONTROL, 184) if on_ctl => self.vid_heap(caller, p),
             (esc::RM_DUP_OBJECT, 28) if on_ctl => self.dup(p),
-            (esc::RM_CONTROL, 32) if on_ctl => put32(p, 28, status::OK),
+            (esc::RM_CONTROL, 32) if on_ctl => {
+                let status = self.control(caller, fh, p).err().unwrap_or(status::OK);
+                put32(p, 28, status);
+            }
             (esc::RM_ALLOC_MEMORY, 56) if inode >= GPU_INODES => self.alloc_memory(caller, p),
             (esc::REGISTER_FD, 4) if inode >= GPU_INODES => self.register_fd(caller, fh),
             (esc::REGISTER_FD, 4) => {}
@@ -516,6 +540,51 @@ impl Driver {
             }
             _ => return Err(EINVAL),
         }
+        Ok(())
+    }
+
+    /// RM_CONTROL: object export to a file and import from it; every other control succeeds and
+    /// does nothing. FUSE does not say which open file a fd number in the params is, so the
+    /// fake takes the export's file to be the caller's newest nvidiactl file other than the one
+    /// the control came on (the workloads open it just before), and the import's to be the one
+    /// file that holds an export; anything ambiguous is refused, never guessed.
+    fn control(&mut self, caller: Caller, fh: u64, p: &[u8]) -> Result<(), u32> {
+        const EXPORT: u32 = 0x3d05;
+        const IMPORT: u32 = 0x3d06;
+        let (client, cmd, ptr) = (get32(p, 0), get32(p, 8), get64(p, 16));
+        let size = match cmd {
+            EXPORT => 24,
+            IMPORT => 20,
+            _ => return Ok(()),
+        };
+        let mut params = read_mem(caller.tid, ptr, size).ok_or(status::INVALID_ARGUMENT)?;
+        if cmd == EXPORT {
+            let object = get32(&params, 12);
+            let memory = self.clients.get(&client).ok_or(status::INVALID_CLIENT)?.objects.get(&object);
+            let id = memory.ok_or(status::INVALID_OBJECT_HANDLE)?.memory.ok_or(status::INVALID_ARGUMENT)?;
+            let tgid = self.tgid(caller.tid);
+            let file = self.files.iter().filter(|(h, f)| **h != fh && f.inode == CTL_INODE && f.opener == tgid).map(|(h, _)| *h).max();
+            let file = self.files.get_mut(&file.ok_or(status::INVALID_ARGUMENT)?).expect("found above");
+            if file.export.is_some() {
+                return Err(status::INVALID_ARGUMENT);
+            }
+            file.export = Some(id);
+            self.memory.get_mut(&id).expect("a live object's memory").handles += 1;
+            return Ok(());
+        }
+        let (parent, mut object) = (get32(&params, 12), get32(&params, 16));
+        self.parent_ok(client, parent)?;
+        let mut held = self.files.values().filter_map(|f| f.export);
+        let (Some(id), None) = (held.next(), held.next()) else { return Err(status::INVALID_ARGUMENT) };
+        if object == 0 {
+            object = self.new_object_handle();
+            put32(&mut params, 16, object);
+            if !write_mem(caller.tid, ptr, &params) {
+                return Err(status::INVALID_ARGUMENT);
+            }
+        }
+        self.memory.get_mut(&id).expect("an exported object's memory").handles += 1;
+        self.insert_object(client, object, parent, Some(id), None);
         Ok(())
     }
 
@@ -651,7 +720,10 @@ impl Files for Driver {
         let fh = self.next_fh;
         self.next_fh += 1;
         let opener = self.tgid(caller.tid);
-        self.files.insert(fh, OpenFile { inode, opener, registered_ctl: None, uvm_ready: false, ranges: HashMap::new(), maps: Vec::new() });
+        self.files.insert(
+            fh,
+            OpenFile { inode, opener, registered_ctl: None, uvm_ready: false, ranges: HashMap::new(), maps: Vec::new(), export: None },
+        );
         self.open_files.fetch_add(1, Ordering::SeqCst);
         self.record(caller, DriverOp::Open { device: device_name(inode), handle: fh });
         fh
@@ -698,7 +770,8 @@ impl Files for Driver {
                 self.free_clients_of(caller, ctl);
             }
         }
-        let mut ids: Vec<u64> = file.ranges.values().filter_map(|(_, m)| *m).chain(file.maps.iter().map(|(_, id)| *id)).collect();
+        let mut ids: Vec<u64> =
+            file.ranges.values().filter_map(|(_, m)| *m).chain(file.maps.iter().map(|(_, id)| *id)).chain(file.export).collect();
         ids.sort();
         for id in ids {
             self.drop_handle(caller, id, "release");
@@ -895,6 +968,66 @@ mod tests {
             })
             .collect();
         assert_eq!(gpus, vec![Some(1), Some(0), Some(1)], "the log says which GPU each allocation asked of");
+    }
+
+    /// A sticky fabric object holds the memory it is made over: freeing the memory's handle
+    /// leaves it allocated until the fabric object is freed; a FLEXIBLE one holds nothing.
+    #[test]
+    fn a_sticky_fabric_object_keeps_its_memory() {
+        let mut rig = Rig::new("580.95.05", 8 * GIB);
+        let client = rig.client();
+        let (device, _) = rig.alloc(client, client, class::DEVICE, 0);
+        for flexible in [false, true] {
+            let (memory, _) = rig.alloc(client, device, class::LOCAL_USER, GIB);
+            let mut params = [0u8; 48];
+            put64(&mut params, 8, 2 << 20);
+            put32(&mut params, 24, u32::from(flexible));
+            put32(&mut params, 40, memory);
+            let (fabric, status) = rig.alloc_with(client, device, class::MEMORY_FABRIC, &mut params);
+            assert_eq!(status, status::OK);
+            assert_eq!(rig.free(client, memory), status::OK);
+            assert_eq!(rig.driver.video_used[0], if flexible { 0 } else { GIB }, "flexible={flexible}");
+            assert_eq!(rig.free(client, fabric), status::OK);
+            assert_eq!(rig.driver.video_used[0], 0, "gone with the fabric object");
+        }
+    }
+
+    /// An object exported to a file is held by that file: freeing every handle (the original
+    /// and an import's) leaves the memory until the export file is released.
+    #[test]
+    fn an_exported_object_lives_until_its_file_is_released() {
+        let mut rig = Rig::new("580.95.05", 8 * GIB);
+        let client = rig.client();
+        let (device, _) = rig.alloc(client, client, class::DEVICE, 0);
+        let (memory, _) = rig.alloc(client, device, class::LOCAL_USER, GIB);
+        let share = rig.driver.open(me(), CTL_INODE);
+        let control = |rig: &mut Rig, cmd: u32, params: &mut [u8]| {
+            let mut p = vec![0u8; 32];
+            put32(&mut p, 0, client);
+            put32(&mut p, 4, client);
+            put32(&mut p, 8, cmd);
+            put64(&mut p, 16, params.as_mut_ptr() as u64);
+            put32(&mut p, 24, params.len() as u32);
+            assert_eq!(rig.rm(rig.ctl, esc::RM_CONTROL, &mut p), 0);
+            get32(&p, 28)
+        };
+        let mut export = [0u8; 24];
+        put32(&mut export, 0, 1);
+        put32(&mut export, 12, memory);
+        assert_eq!(control(&mut rig, 0x3d05, &mut export), status::OK);
+        assert_eq!(control(&mut rig, 0x3d05, &mut export), status::INVALID_ARGUMENT, "a file holds one export");
+        let mut import = [0u8; 20];
+        put32(&mut import, 4, 1);
+        put32(&mut import, 12, device);
+        assert_eq!(control(&mut rig, 0x3d06, &mut import), status::OK);
+        let imported = get32(&import, 16);
+        assert_ne!(imported, 0, "the new handle is written back");
+        assert_eq!(rig.free(client, memory), status::OK);
+        assert_eq!(rig.free(client, imported), status::OK);
+        assert_eq!(rig.driver.video_used[0], GIB, "the export file still holds it");
+        rig.driver.release(me(), share);
+        assert_eq!(rig.driver.video_used[0], 0, "gone with the export file");
+        assert!(rig.frees().contains(&(memory, "release".into())));
     }
 
     /// A UVM mapping holds the memory it maps: RM_FREE of the handle leaves it allocated until

@@ -383,6 +383,38 @@ fn memory_released_while_mapped_lives_until_unmapped() {
     std::fs::remove_dir_all(&run.dir).ok();
 }
 
+/// CUDA IPC through a file descriptor: the exporter frees its handle and exits, the importer
+/// frees its own handle, and the memory lives on until the importer closes the export file it
+/// received over a socket, as the driver's does (freed with that file's release).
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn memory_exported_to_a_file_lives_until_the_files_last_close() {
+    let _root = as_root();
+    let run = record_then_wait("ipc", "580.95.05", &["ipc", "--ms", "300"], Some("1.2"));
+    assert_eq!(run.status, 0, "{}", run.stderr);
+    let (records, model) = run.trace();
+    let driver = run.driver();
+    assert_eq!(traced_allocs(&records), driver_allocs(&driver));
+    let shared = model.allocations.iter().find(|a| a.bytes == 3 << 30).expect("the 3 GiB exported");
+    let imported = records.iter().any(|r| r.pid != shared.pid && matches!(r.event, Event::ImportObject { status: 0, .. }));
+    assert!(imported, "the importer's RM_CONTROL is recorded");
+    let exported = records.iter().any(|r| r.pid == shared.pid && matches!(r.event, Event::ExportObject { status: 0, .. }));
+    assert!(exported, "the exporter's RM_CONTROL is recorded");
+    let importer: Vec<serde_json::Value> = read_lines(&run.dir.join("workload.jsonl.receiver")).unwrap();
+    let at =
+        |op: &str| importer.iter().find(|w| w["op"] == op).unwrap_or_else(|| panic!("no {op} in {importer:?}"))["ts"].as_u64().unwrap();
+    let (freed_at, how) = shared.freed.expect("freed when the export file went");
+    assert_eq!(how, FreedBy::FileRelease);
+    assert!(
+        freed_at > at("free_import") && freed_at >= at("close_share").saturating_sub(50_000_000),
+        "freed at the close of the export file ({} ms after the importer freed its handle), not at a handle's free",
+        (freed_at - at("free_import")) / 1_000_000
+    );
+    assert!(model.processes[&shared.pid].exited.unwrap() < at("free_import"), "the exporter was gone long before");
+    check_frees_match(&model, &driver);
+    std::fs::remove_dir_all(&run.dir).ok();
+}
+
 /// A cgroup as a container runtime names it (`docker-<64 hex>.scope`), in the pids hierarchy of
 /// cgroup v1 or in cgroup v2; returns its cgroup.procs.
 fn container_cgroup(id: &str) -> std::path::PathBuf {

@@ -451,6 +451,7 @@ fn escape_sequences_in_a_trace_never_reach_the_terminal() {
         class: 0x40,
         base: None,
         errno: None,
+        holds: None,
     };
     w.write(&record(2, Event::Alloc(failed))).unwrap();
     w.flush().unwrap();

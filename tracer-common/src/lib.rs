@@ -145,6 +145,9 @@ pub struct IoctlRecord {
     /// The `struct file *` behind the fd, for a QUESTION only (0 when unknown): names the open
     /// file description while the fd may already be gone when userspace looks.
     pub file: u64,
+    /// For an export or import of an object, the `struct file *` behind the fd its params name
+    /// (0 otherwise): a fd received over a socket is known by it though no ioctl comes on it.
+    pub named_file: u64,
     pub device: u8,
     pub flags: u8,
     pub _pad: [u8; 2],
@@ -244,13 +247,38 @@ pub const fn rm_cmd(nr: u32, size: u32) -> u32 {
 pub mod escape {
     pub const RM_ALLOC_MEMORY: u32 = 0x27;
     pub const RM_FREE: u32 = 0x29;
+    /// Followed only for the controls in [`super::control`]; the kernel side drops the rest.
+    pub const RM_CONTROL: u32 = 0x2a;
     pub const RM_ALLOC: u32 = 0x2b;
     pub const RM_DUP_OBJECT: u32 = 0x34;
     pub const RM_VID_HEAP_CONTROL: u32 = 0x4a;
     pub const REGISTER_FD: u32 = 0xc9;
     pub const IOCTL_XFER_CMD: u32 = 0xd3;
     /// The RM escapes whose params gputrace decodes (XFER only wraps one of them).
-    pub const FOLLOWED: [u32; 6] = [RM_ALLOC_MEMORY, RM_FREE, RM_ALLOC, RM_DUP_OBJECT, RM_VID_HEAP_CONTROL, REGISTER_FD];
+    pub const FOLLOWED: [u32; 7] = [RM_ALLOC_MEMORY, RM_FREE, RM_CONTROL, RM_ALLOC, RM_DUP_OBJECT, RM_VID_HEAP_CONTROL, REGISTER_FD];
+}
+
+/// The RM controls (NVOS54's cmd) that move memory's lifetime: an object exported to a file
+/// descriptor is held by that file until its last close; an import is one more handle to it
+/// (`rmobjexportimport.c`, `os.c`). Every other control is dropped in the kernel.
+pub mod control {
+    /// NVOS54: hClient@0 hObject@4 cmd@8 params@16 paramsSize@24 status@28.
+    pub const CMD: usize = 8;
+    pub const PARAMS: usize = 16;
+    /// NV0000_CTRL_CMD_OS_UNIX_EXPORT_OBJECT_TO_FD: type@0 hDevice@4 hParent@8 hObject@12 fd@16 flags@20.
+    pub const EXPORT_OBJECT_TO_FD: u32 = 0x3d05;
+    /// NV0000_CTRL_CMD_OS_UNIX_IMPORT_OBJECT_FROM_FD: fd@0 type@4 hDevice@8 hParent@12 hObject@16 (written back).
+    pub const IMPORT_OBJECT_FROM_FD: u32 = 0x3d06;
+}
+
+/// The params size of a followed control, copied from behind NVOS54's params pointer.
+#[inline(always)]
+pub const fn control_params_size(cmd: u32) -> Option<u32> {
+    match cmd {
+        control::EXPORT_OBJECT_TO_FD => Some(24),
+        control::IMPORT_OBJECT_FROM_FD => Some(20),
+        _ => None,
+    }
 }
 
 /// The params size of each followed RM escape: the one table both the kernel's filter
@@ -261,6 +289,7 @@ pub const fn rm_params_size(nr: u32) -> Option<u32> {
     match nr {
         escape::RM_ALLOC_MEMORY => Some(56),
         escape::RM_FREE => Some(16),
+        escape::RM_CONTROL => Some(32),
         escape::RM_ALLOC => Some(32),
         escape::RM_DUP_OBJECT => Some(28),
         escape::RM_VID_HEAP_CONTROL => Some(184),
@@ -350,8 +379,10 @@ mod tests {
     fn only_traced_escapes_look_like_nvidia() {
         assert!(rm_command_traced(0xc030462b));
         assert!(rm_command_traced(0xc01046d3));
-        // RM_CONTROL is not memory-relevant; a wrong size is rejected by the driver itself.
-        assert!(!rm_command_traced(0xc020462a));
+        // RM_CONTROL looks like NVIDIA (its controls are told apart in the kernel by NVOS54's cmd);
+        // a wrong size is rejected by the driver itself.
+        assert!(rm_command_traced(0xc020462a));
+        assert!(!rm_command_traced(rm_cmd(escape::RM_CONTROL, 24)));
         assert!(!rm_command_traced(rm_cmd(escape::RM_FREE, 24)));
         // TCGETS
         assert!(!rm_command_traced(0x5401));

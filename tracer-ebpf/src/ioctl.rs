@@ -30,6 +30,11 @@ pub fn ioctl_enter(ctx: TracePointContext) -> u32 {
     let tgid = (pid_tgid >> 32) as u32;
     let fd = sys_arg(&ctx, 0);
     let cmd = sys_arg(&ctx, 1) as u32;
+    // RM_CONTROL is the commonest escape: only the exports and imports of objects go on, told
+    // by NVOS54's cmd before anything else is looked up.
+    if cmd == RM_CONTROL_CMD && !control_followed(sys_arg(&ctx, 2)) {
+        return 0;
+    }
     let key = FdKey { tgid, fd: fd as u32 };
     let looks_nvidia = |cmd: u32| rm_command_traced(cmd) || uvm_command_traced(cmd);
     let (state, flags) = match unsafe { FDS.get(&key) } {
@@ -70,6 +75,15 @@ pub fn ioctl_enter(ctx: TracePointContext) -> u32 {
     0
 }
 
+const RM_CONTROL_CMD: u32 = rm_cmd(escape::RM_CONTROL, 32);
+
+/// Whether the NVOS54 at `arg` carries a control gputrace follows (one 4-byte read).
+#[inline(always)]
+fn control_followed(arg: u64) -> bool {
+    let mut cmd = [0u8; 4];
+    read_user(cmd.as_mut_ptr(), 4, arg + control::CMD as u64, 4) && control_params_size(u32::from_ne_bytes(cmd)).is_some()
+}
+
 #[tracepoint]
 pub fn ioctl_exit(ctx: TracePointContext) -> u32 {
     let pid_tgid = bpf_get_current_pid_tgid();
@@ -104,6 +118,7 @@ unsafe fn fill_ioctl(record: &mut IoctlRecord, inflight: &Inflight, ret: i64) ->
     record.params_len = 0;
     record.class_len = 0;
     record.file = inflight.file;
+    record.named_file = 0;
     record.escape_cmd = inflight.cmd;
     let params = record.params.as_mut_ptr();
 
@@ -148,6 +163,26 @@ unsafe fn fill_ioctl(record: &mut IoctlRecord, inflight: &Inflight, ret: i64) ->
     }
     record.params_len = size;
 
+    if nr == escape::RM_CONTROL {
+        // A wrapped control was not filtered at entry. The params follow behind NVOS54's pointer,
+        // read at exit: an import writes its new handle back.
+        let p = &record.params;
+        let cmd = u32::from_ne_bytes([p[8], p[9], p[10], p[11]]);
+        let Some(len) = control_params_size(cmd) else {
+            return false;
+        };
+        let at = control::PARAMS;
+        let ptr = u64::from_ne_bytes([p[at], p[at + 1], p[at + 2], p[at + 3], p[at + 4], p[at + 5], p[at + 6], p[at + 7]]);
+        if read_user(record.class_params.as_mut_ptr(), CLASS_PARAMS_MAX, ptr, len) {
+            record.class_len = len;
+            let c = &record.class_params;
+            let at = if cmd == control::EXPORT_OBJECT_TO_FD { 16 } else { 0 };
+            record.named_file = file_of(u32::from_ne_bytes([c[at], c[at + 1], c[at + 2], c[at + 3]]));
+        } else {
+            record.flags |= ioctl_flag::CLASS_FAULT;
+        }
+        return true;
+    }
     if nr == escape::RM_ALLOC {
         // NVOS21 and NVOS64 share hClass@12 and pAllocParms@16. RM copies the class's own
         // size, not paramsSize, so the size comes from the class table.

@@ -17,9 +17,9 @@ use aya_ebpf::{
     programs::TracePointContext,
 };
 use tracer_common::{
-    device, escape, ioc_nr, ioc_size, ioctl_flag, kind, rm_cmd, rm_command_traced, rm_escape_traced, stat, traced, uvm_command_traced,
-    Config, ExecRecord, FdKey, FdRecord, Header, IoctlRecord, KernelOffsets, OpenRecord, SockRecord, UvmWindow, CLASS_PARAMS_MAX,
-    PARAMS_MAX, PATH_MAX, SOCK_HEAD_MAX, XFER_SIZE,
+    control, control_params_size, device, escape, ioc_nr, ioc_size, ioctl_flag, kind, rm_cmd, rm_command_traced, rm_escape_traced, stat,
+    traced, uvm_command_traced, Config, ExecRecord, FdKey, FdRecord, Header, IoctlRecord, KernelOffsets, OpenRecord, SockRecord, UvmWindow,
+    CLASS_PARAMS_MAX, PARAMS_MAX, PATH_MAX, SOCK_HEAD_MAX, XFER_SIZE,
 };
 
 #[map]

@@ -47,6 +47,7 @@ fn write_trace(path: &Path) {
             class: 0x40,
             base: None,
             errno: None,
+            holds: None,
         })
     };
     let mut written = 4;

@@ -275,6 +275,11 @@ pub mod offsets {
     pub const OS_DESC_LIMIT: usize = 24;
     // NV00F8 (fabric): allocSize@8
     pub const FABRIC_SIZE: usize = 8;
+    /// NV00F8: allocFlags@24 (bit 0 FLEXIBLE_FLA), map.hVidMem@40: a non-flexible one made over
+    /// existing memory dups that memory until it goes.
+    pub const FABRIC_FLAGS: usize = 24;
+    pub const FABRIC_FLEXIBLE: u32 = 1;
+    pub const FABRIC_VIDMEM: usize = 40;
     // NVOS32_ATTR LOCATION, bits 26:25
     pub const ATTR_LOCATION_SHIFT: u32 = 25;
     pub const ATTR_LOCATION_VIDMEM: u32 = 0;

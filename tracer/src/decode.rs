@@ -6,7 +6,8 @@ use std::mem::size_of;
 
 use thiserror::Error;
 use tracer_common::{
-    device, escape, ioc_nr, ioc_size, ioctl_flag, kind, uvm, ExecRecord, FdRecord, Header, IoctlRecord, OpenRecord, SockRecord,
+    control, control_params_size, device, escape, ioc_nr, ioc_size, ioctl_flag, kind, uvm, ExecRecord, FdRecord, Header, IoctlRecord,
+    OpenRecord, SockRecord,
 };
 
 use crate::abi::{class, offsets as o, DriverVersion, Layout};
@@ -34,6 +35,8 @@ pub struct RawIoctl {
     pub flags: u8,
     /// The kernel's `struct file *` for a question (0 when unknown).
     pub file: u64,
+    /// The kernel's `struct file *` behind the fd an export or import names (0 otherwise).
+    pub named_file: u64,
     pub params: Vec<u8>,
     pub class_params: Vec<u8>,
 }
@@ -153,6 +156,7 @@ pub fn parse_record(bytes: &[u8]) -> Result<Raw, DecodeError> {
                 device: device_from_kernel(r.device),
                 flags: r.flags,
                 file: r.file,
+                named_file: r.named_file,
                 params: r.params[..params_len].to_vec(),
                 class_params: r.class_params[..class_len].to_vec(),
             })
@@ -268,6 +272,7 @@ pub fn decode_ioctl(layout: &Layout, raw: &RawIoctl) -> Option<Event> {
             src_object: p.u32(o::DUP_OBJECT_SRC)?,
             status: status_or_errno(raw, p.u32(o::DUP_STATUS)?),
         }),
+        escape::RM_CONTROL => decode_control(raw, &p),
         escape::REGISTER_FD => {
             if raw.ret != 0 {
                 return None;
@@ -275,6 +280,28 @@ pub fn decode_ioctl(layout: &Layout, raw: &RawIoctl) -> Option<Event> {
             Some(Event::RegisterFd { fd: raw.fd, ctl_fd: p.u32(o::REGISTER_FD_CTL)? as i32 })
         }
         _ => Some(undecodable(raw, "not an escape gputrace follows")),
+    }
+}
+
+/// The two controls the kernel side lets through (`tracer_common::control`), their params copied
+/// from behind NVOS54's pointer.
+fn decode_control(raw: &RawIoctl, p: &Fields) -> Option<Event> {
+    let (client, cmd) = (p.u32(0)?, p.u32(control::CMD)?);
+    let status = status_or_errno(raw, p.u32(28)?);
+    let c = Fields(&raw.class_params);
+    let need = control_params_size(cmd).unwrap_or(0) as usize;
+    if raw.class_params.len() < need {
+        let why = if raw.flags & ioctl_flag::CLASS_FAULT != 0 { "reading" } else { "capturing" };
+        return Some(undecodable(raw, format!("RM_CONTROL {cmd:#x}: {why} its params behind NVOS54's pointer failed")));
+    }
+    match cmd {
+        control::EXPORT_OBJECT_TO_FD => {
+            Some(Event::ExportObject { fd: raw.fd, client, object: c.u32(12)?, to_fd: c.u32(16)? as i32, status })
+        }
+        control::IMPORT_OBJECT_FROM_FD => {
+            Some(Event::ImportObject { fd: raw.fd, client, parent: c.u32(12)?, object: c.u32(16)?, from_fd: c.u32(0)? as i32, status })
+        }
+        _ => Some(undecodable(raw, format!("RM_CONTROL {cmd:#x} is not a control gputrace follows"))),
     }
 }
 
@@ -330,6 +357,11 @@ fn decode_rm_alloc(layout: &Layout, raw: &RawIoctl, p: &Fields, size: u32) -> Op
         class::MEMORY_FABRIC => c.u64(o::FABRIC_SIZE),
         _ => None,
     };
+    // A sticky fabric object keeps the memory it maps alive (its dup, in every version).
+    let holds = (hclass == class::MEMORY_FABRIC && c.u32(o::FABRIC_FLAGS).is_some_and(|f| f & o::FABRIC_FLEXIBLE == 0))
+        .then(|| c.u32(o::FABRIC_VIDMEM))
+        .flatten()
+        .filter(|&h| h != 0);
     let Some(bytes) = bytes else {
         let why = if raw.flags & ioctl_flag::CLASS_FAULT != 0 {
             "reading the class params behind pAllocParms failed"
@@ -350,6 +382,7 @@ fn decode_rm_alloc(layout: &Layout, raw: &RawIoctl, p: &Fields, size: u32) -> Op
         class: hclass,
         base: None,
         errno: errno(raw),
+        holds,
     }))
 }
 
@@ -388,6 +421,7 @@ fn decode_vid_heap(layout: &Layout, raw: &RawIoctl, p: &Fields) -> Option<Event>
                 class,
                 base: None,
                 errno: errno(raw),
+                holds: None,
             }))
         }
         o::VID_FUNCTION_FREE => Some(Event::Free { fd: raw.fd, via: Via::VidHeapControl, client, parent, object, status }),
@@ -427,6 +461,7 @@ fn decode_alloc_memory(raw: &RawIoctl, p: &Fields) -> Option<Event> {
         class: hclass,
         base: None,
         errno: errno(raw),
+        holds: None,
     }))
 }
 
@@ -446,6 +481,7 @@ fn decode_uvm(layout: &Layout, raw: &RawIoctl, p: &Fields) -> Option<Event> {
             class: 0,
             base: Some(base),
             errno: errno(raw),
+            holds: None,
         })
     };
     let base = p.u64(o::UVM_BASE)?;

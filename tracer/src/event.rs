@@ -178,6 +178,25 @@ pub enum Event {
         src_object: u32,
         status: u32,
     },
+    /// RM_CONTROL EXPORT_OBJECT_TO_FD: the object is dup'ed into a client the kernel keeps for
+    /// the nvidiactl file behind `to_fd`; its memory lives until that file's last close.
+    ExportObject {
+        fd: i32,
+        client: u32,
+        object: u32,
+        to_fd: i32,
+        status: u32,
+    },
+    /// RM_CONTROL IMPORT_OBJECT_FROM_FD: a new handle in the caller's client to the object the
+    /// file behind `from_fd` holds: a dup, not new memory.
+    ImportObject {
+        fd: i32,
+        client: u32,
+        parent: u32,
+        object: u32,
+        from_fd: i32,
+        status: u32,
+    },
     /// REGISTER_FD: /dev/nvidiaN fd `fd` joined the ctl fd `ctl_fd`.
     RegisterFd {
         fd: i32,
@@ -341,6 +360,10 @@ pub struct Alloc {
     /// ioctl() itself failed with this errno (the driver never looked at the request).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub errno: Option<i32>,
+    /// A sticky fabric object (class 0xf8 not FLEXIBLE, `map.hVidMem` set): the handle, in the
+    /// same client, of the memory it keeps alive until it is freed itself (`mem_fabric.c`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub holds: Option<u32>,
 }
 
 impl Alloc {
@@ -359,6 +382,7 @@ impl Alloc {
             class: 0x40,
             base: None,
             errno: None,
+            holds: None,
         }
     }
 

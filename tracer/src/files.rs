@@ -372,6 +372,17 @@ impl<R: Resolver> FileTable<R> {
         }
     }
 
+    /// A fd that an ioctl's params name (an export's or import's nvidiactl file), known from the
+    /// kernel's `struct file *` when no ioctl comes on it: a fd received over a socket is named
+    /// and joined to its file. None when it is known already.
+    pub fn named(&mut self, pid: u32, fd: i32, device: Device, kernel_file: u64, updates: &mut Vec<KernelUpdate>) -> Option<Event> {
+        if fd < 0 || self.knows_nvidia(pid, fd) {
+            return None;
+        }
+        updates.push(KernelUpdate::SetFd { pid, fd, state: kernel_state(device) });
+        Some(self.found(pid, fd, device, kernel_file))
+    }
+
     /// An NVIDIA fd met without its open: names the open file description it shares, if known,
     /// by the kernel's `struct file *`, else by kcmp against the live fds of known files.
     fn found(&mut self, pid: u32, fd: i32, device: Device, kernel_file: u64) -> Event {

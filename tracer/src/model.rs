@@ -220,6 +220,11 @@ pub struct Model {
     /// /dev/nvidiaN files registered with an nvidiactl file (REGISTER_FD): each holds that file
     /// open until it is released itself.
     registered: HashMap<FileId, FileId>,
+    /// Objects exported to a file (RM_CONTROL EXPORT_OBJECT_TO_FD): a reference on the memory
+    /// held by the kernel's client of that nvidiactl file until its last close. One per file.
+    exports: HashMap<FileId, AllocId>,
+    /// Sticky fabric objects (by their allocation) and the memory each keeps alive until it goes.
+    holds: HashMap<AllocId, AllocId>,
     /// Synthesised file ids for fds first seen by an ioctl with no Open/FdFound before it.
     next_orphan_file: FileId,
     /// Followed connections (by name) and the request open on each.
@@ -249,6 +254,9 @@ impl Model {
         let mut referenced: HashSet<AllocId> = self.clients.values().flat_map(|c| c.objects.values().filter_map(|o| o.alloc)).collect();
         referenced.extend(self.uvm_ranges.values().copied());
         referenced.extend(self.uvm_maps.values().flatten().copied());
+        referenced.extend(self.exports.values().copied());
+        let holders_live = self.holds.iter().filter(|(fabric, _)| self.allocations[**fabric].freed.is_none());
+        referenced.extend(holders_live.map(|(_, held)| *held));
         for (id, a) in self.allocations.iter().enumerate() {
             match (a.freed.is_none(), referenced.contains(&id)) {
                 (true, false) => return Err(format!("allocation {id} ({} B, pid {}) is live with no handle left", a.bytes, a.pid)),
@@ -305,6 +313,19 @@ impl Model {
         self.allocations.iter().filter(|a| a.freed.is_none())
     }
 
+    /// Besides its client's file, the files that keep each allocation alive: those it was
+    /// exported to or is mapped through (a process holding any of them holds the memory).
+    /// Built once, for a report.
+    pub fn other_files_keeping(&self) -> HashMap<AllocId, Vec<FileId>> {
+        let mut keeping: HashMap<AllocId, Vec<FileId>> = HashMap::new();
+        let exported = self.exports.iter().map(|(f, id)| (*id, *f));
+        let mapped = self.uvm_maps.iter().flat_map(|((f, _), ids)| ids.iter().map(|id| (*id, *f)));
+        for (id, file) in exported.chain(mapped) {
+            keeping.entry(id).or_default().push(file);
+        }
+        keeping
+    }
+
     /// Processes holding `file` open now.
     pub fn holders(&self, file: FileId) -> Vec<u32> {
         self.processes.values().filter(|p| p.exited.is_none() && p.fds.values().any(|f| f.file == file)).map(|p| p.pid).collect()
@@ -349,6 +370,8 @@ impl Model {
             Event::Object { status, .. }
             | Event::Free { status, .. }
             | Event::DupObject { status, .. }
+            | Event::ExportObject { status, .. }
+            | Event::ImportObject { status, .. }
             | Event::UvmMap { status, .. }
             | Event::UvmFree { status, .. }
             | Event::UvmUnmap { status, .. }
@@ -360,6 +383,10 @@ impl Model {
             Event::Free { client, object, .. } => self.free_handle(*client, *object, ts),
             Event::DupObject { fd, client, parent, object, src_client, src_object, .. } => {
                 self.on_dup_object(pid, ts, *fd, (*client, *parent, *object), (*src_client, *src_object))
+            }
+            Event::ExportObject { client, object, to_fd, .. } => self.on_export(pid, ts, (*client, *object), *to_fd),
+            Event::ImportObject { fd, client, parent, object, from_fd, .. } => {
+                self.on_import(pid, ts, *fd, (*client, *parent, *object), *from_fd)
             }
             Event::RegisterFd { fd, ctl_fd } => self.on_register_fd(pid, ts, *fd, *ctl_fd),
             Event::UvmMap { fd, base, client, memory, .. } => self.on_uvm_map(pid, ts, *fd, *base, (*client, *memory)),

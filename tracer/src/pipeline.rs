@@ -5,7 +5,7 @@ use tracer_common::ioctl_flag;
 
 use crate::abi::Layout;
 use crate::decode::{decode_ioctl, request_line, response_part, Raw, RawIoctl, RawKind};
-use crate::event::{Event, Record, Seen};
+use crate::event::{Device, Event, Record, Seen};
 use crate::files::{FileTable, KernelUpdate, Resolver};
 
 const O_CLOEXEC: i32 = 0o2000000;
@@ -60,6 +60,14 @@ impl<R: Resolver> Pipeline<R> {
                 let Some(device) = device else { return };
                 let ioctl = RawIoctl { device: Some(device), ..ioctl };
                 if let Some(event) = decode_ioctl(&self.layout, &ioctl) {
+                    // The file an export or import names may be known only by the kernel's word.
+                    let named = match event {
+                        Event::ExportObject { to_fd: fd, status: 0, .. } | Event::ImportObject { from_fd: fd, status: 0, .. } => Some(fd),
+                        _ => None,
+                    };
+                    if let Some(found) = named.and_then(|fd| self.files.named(pid, fd, Device::Ctl, ioctl.named_file, updates)) {
+                        push(pid, found, None);
+                    }
                     let bytes = self.raw.then(|| hex(&ioctl.params, &ioctl.class_params));
                     push(pid, event, bytes);
                 }

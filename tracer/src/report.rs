@@ -307,15 +307,23 @@ fn suspects(header: &Header, model: &Model, services: &Services, idle_ns: u64) -
     let start = model.time_zero(header.monotonic_start_ns);
     let end = model.last_ts;
     let mut out = Vec::new();
-    let mut by_file: BTreeMap<Option<u64>, Vec<&crate::model::Allocation>> = BTreeMap::new();
-    for a in model.live_allocations().filter(|a| a.memory != Memory::Virtual) {
-        by_file.entry(a.file).or_default().push(a);
+    let mut by_file: BTreeMap<Option<u64>, Vec<(usize, &crate::model::Allocation)>> = BTreeMap::new();
+    for (id, a) in model.allocations.iter().enumerate().filter(|(_, a)| a.freed.is_none() && a.memory != Memory::Virtual) {
+        by_file.entry(a.file).or_default().push((id, a));
     }
+    let keeping = model.other_files_keeping();
     for (file, allocs) in by_file {
-        let owner = allocs[0].pid;
-        let bytes = allocs.iter().map(|a| a.bytes).fold(0, u64::saturating_add);
-        let since = allocs.iter().map(|a| a.ts).min().unwrap_or(start);
-        let holders = file.map(|f| model.holders(f)).unwrap_or_default();
+        let owner = allocs[0].1.pid;
+        let bytes = allocs.iter().map(|(_, a)| a.bytes).fold(0, u64::saturating_add);
+        let since = allocs.iter().map(|(_, a)| a.ts).min().unwrap_or(start);
+        // Whoever holds a file that keeps the memory: its client's, or one it was exported to.
+        let others = allocs.iter().filter_map(|(id, _)| keeping.get(id)).flatten().copied();
+        let mut files: Vec<u64> = file.into_iter().chain(others).collect();
+        files.sort_unstable();
+        files.dedup();
+        let mut holders: Vec<u32> = files.into_iter().flat_map(|f| model.holders(f)).collect();
+        holders.sort_unstable();
+        holders.dedup();
         let last_activity = model
             .allocations
             .iter()
@@ -635,6 +643,7 @@ mod tests {
                     class: 0x40,
                     base: None,
                     errno: None,
+                    holds: None,
                 }),
             ),
             rec(15 * minute, Event::Lost { records: 0 }),
@@ -678,5 +687,30 @@ mod tests {
 
         let host_only = Model::from_records(&user(5000, 20));
         assert!(!Report::new(&header(), &host_only, String::new(), 4, Loss::default(), u64::MAX).text().contains("where each ran"));
+    }
+
+    /// Memory its owner exported to a file before exiting is held by whoever holds that file
+    /// now: that process is named as the holder, though it never allocated it.
+    #[test]
+    fn the_holder_of_an_exported_file_holds_the_memory() {
+        let rec = |ts: u64, pid: u32, event| Record { ts, pid, tid: pid, event, raw: None };
+        let (exporter, importer) = (100, 200);
+        let records = vec![
+            rec(1, exporter, Event::Process { ppid: 1, seen: Seen::Running, command: vec!["trainer".into()] }),
+            rec(1, exporter, Event::Open { fd: 3, file: 1, device: Device::Ctl, cloexec: false }),
+            rec(2, exporter, Event::Object { fd: 3, client: 1, parent: 1, object: 1, class: 0x41, status: 0, gpu: None }),
+            rec(3, exporter, Event::Alloc(Alloc::video(1, 1, 2, 8 << 30))),
+            rec(4, exporter, Event::Open { fd: 4, file: 2, device: Device::Ctl, cloexec: false }),
+            rec(5, exporter, Event::ExportObject { fd: 3, client: 1, object: 2, to_fd: 4, status: 0 }),
+            rec(6, importer, Event::Process { ppid: 1, seen: Seen::Running, command: vec!["peer".into()] }),
+            rec(7, importer, Event::FdFound { fd: 9, file: 2, device: Device::Ctl }),
+            rec(8, exporter, Event::Exit { code: Some(0) }),
+        ];
+        let model = Model::from_records(&records);
+        assert_eq!(model.live(Memory::Video), 8 << 30);
+        let report = Report::new(&header(), &model, String::new(), 9, Loss::default(), u64::MAX);
+        let suspect = report.contexts_never_freed.iter().find(|c| c.pid == importer).expect("the export file's holder is a suspect");
+        assert_eq!(suspect.bytes, Some(8 << 30));
+        assert!(suspect.why.contains("owner pid 100 exited") && suspect.why.contains("pid 200"), "{}", suspect.why);
     }
 }

@@ -74,6 +74,7 @@ pub fn decode(data: &[u8]) {
         device,
         flags: rest.get(5).copied().unwrap_or(0),
         file: u64::from(u32_at(rest, 6)),
+        named_file: u64::from(u32_at(rest, 1)),
         params: params[..split].to_vec(),
         class_params: params[split..].to_vec(),
     };

@@ -16,6 +16,10 @@
 //!   memory into UVM, releases its handle while it is mapped (cuMemRelease), waits N ms, then
 //!   unmaps it (cuMemUnmap): only then does the driver free it; the address range it reserved
 //!   goes after (cuMemAddressFree).
+//! - `ipc --ms N`: CUDA IPC through a file descriptor (cuMemExportToShareableHandle): exports
+//!   3 GiB to a fresh nvidiactl file, sends it over a unix socket to a process it starts, which
+//!   imports it; the exporter frees and exits; the importer frees its handle after N ms, and
+//!   only its close of the export file, 100 ms later, frees the memory.
 use std::fs::File;
 use std::io::Write;
 use std::os::fd::AsRawFd;
@@ -221,30 +225,74 @@ fn receive_fds(socket: i32, count: usize, payload: &mut [u8]) -> Result<Vec<i32>
 fn pass_fd(truth: &mut Truth) -> Result<(), String> {
     let mut gpu = Gpu::open(0)?;
     truth.alloc(&mut gpu, Path::RmAlloc, 2 * GIB).ok_or("alloc failed")?;
+    let (socket, mut receiver) = start_peer(&["receive"])?;
+    let mut payload = [0u8; 12];
+    payload[0..4].copy_from_slice(&gpu.client.to_le_bytes());
+    payload[4..8].copy_from_slice(&gpu.device.to_le_bytes());
+    payload[8..12].copy_from_slice(&gpu.version_major().to_le_bytes());
+    send_fds(socket, &[gpu.ctl.as_raw_fd(), gpu.gpu_file.as_raw_fd(), gpu.uvm.as_raw_fd()], &payload)?;
+    let mut ack = [0u8; 1];
+    // SAFETY: read one byte from our end.
+    unsafe { libc::read(socket, ack.as_mut_ptr().cast(), 1) };
+    truth.note("sent", "", 0, receiver.id(), 0);
+    // Exit without waiting: the receiver holds the files now.
+    let _ = receiver.try_wait();
+    Ok(())
+}
+
+/// A socketpair and this program started as `args` with the other end as `--socket N` (and its
+/// own truth file beside ours); returns our end and the child.
+fn start_peer(args: &[&str]) -> Result<(i32, std::process::Child), String> {
     let mut pair = [0; 2];
-    // SAFETY: socketpair fills two fds; ours is close-on-exec, the receiver's end is inherited.
+    // SAFETY: socketpair fills two fds; ours is close-on-exec, the peer's end is inherited.
     if unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0, pair.as_mut_ptr()) } != 0 {
         return Err("socketpair failed".into());
     }
     unsafe { libc::fcntl(pair[1], libc::F_SETFD, 0) };
     let me = std::env::current_exe().map_err(|e| e.to_string())?;
-    let mut args = vec!["receive".to_string(), "--socket".into(), pair[1].to_string()];
+    let mut args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    args.extend(["--socket".into(), pair[1].to_string()]);
     if let Some(path) = std::env::args().skip_while(|a| a != "--truth").nth(1) {
         args.extend(["--truth".into(), format!("{path}.receiver")]);
     }
-    let mut receiver = std::process::Command::new(me).args(&args).spawn().map_err(|e| e.to_string())?;
+    let child = std::process::Command::new(me).args(&args).spawn().map_err(|e| e.to_string())?;
     unsafe { libc::close(pair[1]) };
-    let mut payload = [0u8; 12];
-    payload[0..4].copy_from_slice(&gpu.client.to_le_bytes());
-    payload[4..8].copy_from_slice(&gpu.device.to_le_bytes());
-    payload[8..12].copy_from_slice(&gpu.version_major().to_le_bytes());
-    send_fds(pair[0], &[gpu.ctl.as_raw_fd(), gpu.gpu_file.as_raw_fd(), gpu.uvm.as_raw_fd()], &payload)?;
+    Ok((pair[0], child))
+}
+
+fn ipc(truth: &mut Truth, ms: u64) -> Result<(), String> {
+    let mut gpu = Gpu::open(0)?;
+    let buffer = truth.alloc(&mut gpu, Path::RmAlloc, 3 * GIB).ok_or("alloc failed")?;
+    let share = gpu.export(&buffer).map_err(|s| format!("export: {s:#x}"))?;
+    truth.note("exported", "RmControl", buffer.bytes, buffer.handle, 0);
+    let (socket, importer) = start_peer(&["import", "--ms", &ms.to_string()])?;
+    send_fds(socket, &[share.as_raw_fd()], &[0u8; 12])?;
     let mut ack = [0u8; 1];
-    // SAFETY: read one byte from our end.
-    unsafe { libc::read(pair[0], ack.as_mut_ptr().cast(), 1) };
-    truth.note("sent", "", 0, receiver.id(), 0);
-    // Exit without waiting: the receiver holds the files now.
-    let _ = receiver.try_wait();
+    // SAFETY: read one byte from our end: the importer has its handle.
+    unsafe { libc::read(socket, ack.as_mut_ptr().cast(), 1) };
+    drop(share);
+    gpu.free(&buffer).map_err(|s| format!("free: {s:#x}"))?;
+    truth.note("release_exported", "RmFree", buffer.bytes, buffer.handle, 0);
+    truth.note("sent", "", 0, importer.id(), 0);
+    Ok(())
+}
+
+fn import(truth: &mut Truth, socket: i32, ms: u64) -> Result<(), String> {
+    use std::os::fd::FromRawFd;
+    let gpu = Gpu::open(0)?;
+    let fds = receive_fds(socket, 1, &mut [0u8; 12])?;
+    // SAFETY: the fd just arrived and is ours alone.
+    let share = unsafe { File::from_raw_fd(fds[0]) };
+    let handle = gpu.import(&share).map_err(|s| format!("import: {s:#x}"))?;
+    truth.note("imported", "RmControl", 0, handle, 0);
+    unsafe { libc::write(socket, b"!".as_ptr().cast(), 1) };
+    std::thread::sleep(std::time::Duration::from_millis(ms));
+    gpu.free_handle(handle, false).map_err(|s| format!("free: {s:#x}"))?;
+    truth.note("free_import", "RmFree", 0, handle, 0);
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    drop(share);
+    truth.note("close_share", "", 0, 0, 0);
+    std::thread::sleep(std::time::Duration::from_millis(50));
     Ok(())
 }
 
@@ -274,10 +322,12 @@ fn main() -> ExitCode {
         Some("pass-fd") => pass_fd(&mut truth),
         Some("receive") => receive(&mut truth, value("--socket").and_then(|v| v.parse().ok()).unwrap_or(-1)),
         Some("hold") => hold(&mut truth, value("--ms").and_then(|v| v.parse().ok()).unwrap_or(1000)),
+        Some("ipc") => ipc(&mut truth, value("--ms").and_then(|v| v.parse().ok()).unwrap_or(300)),
+        Some("import") => import(&mut truth, value("--socket").and_then(|v| v.parse().ok()).unwrap_or(-1), value("--ms").and_then(|v| v.parse().ok()).unwrap_or(300)),
         Some("vmm") => vmm(&mut truth, value("--ms").and_then(|v| v.parse().ok()).unwrap_or(300)),
         Some("oom") => oom(&mut truth, value("--bytes").and_then(|v| parse_bytes(&v)).unwrap_or(1 << 40)),
         _ => Err(
-            "usage: fake-workload paths|fork-holder|storm|oom|hold|vmm|pass-fd [--truth FILE] [--hold-ms N] [--count N] [--bytes B] [--ms N]"
+            "usage: fake-workload paths|fork-holder|storm|oom|hold|vmm|pass-fd|ipc [--truth FILE] [--hold-ms N] [--count N] [--bytes B] [--ms N]"
                 .into(),
         ),
     };

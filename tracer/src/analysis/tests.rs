@@ -68,6 +68,7 @@ impl Trace {
             class: 0x40,
             base: None,
             errno: None,
+            holds: None,
         };
         self.at(ts, pid, Event::Alloc(a))
     }

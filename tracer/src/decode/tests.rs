@@ -33,13 +33,25 @@ fn rm(nr: u32, params: Buf, class_params: Vec<u8>) -> RawIoctl {
         device: Some(Device::Ctl),
         flags: 0,
         file: 0,
+        named_file: 0,
         params: params.0,
         class_params,
     }
 }
 
 fn uvm_raw(cmd: u32, params: Buf) -> RawIoctl {
-    RawIoctl { fd: 9, cmd, escape_cmd: cmd, ret: 0, device: Some(Device::Uvm), flags: 0, file: 0, params: params.0, class_params: vec![] }
+    RawIoctl {
+        fd: 9,
+        cmd,
+        escape_cmd: cmd,
+        ret: 0,
+        device: Some(Device::Uvm),
+        flags: 0,
+        file: 0,
+        named_file: 0,
+        params: params.0,
+        class_params: vec![],
+    }
 }
 
 fn memory_params(layout: &Layout, bytes: u64) -> Vec<u8> {
@@ -98,6 +110,22 @@ fn rm_alloc_sizes_every_memory_class() {
         let a = alloc(decode_ioctl(&l, &rm(escape::RM_ALLOC, params, class_params)));
         assert_eq!((a.class, a.memory, a.bytes), (hclass, memory, bytes), "class {hclass:#x}");
     }
+}
+
+/// A fabric object (0xf8) made over existing memory (map.hVidMem@40) holds that memory unless it
+/// is FLEXIBLE (allocFlags@24 bit 0), whose memory is attached later and not held.
+#[test]
+fn a_sticky_fabric_object_names_the_memory_it_holds() {
+    let l = layout(580, 142, 0);
+    let fabric = |flags: u32, vidmem: u32| {
+        let params = Buf::new(48).u32(0, 0xc1d00001).u32(12, 0xf8);
+        alloc(decode_ioctl(&l, &rm(escape::RM_ALLOC, params, Buf::new(48).u64(8, 2 << 20).u32(24, flags).u32(40, vidmem).0)))
+    };
+    assert_eq!(fabric(0, 0xcafe0001).holds, Some(0xcafe0001));
+    assert_eq!(fabric(0b100, 0xcafe0001).holds, Some(0xcafe0001), "CONTIGUOUS is still sticky");
+    assert_eq!(fabric(1, 0xcafe0001).holds, None, "flexible");
+    assert_eq!(fabric(0, 0).holds, None, "made over nothing");
+    assert_eq!((fabric(0, 0xcafe0001).memory, fabric(0, 0xcafe0001).bytes), (Memory::Virtual, 2 << 20));
 }
 
 /// EGM (0x42) is host memory (size in NV_MEMORY_ALLOCATION_PARAMS); multicast fabric (0xfd) is
@@ -231,6 +259,38 @@ fn rm_free_and_dup() {
     );
 }
 
+/// RM_CONTROL's exports and imports of objects, their params behind NVOS54's pointer as the
+/// kernel side copies them; another control, or one whose params were not read, says why.
+#[test]
+fn rm_control_exports_and_imports_objects() {
+    let nvos54 =
+        |cmd: u32, status: u32| Buf::new(32).u32(0, 0xc1d00001).u32(4, 0xc1d00001).u32(8, cmd).u64(16, 0x7000).u32(24, 24).u32(28, status);
+    let l = layout(550, 54, 15);
+    let export = Buf::new(24).u32(0, 1).u32(4, 0xde000001).u32(8, 0xde000001).u32(12, 0xcafe0007).u32(16, 11).0;
+    assert_eq!(
+        decode_ioctl(&l, &rm(escape::RM_CONTROL, nvos54(0x3d05, 0), export.clone())),
+        Some(Event::ExportObject { fd: 7, client: 0xc1d00001, object: 0xcafe0007, to_fd: 11, status: 0 })
+    );
+    assert_eq!(
+        decode_ioctl(&l, &rm(escape::RM_CONTROL, nvos54(0x3d05, 0x1f), export)),
+        Some(Event::ExportObject { fd: 7, client: 0xc1d00001, object: 0xcafe0007, to_fd: 11, status: 0x1f })
+    );
+    let import = Buf::new(20).u32(0, 12).u32(4, 1).u32(8, 0xde000002).u32(12, 0xde000002).u32(16, 0xbeef0003).0;
+    assert_eq!(
+        decode_ioctl(&l, &rm(escape::RM_CONTROL, nvos54(0x3d06, 0), import.clone())),
+        Some(Event::ImportObject { fd: 7, client: 0xc1d00001, parent: 0xde000002, object: 0xbeef0003, from_fd: 12, status: 0 })
+    );
+    let reason = |event: Option<Event>| match event {
+        Some(Event::Undecodable { reason, .. }) => reason,
+        other => panic!("expected undecodable, got {other:?}"),
+    };
+    assert!(reason(decode_ioctl(&l, &rm(escape::RM_CONTROL, nvos54(0x3d06, 0), import[..16].to_vec()))).contains("params behind NVOS54"));
+    let mut faulted = rm(escape::RM_CONTROL, nvos54(0x3d05, 0), vec![]);
+    faulted.flags = ioctl_flag::CLASS_FAULT;
+    assert!(reason(decode_ioctl(&l, &faulted)).starts_with("RM_CONTROL 0x3d05: reading"));
+    assert!(reason(decode_ioctl(&l, &rm(escape::RM_CONTROL, nvos54(0x2080_0101, 0), vec![0; 24]))).contains("not a control"));
+}
+
 #[test]
 fn failed_ioctl_reports_errno_not_the_stale_status() {
     let l = layout(580, 95, 5);
@@ -295,6 +355,7 @@ fn ioctl_record_bytes(escape_cmd: u32, flags: u8, params: &[u8]) -> Vec<u8> {
         params_len: params.len() as u32,
         class_len: 0,
         file: 0,
+        named_file: 0,
         device: device::CTL,
         flags,
         _pad: [0; 2],
@@ -342,7 +403,7 @@ proptest::proptest! {
     /// Any bytes, any command: decoding returns, never panics.
     #[test]
     fn arbitrary_input_never_panics(cmd in proptest::prelude::any::<u32>(), params in proptest::collection::vec(0u8..=255, 0..200), uvm in proptest::bool::ANY) {
-        let raw = RawIoctl { fd: 1, cmd, escape_cmd: cmd, ret: 0, device: Some(if uvm { Device::Uvm } else { Device::Ctl }), flags: 0, file: 0, params: params.clone(), class_params: params.clone() };
+        let raw = RawIoctl { fd: 1, cmd, escape_cmd: cmd, ret: 0, device: Some(if uvm { Device::Uvm } else { Device::Ctl }), flags: 0, file: 0, named_file: 0, params: params.clone(), class_params: params.clone() };
         let _ = decode_ioctl(&layout(580, 95, 5), &raw);
         let _ = parse_record(&params);
     }

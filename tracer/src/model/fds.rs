@@ -185,6 +185,10 @@ impl Model {
         if let Some(ctl) = self.registered.remove(&file) {
             self.drop_file_ref(ctl, ts);
         }
+        // The kernel's client of an export goes with the file (rm_cleanup_file_private).
+        if let Some(id) = self.exports.remove(&file) {
+            self.drop_handle(id, ts, FreedBy::FileRelease);
+        }
         let clients: Vec<u32> = self.clients.iter().filter(|(_, c)| c.file == Some(file)).map(|(h, _)| *h).collect();
         for client in clients {
             self.free_client(client, ts, FreedBy::FileRelease);

@@ -1,4 +1,5 @@
-//! Any bytes as a sequence of records that exercise the model: allocations, frees, dups, closes,
+//! Any bytes as a sequence of records that exercise the model: allocations, frees, dups, exports
+//! and imports through files, sticky fabric objects, closes,
 //! forks and exits over a few pids, fds, files, clients and handles, so that they collide the
 //! way real ones do. The input of the model's fuzz target and of its property tests, which hold
 //! the model to [`Model::check_books`](super::Model::check_books).
@@ -49,7 +50,7 @@ pub fn records(data: &[u8]) -> Vec<Record> {
         let handle = |b: &mut Bytes, client: u32| if b.one_in(5) { client } else { 0x100 + b.pick(8) };
         // Mostly forward in time; sometimes backwards, as a damaged or hostile trace may be.
         ts = if op & 0x80 != 0 && op & 0x40 != 0 { ts.saturating_sub(u64::from(b.u8())) } else { ts + u64::from(b.u8()) };
-        let event = match op % 19 {
+        let event = match op % 22 {
             0 => Event::Process {
                 ppid: 1 + b.pick(4),
                 seen: if b.one_in(2) { Seen::Forked } else { Seen::Running },
@@ -87,6 +88,7 @@ pub fn records(data: &[u8]) -> Vec<Record> {
                     class: 0x40,
                     base: None,
                     errno: None,
+                    holds: None,
                 })
             }
             11 => {
@@ -119,6 +121,7 @@ pub fn records(data: &[u8]) -> Vec<Record> {
                     class: 0,
                     base: Some(base),
                     errno: None,
+                    holds: None,
                 })
             }
             14 => Event::UvmFree { fd, base: u64::from(b.pick(4)) << 21, status: 0 },
@@ -127,6 +130,22 @@ pub fn records(data: &[u8]) -> Vec<Record> {
                 Event::UvmMap { fd, base, length: 1 << 20, offset: 0, client, memory: 0x100 + b.pick(8), status: 0 }
             }
             16 => Event::RegisterFd { fd, ctl_fd: 3 + b.pick(4) as i32 },
+            18 => Event::ExportObject { fd, client, object: 0x100 + b.pick(8), to_fd: 3 + b.pick(4) as i32, status: 0 },
+            19 => {
+                let (parent, object) = (handle(&mut b, client), 0x100 + b.pick(8));
+                Event::ImportObject { fd, client, parent, object, from_fd: 3 + b.pick(4) as i32, status: 0 }
+            }
+            20 => {
+                // A sticky fabric object over one of the client's handles.
+                let (parent, object, held) = (handle(&mut b, client), 0x100 + b.pick(8), 0x100 + b.pick(8));
+                Event::Alloc(Alloc {
+                    fd,
+                    class: 0xf8,
+                    memory: Memory::Virtual,
+                    holds: Some(held),
+                    ..Alloc::video(client, parent, object, b.size())
+                })
+            }
             17 => Event::UvmUnmap { fd, base: u64::from(b.pick(4)) << 21, length: u64::from(b.pick(3)) << 20, status: 0 },
             _ => Event::Lost { records: b.size() },
         };

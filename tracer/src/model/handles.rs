@@ -100,6 +100,34 @@ impl Model {
         self.insert_object(client, pid, fd, ts, object, Object { parent, alloc, gpu, class });
     }
 
+    /// EXPORT_OBJECT_TO_FD: RM dups the object into a client of its own, kept by the nvidiactl
+    /// file behind `to_fd` (`rmobjexportimport.c`): its memory outlives every RM_FREE of the
+    /// caller's handles until that file's last close, in whichever process holds it then. A file
+    /// holds one export; a second replaces the first.
+    pub(super) fn on_export(&mut self, pid: u32, ts: u64, (client, object): (u32, u32), to_fd: i32) {
+        let Some(file) = self.file_of(pid, to_fd, ts) else { return };
+        let alloc = self.clients.get(&client).and_then(|c| c.objects.get(&object)).and_then(|o| o.alloc);
+        if let Some(old) = self.exports.remove(&file) {
+            self.drop_handle(old, ts, FreedBy::Unseen);
+        }
+        if let Some(id) = alloc {
+            *self.handle_refs.entry(id).or_default() += 1;
+            self.exports.insert(file, id);
+        }
+    }
+
+    /// IMPORT_OBJECT_FROM_FD: a handle in the caller's client to what the file behind `from_fd`
+    /// holds, as a dup is.
+    pub(super) fn on_import(&mut self, pid: u32, ts: u64, fd: i32, (client, parent, object): (u32, u32, u32), from_fd: i32) {
+        let alloc = self.file_of(pid, from_fd, ts).and_then(|file| self.exports.get(&file).copied());
+        if let Some(id) = alloc {
+            *self.handle_refs.entry(id).or_default() += 1;
+        }
+        let class = alloc.map_or(UNKNOWN_CLASS, |id| self.allocations[id].class);
+        let gpu = alloc.and_then(|id| self.allocations[id].gpu).or_else(|| self.gpu_of(client, parent));
+        self.insert_object(client, pid, fd, ts, object, Object { parent, alloc, gpu, class });
+    }
+
     /// UVM_MAP_EXTERNAL_ALLOCATION: the mapping duplicates the RM memory object and keeps it
     /// until the range is destroyed (uvm_map_external.c), whatever RM_FREE does meanwhile.
     pub(super) fn on_uvm_map(&mut self, pid: u32, ts: u64, fd: i32, base: u64, (client, memory): (u32, u32)) {
@@ -187,6 +215,12 @@ impl Model {
         });
         self.process(pid, ts).usage.add(a.memory, a.bytes);
         self.handle_refs.insert(id, 1);
+        // A sticky fabric object dups the memory it is made over until it goes itself.
+        let held = a.holds.and_then(|h| self.clients.get(&a.client)?.objects.get(&h)?.alloc);
+        if let Some(held) = held {
+            *self.handle_refs.entry(held).or_default() += 1;
+            self.holds.insert(id, held);
+        }
         match (a.base, file) {
             (Some(base), Some(file)) => {
                 if let Some(old) = self.uvm_ranges.insert((file, base), id) {
@@ -236,7 +270,7 @@ impl Model {
         }
     }
 
-    fn drop_handle(&mut self, id: AllocId, ts: u64, how: FreedBy) {
+    pub(super) fn drop_handle(&mut self, id: AllocId, ts: u64, how: FreedBy) {
         let refs = self.handle_refs.entry(id).or_insert(1);
         *refs = refs.saturating_sub(1);
         if *refs == 0 {
@@ -254,6 +288,9 @@ impl Model {
         let (pid, memory, bytes) = (a.pid, a.memory, a.bytes);
         if let Some(p) = self.processes.get_mut(&pid) {
             p.usage.remove(memory, bytes);
+        }
+        if let Some(held) = self.holds.remove(&id) {
+            self.drop_handle(held, ts, how);
         }
     }
 }

@@ -1,7 +1,7 @@
 //! The model's live state written back as records: what a dump of an always-on trace starts
 //! with, so that `report` on a short window still sees who held what before it began. Replaying
 //! the snapshot builds a model with the same live state (processes, fd tables, open files and
-//! their registrations, RM handle trees, UVM ranges and mappings, live allocations with their
+//! their registrations, RM handle trees, UVM ranges and mappings, objects exported to files, live allocations with their
 //! own time, pid and GPU, requests in flight and each server's readiness): the records after the
 //! window then do to it what they did to the original.
 //!
@@ -31,6 +31,7 @@ impl Model {
         s.allocations();
         s.remaining_handles();
         s.uvm_mappings();
+        s.exports();
         s.registrations();
         s.requests();
         s.marks_and_sample();
@@ -197,7 +198,8 @@ impl<'a> Snapshot<'a> {
             list.sort_unstable();
         }
         let mut live: Vec<AllocId> = (0..model.allocations.len()).filter(|&id| model.allocations[id].freed.is_none()).collect();
-        live.sort_by_key(|&id| (model.allocations[id].ts, id));
+        // In the order the model made them: what a sticky fabric object holds comes before it.
+        live.sort_unstable();
         for id in live {
             let a = &model.allocations[id];
             let alloc = |fd, client, parent, object, base| Alloc {
@@ -212,6 +214,7 @@ impl<'a> Snapshot<'a> {
                 class: a.class,
                 base,
                 errno: None,
+                holds: None,
             };
             if let Some(&(file, base)) = ranges.get(&id) {
                 let fd = self.fd_for(a.pid, file);
@@ -222,12 +225,16 @@ impl<'a> Snapshot<'a> {
             let primary = list.iter().copied().find(|&h| h == (a.client, a.object)).or(list.first().copied());
             // Written in place when its parent is already there and gives it its GPU; otherwise
             // under a stand-in device of its GPU, and moved to its place with the other handles.
+            // A sticky fabric object is written in the client of the memory it holds (RM's own
+            // rule), and dup'ed from there to where it is now.
+            let held = model.holds.get(&id).and_then(|held| self.made.get(held)).copied();
             let in_place = primary.and_then(|(client, h)| {
                 let c = &model.clients[&client];
                 let parent = c.objects[&h].parent;
                 let ready = parent == h || !c.objects.contains_key(&parent) || self.done.contains(&(client, parent));
                 let gpu = c.objects.get(&parent).filter(|_| parent != h).and_then(|p| p.gpu);
-                (ready && gpu == a.gpu).then_some((client, parent, h))
+                let with_held = held.is_none_or(|(held_client, _)| held_client == client);
+                (ready && gpu == a.gpu && with_held).then_some((client, parent, h))
             });
             let (client, parent, handle) = match in_place {
                 Some(place) => {
@@ -235,10 +242,11 @@ impl<'a> Snapshot<'a> {
                     place
                 }
                 None => {
-                    let client = match primary {
-                        Some((client, _)) => client,
-                        None if model.clients.contains_key(&a.client) => a.client,
-                        None => {
+                    let client = match (held, primary) {
+                        (Some((held_client, _)), _) => held_client,
+                        (None, Some((client, _))) => client,
+                        (None, None) if model.clients.contains_key(&a.client) => a.client,
+                        (None, None) => {
                             let client = self.stand_in(None);
                             self.push(
                                 self.at,
@@ -260,16 +268,20 @@ impl<'a> Snapshot<'a> {
                     let event =
                         Event::Object { fd: -1, client, parent: client, object: device, class: class::DEVICE, status: 0, gpu: a.gpu };
                     self.push(self.at, 0, event);
-                    let handle = primary.map_or_else(|| self.next_handle(), |(_, h)| h);
+                    let handle = match primary {
+                        Some((c, h)) if c == client => h,
+                        _ => self.next_handle(),
+                    };
                     (client, device, handle)
                 }
             };
             self.made.insert(id, (client, handle));
+            let holds = held.map(|(_, h)| h);
             self.out.push(Record {
                 ts: a.ts,
                 pid: a.pid,
                 tid: a.tid,
-                event: Event::Alloc(alloc(-1, client, parent, handle, None)),
+                event: Event::Alloc(Alloc { holds, ..alloc(-1, client, parent, handle, None) }),
                 raw: None,
             });
         }
@@ -321,6 +333,17 @@ impl<'a> Snapshot<'a> {
                 let event = Event::UvmMap { fd, base, length: 0, offset: 0, client, memory, status: 0 };
                 self.push(self.at, pid, event);
             }
+        }
+    }
+
+    /// Objects exported to files, each under the handle its memory was written with.
+    fn exports(&mut self) {
+        let mut exports: Vec<(FileId, AllocId)> = self.model.exports.iter().map(|(f, id)| (*f, *id)).collect();
+        exports.sort_unstable();
+        for (file, id) in exports {
+            let Some(&(client, object)) = self.made.get(&id) else { continue };
+            let Some((pid, to_fd)) = self.someone_with(file) else { continue };
+            self.push(self.at, pid, Event::ExportObject { fd: -1, client, object, to_fd, status: 0 });
         }
     }
 

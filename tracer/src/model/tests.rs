@@ -38,6 +38,7 @@ fn alloc(ts: u64, pid: u32, fd: i32, parent: u32, object: u32, bytes: u64, statu
             class: 0x40,
             base: None,
             errno: None,
+            holds: None,
         }),
     )
 }
@@ -56,6 +57,7 @@ fn uvm_range(ts: u64, base: u64, bytes: u64) -> Record {
         class: 0,
         base: Some(base),
         errno: None,
+        holds: None,
     };
     rec(ts, 10, Event::Alloc(a))
 }
@@ -129,6 +131,84 @@ fn a_dup_keeps_memory_alive_until_its_last_handle() {
     let m = Model::from_records(&t);
     assert_eq!(freed(&m, 0xa), Some((13, FreedBy::Explicit)));
     assert_eq!(m.allocations.len(), 1, "a dup is not new memory");
+}
+
+/// CUDA IPC through a file descriptor: pid 10 exports its memory to a second nvidiactl file,
+/// passes that file to pid 20, which imports it, and both free their handles: the memory lives on
+/// in the kernel's client of the export file until the last process holding it closes it.
+#[test]
+fn an_exported_object_lives_until_the_last_close_of_its_file() {
+    const OTHER: u32 = 0xc1d0_0002;
+    let mut t = setup(10, false);
+    t.push(alloc(10, 10, 3, DEVICE, 0xa, 4 * GIB, 0));
+    t.push(open(11, 10, 4, 2, Device::Ctl, false));
+    t.push(rec(12, 10, Event::ExportObject { fd: 3, client: CLIENT, object: 0xa, to_fd: 4, status: 0 }));
+    // Pid 20, with a client of its own, receives the export file as its fd 7 (SCM_RIGHTS).
+    t.push(process(13, 20, 1, Seen::Launched));
+    t.push(open(14, 20, 3, 3, Device::Ctl, false));
+    t.push(rec(15, 20, Event::Object { fd: 3, client: OTHER, parent: OTHER, object: OTHER, class: 0x41, status: 0, gpu: None }));
+    t.push(rec(16, 20, Event::FdFound { fd: 7, file: 2, device: Device::Ctl }));
+    t.push(rec(17, 20, Event::ImportObject { fd: 3, client: OTHER, parent: OTHER, object: 0xb, from_fd: 7, status: 0 }));
+    t.push(free(18, 10, 0xa));
+    t.push(rec(19, 10, Event::Close { fd: 4 }));
+    t.push(rec(20, 20, Event::Free { fd: 3, via: Via::RmFree, client: OTHER, parent: 0, object: 0xb, status: 0 }));
+    let m = Model::from_records(&t);
+    assert_eq!(m.allocations.len(), 1, "an export and an import are not new memory");
+    assert_eq!(freed(&m, 0xa), None, "pid 20 still holds the export file");
+    assert_eq!(m.processes[&10].usage.physical_live(), 4 * GIB, "counted to the process that allocated it");
+    assert_eq!(m.check_books(), Ok(()));
+    let snapshot = m.snapshot();
+    t.push(rec(30, 20, Event::Close { fd: 7 }));
+    let m = Model::from_records(&t);
+    assert_eq!(freed(&m, 0xa), Some((30, FreedBy::FileRelease)), "freed with the export file's last close");
+    assert_eq!(m.check_books(), Ok(()));
+    // The snapshot carries the export: replayed, the close frees it the same way.
+    let mut replay = Model::from_records(&snapshot);
+    replay.apply(&rec(30, 20, Event::Close { fd: 7 }));
+    assert_eq!(replay.live(Memory::Video), 0);
+    assert_eq!(replay.allocations.iter().find(|a| a.bytes == 4 * GIB).unwrap().freed, Some((30, FreedBy::FileRelease)));
+}
+
+/// The memory a sticky fabric object is made over outlives its own handle's RM_FREE until the
+/// fabric object goes (its dup in `mem_fabric.c`); a dup of the fabric object keeps both.
+#[test]
+fn a_sticky_fabric_object_keeps_its_memory_until_it_goes() {
+    let fabric = |ts: u64, object: u32, holds: u32| {
+        rec(
+            ts,
+            10,
+            Event::Alloc(Alloc {
+                class: 0xf8,
+                memory: Memory::Virtual,
+                holds: Some(holds),
+                ..Alloc::video(CLIENT, DEVICE, object, 2 << 20)
+            }),
+        )
+    };
+    let mut t = setup(10, false);
+    t.push(alloc(10, 10, 3, DEVICE, 0xa, GIB, 0));
+    t.push(fabric(11, 0xf, 0xa));
+    t.push(free(12, 10, 0xa));
+    let m = Model::from_records(&t);
+    assert_eq!(freed(&m, 0xa), None, "the fabric object holds it");
+    assert_eq!(m.live(Memory::Video), GIB);
+    assert_eq!(m.check_books(), Ok(()));
+    t.push(free(13, 10, 0xf));
+    let m = Model::from_records(&t);
+    assert_eq!(freed(&m, 0xf), Some((13, FreedBy::Explicit)));
+    assert_eq!(freed(&m, 0xa), Some((13, FreedBy::Explicit)), "freed with the fabric object");
+    assert_eq!(m.check_books(), Ok(()));
+}
+
+/// A failed export holds nothing; an export file closed unused frees nothing else.
+#[test]
+fn a_failed_export_holds_nothing() {
+    let mut t = setup(10, false);
+    t.push(alloc(10, 10, 3, DEVICE, 0xa, GIB, 0));
+    t.push(open(11, 10, 4, 2, Device::Ctl, false));
+    t.push(rec(12, 10, Event::ExportObject { fd: 3, client: CLIENT, object: 0xa, to_fd: 4, status: 0x1f }));
+    t.push(free(13, 10, 0xa));
+    assert_eq!(freed(&Model::from_records(&t), 0xa), Some((13, FreedBy::Explicit)));
 }
 
 #[test]
