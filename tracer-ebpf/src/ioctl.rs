@@ -26,25 +26,24 @@ static CLASS_PARAMS: HashMap<u32, u32> = HashMap::with_max_entries(64, 0);
 
 #[tracepoint]
 pub fn ioctl_enter(ctx: TracePointContext) -> u32 {
-    let pid_tgid = bpf_get_current_pid_tgid();
-    let tgid = (pid_tgid >> 32) as u32;
-    let fd = sys_arg(&ctx, 0);
     let cmd = sys_arg(&ctx, 1) as u32;
     // RM_CONTROL is the commonest escape: only the exports and imports of objects go on, told
     // by NVOS54's cmd before anything else is looked up.
     if cmd == RM_CONTROL_CMD && !control_followed(sys_arg(&ctx, 2)) {
         return 0;
     }
+    // Every branch below needs an NVIDIA-looking command: arithmetic ends the ioctls of every
+    // other program here, before any map is read.
+    if !(rm_command_traced(cmd) || uvm_command_traced(cmd)) {
+        return 0;
+    }
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let tgid = (pid_tgid >> 32) as u32;
+    let fd = sys_arg(&ctx, 0);
     let key = FdKey { tgid, fd: fd as u32 };
-    let looks_nvidia = |cmd: u32| rm_command_traced(cmd) || uvm_command_traced(cmd);
     let (state, flags) = match unsafe { FDS.get(&key) } {
         Some(&device::NOT_NVIDIA) | Some(&device::CONN) => return 0,
-        Some(&device::PENDING) => {
-            if !looks_nvidia(cmd) {
-                return 0;
-            }
-            (device::PENDING, ioctl_flag::PENDING)
-        }
+        Some(&device::PENDING) => (device::PENDING, ioctl_flag::PENDING),
         Some(&device::UVM) => {
             if !uvm_command_traced(cmd) {
                 return 0;
@@ -58,7 +57,7 @@ pub fn ioctl_enter(ctx: TracePointContext) -> u32 {
             (state, 0)
         }
         None => {
-            if !looks_nvidia(cmd) || !is_traced(tgid) {
+            if !is_traced(tgid) {
                 return 0;
             }
             // Inherited, dup'ed before tracing or received over a socket: ask once.
@@ -76,6 +75,14 @@ pub fn ioctl_enter(ctx: TracePointContext) -> u32 {
 }
 
 const RM_CONTROL_CMD: u32 = rm_cmd(escape::RM_CONTROL, 32);
+
+/// bpf_ringbuf_submit's flags and bpf_ringbuf_query's, from the kernel's uapi.
+const BPF_RB_NO_WAKEUP: u64 = 1;
+const BPF_RB_FORCE_WAKEUP: u64 = 2;
+const BPF_RB_AVAIL_DATA: u64 = 0;
+/// Unread bytes in the ring (16 MiB) past which an escape wakes the reader: a few milliseconds
+/// of records at the highest rates, far from full.
+const WAKE_AT: u64 = 1 << 20;
 
 /// Whether the NVOS54 at `arg` carries a control gputrace follows (one 4-byte read).
 #[inline(always)]
@@ -98,7 +105,14 @@ pub fn ioctl_exit(ctx: TracePointContext) -> u32 {
     let record = entry.as_mut_ptr();
     let ok = unsafe { fill_ioctl(&mut *record, &inflight, ret) };
     if ok {
-        entry.submit(0);
+        // Waking the reader is most of a record's cost: escapes wake it only once a batch has
+        // built up (it drains on its own every 100 ms too); a question is answered at once.
+        let wake = if inflight.flags == ioctl_flag::QUESTION || EVENTS.query(BPF_RB_AVAIL_DATA) >= WAKE_AT {
+            BPF_RB_FORCE_WAKEUP
+        } else {
+            BPF_RB_NO_WAKEUP
+        };
+        entry.submit(wake);
     } else {
         entry.discard(0);
     }

@@ -8,6 +8,13 @@ struct Reading {
     buf: u64,
     fd: i32,
 }
+/// Processes that ever held a followed connection, by tgid modulo its size: set at accept,
+/// never cleared (a reused pid or a shared slot only costs the exact lookup after it), so the
+/// reads and writes of every other process end at one array read, which the kernel inlines.
+#[map]
+static CONN_PIDS: Array<u8> = Array::with_max_entries(CONN_SLOTS, 0);
+const CONN_SLOTS: u32 = 1 << 16;
+
 /// A read on an accepted connection, until it returns.
 #[map]
 static READS: LruHashMap<u64, Reading> = LruHashMap::with_max_entries(1 << 12, 0);
@@ -47,6 +54,10 @@ pub fn accept_exit(ctx: TracePointContext) -> u32 {
         return 0;
     }
     remember(FDS.insert(&FdKey { tgid, fd: fd as u32 }, &device::CONN, 0));
+    if let Some(slot) = CONN_PIDS.get_ptr_mut(tgid % CONN_SLOTS) {
+        // SAFETY: an array slot, valid for the map's life; a racing write stores the same 1.
+        unsafe { *slot = 1 };
+    }
     send_fd_record(kind::ACCEPT, fd, 0, 0);
     0
 }
@@ -79,6 +90,9 @@ fn send_sock_io(fd: i32, inbound: bool, len: i64, buf: u64) {
 #[inline(always)]
 fn conn(fd: u64) -> bool {
     let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    if CONN_PIDS.get(tgid % CONN_SLOTS) != Some(&1) {
+        return false;
+    }
     (unsafe { FDS.get(&FdKey { tgid, fd: fd as u32 }) }) == Some(&device::CONN)
 }
 

@@ -55,6 +55,14 @@ pub struct Outcome {
     pub exit_code: i32,
 }
 
+/// Each pid to attach to names a process that is there.
+pub(crate) fn check_running(pids: &[u32]) -> Result<()> {
+    match pids.iter().find(|&&pid| procfs::stat(pid).is_none()) {
+        Some(pid) => bail!("no process has pid {pid}: check it with `ps -p {pid}`"),
+        None => Ok(()),
+    }
+}
+
 pub fn run(opts: Options) -> Result<Outcome> {
     if opts.command.is_empty() && opts.pids.is_empty() && !opts.all {
         bail!("nothing to trace: give a command (`gputrace record -- CMD ARGS...`), --pid PID, or --all");
@@ -62,11 +70,7 @@ pub fn run(opts: Options) -> Result<Outcome> {
     if let Some(program) = opts.command.first() {
         find_program(program)?;
     }
-    for &pid in &opts.pids {
-        if procfs::stat(pid).is_none() {
-            bail!("no process has pid {pid}: check it with `ps -p {pid}`");
-        }
-    }
+    check_running(&opts.pids)?;
     let path = opts.output.clone().unwrap_or_else(default_output);
     let exit_code = trace_into(&opts, |header, user| Ok(Sink::Trace { writer: Writer::create(&path, header, user)?, error: None }))?;
     Ok(Outcome { exit_code })
@@ -372,6 +376,8 @@ impl Session {
                     guard.clear_ready();
                 }
                 _ = tick.tick() => {
+                    // The kernel wakes this loop only once a batch of escapes has built up.
+                    self.drain(ring.get_mut(), probe)?;
                     self.tick();
                     self.check_lost(probe);
                     if !attached.is_empty() {

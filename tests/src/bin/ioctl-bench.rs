@@ -5,7 +5,10 @@
 //! - null-plain: TCGETS on /dev/null, the commonest non-NVIDIA ioctl;
 //! - null-nvidia-looking: an RM_ALLOC command word on /dev/null (asked about once, then one lookup);
 //! - fake-gpu-free: RM_FREE of a handle that does not exist on the fake GPU's nvidiactl (a traced
-//!   escape: the full record path), inside `fakegpu run`.
+//!   escape: the full record path), inside `fakegpu run`;
+//! - file-nvidiactl: RM_FREE on a regular file named /dev/nvidiactl (on a tmpfs over /dev in a
+//!   mount namespace of its own; root): followed and recorded as the real device's would be,
+//!   with no driver behind it (the file answers ENOTTY), so the cost measured is gputrace's alone.
 use std::fs::OpenOptions;
 use std::os::fd::AsRawFd;
 use std::time::Instant;
@@ -40,8 +43,12 @@ fn main() {
         Some("null-plain") => ("/dev/null", 0x5401u32),
         Some("null-nvidia-looking") => ("/dev/null", rm_cmd(esc::RM_ALLOC, 48)),
         Some("fake-gpu-free") => ("/dev/nvidiactl", rm_cmd(esc::RM_FREE, 16)),
+        Some("file-nvidiactl") => {
+            file_nvidiactl();
+            ("/dev/nvidiactl", rm_cmd(esc::RM_FREE, 16))
+        }
         _ => {
-            eprintln!("usage: ioctl-bench null-plain|null-nvidia-looking|fake-gpu-free|read-zero|write-null [COUNT]");
+            eprintln!("usage: ioctl-bench null-plain|null-nvidia-looking|fake-gpu-free|file-nvidiactl|read-zero|write-null [COUNT]");
             std::process::exit(2);
         }
     };
@@ -59,4 +66,17 @@ fn main() {
         unsafe { libc::ioctl(file.as_raw_fd(), cmd as _, buf.as_mut_ptr()) };
     }
     println!("{:.1}", start.elapsed().as_nanos() as f64 / count as f64);
+}
+
+/// A regular file at /dev/nvidiactl, seen by this process alone: a private mount namespace with a
+/// tmpfs over /dev.
+fn file_nvidiactl() {
+    let c = |s: &str| std::ffi::CString::new(s).unwrap();
+    // SAFETY: plain syscalls on C strings that outlive them.
+    unsafe {
+        assert_eq!(libc::unshare(libc::CLONE_NEWNS), 0, "unshare(CLONE_NEWNS) needs root");
+        assert_eq!(libc::mount(std::ptr::null(), c("/").as_ptr(), std::ptr::null(), libc::MS_REC | libc::MS_PRIVATE, std::ptr::null()), 0);
+        assert_eq!(libc::mount(c("tmpfs").as_ptr(), c("/dev").as_ptr(), c("tmpfs").as_ptr(), 0, std::ptr::null()), 0);
+    }
+    std::fs::write("/dev/nvidiactl", b"").expect("creating /dev/nvidiactl on the tmpfs");
 }
