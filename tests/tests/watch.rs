@@ -96,3 +96,41 @@ fn a_dump_of_a_long_request_reports_what_the_recording_does() {
 fn a_dump_of_a_concurrent_load_reports_what_the_recording_does() {
     watched("concurrent-load");
 }
+
+/// `watch --pid` follows that process alone: its refusal is dumped, another process's on the same
+/// GPU is not, and the watch ends, its dump written, when the process is gone.
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn a_watch_of_one_pid_dumps_its_failure_only() {
+    let _root = as_root();
+    let dir = std::env::temp_dir().join(format!("gputrace-watch-pid-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let dumps = dir.join("dumps");
+    // Both workloads wait a second (the watch attaches meanwhile), then ask for more than the card.
+    let script = r#"W="$1"; G="$2"; D="$3"
+        sh -c 'sleep 1; exec "$0" oom --bytes 100GiB' "$W" & watched=$!
+        sh -c 'sleep 1; exec "$0" oom --bytes 200GiB' "$W" &
+        "$G" watch --pid $watched --dump-dir "$D" --listen off --aftermath 200ms --min-interval 1s 2> "$D.log"
+        status=$?; wait; exit $status"#;
+    let out = Command::new(env!("CARGO_BIN_EXE_fakegpu"))
+        .args(["run", "--video", "80GiB", "--", "sh", "-c", script, "sh", env!("CARGO_BIN_EXE_fake-workload")])
+        .arg(gputrace_bin())
+        .arg(&dumps)
+        .output()
+        .unwrap();
+    let log = std::fs::read_to_string(dumps.with_extension("log")).unwrap_or_default();
+    assert!(out.status.success(), "the watch ends cleanly with its process: {}\n{log}", String::from_utf8_lossy(&out.stderr));
+    assert!(log.contains("gputrace: watching pid ") && log.contains("and its children"), "{log}");
+    let traces: Vec<_> =
+        std::fs::read_dir(&dumps).unwrap().flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|e| e == "trace")).collect();
+    assert_eq!(traces.len(), 1, "one dump, for the watched process's failure: {traces:?}\n{log}");
+    assert!(traces[0].to_string_lossy().contains("-failed-allocation."), "{traces:?}");
+    let dumped = report(&traces[0]);
+    let refused: u64 = dumped["processes"].as_array().unwrap().iter().map(|p| p["failed_allocations"].as_u64().unwrap_or(0)).sum();
+    assert_eq!(refused, 1, "only the watched process's refusal is in it: {dumped:#}");
+    let text = Command::new(gputrace_bin()).arg("report").arg(&traces[0]).output().unwrap();
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("100.0 GiB") && !text.contains("200.0 GiB"), "{text}");
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -294,6 +294,11 @@ pub struct Place {
     /// The Kubernetes pod's UID.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod: Option<String>,
+    /// The pod's namespace and name, where the kubelet's log directory on this node names them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_name: Option<String>,
     /// Its pid in its own pid namespace, where that is not the host's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ns_pid: Option<u32>,

@@ -85,6 +85,10 @@ enum Command {
         /// Where to serve /metrics, /report and /healthz, or `off`
         #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:9431", value_parser = listen_address)]
         listen: Listen,
+        /// Watch only this process and its children (repeatable) [default: every process]; the
+        /// watch ends, its dumps written, when they are all gone
+        #[arg(long = "pid", value_name = "PID")]
+        pids: Vec<u32>,
     },
     /// Ask the running `gputrace watch` for a dump now (as SIGUSR1 does).
     Dump {
@@ -271,7 +275,7 @@ fn main() -> ExitCode {
             };
             gputrace::record::run(opts).map(|outcome| ExitCode::from(outcome.exit_code.clamp(0, 255) as u8))
         }
-        Command::Watch { dump_dir, window, window_bytes, budget, aftermath, min_interval, driver_version, judging, listen } => {
+        Command::Watch { dump_dir, window, window_bytes, budget, aftermath, min_interval, driver_version, judging, listen, pids } => {
             let opts = gputrace::watch::Options {
                 dump_dir,
                 window,
@@ -284,6 +288,7 @@ fn main() -> ExitCode {
                 redact: judging.redact,
                 capacity: judging.capacity,
                 listen: listen.0,
+                pids,
             };
             gputrace::watch::run(opts).map(|()| ExitCode::SUCCESS)
         }

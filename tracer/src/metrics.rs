@@ -113,24 +113,54 @@ pub fn exposition(f: &Figures) -> String {
     }
 
     // The processes holding most.
-    let container = |p: &crate::report::ProcessReport| p.place.as_ref().and_then(|pl| pl.container.clone()).unwrap_or_default();
+    // Where each runs: container id, and the pod's namespace and name where the node names them.
+    let place = |p: &crate::report::ProcessReport| {
+        let get = |f: fn(&crate::event::Place) -> &Option<String>| p.place.as_ref().and_then(|pl| f(pl).clone()).unwrap_or_default();
+        [get(|pl| &pl.container), get(|pl| &pl.namespace), get(|pl| &pl.pod_name)]
+    };
     let procs: Vec<(String, u64)> = r
         .processes
         .iter()
         .filter(|p| !p.exited)
-        .map(|p| (format!("{}\u{0}{}\u{0}{}", p.pid, container(p), p.command), p.bytes_live))
+        .map(|p| {
+            let [container, namespace, pod] = place(p);
+            (format!("{}\u{0}{container}\u{0}{namespace}\u{0}{pod}\u{0}{}", p.pid, p.command), p.bytes_live)
+        })
         .collect();
     t.family(
         "gputrace_process_live_bytes",
         "gauge",
-        "Video and system memory live now, for the processes holding most (container: its id where it runs in one).",
+        "Video and system memory live now, for the processes holding most (container, namespace, pod: where it runs in one).",
     );
     for (key, v) in top(procs, TOP_PROCESSES) {
-        let mut parts = key.splitn(3, '\u{0}');
-        let (pid, container, command) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-        let labels: Vec<(&str, &str)> =
-            if key == "other" { vec![("pid", "other")] } else { vec![("pid", pid), ("container", container), ("command", command)] };
+        let parts: Vec<&str> = key.splitn(5, '\u{0}').collect();
+        let labels: Vec<(&str, &str)> = match parts[..] {
+            [pid, container, namespace, pod, command] => {
+                vec![("pid", pid), ("container", container), ("namespace", namespace), ("pod", pod), ("command", command)]
+            }
+            _ => vec![("pid", "other")],
+        };
         t.sample("gputrace_process_live_bytes", &labels, v as f64);
+    }
+
+    // Live memory by the phase of its service when it was allocated: load (weights, the KV
+    // reserve) against growth while serving (prefill, decode).
+    let mut by_phase: BTreeMap<(String, &str), u64> = BTreeMap::new();
+    for p in r.processes.iter().filter(|p| !p.exited) {
+        let service = if p.service.is_empty() { p.command.clone() } else { p.service.clone() };
+        let service = if kept.contains(&service) { service } else { "other".into() };
+        for (phase, v) in &p.live_by_phase {
+            let e = by_phase.entry((service.clone(), phase)).or_default();
+            *e = e.saturating_add(*v);
+        }
+    }
+    t.family(
+        "gputrace_live_bytes_by_phase",
+        "gauge",
+        "Video and system memory live now, by service and the phase its allocation was made in (load, prefill, decode, idle).",
+    );
+    for ((service, phase), v) in &by_phase {
+        t.sample("gputrace_live_bytes_by_phase", &[("service", service), ("phase", phase)], *v as f64);
     }
 
     // Each GPU: its capacity, the driver's count (NVML) and the traced one.

@@ -99,11 +99,28 @@ fn ns_pid(status: &str) -> Option<u32> {
     (pids.len() > 1).then(|| *pids.last().expect("more than one"))
 }
 
+/// Where the kubelet keeps each pod's container logs, one directory per pod named
+/// `NAMESPACE_NAME_UID` (neither name may hold `_`): the pod's names without the API server.
+const POD_LOGS: &str = "/var/log/pods";
+
+/// The namespace and name of pod `uid`, from the kubelet's log directories under `dir`. Reads
+/// at most a few thousand entries (a node runs at most a few hundred pods).
+pub fn pod_names_in(dir: &std::path::Path, uid: &str) -> Option<(String, String)> {
+    let suffix = format!("_{uid}");
+    std::fs::read_dir(dir).ok()?.take(4096).filter_map(Result::ok).find_map(|entry| {
+        let name = entry.file_name().into_string().ok()?;
+        let (namespace, pod) = name.strip_suffix(&suffix)?.split_once('_')?;
+        (!namespace.is_empty() && !pod.is_empty() && !pod.contains('_')).then(|| (namespace.to_string(), pod.to_string()))
+    })
+}
+
 /// Where a process runs (cgroup, container, pod, pid in its namespace); None when it is gone.
 pub fn place(pid: u32) -> Option<crate::event::Place> {
     let cgroup = cgroup(pid)?;
     let status = read_bounded(&format!("/proc/{pid}/status"), 64 * 1024).unwrap_or_default();
-    Some(crate::event::Place { container: container_of(&cgroup), pod: pod_of(&cgroup), ns_pid: ns_pid(&status), cgroup })
+    let pod = pod_of(&cgroup);
+    let (namespace, pod_name) = pod.as_deref().and_then(|uid| pod_names_in(std::path::Path::new(POD_LOGS), uid)).unzip();
+    Some(crate::event::Place { container: container_of(&cgroup), pod, namespace, pod_name, ns_pid: ns_pid(&status), cgroup })
 }
 
 /// TCP ports the process listens on (IPv4 and IPv6), from the socket inodes its fds hold and
@@ -297,6 +314,16 @@ mod tests {
         let systemd = format!("/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod0b3c2d1e_aaaa_bbbb_cccc_0123456789ab.slice/cri-containerd-{hex}.scope");
         assert_eq!(pod_of(&systemd).as_deref(), Some("0b3c2d1e-aaaa-bbbb-cccc-0123456789ab"));
         assert_eq!(pod_of("/system.slice/docker-x.scope"), None);
+        let logs = std::env::temp_dir().join(format!("gputrace-pod-logs-{}", std::process::id()));
+        for dir in
+            ["kube-system_coredns-5d78c9869d-abcde_11111111-2222-3333-4444-555555555555", "llm_vllm-0_0b3c2d1e-aaaa-bbbb-cccc-0123456789ab"]
+        {
+            std::fs::create_dir_all(logs.join(dir)).unwrap();
+        }
+        assert_eq!(pod_names_in(&logs, "0b3c2d1e-aaaa-bbbb-cccc-0123456789ab"), Some(("llm".into(), "vllm-0".into())));
+        assert_eq!(pod_names_in(&logs, "99999999-aaaa-bbbb-cccc-0123456789ab"), None);
+        assert_eq!(pod_names_in(&logs.join("absent"), "0b3c2d1e-aaaa-bbbb-cccc-0123456789ab"), None);
+        std::fs::remove_dir_all(&logs).ok();
         assert_eq!(ns_pid("Name:\tsleep\nNSpid:\t4242\t1\n"), Some(1));
         assert_eq!(ns_pid("NSpid:\t4242\n"), None, "the host's own namespace");
     }

@@ -65,6 +65,8 @@ pub struct ProcessReport {
     pub by_kind: BTreeMap<&'static str, KindTotals>,
     /// Physical bytes allocated in each phase of its service.
     pub by_phase: BTreeMap<&'static str, u64>,
+    /// Of those, what is live now.
+    pub live_by_phase: BTreeMap<&'static str, u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub exit_code: Option<i32>,
     pub exited: bool,
@@ -230,8 +232,13 @@ fn process_report(p: &Process, model: &Model, services: &Services) -> ProcessRep
         })
         .collect();
     let mut by_phase: BTreeMap<&'static str, u64> = Phase::ALL.iter().map(|ph| (ph.name(), 0)).collect();
+    let mut live_by_phase = by_phase.clone();
     for a in model.allocations.iter().filter(|a| a.pid == p.pid && a.memory != Memory::Virtual) {
-        add(by_phase.entry(services.phase_of(a.pid, a.ts).name()).or_default(), a.bytes);
+        let phase = services.phase_of(a.pid, a.ts).name();
+        add(by_phase.entry(phase).or_default(), a.bytes);
+        if a.freed.is_none() {
+            add(live_by_phase.entry(phase).or_default(), a.bytes);
+        }
     }
     ProcessReport {
         pid: p.pid,
@@ -246,6 +253,7 @@ fn process_report(p: &Process, model: &Model, services: &Services) -> ProcessRep
         bytes_live: physical(&u.live),
         by_kind,
         by_phase,
+        live_by_phase,
         exit_code: p.exit_code,
         exited: p.exited.is_some(),
         place: p.place.clone(),
@@ -530,18 +538,16 @@ impl Report {
                 .filter(|(_, w)| w.container.is_some() || w.pod.is_some() || w.ns_pid.is_some())
                 .collect();
             if !placed.is_empty() {
-                let _ = writeln!(out, "\n{:>8}  {:>8}  {:<13} {:<36}   (where each ran)", "PID", "NS PID", "CONTAINER", "POD UID");
+                let _ = writeln!(out, "\n{:>8}  {:>8}  {:<13} {:<36}   (where each ran)", "PID", "NS PID", "CONTAINER", "POD");
                 for (p, w) in placed {
-                    let or_dash = |v: Option<&str>| v.unwrap_or("-").to_string();
                     let ns_pid = w.ns_pid.map_or_else(|| "-".to_string(), |n| n.to_string());
-                    let _ = writeln!(
-                        out,
-                        "{:>8}  {:>8}  {:<13} {:<36}",
-                        p.pid,
-                        ns_pid,
-                        or_dash(w.container.as_deref()),
-                        or_dash(w.pod.as_deref())
-                    );
+                    // NAMESPACE/NAME where the node names the pod, else its UID.
+                    let pod = match (&w.namespace, &w.pod_name, &w.pod) {
+                        (Some(namespace), Some(name), _) => format!("{namespace}/{name}"),
+                        (_, _, Some(uid)) => uid.clone(),
+                        _ => "-".into(),
+                    };
+                    let _ = writeln!(out, "{:>8}  {:>8}  {:<13} {:<36}", p.pid, ns_pid, w.container.as_deref().unwrap_or("-"), pod);
                 }
             }
             let _ = writeln!(
@@ -673,6 +679,8 @@ mod tests {
             cgroup: "/kubepods/podabc/cri-containerd-0123456789ab.scope".into(),
             container: Some("0123456789ab".into()),
             pod: Some("6f1f7b9e-1111-2222-3333-444455556666".into()),
+            namespace: Some("llm".into()),
+            pod_name: Some("vllm-0".into()),
             ns_pid: Some(1),
         };
         let mut records: Vec<Record> = user(4000, 10).into_iter().chain(user(5000, 20)).collect();
@@ -682,7 +690,7 @@ mod tests {
         let table = text.split("(where each ran)").nth(1).expect("a table of where each ran");
         let row = table.lines().find(|l| l.trim_start().starts_with("4000")).expect("the containerised process's row");
         let cells: Vec<&str> = row.split_whitespace().collect();
-        assert_eq!(cells, ["4000", "1", "0123456789ab", "6f1f7b9e-1111-2222-3333-444455556666"], "{text}");
+        assert_eq!(cells, ["4000", "1", "0123456789ab", "llm/vllm-0"], "{text}");
         assert!(!table.split("(bytes allocated").next().unwrap().contains("5000"), "a host process has no row: {text}");
 
         let host_only = Model::from_records(&user(5000, 20));

@@ -34,6 +34,8 @@ pub struct Options {
     pub capacity: Option<u64>,
     /// Where /metrics, /report and /healthz are served; None: nowhere.
     pub listen: Option<SocketAddr>,
+    /// Only these processes and their children; empty: every process.
+    pub pids: Vec<u32>,
 }
 
 /// Watches until SIGTERM or SIGINT; a dump waiting for its aftermath is written first.
@@ -46,10 +48,11 @@ pub fn run(opts: Options) -> Result<()> {
         aftermath_ns: opts.aftermath.as_nanos().min(u128::from(u64::MAX)) as u64,
         min_interval_ns: opts.min_interval.as_nanos().min(u128::from(u64::MAX)) as u64,
     };
+    crate::record::check_running(&opts.pids)?;
     let record = crate::record::Options {
         output: None,
-        pids: Vec::new(),
-        all: true,
+        pids: opts.pids.clone(),
+        all: opts.pids.is_empty(),
         driver_version: opts.driver_version.clone(),
         raw: false,
         json: false,
@@ -59,8 +62,13 @@ pub fn run(opts: Options) -> Result<()> {
         redact: opts.redact,
         capacity: opts.capacity,
     };
+    let what = if opts.pids.is_empty() {
+        "every process".to_string()
+    } else {
+        format!("pid {} and its children", opts.pids.iter().map(u32::to_string).collect::<Vec<_>>().join(", "))
+    };
     eprintln!(
-        "gputrace: watching every process; dumps go to {} (window {}s or {}, budget {})",
+        "gputrace: watching {what}; dumps go to {} (window {}s or {}, budget {})",
         opts.dump_dir.display(),
         opts.window.as_secs(),
         bytes(opts.window_bytes),
@@ -397,9 +405,14 @@ mod tests {
     fn metrics_labels_carry_no_argument_values() {
         let body = watcher().respond(Route::Metrics, Some(1234), &model()).body;
         assert!(!body.contains("sk-secret"), "{body}");
+        // Allocated before any listen: load memory.
+        assert!(
+            body.contains("gputrace_live_bytes_by_phase{service=\"vllm … … --api-key … --max-model-len 8192\",phase=\"load\"} 2147483648"),
+            "{body}"
+        );
         assert!(
             body.contains(
-                "gputrace_process_live_bytes{pid=\"77\",container=\"\",command=\"vllm … … --api-key … --max-model-len 8192\"} 2147483648"
+                "gputrace_process_live_bytes{pid=\"77\",container=\"\",namespace=\"\",pod=\"\",command=\"vllm … … --api-key … --max-model-len 8192\"} 2147483648"
             ),
             "{body}"
         );

@@ -732,6 +732,11 @@ fn fix_held(case: &Case) -> Said {
     let biggest = e.holders_outside.iter().max_by_key(|h| (h.bytes.is_some(), h.bytes.unwrap_or(0)));
     let (pid, command, held) = biggest.map_or((0, "?", Some(e.held_outside_bytes)), |h| (h.pid, h.command.as_str(), h.bytes));
     let text = match held {
+        // The MPS server holds its clients' memory: killing it takes every client down with it.
+        Some(held) if super::is_mps_server(command) => format!(
+            "pid {pid} is the MPS server, which holds {} for MPS clients other than this server: stop those clients (`nvidia-smi` lists each with its memory), or, if none should be running, restart MPS: `echo quit | nvidia-cuda-mps-control`. Then start the server again.",
+            bytes(held)
+        ),
         Some(held) => format!(
             "Stop pid {pid} (`{command}`), which holds {} outside this server: `kill {pid}`. Then start the server again.",
             bytes(held)

@@ -250,13 +250,19 @@ pub fn benign(command: &[String]) -> Option<&'static str> {
 /// The MPS server (nvidia-cuda-mps-server), traced or holding the device files when recording
 /// began: under MPS it makes every client's allocations, so they are its, not the clients'.
 pub fn mps_server(model: &Model, header: &Header) -> Option<u32> {
-    let is_mps = |command: &[String]| command.first().is_some_and(|p| p.rsplit('/').next() == Some("nvidia-cuda-mps-server"));
+    let is_mps = |command: &[String]| command.first().is_some_and(|p| is_mps_server(p));
     model
         .processes
         .values()
         .find(|p| is_mps(&p.command))
         .map(|p| p.pid)
         .or_else(|| header.holders_at_start.iter().find(|h| is_mps(&h.command)).map(|h| h.pid))
+}
+
+/// Whether a program (argv[0], or a command line starting with it) is the MPS server, which
+/// makes the allocations of every MPS client.
+pub fn is_mps_server(command: &str) -> bool {
+    command.split_whitespace().next().and_then(|p| p.rsplit('/').next()) == Some("nvidia-cuda-mps-server")
 }
 
 /// Who keeps memory NVML counted before recording: the process it names when that is still there

@@ -452,6 +452,27 @@ fn failures_past_the_first_hundred_are_counted() {
     assert!(report.text().contains("and 50 more failures"), "{}", report.text());
 }
 
+/// Memory held outside by the MPS server is its other clients': the fix says to stop them (or
+/// restart MPS), never to kill the server under every client.
+#[test]
+fn memory_held_by_the_mps_server_is_not_fixed_by_killing_it() {
+    let mut t = Trace::vllm(30 * GIB);
+    t.alloc(110 * MS, ENGINE, 40 * GIB, 0x51);
+    t.0.sort_by_key(|r| r.ts);
+    let model = Model::from_records(&t.0);
+    let mut h = header(80 * GIB, &[(4242, 40 * GIB)]);
+    for prior in &mut h.prior_use {
+        prior.command = vec!["/usr/bin/nvidia-cuda-mps-server".into()];
+    }
+    for holder in &mut h.holders_at_start {
+        holder.command = vec!["/usr/bin/nvidia-cuda-mps-server".into()];
+    }
+    let d = &Diagnoser::new(&h, &model, 0).diagnose()[0];
+    assert_eq!(d.category, Category::HeldByOtherProcess);
+    assert!(d.fix.text.contains("MPS server") && d.fix.text.contains("nvidia-cuda-mps-control"), "{}", d.fix.text);
+    assert!(!d.fix.text.contains("kill 4242"), "{}", d.fix.text);
+}
+
 /// Under MPS the server makes every client's allocations: the report says so.
 #[test]
 fn mps_is_named_in_the_report() {
