@@ -413,6 +413,86 @@ fn sustained(pinned: &dyn Fn(&str) -> Command) -> Result<()> {
     Ok(())
 }
 
+/// The same allocation tracing done the ways other tools do it, per event, on this machine:
+/// gputrace (syscall tracepoints, each escape decoded and written to a trace), a bpftrace script
+/// decoding the same escapes (printing each), and a uprobe + uretprobe pair on an allocation
+/// function of a user library, as uprobe-based GPU tracers hook cudaMalloc (a small library the
+/// benchmark builds, its calls printed the same way).
+fn peers(pinned: &dyn Fn(&str) -> Command) -> Result<()> {
+    let dir = root().join("target/bench-peers");
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    std::fs::write(dir.join("alloc.c"), PEER_LIBRARY).map_err(|e| e.to_string())?;
+    std::fs::write(dir.join("main.c"), PEER_PROGRAM).map_err(|e| e.to_string())?;
+    let library = dir.join("libfakealloc.so");
+    run(Command::new("cc").args(["-O2", "-shared", "-fPIC", "-o"]).arg(&library).arg(dir.join("alloc.c")))?;
+    let program = dir.join("alloc-bench");
+    run(Command::new("cc")
+        .args(["-O2", "-o"])
+        .arg(&program)
+        .arg(dir.join("main.c"))
+        .arg(format!("-L{}", dir.display()))
+        .args(["-lfakealloc", &format!("-Wl,-rpath,{}", dir.display())]))?;
+    let allocs = || {
+        let mut c = Command::new("taskset");
+        c.args(["-c", "1"]).arg(&program).arg("1000000");
+        c
+    };
+    let escapes = || pinned("file-nvidiactl");
+    let bpftrace = |script: String| start_tracer(Command::new("bpftrace").args(["-e", &script]), "Attaching", true);
+
+    let escape_bare = median_ns(escapes)?;
+    let trace = std::env::temp_dir().join("gputrace-bench-peers.trace");
+    let recorder = start_tracer(Command::new(bin("gputrace")).args(["record", "--all", "-o"]).arg(&trace), "gputrace: tracing", false)?;
+    let escape_gputrace = median_ns(escapes)?;
+    stop(recorder);
+    let _ = std::fs::remove_file(&trace);
+    let decoder = bpftrace(format!(
+        "tracepoint:syscalls:sys_enter_ioctl /args->cmd == {:#x}/ {{ @arg[tid] = args->arg; }} \
+         tracepoint:syscalls:sys_exit_ioctl /@arg[tid]/ {{ $p = @arg[tid]; printf(\"%d %d %x %x %x\\n\", pid, args->ret, \
+         *(uint32 *)uptr($p), *(uint32 *)uptr($p + 8), *(uint32 *)uptr($p + 12)); delete(@arg[tid]); }}",
+        0xc0104629u32
+    ))?;
+    let escape_bpftrace = median_ns(escapes)?;
+    stop(decoder);
+
+    let alloc_bare = median_ns(allocs)?;
+    let lib = library.display();
+    let probes = bpftrace(format!(
+        "uprobe:{lib}:fake_alloc {{ @size[tid] = arg0; }} \
+         uretprobe:{lib}:fake_alloc /@size[tid]/ {{ printf(\"%d %d %p\\n\", pid, @size[tid], retval); delete(@size[tid]); }}"
+    ))?;
+    let alloc_uprobes = median_ns(allocs)?;
+    stop(probes);
+
+    println!("\nThe same tracing done other ways, ns added per traced event (median of 3 runs of 1,000,000, pinned to CPU 1):");
+    println!("{:<70} {:>10} {:>10} {:>10}", "way", "untraced", "traced", "added");
+    for (way, bare, traced) in [
+        ("gputrace record --all (escape decoded, written to a trace)", escape_bare, escape_gputrace),
+        ("bpftrace decoding the same escapes (each printed)", escape_bare, escape_bpftrace),
+        ("uprobe + uretprobe on a library's allocation function (each printed)", alloc_bare, alloc_uprobes),
+    ] {
+        println!("{way:<70} {bare:>10.0} {traced:>10.0} {:>10.0}", traced - bare);
+    }
+    Ok(())
+}
+
+/// The allocation function the uprobe comparison hooks, in a shared library as libcudart's is.
+const PEER_LIBRARY: &str = "#include <stddef.h>\n\
+static char pool[64];\n\
+__attribute__((noinline)) void *fake_alloc(size_t bytes) { __asm__ volatile(\"\" ::: \"memory\"); return bytes ? pool : NULL; }\n";
+
+/// Calls it COUNT times and prints ns per call.
+const PEER_PROGRAM: &str = "#include <stdio.h>\n#include <stdlib.h>\n#include <time.h>\n\
+void *fake_alloc(size_t);\n\
+int main(int argc, char **argv) {\n\
+  long n = argc > 1 ? atol(argv[1]) : 1000000;\n\
+  for (int i = 0; i < 1000; i++) fake_alloc(64);\n\
+  struct timespec a, b; clock_gettime(CLOCK_MONOTONIC, &a);\n\
+  for (long i = 0; i < n; i++) fake_alloc(64 + (i & 7));\n\
+  clock_gettime(CLOCK_MONOTONIC, &b);\n\
+  printf(\"%.1f\\n\", ((b.tv_sec - a.tv_sec) * 1e9 + (b.tv_nsec - a.tv_nsec)) / n);\n\
+  return 0;\n}\n";
+
 /// What tracing costs an ioctl: per call, with nothing attached, with empty programs on the same
 /// tracepoints (what any syscall tracer costs), and with gputrace tracing every process.
 fn bench() -> Result<()> {
@@ -454,6 +534,7 @@ fn bench() -> Result<()> {
     }
 
     sustained(&pinned)?;
+    peers(&pinned)?;
 
     // A traced escape on the fake GPU: the whole path, kernel record to trace file.
     let fake = |traced: bool| {
