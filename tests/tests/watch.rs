@@ -134,3 +134,50 @@ fn a_watch_of_one_pid_dumps_its_failure_only() {
     assert!(text.contains("100.0 GiB") && !text.contains("200.0 GiB"), "{text}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Where this machine's cgroup v2 hierarchy is mounted (/sys/fs/cgroup, or /sys/fs/cgroup/unified
+/// on hybrid hosts).
+fn cgroup2_root() -> std::path::PathBuf {
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let line = mounts.lines().find(|l| l.split(" - ").nth(1).is_some_and(|fs| fs.starts_with("cgroup2 "))).expect("a cgroup2 mount");
+    line.split_whitespace().nth(4).unwrap().into()
+}
+
+/// `watch --cgroup` follows the processes of one cgroup, including one that joins it after the
+/// watch began (as `docker exec` does): its refusal is dumped, an outsider's is not.
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn a_watch_of_one_cgroup_dumps_its_processes_failures_only() {
+    let _root = as_root();
+    let dir = std::env::temp_dir().join(format!("gputrace-watch-cgroup-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let dumps = dir.join("dumps");
+    let cgroup = cgroup2_root().join(format!("gputrace-test-{}", std::process::id()));
+    std::fs::create_dir_all(&cgroup).unwrap();
+    let script = r#"W="$1"; G="$2"; D="$3"; CG="$4"
+        "$G" watch --cgroup "$CG" --dump-dir "$D" --listen off --aftermath 200ms --min-interval 1s 2> "$D.log" & g=$!
+        until grep -q 'gputrace: tracing' "$D.log" 2>/dev/null; do kill -0 $g 2>/dev/null || exit 1; sleep 0.05; done
+        sh -c 'echo $$ > "$1/cgroup.procs"; exec "$0" oom --bytes 100GiB' "$W" "$CG" & inside=$!
+        "$W" oom --bytes 200GiB
+        wait $inside
+        sleep 1; kill -TERM $g; wait $g"#;
+    let out = Command::new(env!("CARGO_BIN_EXE_fakegpu"))
+        .args(["run", "--video", "80GiB", "--", "sh", "-c", script, "sh", env!("CARGO_BIN_EXE_fake-workload")])
+        .arg(gputrace_bin())
+        .arg(&dumps)
+        .arg(&cgroup)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir(&cgroup);
+    let log = std::fs::read_to_string(dumps.with_extension("log")).unwrap_or_default();
+    assert!(out.status.success(), "the watch stops cleanly on SIGTERM: {}\n{log}", String::from_utf8_lossy(&out.stderr));
+    assert!(log.contains("gputrace: watching the processes of cgroup "), "{log}");
+    let traces: Vec<_> =
+        std::fs::read_dir(&dumps).unwrap().flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|e| e == "trace")).collect();
+    assert_eq!(traces.len(), 1, "one dump, for the cgroup's process: {traces:?}\n{log}");
+    let text = Command::new(gputrace_bin()).arg("report").arg(&traces[0]).output().unwrap();
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("100.0 GiB") && !text.contains("200.0 GiB"), "{text}");
+    std::fs::remove_dir_all(&dir).ok();
+}

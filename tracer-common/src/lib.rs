@@ -102,6 +102,9 @@ pub struct Config {
     /// Offset of `group_dead` in sched_process_exit records (recent kernels; 6.1 has none); 0 when the kernel's
     /// records have none, and the thread group leader's exit stands for the process's.
     pub group_dead_at: u32,
+    /// Also trace every process under the cgroup v2 directory in CGROUPS[0] (`watch --cgroup`).
+    pub cgroup: u32,
+    pub _pad: u32,
 }
 
 /// Where, in the running kernel, `current->files->fdt->fd[n]` is (from its BTF). All zero when

@@ -13,7 +13,7 @@ use aya_ebpf::{
         bpf_probe_read_user_str_bytes, generated::bpf_probe_read_user,
     },
     macros::{map, tracepoint},
-    maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
+    maps::{Array, CgroupArray, HashMap, LruHashMap, PerCpuArray, RingBuf},
     programs::TracePointContext,
 };
 use tracer_common::{
@@ -32,6 +32,10 @@ static FDS: HashMap<FdKey, u8> = HashMap::with_max_entries(1 << 16, 0);
 static TRACED: HashMap<u32, u8> = HashMap::with_max_entries(1 << 15, 0);
 #[map]
 static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
+/// The cgroup v2 directory whose processes (and their descendants' cgroups) are traced, when
+/// Config::cgroup says so.
+#[map]
+static CGROUPS: CgroupArray = CgroupArray::with_max_entries(1, 0);
 /// Written by userspace from the kernel's BTF before attaching.
 #[map]
 static OFFSETS: Array<KernelOffsets> = Array::with_max_entries(1, 0);
@@ -63,13 +67,16 @@ fn remember<E>(inserted: Result<(), E>) {
 }
 
 #[inline(always)]
+/// Whether the current process (`tgid`) is traced: everyone, a process followed since its
+/// attach or fork, or (watch --cgroup) any process under the chosen cgroup.
 fn is_traced(tgid: u32) -> bool {
-    if let Some(config) = CONFIG.get(0) {
-        if config.trace_all != 0 {
-            return true;
-        }
-    }
-    unsafe { TRACED.get(&tgid).is_some() }
+    let cgroup = match CONFIG.get(0) {
+        Some(config) if config.trace_all != 0 => return true,
+        Some(config) => config.cgroup != 0,
+        None => false,
+    };
+    let followed = unsafe { TRACED.get(&tgid).is_some() };
+    followed || (cgroup && CGROUPS.current_task_under_cgroup(0) == Ok(true))
 }
 
 #[inline(always)]

@@ -89,6 +89,10 @@ enum Command {
         /// watch ends, its dumps written, when they are all gone
         #[arg(long = "pid", value_name = "PID")]
         pids: Vec<u32>,
+        /// Watch only the processes under this cgroup v2 directory (a container's, a pod's),
+        /// those there now and those that join it
+        #[arg(long, value_name = "DIR")]
+        cgroup: Option<PathBuf>,
     },
     /// Ask the running `gputrace watch` for a dump now (as SIGUSR1 does).
     Dump {
@@ -272,10 +276,23 @@ fn main() -> ExitCode {
                 invocation: std::env::args().collect(),
                 redact: judging.redact,
                 capacity: judging.capacity,
+                cgroup: None,
             };
             gputrace::record::run(opts).map(|outcome| ExitCode::from(outcome.exit_code.clamp(0, 255) as u8))
         }
-        Command::Watch { dump_dir, window, window_bytes, budget, aftermath, min_interval, driver_version, judging, listen, pids } => {
+        Command::Watch {
+            dump_dir,
+            window,
+            window_bytes,
+            budget,
+            aftermath,
+            min_interval,
+            driver_version,
+            judging,
+            listen,
+            pids,
+            cgroup,
+        } => {
             let opts = gputrace::watch::Options {
                 dump_dir,
                 window,
@@ -289,6 +306,7 @@ fn main() -> ExitCode {
                 capacity: judging.capacity,
                 listen: listen.0,
                 pids,
+                cgroup,
             };
             gputrace::watch::run(opts).map(|()| ExitCode::SUCCESS)
         }

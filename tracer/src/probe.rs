@@ -155,6 +155,8 @@ pub struct Probe {
     fds: HashMap<MapData, FdKey, u8>,
     traced: HashMap<MapData, u32, u8>,
     stats: PerCpuArray<MapData, u64>,
+    /// Taken out of the object to be filled: held so the programs' reference to it stays valid.
+    _cgroups: Option<aya::maps::CgroupArray<MapData>>,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -173,7 +175,8 @@ fn map_err(map: &'static str) -> impl Fn(aya::maps::MapError) -> ProbeError {
 
 impl Probe {
     /// Loads the programs for a driver layout and attaches every hook.
-    pub fn load(layout: &Layout, trace_all: bool, kernel: &Kernel) -> Result<Probe, ProbeError> {
+    /// `cgroup`: a cgroup v2 directory, opened, whose processes are traced too.
+    pub fn load(layout: &Layout, trace_all: bool, cgroup: Option<&std::fs::File>, kernel: &Kernel) -> Result<Probe, ProbeError> {
         // The kernel accounts BPF memory by memcg on current kernels; raising the old locked-memory
         // limit only matters on old ones and may be refused (no CAP_SYS_RESOURCE): not an error.
         let unlimited = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
@@ -191,7 +194,17 @@ impl Probe {
 
         let take = |ebpf: &mut Ebpf, name: &'static str| ebpf.take_map(name).ok_or(ProbeError::MissingMap(name));
         let mut config: Array<MapData, Config> = Array::try_from(take(&mut ebpf, "CONFIG")?).map_err(map_err("CONFIG"))?;
-        config.set(0, Config { trace_all: trace_all as u32, group_dead_at: kernel.group_dead_at }, 0).map_err(map_err("CONFIG"))?;
+        let settings =
+            Config { trace_all: trace_all as u32, group_dead_at: kernel.group_dead_at, cgroup: cgroup.is_some() as u32, _pad: 0 };
+        config.set(0, settings, 0).map_err(map_err("CONFIG"))?;
+        let cgroups = match cgroup {
+            Some(dir) => {
+                let mut cgroups = aya::maps::CgroupArray::try_from(take(&mut ebpf, "CGROUPS")?).map_err(map_err("CGROUPS"))?;
+                cgroups.set(0, std::os::fd::AsFd::as_fd(dir), 0).map_err(map_err("CGROUPS"))?;
+                Some(cgroups)
+            }
+            None => None,
+        };
         let mut windows: HashMap<MapData, u32, UvmWindow> =
             HashMap::try_from(take(&mut ebpf, "UVM_WINDOWS")?).map_err(map_err("UVM_WINDOWS"))?;
         for (cmd, window) in layout.uvm_windows() {
@@ -227,7 +240,7 @@ impl Probe {
             }
             tp.attach(category, name).map_err(|e| attach_err(e.to_string()))?;
         }
-        Ok(Probe { _ebpf: ebpf, events: Some(events), fds, traced, stats })
+        Ok(Probe { _ebpf: ebpf, events: Some(events), fds, traced, stats, _cgroups: cgroups })
     }
 
     /// Traces `pid` and, from now on, every process it forks.

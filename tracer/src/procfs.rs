@@ -274,6 +274,20 @@ pub fn all_pids() -> Vec<u32> {
 }
 
 /// The given pids and every process below them now.
+/// The processes in a cgroup v2 directory and those below it (cgroup.procs of each, bounded).
+pub fn cgroup_pids(dir: &std::path::Path) -> Vec<u32> {
+    let mut pids = Vec::new();
+    let mut dirs = vec![dir.to_path_buf()];
+    // A few thousand cgroups at most: a pod or a container holds a handful.
+    while let Some(d) = dirs.pop().filter(|_| pids.len() < 1 << 16) {
+        let procs = read_bounded(&d.join("cgroup.procs").to_string_lossy(), 1 << 20).unwrap_or_default();
+        pids.extend(procs.lines().filter_map(|l| l.trim().parse::<u32>().ok()));
+        let subdirs = std::fs::read_dir(&d).into_iter().flatten().filter_map(Result::ok).take(4096);
+        dirs.extend(subdirs.filter(|e| e.file_type().is_ok_and(|t| t.is_dir())).map(|e| e.path()));
+    }
+    pids
+}
+
 pub fn with_descendants(roots: &[u32]) -> Vec<u32> {
     let parents: Vec<(u32, u32)> = all_pids().into_iter().filter_map(|pid| Some((pid, parent(pid)?))).collect();
     descendants(roots, &parents)

@@ -45,6 +45,8 @@ pub struct Options {
     pub redact: bool,
     /// Each GPU's capacity where NVML cannot tell it (no NVML, unified memory).
     pub capacity: Option<u64>,
+    /// Also every process under this cgroup v2 directory, now and to come (`watch --cgroup`).
+    pub cgroup: Option<PathBuf>,
 }
 
 /// How often NVML and the host's memory are sampled into the trace.
@@ -53,6 +55,24 @@ const SAMPLE_EVERY: Duration = Duration::from_millis(500);
 /// The launched command's exit status, as a shell would report it.
 pub struct Outcome {
     pub exit_code: i32,
+}
+
+/// A cgroup v2 directory, opened for the kernel's cgroup array; refused with the reason a user
+/// can act on when it is not one.
+fn open_cgroup(path: &std::path::Path) -> Result<std::fs::File> {
+    const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
+    let dir = std::fs::File::open(path).with_context(|| format!("cannot open the cgroup {}", path.display()))?;
+    // SAFETY: fstatfs fills the struct for an open fd.
+    let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+    let on_cgroup2 =
+        unsafe { libc::fstatfs(std::os::fd::AsRawFd::as_raw_fd(&dir), &mut fs) } == 0 && fs.f_type as i64 == CGROUP2_SUPER_MAGIC;
+    if !on_cgroup2 || !dir.metadata()?.is_dir() {
+        bail!(
+            "{} is not a cgroup v2 directory: give one under the unified hierarchy (/sys/fs/cgroup/... on cgroup v2 hosts, /sys/fs/cgroup/unified/... on hybrid ones), such as a container's `system.slice/docker-ID.scope`",
+            path.display()
+        );
+    }
+    Ok(dir)
 }
 
 /// Each pid to attach to names a process that is there.
@@ -99,7 +119,8 @@ fn trace_into(opts: &Options, sink: impl FnOnce(&Header, Option<&User>) -> Resul
     }
     let sink = sink(&header, user.as_ref())?;
 
-    let mut probe = Probe::load(&layout, opts.all, &kernel)?;
+    let cgroup = opts.cgroup.as_deref().map(open_cgroup).transpose()?;
+    let mut probe = Probe::load(&layout, opts.all, cgroup.as_ref(), &kernel)?;
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().context("starting the event loop")?;
     let mut session = Session {
         pipeline: Pipeline::new(layout, ProcResolver, opts.raw, Some(std::process::id())),
@@ -275,7 +296,9 @@ impl Session {
     /// Attaches to what was asked (the processes of --pid and their descendants, or everyone's
     /// NVIDIA files with --all), launches the command, then drops what recording no longer needs.
     fn begin(&mut self, probe: &mut Probe, opts: &Options) -> Result<Option<(tokio::process::Child, u32)>> {
-        let attach: Vec<u32> = if opts.all { procfs::all_pids() } else { procfs::with_descendants(&opts.pids) };
+        let mut roots = opts.pids.clone();
+        roots.extend(opts.cgroup.as_deref().map(procfs::cgroup_pids).unwrap_or_default());
+        let attach: Vec<u32> = if opts.all { procfs::all_pids() } else { procfs::with_descendants(&roots) };
         for pid in attach {
             if !opts.all {
                 probe.trace_pid(pid)?;
@@ -294,6 +317,8 @@ impl Session {
 
         let what = if opts.all {
             "every process".to_string()
+        } else if let Some(cgroup) = &opts.cgroup {
+            format!("cgroup {}", cgroup.display())
         } else if opts.command.is_empty() {
             format!("pid {}", join(&opts.pids))
         } else {

@@ -36,6 +36,8 @@ pub struct Options {
     pub listen: Option<SocketAddr>,
     /// Only these processes and their children; empty: every process.
     pub pids: Vec<u32>,
+    /// Only the processes under this cgroup v2 directory.
+    pub cgroup: Option<PathBuf>,
 }
 
 /// Watches until SIGTERM or SIGINT; a dump waiting for its aftermath is written first.
@@ -52,7 +54,7 @@ pub fn run(opts: Options) -> Result<()> {
     let record = crate::record::Options {
         output: None,
         pids: opts.pids.clone(),
-        all: opts.pids.is_empty(),
+        all: opts.pids.is_empty() && opts.cgroup.is_none(),
         driver_version: opts.driver_version.clone(),
         raw: false,
         json: false,
@@ -61,8 +63,11 @@ pub fn run(opts: Options) -> Result<()> {
         invocation: std::env::args().collect(),
         redact: opts.redact,
         capacity: opts.capacity,
+        cgroup: opts.cgroup.clone(),
     };
-    let what = if opts.pids.is_empty() {
+    let what = if let Some(cgroup) = &opts.cgroup {
+        format!("the processes of cgroup {}", cgroup.display())
+    } else if opts.pids.is_empty() {
         "every process".to_string()
     } else {
         format!("pid {} and its children", opts.pids.iter().map(u32::to_string).collect::<Vec<_>>().join(", "))
