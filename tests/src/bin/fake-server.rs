@@ -136,7 +136,7 @@ extern "C" fn on_sigterm(_: libc::c_int) {
 }
 
 /// The API server: binds early, starts the engine, listens once the engine is ready.
-fn vllm_api(args: &Args, truth: &Truth) -> ExitCode {
+fn vllm_api(args: &Args, truth: &Arc<Truth>) -> ExitCode {
     // SAFETY: plain socket calls; the fd becomes a TcpListener once listening.
     let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
     let one: libc::c_int = 1;
@@ -213,9 +213,10 @@ fn vllm_api(args: &Args, truth: &Truth) -> ExitCode {
             continue;
         };
         stream.set_nonblocking(false).unwrap();
-        let (to_engine, routes, next_id) = (to_engine.clone(), routes.clone(), next_id.clone());
+        let (to_engine, routes, next_id, truth) = (to_engine.clone(), routes.clone(), next_id.clone(), truth.clone());
         std::thread::spawn(move || {
             let Some(request) = read_request(&mut stream) else { return };
+            truth.note("read", json!({"path": request.path}));
             let Ok(c) = serde_json::from_slice::<Completion>(&request.body) else {
                 return respond(&mut stream, "400 Bad Request", r#"{"error":"bad request"}"#);
             };
@@ -474,6 +475,7 @@ fn llama(args: &Args, truth: Arc<Truth>) -> ExitCode {
                 let (ready, gpu, pool, in_flight, truth) = (ready.clone(), gpu.clone(), pool.clone(), in_flight.clone(), truth.clone());
                 std::thread::spawn(move || {
                     let Some(request) = read_request(&mut stream) else { return };
+                    truth.note("read", json!({"path": request.path}));
                     if !*ready.lock().unwrap() {
                         return respond(&mut stream, "503 Service Unavailable", r#"{"error":{"code":503,"message":"Loading model"}}"#);
                     }
