@@ -389,20 +389,7 @@ fn memory_released_while_mapped_lives_until_unmapped() {
 #[test]
 #[ignore = "needs root: `sudo cargo xtask test` runs it"]
 fn memory_exported_to_a_file_lives_until_the_files_last_close() {
-    let _root = as_root();
-    let run = record_then_wait("ipc", "580.95.05", &["ipc", "--ms", "300"], Some("1.2"));
-    assert_eq!(run.status, 0, "{}", run.stderr);
-    let (records, model) = run.trace();
-    let driver = run.driver();
-    assert_eq!(traced_allocs(&records), driver_allocs(&driver));
-    let shared = model.allocations.iter().find(|a| a.bytes == 3 << 30).expect("the 3 GiB exported");
-    let imported = records.iter().any(|r| r.pid != shared.pid && matches!(r.event, Event::ImportObject { status: 0, .. }));
-    assert!(imported, "the importer's RM_CONTROL is recorded");
-    let exported = records.iter().any(|r| r.pid == shared.pid && matches!(r.event, Event::ExportObject { status: 0, .. }));
-    assert!(exported, "the exporter's RM_CONTROL is recorded");
-    let importer: Vec<serde_json::Value> = read_lines(&run.dir.join("workload.jsonl.receiver")).unwrap();
-    let at =
-        |op: &str| importer.iter().find(|w| w["op"] == op).unwrap_or_else(|| panic!("no {op} in {importer:?}"))["ts"].as_u64().unwrap();
+    let (shared, at) = exported_memory(false);
     let (freed_at, how) = shared.freed.expect("freed when the export file went");
     assert_eq!(how, FreedBy::FileRelease);
     assert!(
@@ -410,9 +397,50 @@ fn memory_exported_to_a_file_lives_until_the_files_last_close() {
         "freed at the close of the export file ({} ms after the importer freed its handle), not at a handle's free",
         (freed_at - at("free_import")) / 1_000_000
     );
+}
+
+/// The same, with the importer closing the export file at once (microseconds after the import,
+/// before a recorder has read the import's record): that close is seen, so the memory goes with
+/// the importer's handle, not with the importer's exit.
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn an_export_file_closed_right_after_its_import_is_seen_closed() {
+    let (shared, at) = exported_memory(true);
+    let (freed_at, how) = shared.freed.expect("freed with the importer's handle");
+    assert_ne!(how, FreedBy::FileRelease, "the export file was closed 300 ms before the handle's free");
+    assert!(
+        freed_at >= at("free_import").saturating_sub(50_000_000) && freed_at < at("free_import") + 50_000_000,
+        "freed at the importer's free of its handle, {} ms away",
+        (freed_at as i64 - at("free_import") as i64) / 1_000_000
+    );
+}
+
+/// Runs `fake-workload ipc` under the recorder and checks what both ways share; returns the
+/// exported allocation and the importer's ground truth (the time of each of its steps).
+fn exported_memory(close_first: bool) -> (gputrace::model::Allocation, impl Fn(&str) -> u64) {
+    let _root = as_root();
+    let mut args = vec!["ipc", "--ms", "300"];
+    args.extend(close_first.then_some("--close-first"));
+    let run = record_then_wait("ipc", "580.95.05", &args, Some("1.2"));
+    assert_eq!(run.status, 0, "{}", run.stderr);
+    let (records, model) = run.trace();
+    let driver = run.driver();
+    assert_eq!(traced_allocs(&records), driver_allocs(&driver));
+    let shared = model.allocations.iter().find(|a| a.bytes == 3 << 30).expect("the 3 GiB exported").clone();
+    let imported = records.iter().any(|r| r.pid != shared.pid && matches!(r.event, Event::ImportObject { status: 0, .. }));
+    assert!(imported, "the importer's RM_CONTROL is recorded");
+    let exported = records.iter().any(|r| r.pid == shared.pid && matches!(r.event, Event::ExportObject { status: 0, .. }));
+    assert!(exported, "the exporter's RM_CONTROL is recorded");
+    let importer: Vec<serde_json::Value> = read_lines(&run.dir.join("workload.jsonl.receiver")).unwrap();
+    let at = move |op: &str| {
+        importer.iter().find(|w| w["op"] == op).unwrap_or_else(|| panic!("no {op} in {importer:?}"))["ts"].as_u64().unwrap()
+    };
+    let (freed_at, _) = shared.freed.expect("the exported memory is freed");
     assert!(model.processes[&shared.pid].exited.unwrap() < at("free_import"), "the exporter was gone long before");
+    assert!(freed_at < model.processes.values().filter_map(|p| p.exited).max().unwrap(), "freed before the importer's exit");
     check_frees_match(&model, &driver);
     std::fs::remove_dir_all(&run.dir).ok();
+    (shared, at)
 }
 
 /// A cgroup as a container runtime names it (`docker-<64 hex>.scope`), in the pids hierarchy of

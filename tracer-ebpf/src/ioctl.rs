@@ -76,9 +76,7 @@ pub fn ioctl_enter(ctx: TracePointContext) -> u32 {
 
 const RM_CONTROL_CMD: u32 = rm_cmd(escape::RM_CONTROL, 32);
 
-/// bpf_ringbuf_submit's flags and bpf_ringbuf_query's, from the kernel's uapi.
-const BPF_RB_NO_WAKEUP: u64 = 1;
-const BPF_RB_FORCE_WAKEUP: u64 = 2;
+/// bpf_ringbuf_query's flag, from the kernel's uapi.
 const BPF_RB_AVAIL_DATA: u64 = 0;
 /// Unread bytes in the ring (16 MiB) past which an escape wakes the reader: a few milliseconds
 /// of records at the highest rates, far from full.
@@ -191,7 +189,15 @@ unsafe fn fill_ioctl(record: &mut IoctlRecord, inflight: &Inflight, ret: i64) ->
             record.class_len = len;
             let c = &record.class_params;
             let at = if cmd == control::EXPORT_OBJECT_TO_FD { 16 } else { 0 };
-            record.named_file = file_of(u32::from_ne_bytes([c[at], c[at + 1], c[at + 2], c[at + 3]]));
+            let fd = u32::from_ne_bytes([c[at], c[at + 1], c[at + 2], c[at + 3]]);
+            record.named_file = file_of(fd);
+            // RM took it for an nvidiactl file: its close is followed from now on, even one
+            // that comes before userspace has read this record (an importer that closes at once).
+            let status = u32::from_ne_bytes([p[28], p[29], p[30], p[31]]);
+            if ret == 0 && status == 0 {
+                let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+                let _ = FDS.insert(&FdKey { tgid, fd }, &device::CTL, BPF_NOEXIST as u64);
+            }
         } else {
             record.flags |= ioctl_flag::CLASS_FAULT;
         }

@@ -120,8 +120,24 @@ fn header(kind: u32) -> Header {
 
 fn send_fd_record(kind: u32, a: i64, b: i64, c: i64) {
     let record = FdRecord { header: header(kind), a, b, c };
-    if EVENTS.output::<FdRecord>(&record, 0).is_err() {
+    if EVENTS.output::<FdRecord>(&record, wake_for(kind)).is_err() {
         bump(stat::LOST);
+    }
+}
+
+/// bpf_ringbuf_submit's flags, from the kernel's uapi.
+const BPF_RB_NO_WAKEUP: u64 = 1;
+const BPF_RB_FORCE_WAKEUP: u64 = 2;
+
+/// A new process wakes the reader at once, whatever escapes wait unread before it: userspace
+/// copies its fds and reads its /proc entries while they are there. Everything else keeps the
+/// kernel's default (a wake-up only when the reader has caught up).
+#[inline(always)]
+fn wake_for(kind: u32) -> u64 {
+    if kind == kind::FORK || kind == kind::EXEC {
+        BPF_RB_FORCE_WAKEUP
+    } else {
+        0
     }
 }
 

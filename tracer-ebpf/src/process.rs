@@ -37,7 +37,7 @@ pub fn process_exec(ctx: TracePointContext) -> u32 {
     let data_loc: u32 = arg(&ctx, EXEC_FILENAME_LOC);
     let src = unsafe { (aya_ebpf::EbpfContext::as_ptr(&ctx) as *const u8).add((data_loc & 0xffff) as usize) };
     let _ = unsafe { bpf_probe_read_kernel_str_bytes(src, &mut record.filename) };
-    entry.submit(0);
+    entry.submit(wake_for(kind::EXEC));
     0
 }
 

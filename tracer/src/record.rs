@@ -427,17 +427,22 @@ impl Session {
                     break;
                 }
                 _ = async { marks.as_ref().unwrap().accept(&mark_tx).await }, if marks.is_some() => {}
+                // Questions are answered on everything the kernel has recorded so far, not on
+                // what the last wake-up brought (escapes wait for a batch or the tick).
                 Some(request) = mark_rx.recv() => {
+                    self.drain(ring.get_mut(), probe)?;
                     let _ = request.reply.send(self.mark(request.phase, request.pid));
                 }
                 Some(sample) = sample_rx.recv() => self.emit_now(0, Event::Sample(sample)),
                 _ = async { http.as_ref().unwrap().accept(&http_tx).await }, if http.is_some() => {}
                 Some(request) = http_rx.recv() => {
+                    self.drain(ring.get_mut(), probe)?;
                     if let Sink::Watch(w) = &self.sink {
                         let _ = request.reply.send(w.respond(request.route, request.peer_uid, &self.model));
                     }
                 }
                 Some(()) = async { dump_asks.as_mut().unwrap().recv().await }, if dump_asks.is_some() => {
+                    self.drain(ring.get_mut(), probe)?;
                     if let Sink::Watch(w) = &mut self.sink {
                         w.ask();
                     }

@@ -19,7 +19,9 @@
 //! - `ipc --ms N`: CUDA IPC through a file descriptor (cuMemExportToShareableHandle): exports
 //!   3 GiB to a fresh nvidiactl file, sends it over a unix socket to a process it starts, which
 //!   imports it; the exporter frees and exits; the importer frees its handle after N ms, and
-//!   only its close of the export file, 100 ms later, frees the memory.
+//!   only its close of the export file, 100 ms later, frees the memory. With `--close-first`
+//!   the importer closes the export file at once, as applications do, and its handle's free is
+//!   what frees the memory.
 use std::fs::File;
 use std::io::Write;
 use std::os::fd::AsRawFd;
@@ -260,12 +262,15 @@ fn start_peer(args: &[&str]) -> Result<(i32, std::process::Child), String> {
     Ok((pair[0], child))
 }
 
-fn ipc(truth: &mut Truth, ms: u64) -> Result<(), String> {
+fn ipc(truth: &mut Truth, ms: u64, close_first: bool) -> Result<(), String> {
     let mut gpu = Gpu::open(0)?;
     let buffer = truth.alloc(&mut gpu, Path::RmAlloc, 3 * GIB).ok_or("alloc failed")?;
     let share = gpu.export(&buffer).map_err(|s| format!("export: {s:#x}"))?;
     truth.note("exported", "RmControl", buffer.bytes, buffer.handle, 0);
-    let (socket, importer) = start_peer(&["import", "--ms", &ms.to_string()])?;
+    let ms = ms.to_string();
+    let mut peer = vec!["import", "--ms", &ms];
+    peer.extend(close_first.then_some("--close-first"));
+    let (socket, importer) = start_peer(&peer)?;
     send_fds(socket, &[share.as_raw_fd()], &[0u8; 12])?;
     let mut ack = [0u8; 1];
     // SAFETY: read one byte from our end: the importer has its handle.
@@ -277,21 +282,37 @@ fn ipc(truth: &mut Truth, ms: u64) -> Result<(), String> {
     Ok(())
 }
 
-fn import(truth: &mut Truth, socket: i32, ms: u64) -> Result<(), String> {
+fn import(truth: &mut Truth, socket: i32, ms: u64, close_first: bool) -> Result<(), String> {
     use std::os::fd::FromRawFd;
     let gpu = Gpu::open(0)?;
     let fds = receive_fds(socket, 1, &mut [0u8; 12])?;
     // SAFETY: the fd just arrived and is ours alone.
     let share = unsafe { File::from_raw_fd(fds[0]) };
+    // Settled first (the recorder has read its fork and copied its fds): what follows is then
+    // judged by the kernel's word alone.
+    std::thread::sleep(std::time::Duration::from_millis(250));
     let handle = gpu.import(&share).map_err(|s| format!("import: {s:#x}"))?;
+    // Closed within microseconds of the import, long before a recorder reads its record.
+    let share = match close_first {
+        true => {
+            drop(share);
+            None
+        }
+        false => Some(share),
+    };
     truth.note("imported", "RmControl", 0, handle, 0);
+    if share.is_none() {
+        truth.note("close_share", "", 0, 0, 0);
+    }
     unsafe { libc::write(socket, b"!".as_ptr().cast(), 1) };
     std::thread::sleep(std::time::Duration::from_millis(ms));
     gpu.free_handle(handle, false).map_err(|s| format!("free: {s:#x}"))?;
     truth.note("free_import", "RmFree", 0, handle, 0);
     std::thread::sleep(std::time::Duration::from_millis(100));
-    drop(share);
-    truth.note("close_share", "", 0, 0, 0);
+    if let Some(share) = share {
+        drop(share);
+        truth.note("close_share", "", 0, 0, 0);
+    }
     std::thread::sleep(std::time::Duration::from_millis(50));
     Ok(())
 }
@@ -314,6 +335,7 @@ fn receive(truth: &mut Truth, socket: i32) -> Result<(), String> {
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let value = |flag: &str| args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1)).cloned();
+    let close_first = args.iter().any(|a| a == "--close-first");
     let mut truth = Truth(value("--truth").map(|p| File::create(p).expect("creating the truth file")));
     let result = match args.first().map(String::as_str) {
         Some("paths") => paths(&mut truth),
@@ -322,12 +344,17 @@ fn main() -> ExitCode {
         Some("pass-fd") => pass_fd(&mut truth),
         Some("receive") => receive(&mut truth, value("--socket").and_then(|v| v.parse().ok()).unwrap_or(-1)),
         Some("hold") => hold(&mut truth, value("--ms").and_then(|v| v.parse().ok()).unwrap_or(1000)),
-        Some("ipc") => ipc(&mut truth, value("--ms").and_then(|v| v.parse().ok()).unwrap_or(300)),
-        Some("import") => import(&mut truth, value("--socket").and_then(|v| v.parse().ok()).unwrap_or(-1), value("--ms").and_then(|v| v.parse().ok()).unwrap_or(300)),
+        Some("ipc") => ipc(&mut truth, value("--ms").and_then(|v| v.parse().ok()).unwrap_or(300), close_first),
+        Some("import") => import(
+            &mut truth,
+            value("--socket").and_then(|v| v.parse().ok()).unwrap_or(-1),
+            value("--ms").and_then(|v| v.parse().ok()).unwrap_or(300),
+            close_first,
+        ),
         Some("vmm") => vmm(&mut truth, value("--ms").and_then(|v| v.parse().ok()).unwrap_or(300)),
         Some("oom") => oom(&mut truth, value("--bytes").and_then(|v| parse_bytes(&v)).unwrap_or(1 << 40)),
         _ => Err(
-            "usage: fake-workload paths|fork-holder|storm|oom|hold|vmm|pass-fd|ipc [--truth FILE] [--hold-ms N] [--count N] [--bytes B] [--ms N]"
+            "usage: fake-workload paths|fork-holder|storm|oom|hold|vmm|pass-fd|ipc [--close-first] [--truth FILE] [--hold-ms N] [--count N] [--bytes B] [--ms N]"
                 .into(),
         ),
     };
