@@ -23,8 +23,9 @@ const INSIDE: &str = r#"
 set -e
 dpkg -i /check/gputrace.deb
 echo "== status: $(dpkg-query -W -f='${Status} ${Version}' gputrace)"
-echo "== version: $(gputrace --version)"
-echo "== help:"; gputrace --help
+echo "== version: $(/usr/bin/gputrace --version)"
+echo "== help:"; /usr/bin/gputrace --help
+echo "== dir modes: $(stat -c %a /usr/share/doc/gputrace/examples/kubernetes /usr/share/bash-completion/completions | sort -u | tr '\n' ' ')"
 echo "== man:"; MANWIDTH=200 man -P cat gputrace-watch 2>&1
 echo "== man top:"; MANWIDTH=200 man -P cat gputrace 2>&1
 echo "== completion: $(bash -c '. /usr/share/bash-completion/completions/gputrace; COMP_WORDS=(gputrace wat); COMP_CWORD=1; _gputrace gputrace wat gputrace; echo "${COMPREPLY[*]}"')"
@@ -33,9 +34,9 @@ echo "== bash script: $(sha256sum < /usr/share/bash-completion/completions/gputr
 for f in /usr/share/zsh/vendor-completions/_gputrace /usr/share/fish/vendor_completions.d/gputrace.fish; do
     grep -q -- dump-dir "$f" && echo "== completes --dump-dir: $f"
 done
-systemd-analyze verify /lib/systemd/system/gputrace-watch.service && echo "== unit verifies"
+systemd-analyze verify /usr/lib/systemd/system/gputrace-watch.service && echo "== unit verifies"
 # The unit's own command line, as systemd would run it (StateDirectory= made first).
-exec_start=$(sed -n 's/^ExecStart=//p' /lib/systemd/system/gputrace-watch.service)
+exec_start=$(sed -n 's/^ExecStart=//p' /usr/lib/systemd/system/gputrace-watch.service)
 install -d -m 0700 /var/lib/gputrace
 $exec_start 2>/check/watch.log &
 watch=$!
@@ -51,8 +52,11 @@ echo "== dump dir: $(stat -c '%a %U' /var/lib/gputrace/dumps)"
 dpkg -r gputrace
 [ ! -e /usr/bin/gputrace ] && [ ! -e /usr/share/man/man1/gputrace.1.gz ] && echo "== removed"
 [ -d /var/lib/gputrace/dumps ] && echo "== dumps kept on remove"
+# What `systemctl enable gputrace-watch` leaves: purge takes it away.
+mkdir -p /etc/systemd/system/multi-user.target.wants
+ln -s /usr/lib/systemd/system/gputrace-watch.service /etc/systemd/system/multi-user.target.wants/
 dpkg -P gputrace
-[ ! -e /var/lib/gputrace ] && echo "== purged"
+[ ! -e /var/lib/gputrace ] && [ ! -L /etc/systemd/system/multi-user.target.wants/gputrace-watch.service ] && echo "== purged"
 "#;
 
 #[test]
@@ -100,6 +104,7 @@ exit $status"#,
 
     assert_eq!(line("status"), format!("install ok installed {}", env!("CARGO_PKG_VERSION")), "{all}");
     assert_eq!(line("version"), format!("gputrace {}", env!("CARGO_PKG_VERSION")), "{all}");
+    assert_eq!(line("dir modes"), "755", "the package's directories are 0755 whatever the builder's umask:\n{all}");
     let help = text.split("== help:").nth(1).unwrap_or_default();
     for command in ["doctor", "record", "watch", "report", "export"] {
         assert!(help.lines().any(|l| l.trim_start().starts_with(command)), "--help lists {command}:\n{all}");
