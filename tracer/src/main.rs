@@ -86,7 +86,7 @@ enum Command {
         #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:9431", value_parser = listen_address)]
         listen: Listen,
         /// Watch only this process and its children (repeatable) [default: every process]; the
-        /// watch ends, its dumps written, when they are all gone
+        /// watch ends, its dumps written, when the given processes are gone, even if children run on
         #[arg(long = "pid", value_name = "PID")]
         pids: Vec<u32>,
         /// Watch only the processes under this cgroup v2 directory (a container's, a pod's),

@@ -5,7 +5,7 @@
 use std::collections::{HashMap, HashSet};
 
 use super::{AllocId, Allocation, FailedAllocation, FileId, FreedBy, Model};
-use crate::event::{Alloc, Record};
+use crate::event::{Alloc, Memory, Record};
 
 #[derive(Clone, Debug)]
 pub(super) struct Object {
@@ -103,13 +103,14 @@ impl Model {
     /// EXPORT_OBJECT_TO_FD: RM dups the object into a client of its own, kept by the nvidiactl
     /// file behind `to_fd` (`rmobjexportimport.c`): its memory outlives every RM_FREE of the
     /// caller's handles until that file's last close, in whichever process holds it then. A file
-    /// holds one export; a second replaces the first.
+    /// holds one export: RM refuses a second (NV_ERR_STATE_IN_USE), so a trace that says one
+    /// succeeded changes nothing.
     pub(super) fn on_export(&mut self, pid: u32, ts: u64, (client, object): (u32, u32), to_fd: i32) {
         let Some(file) = self.file_of(pid, to_fd, ts) else { return };
-        let alloc = self.clients.get(&client).and_then(|c| c.objects.get(&object)).and_then(|o| o.alloc);
-        if let Some(old) = self.exports.remove(&file) {
-            self.drop_handle(old, ts, FreedBy::Unseen);
+        if self.exports.contains_key(&file) {
+            return;
         }
+        let alloc = self.clients.get(&client).and_then(|c| c.objects.get(&object)).and_then(|o| o.alloc);
         if let Some(id) = alloc {
             *self.handle_refs.entry(id).or_default() += 1;
             self.exports.insert(file, id);
@@ -215,8 +216,13 @@ impl Model {
         });
         self.process(pid, ts).usage.add(a.memory, a.bytes);
         self.handle_refs.insert(id, 1);
-        // A sticky fabric object dups the memory it is made over until it goes itself.
-        let held = a.holds.and_then(|h| self.clients.get(&a.client)?.objects.get(&h)?.alloc);
+        // A sticky fabric object dups the memory it is made over until it goes itself. RM takes
+        // only video memory there (never another holder), so a trace that says otherwise cannot
+        // make chains of holds.
+        let held = a
+            .holds
+            .and_then(|h| self.clients.get(&a.client)?.objects.get(&h)?.alloc)
+            .filter(|&h| self.allocations[h].memory == Memory::Video && !self.holds.contains_key(&h));
         if let Some(held) = held {
             *self.handle_refs.entry(held).or_default() += 1;
             self.holds.insert(id, held);

@@ -200,6 +200,47 @@ fn a_sticky_fabric_object_keeps_its_memory_until_it_goes() {
     assert_eq!(m.check_books(), Ok(()));
 }
 
+/// RM holds only video memory under a fabric object: a trace that claims a fabric object holds
+/// another one (or itself, or system memory) gets no hold, so no chain of them can be built,
+/// and a hundred thousand such claims replay without a deep recursion.
+#[test]
+fn only_video_memory_is_held_and_holds_never_chain() {
+    let fabric = |ts: u64, object: u32, holds: u32| {
+        let a = Alloc { class: 0xf8, memory: Memory::Virtual, holds: Some(holds), ..Alloc::video(CLIENT, DEVICE, object, 2 << 20) };
+        rec(ts, 10, Event::Alloc(a))
+    };
+    let mut t = setup(10, false);
+    t.push(alloc(10, 10, 3, DEVICE, 0xa, GIB, 0));
+    t.push(fabric(11, 0x100, 0xa));
+    for i in 1..100_000u32 {
+        t.push(fabric(11 + u64::from(i), 0x100 + i, 0x100 + i - 1));
+    }
+    t.push(free(200_000, 10, 0xa));
+    t.push(free(200_001, 10, 0x100));
+    let m = Model::from_records(&t);
+    assert_eq!(freed(&m, 0xa), Some((200_001, FreedBy::Explicit)), "held by the first fabric object only");
+    assert_eq!(freed(&m, 0x101), None, "the second holds nothing and lives on");
+    assert_eq!(m.check_books(), Ok(()));
+}
+
+/// A file holds one export: RM refuses a second, so one a trace claims succeeded holds nothing
+/// and the first stays held.
+#[test]
+fn a_second_export_to_the_same_file_holds_nothing() {
+    let mut t = setup(10, false);
+    t.push(alloc(10, 10, 3, DEVICE, 0xa, GIB, 0));
+    t.push(alloc(11, 10, 3, DEVICE, 0xe, 2 * GIB, 0));
+    t.push(open(12, 10, 4, 2, Device::Ctl, false));
+    t.push(rec(13, 10, Event::ExportObject { fd: 3, client: CLIENT, object: 0xa, to_fd: 4, status: 0 }));
+    t.push(rec(14, 10, Event::ExportObject { fd: 3, client: CLIENT, object: 0xe, to_fd: 4, status: 0 }));
+    t.push(free(15, 10, 0xa));
+    t.push(free(16, 10, 0xe));
+    let m = Model::from_records(&t);
+    assert_eq!(freed(&m, 0xa), None, "the first export is held by the file");
+    assert_eq!(freed(&m, 0xe), Some((16, FreedBy::Explicit)), "the second was refused by RM");
+    assert_eq!(m.check_books(), Ok(()));
+}
+
 /// A failed export holds nothing; an export file closed unused frees nothing else.
 #[test]
 fn a_failed_export_holds_nothing() {
