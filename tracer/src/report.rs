@@ -315,23 +315,27 @@ fn suspects(header: &Header, model: &Model, services: &Services, idle_ns: u64) -
     let start = model.time_zero(header.monotonic_start_ns);
     let end = model.last_ts;
     let mut out = Vec::new();
-    let mut by_file: BTreeMap<Option<u64>, Vec<(usize, &crate::model::Allocation)>> = BTreeMap::new();
-    for (id, a) in model.allocations.iter().enumerate().filter(|(_, a)| a.freed.is_none() && a.memory != Memory::Virtual) {
-        by_file.entry(a.file).or_default().push((id, a));
-    }
+    // Live memory grouped by the files that keep it: its client's, and those it was exported to
+    // or mapped through (memory shared with another process is a suspect of its own).
     let keeping = model.other_files_keeping();
-    for (file, allocs) in by_file {
-        let owner = allocs[0].1.pid;
-        let bytes = allocs.iter().map(|(_, a)| a.bytes).fold(0, u64::saturating_add);
-        let since = allocs.iter().map(|(_, a)| a.ts).min().unwrap_or(start);
-        // Whoever holds a file that keeps the memory: its client's, or one it was exported to.
-        let others = allocs.iter().filter_map(|(id, _)| keeping.get(id)).flatten().copied();
-        let mut files: Vec<u64> = file.into_iter().chain(others).collect();
-        files.sort_unstable();
-        files.dedup();
-        let mut holders: Vec<u32> = files.into_iter().flat_map(|f| model.holders(f)).collect();
-        holders.sort_unstable();
-        holders.dedup();
+    let mut by_files: BTreeMap<(Option<u64>, Vec<u64>), Vec<&crate::model::Allocation>> = BTreeMap::new();
+    for (id, a) in model.allocations.iter().enumerate().filter(|(_, a)| a.freed.is_none() && a.memory != Memory::Virtual) {
+        let mut others: Vec<u64> = keeping.get(&id).into_iter().flatten().copied().filter(|&f| Some(f) != a.file).collect();
+        others.sort_unstable();
+        others.dedup();
+        by_files.entry((a.file, others)).or_default().push(a);
+    }
+    for ((file, others), allocs) in by_files {
+        let owner = allocs[0].pid;
+        let bytes = allocs.iter().map(|a| a.bytes).fold(0, u64::saturating_add);
+        let since = allocs.iter().map(|a| a.ts).min().unwrap_or(start);
+        // Whoever holds the client's file comes first; then whoever holds a file it went to.
+        let mut holders: Vec<u32> = Vec::new();
+        for f in file.into_iter().chain(others) {
+            let mut these = model.holders(f);
+            these.sort_unstable();
+            holders.extend(these.into_iter().filter(|h| !holders.contains(h)).collect::<Vec<_>>());
+        }
         let last_activity = model
             .allocations
             .iter()
@@ -720,5 +724,33 @@ mod tests {
         let suspect = report.contexts_never_freed.iter().find(|c| c.pid == importer).expect("the export file's holder is a suspect");
         assert_eq!(suspect.bytes, Some(8 << 30));
         assert!(suspect.why.contains("owner pid 100 exited") && suspect.why.contains("pid 200"), "{}", suspect.why);
+    }
+
+    /// Of an exited owner's memory, what it exported is a suspect of its own: the process that
+    /// holds only the export file is not charged with the rest, which a forked child keeps.
+    #[test]
+    fn exported_memory_and_the_rest_are_told_apart() {
+        let rec = |ts: u64, pid: u32, event| Record { ts, pid, tid: pid, event, raw: None };
+        let (owner, peer, child) = (300, 200, 400);
+        let records = vec![
+            rec(1, owner, Event::Process { ppid: 1, seen: Seen::Running, command: vec!["server".into()] }),
+            rec(1, owner, Event::Open { fd: 3, file: 1, device: Device::Ctl, cloexec: false }),
+            rec(2, owner, Event::Object { fd: 3, client: 1, parent: 1, object: 1, class: 0x41, status: 0, gpu: None }),
+            rec(3, owner, Event::Alloc(Alloc::video(1, 1, 2, 10 << 30))),
+            rec(3, owner, Event::Alloc(Alloc::video(1, 1, 5, 1 << 30))),
+            rec(4, owner, Event::Open { fd: 4, file: 2, device: Device::Ctl, cloexec: false }),
+            rec(5, owner, Event::ExportObject { fd: 3, client: 1, object: 5, to_fd: 4, status: 0 }),
+            rec(6, peer, Event::Process { ppid: 1, seen: Seen::Running, command: vec!["peer".into()] }),
+            rec(7, peer, Event::FdFound { fd: 9, file: 2, device: Device::Ctl }),
+            rec(8, child, Event::Process { ppid: owner, seen: Seen::Forked, command: vec!["server".into()] }),
+            rec(9, owner, Event::Close { fd: 4 }),
+            rec(10, owner, Event::Exit { code: Some(0) }),
+        ];
+        let model = Model::from_records(&records);
+        assert_eq!(model.live(Memory::Video), 11 << 30);
+        let report = Report::new(&header(), &model, String::new(), 9, Loss::default(), u64::MAX);
+        let of = |pid: u32| report.contexts_never_freed.iter().filter(|c| c.pid == pid).map(|c| c.bytes).collect::<Vec<_>>();
+        assert_eq!(of(child), [Some(10 << 30), Some(1 << 30)], "the child keeps the client: all of it, the export too");
+        assert_eq!(of(peer), Vec::<Option<u64>>::new(), "named after the client's holder: {:?}", report.contexts_never_freed);
     }
 }
