@@ -7,6 +7,8 @@ use std::path::Path;
 use std::process::Command;
 
 use common::{as_root, gputrace_bin};
+use gputrace::event::Event;
+use gputrace::trace::Reader;
 use serde_json::Value;
 
 fn report(trace: &Path) -> Value {
@@ -141,6 +143,73 @@ fn cgroup2_root() -> std::path::PathBuf {
     let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
     let line = mounts.lines().find(|l| l.split(" - ").nth(1).is_some_and(|fs| fs.starts_with("cgroup2 "))).expect("a cgroup2 mount");
     line.split_whitespace().nth(4).unwrap().into()
+}
+
+/// Under `watch --cgroup`, the OOM killer's victim is judged by its own cgroup, not by that of
+/// the process whose allocation woke the killer: a process that joined the watched cgroup is
+/// killed for an outsider's allocation (both under one memory limit), and its kill is dumped.
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn a_watched_cgroups_process_killed_for_an_outsiders_allocation_is_dumped() {
+    let _root = as_root();
+    let dir = std::env::temp_dir().join(format!("gputrace-watch-oom-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let dumps = dir.join("dumps");
+    // One memory limit over both processes; only the victim is in the watched cgroup (v2). On a
+    // hybrid host the limit is v1's memory controller, elsewhere a v2 parent of two siblings.
+    let name = format!("gputrace-test-oom-{}", std::process::id());
+    let v1 = std::path::Path::new("/sys/fs/cgroup/memory").join(&name);
+    let (watched, limits, victim_joins, outsider_joins) = if std::fs::create_dir(&v1).is_ok() {
+        std::fs::write(v1.join("memory.limit_in_bytes"), (256u64 << 20).to_string()).unwrap();
+        let _ = std::fs::write(v1.join("memory.swappiness"), "0");
+        let watched = cgroup2_root().join(&name);
+        std::fs::create_dir_all(&watched).unwrap();
+        (watched.clone(), vec![watched.clone(), v1.clone()], vec![watched, v1.clone()], vec![v1])
+    } else {
+        let limit = cgroup2_root().join(&name);
+        for leaf in ["watched", "other"] {
+            std::fs::create_dir_all(limit.join(leaf)).unwrap();
+        }
+        std::fs::write(limit.join("memory.max"), (256u64 << 20).to_string()).expect("memory.max (the memory controller on cgroup v2)");
+        let _ = std::fs::write(limit.join("memory.swap.max"), "0");
+        let (w, o) = (limit.join("watched"), limit.join("other"));
+        (w.clone(), vec![w.clone(), o.clone(), limit], vec![w], vec![o])
+    };
+    let procs =
+        |dirs: &[std::path::PathBuf]| dirs.iter().map(|d| d.join("cgroup.procs").display().to_string()).collect::<Vec<_>>().join(" ");
+    let script = r#"W="$1"; G="$2"; D="$3"; CG="$4"; VJ="$5"; OJ="$6"
+        "$G" watch --cgroup "$CG" --dump-dir "$D" --listen off --aftermath 200ms --min-interval 1s 2> "$D.log" & g=$!
+        until grep -q 'gputrace: tracing' "$D.log" 2>/dev/null; do kill -0 $g 2>/dev/null || exit 1; sleep 0.05; done
+        sh -c 'for f in $1; do echo $$ > $f; done; echo 1000 > /proc/self/oom_score_adj; exec "$0" hold --host-mib 160 --ms 20000' "$W" "$VJ" & victim=$!
+        sleep 1
+        sh -c 'for f in $1; do echo $$ > $f; done; exec "$0" hold --host-mib 160 --ms 100' "$W" "$OJ" || true
+        wait $victim; echo "victim $victim exited $?" > "$D.victim"
+        sleep 1; kill -TERM $g; wait $g"#;
+    let out = Command::new(env!("CARGO_BIN_EXE_fakegpu"))
+        .args(["run", "--video", "80GiB", "--", "sh", "-c", script, "sh", env!("CARGO_BIN_EXE_fake-workload")])
+        .arg(gputrace_bin())
+        .arg(&dumps)
+        .arg(&watched)
+        .arg(procs(&victim_joins))
+        .arg(procs(&outsider_joins))
+        .output()
+        .unwrap();
+    for dir in limits {
+        let _ = std::fs::remove_dir(dir);
+    }
+    let log = std::fs::read_to_string(dumps.with_extension("log")).unwrap_or_default();
+    assert!(out.status.success(), "the watch stops cleanly on SIGTERM: {}\n{log}", String::from_utf8_lossy(&out.stderr));
+    let victim = std::fs::read_to_string(dumps.with_extension("victim")).unwrap_or_default();
+    let victim = victim.trim().strip_prefix("victim ").unwrap_or_else(|| panic!("no victim's line: {log}"));
+    assert!(victim.ends_with("exited 137"), "the OOM killer chose the watched process (SIGKILL): {log}");
+    let traces: Vec<_> =
+        std::fs::read_dir(&dumps).unwrap().flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|e| e == "trace")).collect();
+    assert_eq!(traces.len(), 1, "one dump, for the kill: {traces:?}\n{log}");
+    let (_, records, _) = Reader::read_all(&traces[0]).unwrap();
+    let pid: u32 = victim.split_whitespace().next().unwrap().parse().unwrap();
+    assert!(records.iter().any(|r| r.pid == pid && matches!(r.event, Event::OomKill)), "the victim's kill is recorded: {log}");
+    std::fs::remove_dir_all(&dir).ok();
 }
 
 /// `watch --cgroup` follows the processes of one cgroup, including one that joins it after the

@@ -75,8 +75,22 @@ fn is_traced(tgid: u32) -> bool {
         Some(config) => config.cgroup != 0,
         None => false,
     };
-    let followed = unsafe { TRACED.get(&tgid).is_some() };
-    followed || (cgroup && CGROUPS.current_task_under_cgroup(0) == Ok(true))
+    if unsafe { TRACED.get(&tgid).is_some() } {
+        return true;
+    }
+    // Followed from now on, wherever it goes, and known by pid to the hooks that run in another
+    // process's context (the OOM killer's).
+    let joined = cgroup && CGROUPS.current_task_under_cgroup(0) == Ok(true);
+    if joined {
+        remember(TRACED.insert(&tgid, &traced::YES, 0));
+    }
+    joined
+}
+
+/// Whether process `tgid`, not necessarily the current one, is traced.
+#[inline(always)]
+fn is_followed(tgid: u32) -> bool {
+    CONFIG.get(0).is_some_and(|c| c.trace_all != 0) || unsafe { TRACED.get(&tgid).is_some() }
 }
 
 #[inline(always)]

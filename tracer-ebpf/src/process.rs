@@ -81,7 +81,8 @@ fn exit_status() -> Option<i32> {
 #[tracepoint]
 pub fn oom_victim(ctx: TracePointContext) -> u32 {
     let victim: i32 = arg(&ctx, OOM_VICTIM_PID);
-    if is_traced(victim as u32) {
+    // The victim is not the current task (that is whoever's allocation woke the OOM killer).
+    if is_followed(victim as u32) {
         send_fd_record(kind::OOM_VICTIM, victim as i64, 0, 0);
     }
     0

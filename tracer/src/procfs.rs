@@ -84,8 +84,14 @@ pub fn container_of(cgroup: &str) -> Option<String> {
 
 /// The Kubernetes pod UID a cgroup path names: `pod<uid>` (cgroupfs driver) or
 /// `kubepods-...-pod<uid with _>.slice` (systemd driver).
+/// Only below a top-level `kubepods` cgroup, which only root (the kubelet) can make: a user with
+/// a delegated subtree cannot name a pod of their choosing.
 pub fn pod_of(cgroup: &str) -> Option<String> {
-    cgroup.split('/').find_map(|part| {
+    let mut parts = cgroup.strip_prefix('/')?.split('/');
+    if !parts.next()?.starts_with("kubepods") {
+        return None;
+    }
+    parts.find_map(|part| {
         let (_, after) = part.rsplit_once("pod")?;
         let uid = after.trim_end_matches(".slice").replace('_', "-");
         (uid.len() == 36 && uid.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-')).then_some(uid)
@@ -328,6 +334,8 @@ mod tests {
         let systemd = format!("/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod0b3c2d1e_aaaa_bbbb_cccc_0123456789ab.slice/cri-containerd-{hex}.scope");
         assert_eq!(pod_of(&systemd).as_deref(), Some("0b3c2d1e-aaaa-bbbb-cccc-0123456789ab"));
         assert_eq!(pod_of("/system.slice/docker-x.scope"), None);
+        let delegated = "/user.slice/user-1000.slice/user@1000.service/kubepods/pod0b3c2d1e-aaaa-bbbb-cccc-0123456789ab";
+        assert_eq!(pod_of(delegated), None, "a pod is named only below the kubelet's top-level cgroup");
         let logs = std::env::temp_dir().join(format!("gputrace-pod-logs-{}", std::process::id()));
         for dir in
             ["kube-system_coredns-5d78c9869d-abcde_11111111-2222-3333-4444-555555555555", "llm_vllm-0_0b3c2d1e-aaaa-bbbb-cccc-0123456789ab"]

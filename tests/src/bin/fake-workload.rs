@@ -10,8 +10,8 @@
 //! - `oom --bytes B`: one allocation larger than the card;
 //! - `pass-fd`: sends its device files over a unix socket (SCM_RIGHTS) to a process it starts,
 //!   which allocates on them; the sender exits first, the receiver keeps everything alive;
-//! - `hold --ms N`: allocates 2 GiB, waits N ms (attach a recorder then), allocates 1 GiB, frees
-//!   the first, and exits holding the second;
+//! - `hold --ms N [--host-mib M]`: allocates 2 GiB (and writes M MiB of host memory), waits N ms
+//!   (attach a recorder then), allocates 1 GiB, frees the first, and exits holding the second;
 //! - `vmm --ms N`: as VMM allocators do (PyTorch expandable segments, NCCL, vLLM's cumem), maps
 //!   memory into UVM, releases its handle while it is mapped (cuMemRelease), waits N ms, then
 //!   unmaps it (cuMemUnmap): only then does the driver free it; the address range it reserved
@@ -161,14 +161,18 @@ fn oom(truth: &mut Truth, bytes: u64) -> Result<(), String> {
     }
 }
 
-fn hold(truth: &mut Truth, ms: u64) -> Result<(), String> {
+fn hold(truth: &mut Truth, ms: u64, host_mib: usize) -> Result<(), String> {
     let mut gpu = Gpu::open(0)?;
     let first = truth.alloc(&mut gpu, Path::RmAlloc, 2 * GIB).ok_or("alloc failed")?;
+    // Host memory, every page written: what the OOM killer counts.
+    let host = vec![1u8; host_mib << 20];
+    truth.note("host", "", host.len() as u64, 0, 0);
     std::thread::sleep(std::time::Duration::from_millis(ms));
     truth.alloc(&mut gpu, Path::VidHeap, GIB).ok_or("alloc failed")?;
     gpu.free(&first).map_err(|s| format!("free: {s:#x}"))?;
     truth.note("free", "RmFree", first.bytes, first.handle, 0);
     std::thread::sleep(std::time::Duration::from_millis(200));
+    drop(host);
     Ok(())
 }
 
@@ -343,7 +347,11 @@ fn main() -> ExitCode {
         Some("storm") => storm(value("--count").and_then(|v| v.parse().ok()).unwrap_or(1_000_000)),
         Some("pass-fd") => pass_fd(&mut truth),
         Some("receive") => receive(&mut truth, value("--socket").and_then(|v| v.parse().ok()).unwrap_or(-1)),
-        Some("hold") => hold(&mut truth, value("--ms").and_then(|v| v.parse().ok()).unwrap_or(1000)),
+        Some("hold") => hold(
+            &mut truth,
+            value("--ms").and_then(|v| v.parse().ok()).unwrap_or(1000),
+            value("--host-mib").and_then(|v| v.parse().ok()).unwrap_or(0),
+        ),
         Some("ipc") => ipc(&mut truth, value("--ms").and_then(|v| v.parse().ok()).unwrap_or(300), close_first),
         Some("import") => import(
             &mut truth,
