@@ -170,6 +170,10 @@ unsafe fn fill_ioctl(record: &mut IoctlRecord, inflight: &Inflight, ret: i64) ->
         record.flags |= ioctl_flag::XFER;
     }
     if !read_user(params, PARAMS_MAX, src, size) {
+        // A control whose cmd cannot be read is not known to be followed: dropped, as at entry.
+        if nr == escape::RM_CONTROL {
+            return false;
+        }
         record.flags |= ioctl_flag::PARAMS_FAULT;
         return true;
     }
