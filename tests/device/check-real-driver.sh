@@ -13,6 +13,9 @@ mkdir -p "$OUT"
 mountpoint -q /sys/kernel/tracing || mount -t tracefs nodev /sys/kernel/tracing
 cat /sys/module/nvidia/version /proc/driver/nvidia/version 2>/dev/null | head -2
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+# The majors gputrace checks NVIDIA's files against (SECURITY.md), and the nodes' own numbers.
+grep -E ' nvidia(-frontend|-uvm)?$' /proc/devices
+ls -l /dev/nvidiactl /dev/nvidia0 /dev/nvidia-uvm 2>&1
 for module in cupy:cupy-cuda12x cuda:cuda-python torch:torch numpy:numpy; do
     python3 -c "import ${module%%:*}" 2>/dev/null || timeout 240 pip install -q "${module##*:}" >>"$OUT/pip.log" 2>&1
 done

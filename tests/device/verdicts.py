@@ -108,6 +108,11 @@ for api in ["cudaMalloc", "cudaMallocAsync", "vmm", "vmm-release-while-mapped", 
         continue
     for key, n in sorted(histogram(records).items(), key=lambda kv: -kv[1]):
         print(f"   {n:>5}  {'  '.join(k for k in key if k)}")
+    try:
+        impostors = json.load(open(f"{out}/{api}.report.json"))["fd_filter"]["impostors"]
+        verdict(f"{api}: no NVIDIA file refused for its device number", impostors == 0, f"{impostors} refused")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        verdict(f"{api}: no NVIDIA file refused for its device number", None, f"no summary ({e})")
     undecodable = [r for r in records if r["ev"] == "undecodable"]
     verdict(f"{api}: every followed call decoded", not undecodable, f"{len(undecodable)} undecodable" + (f": {undecodable[:3]}" if undecodable else ""))
     asked = [a for a in account["asked"] if a["expect"] == "ok"]

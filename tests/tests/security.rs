@@ -462,3 +462,44 @@ fn escape_sequences_in_a_trace_never_reach_the_terminal() {
     assert!(text.contains("^[]0;owned^G^[[2J"), "shown as text instead: {text}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A file at an NVIDIA path that is not NVIDIA's device is never followed where the driver is
+/// loaded: in a mount namespace of its own, /dev/nvidiactl is the null device (1:3) and
+/// /dev/nvidia-uvm the zero device (1:5). With NVIDIA's majors said to be 195 and, for UVM, 1,
+/// the kernel side follows the second open and not the first; by path alone (no driver, as on the
+/// fake GPU) it follows both.
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn a_device_mounted_at_an_nvidia_path_is_not_followed() {
+    use gputrace::event::{Device, Event};
+    let _root = as_root();
+    let dir = scratch("impostor");
+    let script = r#"mount -t tmpfs none /dev && mknod /dev/null c 1 3 && mknod /dev/nvidiactl c 1 3 && mknod /dev/nvidia-uvm c 1 5 &&
+        exec "$0" record -o "$1" -- sh -c 'exec 3</dev/nvidiactl 4</dev/nvidia-uvm; true'"#;
+    let opened = |majors: &str| {
+        let trace = dir.join(format!("{majors}.trace"));
+        let out = Command::new("unshare")
+            .args(["--mount", "--propagation", "private", "sh", "-c", script])
+            .arg(gputrace_bin())
+            .arg(&trace)
+            .env("GPUTRACE_DEVICE_MAJORS", majors)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", stderr(&out));
+        let (_, records, _) = gputrace::trace::Reader::read_all(&trace).unwrap();
+        let devices: Vec<Device> = records
+            .iter()
+            .filter_map(|r| match r.event {
+                Event::Open { device, .. } => Some(device),
+                _ => None,
+            })
+            .collect();
+        (devices, stderr(&out))
+    };
+    let (devices, err) = opened("195,1");
+    assert_eq!(devices, [Device::Uvm], "only the file with the device number said to be UVM's: {err}");
+    assert!(err.contains("1 files at NVIDIA's paths were not NVIDIA's devices"), "{err}");
+    let (devices, err) = opened("off");
+    assert_eq!(devices, [Device::Ctl, Device::Uvm], "by path alone: {err}");
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -90,7 +90,9 @@ pub mod stat {
     /// Map inserts the kernel refused (a full FDS or TRACED map): fds or processes that may be
     /// followed no more.
     pub const INSERT_FAILED: u32 = 2;
-    pub const COUNT: u32 = 3;
+    /// Opens of an NVIDIA path whose file is not NVIDIA's device (its major differs): not followed.
+    pub const IMPOSTORS: u32 = 3;
+    pub const COUNT: u32 = 4;
 }
 
 /// `Config` array index 0.
@@ -104,6 +106,11 @@ pub struct Config {
     pub group_dead_at: u32,
     /// Also trace every process under the cgroup v2 directory in CGROUPS[0] (`watch --cgroup`).
     pub cgroup: u32,
+    /// The majors of NVIDIA's device numbers on this host (/proc/devices): an open of an NVIDIA
+    /// path is followed only when its file has the right one. 0: no driver here (the fake GPU),
+    /// known by path alone.
+    pub nvidia_major: u32,
+    pub uvm_major: u32,
     pub _pad: u32,
 }
 
@@ -118,6 +125,9 @@ pub struct KernelOffsets {
     pub fdtable_max_fds: u32,
     /// `task_struct.exit_code` (a wait status), read at the process's exit; 0 when unknown.
     pub task_exit_code: u32,
+    /// `file.f_inode` and `inode.i_rdev`: the device number behind a file; 0 when unknown.
+    pub file_inode: u32,
+    pub inode_rdev: u32,
 }
 
 #[repr(C)]

@@ -98,12 +98,19 @@ pub fn open_exit(ctx: TracePointContext) -> u32 {
     if fd < 0 {
         return 0;
     }
+    let file = file_of(fd as u32);
+    // A file at an NVIDIA path that is not NVIDIA's device (one a user mounted there in a
+    // namespace of their own) is never followed: its ioctls would be made-up memory.
+    if !nvidia_device_number(opening.device, file) {
+        bump(stat::IMPOSTORS);
+        return 0;
+    }
     remember(FDS.insert(&FdKey { tgid: (pid_tgid >> 32) as u32, fd: fd as u32 }, &opening.device, 0));
     let record = OpenRecord {
         header: header(kind::OPEN),
         fd: fd as i32,
         flags: opening.flags,
-        file: file_of(fd as u32),
+        file,
         device: opening.device,
         _pad: [0; 7],
         path: opening.path,

@@ -201,6 +201,28 @@ fn file_of(fd: u32) -> u64 {
     read(table + 8 * fd as u64)
 }
 
+/// Whether `file`, opened at an NVIDIA path as `device`, is NVIDIA's device: its major is the
+/// driver's (from userspace's reading of /proc/devices). Where no driver was found, or the device
+/// number cannot be read, the path stands alone.
+fn nvidia_device_number(device: u8, file: u64) -> bool {
+    let Some(c) = CONFIG.get(0) else { return true };
+    if c.nvidia_major == 0 {
+        return true;
+    }
+    let Some(o) = OFFSETS.get(0) else { return true };
+    if file == 0 || o.file_inode == 0 || o.inode_rdev == 0 {
+        return true;
+    }
+    let inode = unsafe { bpf_probe_read_kernel((file + o.file_inode as u64) as *const u64) }.unwrap_or(0);
+    if inode == 0 {
+        return true;
+    }
+    let Ok(rdev) = (unsafe { bpf_probe_read_kernel((inode + o.inode_rdev as u64) as *const u32) }) else { return true };
+    // The kernel's own dev_t: the major above 20 bits of minor.
+    let want = if device == device::UVM { c.uvm_major } else { c.nvidia_major };
+    rdev >> 20 == want
+}
+
 mod fds;
 mod ioctl;
 mod process;

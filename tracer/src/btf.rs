@@ -70,10 +70,11 @@ pub fn struct_members(data: &[u8], wanted: &[&str]) -> Result<HashMap<String, Ha
     Ok(found)
 }
 
-/// The offsets of `task_struct.files`, `files_struct.fdt`, `fdtable.fd`, `fdtable.max_fds` and
-/// `task_struct.exit_code` (that one optional: without it exits carry no status).
+/// The offsets of `task_struct.files`, `files_struct.fdt`, `fdtable.fd`, `fdtable.max_fds`, and
+/// optionally `task_struct.exit_code` (without it exits carry no status) and `file.f_inode` and
+/// `inode.i_rdev` (without them opens are judged by path alone).
 pub fn kernel_offsets(data: &[u8]) -> Result<KernelOffsets, String> {
-    let found = struct_members(data, &["task_struct", "files_struct", "fdtable"])?;
+    let found = struct_members(data, &["task_struct", "files_struct", "fdtable", "file", "inode"])?;
     let get = |s: &str, m: &str| {
         found.get(s).and_then(|members| members.get(m)).copied().ok_or_else(|| format!("the kernel's BTF has no {s}.{m}"))
     };
@@ -83,6 +84,8 @@ pub fn kernel_offsets(data: &[u8]) -> Result<KernelOffsets, String> {
         fdtable_fd: get("fdtable", "fd")?,
         fdtable_max_fds: get("fdtable", "max_fds")?,
         task_exit_code: get("task_struct", "exit_code").unwrap_or(0),
+        file_inode: get("file", "f_inode").unwrap_or(0),
+        inode_rdev: get("inode", "i_rdev").unwrap_or(0),
     })
 }
 
@@ -143,5 +146,6 @@ mod tests {
         assert!(o.files_fdt < 256 && o.fdtable_fd < 64 && o.fdtable_max_fds < 64, "{o:?}");
         assert_ne!(o.fdtable_fd, o.fdtable_max_fds);
         assert!(o.task_exit_code > 0 && o.task_exit_code < 16384 && o.task_exit_code != o.task_files, "{o:?}");
+        assert!(o.file_inode > 0 && o.file_inode < 256 && o.inode_rdev > 0 && o.inode_rdev < 1024, "{o:?}");
     }
 }

@@ -337,7 +337,11 @@ pub fn observe() -> Observed {
     let nvml = crate::gpus::snapshot();
     let hz = procfs::ticks_per_second() as f64;
     let uptime = procfs::uptime_seconds().unwrap_or(0.0);
-    let found = crate::files::nvidia_holders();
+    let majors = crate::devices::Majors::of_host().unwrap_or_else(|e| {
+        eprintln!("gputrace: warning: {e}; device files are judged by path alone");
+        None
+    });
+    let found = crate::files::nvidia_holders(majors);
     let before: Vec<Option<procfs::Stat>> = found.iter().map(|h| procfs::stat(h.pid)).collect();
     let window = Duration::from_millis(500);
     std::thread::sleep(window);

@@ -12,6 +12,7 @@ use std::path::PathBuf;
 
 use tracer_common::device;
 
+use crate::devices::Majors;
 use crate::event::{Device, Event, Seen};
 use crate::procfs;
 
@@ -34,6 +35,19 @@ pub trait Resolver {
     fn place(&self, _pid: u32) -> Option<crate::event::Place> {
         None
     }
+    /// The majors of NVIDIA's devices on this host, None without the driver (see [`Majors`]).
+    fn majors(&self) -> Option<Majors> {
+        None
+    }
+    /// The major of the device number behind a fd.
+    fn fd_major(&self, _pid: u32, _fd: i32) -> Option<u32> {
+        None
+    }
+}
+
+/// Whether a fd at `device`'s path is that device: by its major where the driver is loaded.
+fn admitted(resolver: &impl Resolver, pid: u32, fd: i32, device: Device) -> bool {
+    resolver.majors().is_none_or(|m| resolver.fd_major(pid, fd).is_some_and(|major| m.admits(device, major)))
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,13 +80,14 @@ pub fn device_of_path(path: &str) -> Option<Device> {
 
 /// Every process, other than gputrace, with NVIDIA device files open now: a /proc scan, what
 /// `fuser -v /dev/nvidia*` shows.
-pub fn nvidia_holders() -> Vec<crate::trace::HolderAtStart> {
+pub fn nvidia_holders(majors: Option<Majors>) -> Vec<crate::trace::HolderAtStart> {
+    let resolver = ProcResolver { majors };
     let mut holders: Vec<crate::trace::HolderAtStart> = procfs::all_pids()
         .into_iter()
         .filter_map(|pid| {
             let mut devices: Vec<String> = procfs::open_fds(pid)
                 .into_iter()
-                .filter_map(|fd| procfs::fd_path(pid, fd)?.to_str().and_then(device_of_path))
+                .filter_map(|fd| procfs::fd_path(pid, fd)?.to_str().and_then(device_of_path).filter(|&d| admitted(&resolver, pid, fd, d)))
                 .map(|d| format!("{d:?}").to_lowercase())
                 .collect();
             devices.sort();
@@ -124,6 +139,8 @@ pub struct FileTable<R: Resolver> {
     pub questions_answered: u64,
     /// ioctls sent while their fd's question was open, dropped because it was not NVIDIA.
     pub pending_dropped: u64,
+    /// Fds at an NVIDIA path whose file is not NVIDIA's device: not followed.
+    pub impostors: u64,
     /// Where each live process was last seen to run.
     places: HashMap<u32, crate::event::Place>,
 }
@@ -163,6 +180,7 @@ impl<R: Resolver> FileTable<R> {
             next_file: 1,
             questions_answered: 0,
             pending_dropped: 0,
+            impostors: 0,
             places: HashMap::new(),
         }
     }
@@ -355,10 +373,10 @@ impl<R: Resolver> FileTable<R> {
         }
         self.questions_answered += 1;
         // A fd already gone leaves nothing to answer; the kernel dropped its entry on close.
-        let Some(path) = self.resolver.fd_path(pid, fd) else {
+        let Some(device) = self.nvidia_fd(pid, fd) else {
             return (None, None);
         };
-        match path.to_str().and_then(device_of_path) {
+        match device {
             None => {
                 self.set((pid, fd), Answer::NotNvidia);
                 updates.push(KernelUpdate::SetFd { pid, fd, state: device::NOT_NVIDIA });
@@ -401,6 +419,17 @@ impl<R: Resolver> FileTable<R> {
         Event::FdFound { fd, file, device }
     }
 
+    /// The NVIDIA device a fd is, by its path and its device number; None when the fd is gone.
+    fn nvidia_fd(&mut self, pid: u32, fd: i32) -> Option<Option<Device>> {
+        let path = self.resolver.fd_path(pid, fd)?;
+        let device = path.to_str().and_then(device_of_path);
+        if device.is_some_and(|d| !admitted(&self.resolver, pid, fd, d)) {
+            self.impostors += 1;
+            return Some(None);
+        }
+        Some(device)
+    }
+
     /// A process already running when tracing began: its command and the NVIDIA fds it holds.
     pub fn scan(&mut self, pid: u32, updates: &mut Vec<KernelUpdate>) -> Vec<Event> {
         let command = self.resolver.command(pid).unwrap_or_default();
@@ -408,7 +437,7 @@ impl<R: Resolver> FileTable<R> {
         let mut events = vec![Event::Process { ppid, seen: Seen::Running, command }];
         events.extend(self.place_if_new(pid, None).map(Event::Place));
         for fd in self.resolver.open_fds(pid) {
-            let Some(device) = self.resolver.fd_path(pid, fd).and_then(|p| p.to_str().and_then(device_of_path)) else {
+            let Some(Some(device)) = self.nvidia_fd(pid, fd) else {
                 continue;
             };
             events.push(self.found(pid, fd, device, 0));
@@ -419,7 +448,9 @@ impl<R: Resolver> FileTable<R> {
 }
 
 /// The real resolver: /proc and kcmp(2).
-pub struct ProcResolver;
+pub struct ProcResolver {
+    pub majors: Option<Majors>,
+}
 
 impl Resolver for ProcResolver {
     fn fd_path(&self, pid: u32, fd: i32) -> Option<PathBuf> {
@@ -443,6 +474,12 @@ impl Resolver for ProcResolver {
     fn place(&self, pid: u32) -> Option<crate::event::Place> {
         procfs::place(pid)
     }
+    fn majors(&self) -> Option<Majors> {
+        self.majors
+    }
+    fn fd_major(&self, pid: u32, fd: i32) -> Option<u32> {
+        procfs::fd_major(pid, fd)
+    }
 }
 
 #[cfg(test)]
@@ -453,6 +490,9 @@ mod tests {
     #[derive(Default)]
     struct FakeProc {
         fds: HashMap<(u32, i32), (String, u32)>,
+        /// The host's NVIDIA majors, and each fd's device major, when a test sets them.
+        majors: Option<Majors>,
+        rdev: HashMap<(u32, i32), u32>,
     }
 
     impl Resolver for FakeProc {
@@ -472,6 +512,12 @@ mod tests {
             let mut fds: Vec<i32> = self.fds.keys().filter(|(p, _)| *p == pid).map(|(_, fd)| *fd).collect();
             fds.sort();
             fds
+        }
+        fn majors(&self) -> Option<Majors> {
+            self.majors
+        }
+        fn fd_major(&self, pid: u32, fd: i32) -> Option<u32> {
+            self.rdev.get(&(pid, fd)).copied()
         }
     }
 
@@ -508,6 +554,33 @@ mod tests {
         assert_eq!(t.answer(10, 5, 0, &mut updates).0, None);
         assert_eq!(t.answer(10, 6, 0, &mut updates), (Some(Device::Ctl), None));
         assert_eq!(t.questions_answered, 2);
+    }
+
+    /// Where the driver is loaded, a file at an NVIDIA path is followed only with NVIDIA's device
+    /// number: one a user mounted there (a FUSE file, another device) is answered as not NVIDIA,
+    /// asked about or found by the scan alike.
+    #[test]
+    fn a_file_at_an_nvidia_path_with_another_device_number_is_not_followed() {
+        let mut t = table(&[
+            ((10, 6), "/dev/nvidiactl", 1),
+            ((10, 7), "/dev/nvidiactl", 2),
+            ((10, 8), "/dev/nvidia-uvm", 3),
+            ((10, 9), "/dev/nvidia0", 4),
+        ]);
+        t.resolver.majors = Some(Majors { nvidia: 195, uvm: 509 });
+        t.resolver.rdev = HashMap::from([((10, 6), 195), ((10, 7), 0), ((10, 8), 509), ((10, 9), 509)]);
+        let mut updates = vec![];
+        assert_eq!(t.answer(10, 6, 0, &mut updates).0, Some(Device::Ctl));
+        assert_eq!(t.answer(10, 7, 0, &mut updates), (None, None), "a FUSE file at /dev/nvidiactl");
+        assert_eq!(updates.last(), Some(&KernelUpdate::SetFd { pid: 10, fd: 7, state: device::NOT_NVIDIA }));
+        assert_eq!(t.answer(10, 8, 0, &mut updates).0, Some(Device::Uvm));
+        assert_eq!(t.answer(10, 9, 0, &mut updates).0, None, "UVM's major at a GPU's path");
+        assert_eq!(t.impostors, 2);
+        let found = t.scan(10, &mut updates).iter().filter(|e| matches!(e, Event::FdFound { .. })).count();
+        assert_eq!(found, 2, "the scan admits the same two");
+        // Without the driver (the fake GPU), paths alone.
+        let mut t = table(&[((10, 7), "/dev/nvidiactl", 2)]);
+        assert_eq!(t.answer(10, 7, 0, &mut updates).0, Some(Device::Ctl));
     }
 
     #[test]

@@ -6,6 +6,7 @@ pub mod abi;
 pub mod analysis;
 pub mod btf;
 pub mod decode;
+pub mod devices;
 pub mod doctor;
 pub mod event;
 pub mod export;

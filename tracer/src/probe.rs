@@ -167,6 +167,8 @@ pub struct Counters {
     pub questions: u64,
     /// Map inserts the kernel refused because a map was full.
     pub insert_failed: u64,
+    /// Opens of NVIDIA paths whose file had another device number: not followed.
+    pub impostors: u64,
 }
 
 fn map_err(map: &'static str) -> impl Fn(aya::maps::MapError) -> ProbeError {
@@ -176,7 +178,14 @@ fn map_err(map: &'static str) -> impl Fn(aya::maps::MapError) -> ProbeError {
 impl Probe {
     /// Loads the programs for a driver layout and attaches every hook.
     /// `cgroup`: a cgroup v2 directory, opened, whose processes are traced too.
-    pub fn load(layout: &Layout, trace_all: bool, cgroup: Option<&std::fs::File>, kernel: &Kernel) -> Result<Probe, ProbeError> {
+    /// `majors`: NVIDIA's device numbers on this host, None to know its files by path alone.
+    pub fn load(
+        layout: &Layout,
+        trace_all: bool,
+        cgroup: Option<&std::fs::File>,
+        majors: Option<crate::devices::Majors>,
+        kernel: &Kernel,
+    ) -> Result<Probe, ProbeError> {
         // The kernel accounts BPF memory by memcg on current kernels; raising the old locked-memory
         // limit only matters on old ones and may be refused (no CAP_SYS_RESOURCE): not an error.
         let unlimited = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
@@ -194,8 +203,14 @@ impl Probe {
 
         let take = |ebpf: &mut Ebpf, name: &'static str| ebpf.take_map(name).ok_or(ProbeError::MissingMap(name));
         let mut config: Array<MapData, Config> = Array::try_from(take(&mut ebpf, "CONFIG")?).map_err(map_err("CONFIG"))?;
-        let settings =
-            Config { trace_all: trace_all as u32, group_dead_at: kernel.group_dead_at, cgroup: cgroup.is_some() as u32, _pad: 0 };
+        let settings = Config {
+            trace_all: trace_all as u32,
+            group_dead_at: kernel.group_dead_at,
+            cgroup: cgroup.is_some() as u32,
+            nvidia_major: majors.map_or(0, |m| m.nvidia),
+            uvm_major: majors.map_or(0, |m| m.uvm),
+            _pad: 0,
+        };
         config.set(0, settings, 0).map_err(map_err("CONFIG"))?;
         let cgroups = match cgroup {
             Some(dir) => {
@@ -264,7 +279,12 @@ impl Probe {
 
     pub fn counters(&self) -> Counters {
         let sum = |index: u32| self.stats.get(&index, 0).map(|values| values.iter().sum()).unwrap_or(0);
-        Counters { lost: sum(stat::LOST), questions: sum(stat::QUESTIONS), insert_failed: sum(stat::INSERT_FAILED) }
+        Counters {
+            lost: sum(stat::LOST),
+            questions: sum(stat::QUESTIONS),
+            insert_failed: sum(stat::INSERT_FAILED),
+            impostors: sum(stat::IMPOSTORS),
+        }
     }
 }
 

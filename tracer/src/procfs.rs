@@ -54,7 +54,7 @@ pub fn uptime_seconds() -> Option<f64> {
 }
 
 /// A /proc file's text, at most `limit` bytes of it.
-fn read_bounded(path: &str, limit: u64) -> Option<String> {
+pub fn read_bounded(path: &str, limit: u64) -> Option<String> {
     let mut raw = Vec::new();
     std::fs::File::open(path).ok()?.take(limit).read_to_end(&mut raw).ok()?;
     Some(String::from_utf8_lossy(&raw).into_owned())
@@ -255,6 +255,13 @@ fn parse_tcp_owner(text: &str, local: std::net::SocketAddr, remote: std::net::So
 /// The path an open fd refers to, None when the process or fd is gone.
 pub fn fd_path(pid: u32, fd: i32) -> Option<PathBuf> {
     std::fs::read_link(format!("/proc/{pid}/fd/{fd}")).ok()
+}
+
+/// The major of the device number of the file behind a fd (0 for a file that is no device).
+pub fn fd_major(pid: u32, fd: i32) -> Option<u32> {
+    use std::os::unix::fs::MetadataExt;
+    let rdev = std::fs::metadata(format!("/proc/{pid}/fd/{fd}")).ok()?.rdev();
+    Some(libc::major(rdev))
 }
 
 /// The fds a process has open now.

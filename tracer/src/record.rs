@@ -14,6 +14,7 @@ use tokio::io::Interest;
 use crate::abi::{DriverVersion, Layout, NEWEST_KNOWN, OLDEST_KNOWN};
 use crate::analysis::Phase;
 use crate::decode::parse_record;
+use crate::devices::Majors;
 use crate::event::{Event, Record, Sample};
 use crate::files::{KernelUpdate, ProcResolver};
 use crate::gpus::Sampler;
@@ -109,8 +110,9 @@ fn trace_into(opts: &Options, sink: impl FnOnce(&Header, Option<&User>) -> Resul
     raise_fd_limit();
     let (version, source) = driver_version(opts.driver_version.as_deref())?;
     let layout = layout_for(version);
+    let majors = Majors::of_host()?;
 
-    let mut header = header(opts, version, source);
+    let mut header = header(opts, version, source, majors);
     if let Some(bytes) = opts.capacity {
         header.assume_capacity(bytes);
     }
@@ -120,10 +122,10 @@ fn trace_into(opts: &Options, sink: impl FnOnce(&Header, Option<&User>) -> Resul
     let sink = sink(&header, user.as_ref())?;
 
     let cgroup = opts.cgroup.as_deref().map(open_cgroup).transpose()?;
-    let mut probe = Probe::load(&layout, opts.all, cgroup.as_ref(), &kernel)?;
+    let mut probe = Probe::load(&layout, opts.all, cgroup.as_ref(), majors, &kernel)?;
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().context("starting the event loop")?;
     let mut session = Session {
-        pipeline: Pipeline::new(layout, ProcResolver, opts.raw, Some(std::process::id())),
+        pipeline: Pipeline::new(layout, ProcResolver { majors }, opts.raw, Some(std::process::id())),
         model: Model::new(),
         sink,
         records: 0,
@@ -195,6 +197,7 @@ impl Session {
             questions: counters.questions,
             pending_dropped: self.pipeline.files.pending_dropped,
             map_inserts_failed: counters.insert_failed,
+            impostors: counters.impostors + self.pipeline.files.impostors,
         };
         if opts.json {
             summary.fd_filter = Some(filter);
@@ -206,6 +209,12 @@ impl Session {
                 "gputrace: warning: the kernel refused {} map inserts (a map was full): some fds or processes may not have been followed",
                 filter.map_inserts_failed
             );
+            }
+            if filter.impostors > 0 {
+                eprintln!(
+                    "gputrace: warning: {} files at NVIDIA's paths were not NVIDIA's devices (another device number: a file mounted there in a namespace) and were not followed",
+                    filter.impostors
+                );
             }
             if filter.questions > 0 {
                 eprintln!(
@@ -550,7 +559,7 @@ fn terminal_width() -> usize {
 
 /// What the trace says of itself and of the machine before the first record: clocks, driver,
 /// NVML's view, and who held the device files already.
-fn header(opts: &Options, version: Option<DriverVersion>, source: String) -> Header {
+fn header(opts: &Options, version: Option<DriverVersion>, source: String, majors: Option<Majors>) -> Header {
     let snapshot = crate::gpus::snapshot();
     let (wall, mono) = clocks();
     Header {
@@ -565,7 +574,7 @@ fn header(opts: &Options, version: Option<DriverVersion>, source: String) -> Hea
         monotonic_start_ns: mono,
         gpus: snapshot.gpus,
         prior_use: snapshot.prior_use,
-        holders_at_start: crate::files::nvidia_holders(),
+        holders_at_start: crate::files::nvidia_holders(majors),
         nvml: snapshot.note,
         command: opts.invocation.clone(),
         raw: opts.raw,

@@ -190,6 +190,8 @@ pub struct FdFilter {
     /// Kernel map inserts refused because a map was full: fds or processes that may have been
     /// followed no more.
     pub map_inserts_failed: u64,
+    /// Files at NVIDIA's paths that were not NVIDIA's devices (their device number), not followed.
+    pub impostors: u64,
 }
 
 #[derive(Clone, Debug, Serialize)]

@@ -1,0 +1,95 @@
+//! Which files are NVIDIA's devices. A path is not enough on a shared host: a user may mount any
+//! file of their own at /dev/nvidiactl in a mount namespace of their own, and its "ioctls" would
+//! be memory that never existed, charged to the GPU in the report. Where NVIDIA's driver is
+//! loaded, a file is NVIDIA's when it is at one of its paths *and* has its device number's major
+//! (195 for nvidiactl and nvidiaN, a dynamic one for nvidia-uvm), as /proc/devices lists them.
+//! Where no driver is loaded (the fake GPU, whose files are FUSE files), the path stands alone.
+
+use anyhow::{bail, Result};
+
+use crate::event::Device;
+
+/// The majors of NVIDIA's device numbers on this host.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Majors {
+    /// nvidiactl and nvidiaN (registered as "nvidia", or "nvidia-frontend" by older drivers).
+    pub nvidia: u32,
+    /// nvidia-uvm; 0 when its module is not loaded (then no file is NVIDIA's UVM).
+    pub uvm: u32,
+}
+
+/// Set to `MAJOR,UVM_MAJOR` (or `off`) to override /proc/devices: for tests, which put other
+/// devices at NVIDIA's paths to check that the kernel side reads device numbers.
+pub const OVERRIDE: &str = "GPUTRACE_DEVICE_MAJORS";
+
+impl Majors {
+    /// This host's, or None where no NVIDIA driver is loaded.
+    pub fn of_host() -> Result<Option<Majors>> {
+        if let Ok(value) = std::env::var(OVERRIDE) {
+            return Majors::parse_override(&value);
+        }
+        Ok(crate::procfs::read_bounded("/proc/devices", 64 * 1024).and_then(|text| Majors::parse(&text)))
+    }
+
+    fn parse_override(value: &str) -> Result<Option<Majors>> {
+        if value == "off" {
+            return Ok(None);
+        }
+        let parsed = value.split_once(',').and_then(|(n, u)| Some(Majors { nvidia: n.trim().parse().ok()?, uvm: u.trim().parse().ok()? }));
+        match parsed {
+            Some(m) if m.nvidia > 0 => Ok(Some(m)),
+            _ => bail!("{OVERRIDE}={value:?} is neither `off` nor two majors such as `195,509`: unset it to read /proc/devices"),
+        }
+    }
+
+    /// The character devices of /proc/devices ("195 nvidia", "509 nvidia-uvm").
+    pub fn parse(text: &str) -> Option<Majors> {
+        let characters = text.split("Block devices:").next().unwrap_or_default();
+        let major_of = |names: &[&str]| {
+            characters.lines().find_map(|line| {
+                let (major, name) = line.trim().split_once(' ')?;
+                names.contains(&name.trim()).then(|| major.parse::<u32>().ok()).flatten()
+            })
+        };
+        let nvidia = major_of(&["nvidia", "nvidia-frontend"]).filter(|&m| m > 0)?;
+        Some(Majors { nvidia, uvm: major_of(&["nvidia-uvm"]).unwrap_or(0) })
+    }
+
+    /// Whether a file at `device`'s path with this major is that device.
+    pub fn admits(&self, device: Device, major: u32) -> bool {
+        match device {
+            Device::Ctl | Device::Gpu => major == self.nvidia,
+            Device::Uvm => self.uvm != 0 && major == self.uvm,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn majors_from_proc_devices() {
+        let text = "Character devices:\n  1 mem\n  4 /dev/vc/0\n195 nvidia\n195 nvidia-modeset\n509 nvidia-uvm\n510 nvidia-nvlink\n\nBlock devices:\n  7 loop\n509 nvidia\n";
+        let m = Majors::parse(text).unwrap();
+        assert_eq!(m, Majors { nvidia: 195, uvm: 509 });
+        assert!(m.admits(Device::Ctl, 195) && m.admits(Device::Gpu, 195) && m.admits(Device::Uvm, 509));
+        assert!(!m.admits(Device::Ctl, 0) && !m.admits(Device::Uvm, 195) && !m.admits(Device::Gpu, 1));
+        // Older drivers' name; no UVM module loaded: no file is NVIDIA's UVM.
+        let old = Majors::parse("Character devices:\n195 nvidia-frontend\n").unwrap();
+        assert_eq!(old, Majors { nvidia: 195, uvm: 0 });
+        assert!(!old.admits(Device::Uvm, 0));
+        // No driver (the fake GPU): no majors, paths alone.
+        assert_eq!(Majors::parse("Character devices:\n  1 mem\n 10 misc\n\nBlock devices:\n195 nvidia\n"), None);
+        assert_eq!(Majors::parse(""), None);
+    }
+
+    #[test]
+    fn the_override_is_checked() {
+        assert_eq!(Majors::parse_override("off").unwrap(), None);
+        assert_eq!(Majors::parse_override("1, 5").unwrap(), Some(Majors { nvidia: 1, uvm: 5 }));
+        for bad in ["", "195", "0,1", "x,1", "195;509"] {
+            assert!(Majors::parse_override(bad).unwrap_err().to_string().contains("unset it"), "{bad}");
+        }
+    }
+}
