@@ -262,3 +262,36 @@ fn explicit_marks_reach_the_trace_and_override_phases() {
     assert!(String::from_utf8_lossy(&none.stderr).contains("no gputrace record is running"));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A full kernel table is said, never silent: with the table of followed fds shrunk to 16 entries
+/// (GPUTRACE_FDS_ENTRIES), a process opening 31 NVIDIA files has some refused; the summary warns
+/// of it, and with --kernel-log the programs' own diagnostics name the map and the process (off by
+/// default: not a line of them without it).
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn a_full_kernel_map_is_warned_of_and_logged_with_kernel_log() {
+    let _root = as_root();
+    let dir = scratch("kernel-log");
+    let script = r#"for log in plain --kernel-log; do
+        flag=; [ "$log" = plain ] || flag=$log
+        GPUTRACE_FDS_ENTRIES=16 "$G" record $flag -o "$D/$log.trace" -- bash -c 'for i in $(seq 31); do exec {fd}</dev/nvidiactl; done; echo "pid $$"' > "$D/$log.out" 2> "$D/$log.err" || exit 1
+    done"#;
+    let out = in_fake_gpu(&dir, script);
+    let read = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap_or_default();
+    assert!(out.status.success(), "{}\n{}\n{}", String::from_utf8_lossy(&out.stderr), read("plain.err"), read("--kernel-log.err"));
+    for log in ["plain", "--kernel-log"] {
+        assert!(read(&format!("{log}.err")).contains("gputrace: warning: the kernel refused"), "{log}: {}", read(&format!("{log}.err")));
+    }
+    assert!(!read("plain.err").contains("gputrace: kernel:"), "no diagnostics unless asked: {}", read("plain.err"));
+    let pid = read("--kernel-log.out").trim().strip_prefix("pid ").unwrap_or_default().to_string();
+    let err = read("--kernel-log.err");
+    let lines = err.lines().filter(|l| l.starts_with("gputrace: kernel: the map FDS is full")).collect::<Vec<_>>();
+    assert!(!lines.is_empty() && lines.iter().all(|l| l.contains(&format!("pid {pid} "))), "pid {pid}: {err}");
+    let bad = Command::new(gputrace_bin()).args(["record", "--", "true"]).env("GPUTRACE_FDS_ENTRIES", "lots").output().unwrap();
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("GPUTRACE_FDS_ENTRIES=\"lots\" is not a number"),
+        "{}",
+        String::from_utf8_lossy(&bad.stderr)
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

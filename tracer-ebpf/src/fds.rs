@@ -74,7 +74,7 @@ fn open_enter(ctx: &TracePointContext, path_arg: usize, flags_arg: usize) -> u32
         return 0;
     };
     opening.device = device;
-    remember(OPENS.insert(&pid_tgid, &opening, 0));
+    remember("OPENS", OPENS.insert(&pid_tgid, &opening, 0));
     0
 }
 
@@ -105,7 +105,7 @@ pub fn open_exit(ctx: TracePointContext) -> u32 {
         bump(stat::IMPOSTORS);
         return 0;
     }
-    remember(FDS.insert(&FdKey { tgid: (pid_tgid >> 32) as u32, fd: fd as u32 }, &opening.device, 0));
+    remember("FDS", FDS.insert(&FdKey { tgid: (pid_tgid >> 32) as u32, fd: fd as u32 }, &opening.device, 0));
     let record = OpenRecord {
         header: header(kind::OPEN),
         fd: fd as i32,
@@ -150,6 +150,7 @@ pub fn close_enter(ctx: TracePointContext) -> u32 {
     0
 }
 
+#[inline(always)]
 fn dup_enter(ctx: &TracePointContext, new_fd: Option<u32>, cloexec: i32) -> u32 {
     let pid_tgid = bpf_get_current_pid_tgid();
     let tgid = (pid_tgid >> 32) as u32;
@@ -162,7 +163,7 @@ fn dup_enter(ctx: &TracePointContext, new_fd: Option<u32>, cloexec: i32) -> u32 
         forget_fd(tgid, new_fd);
     }
     if let Some(&state) = unsafe { FDS.get(&FdKey { tgid, fd: old_fd }) } {
-        remember(DUPS.insert(&pid_tgid, &Duping { old_fd: old_fd as i32, cloexec, state }, 0));
+        remember("DUPS", DUPS.insert(&pid_tgid, &Duping { old_fd: old_fd as i32, cloexec, state }, 0));
     }
     0
 }
@@ -217,7 +218,7 @@ pub fn dup_exit(ctx: TracePointContext) -> u32 {
     if new_fd < 0 {
         return 0;
     }
-    remember(FDS.insert(&FdKey { tgid: (pid_tgid >> 32) as u32, fd: new_fd as u32 }, &duping.state, 0));
+    remember("FDS", FDS.insert(&FdKey { tgid: (pid_tgid >> 32) as u32, fd: new_fd as u32 }, &duping.state, 0));
     if is_nvidia(duping.state) || duping.state == device::CONN {
         send_fd_record(kind::DUP, duping.old_fd as i64, new_fd, duping.cloexec as i64);
     }

@@ -16,6 +16,9 @@ use aya_ebpf::{
     maps::{Array, CgroupArray, HashMap, LruHashMap, PerCpuArray, RingBuf},
     programs::TracePointContext,
 };
+// Diagnostics (`--kernel-log`): userspace sets AYA_LOG_LEVEL to 0 unless asked, so each costs
+// one global read, and only on the failure paths where they sit.
+use aya_log_ebpf::warn;
 use tracer_common::{
     control, control_params_size, device, escape, ioc_nr, ioc_size, ioctl_flag, kind, rm_cmd, rm_command_traced, rm_escape_traced, stat,
     traced, uvm_command_traced, Config, ExecRecord, FdKey, FdRecord, Header, IoctlRecord, KernelOffsets, OpenRecord, SockRecord, UvmWindow,
@@ -60,9 +63,11 @@ fn take<T: Copy>(map: &LruHashMap<u64, T>, key: u64) -> Option<T> {
 
 /// Counts a refused map insert (the map is full): userspace reports them.
 #[inline(always)]
-fn remember<E>(inserted: Result<(), E>) {
+fn remember<E>(map: &'static str, inserted: Result<(), E>) {
     if inserted.is_err() {
         bump(stat::INSERT_FAILED);
+        let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+        warn!(&(), "the map {} is full: an entry for pid {} was refused, and what it was for is not followed", map, tgid);
     }
 }
 
@@ -82,7 +87,7 @@ fn is_traced(tgid: u32) -> bool {
     // process's context (the OOM killer's).
     let joined = cgroup && CGROUPS.current_task_under_cgroup(0) == Ok(true);
     if joined {
-        remember(TRACED.insert(&tgid, &traced::YES, 0));
+        remember("TRACED", TRACED.insert(&tgid, &traced::YES, 0));
     }
     joined
 }
@@ -180,6 +185,15 @@ fn file_of(fd: u32) -> u64 {
     if o.fdtable_fd == 0 {
         return 0;
     }
+    let file = read_file_of(o, fd);
+    if file == 0 {
+        let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+        warn!(&(), "pid {} fd {}: the open file behind it could not be read; userspace tells files apart by kcmp", tgid, fd);
+    }
+    file
+}
+
+fn read_file_of(o: &KernelOffsets, fd: u32) -> u64 {
     let read = |addr: u64| -> u64 { unsafe { bpf_probe_read_kernel(addr as *const u64) }.unwrap_or(0) };
     let task = unsafe { bpf_get_current_task() };
     let files = read(task + o.task_files as u64);

@@ -47,6 +47,9 @@ enum Command {
         /// Keep each ioctl's raw params bytes in the trace, for debugging the decoder
         #[arg(long)]
         raw: bool,
+        /// Print the eBPF programs' own diagnostics (a kernel map full, a file it could not name)
+        #[arg(long)]
+        kernel_log: bool,
         /// Print the report as JSON on stdout
         #[arg(long)]
         json: bool,
@@ -93,6 +96,9 @@ enum Command {
         /// those there now and those that join it
         #[arg(long, value_name = "DIR")]
         cgroup: Option<PathBuf>,
+        /// Print the eBPF programs' own diagnostics (a kernel map full, a file it could not name)
+        #[arg(long)]
+        kernel_log: bool,
     },
     /// Ask the running `gputrace watch` for a dump now (as SIGUSR1 does).
     Dump {
@@ -263,7 +269,7 @@ fn main() -> ExitCode {
             }
             .map(|()| ExitCode::from(findings.exit_code()))
         }
-        Command::Record { output, pids, all, driver_version, raw, json, judging, command } => {
+        Command::Record { output, pids, all, driver_version, raw, kernel_log, json, judging, command } => {
             let opts = gputrace::record::Options {
                 output,
                 pids,
@@ -277,6 +283,7 @@ fn main() -> ExitCode {
                 redact: judging.redact,
                 capacity: judging.capacity,
                 cgroup: None,
+                kernel_log,
             };
             gputrace::record::run(opts).map(|outcome| ExitCode::from(outcome.exit_code.clamp(0, 255) as u8))
         }
@@ -292,6 +299,7 @@ fn main() -> ExitCode {
             listen,
             pids,
             cgroup,
+            kernel_log,
         } => {
             let opts = gputrace::watch::Options {
                 dump_dir,
@@ -307,6 +315,7 @@ fn main() -> ExitCode {
                 listen: listen.0,
                 pids,
                 cgroup,
+                kernel_log,
             };
             gputrace::watch::run(opts).map(|()| ExitCode::SUCCESS)
         }

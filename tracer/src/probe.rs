@@ -92,6 +92,20 @@ pub enum ProbeError {
     MissingMap(&'static str),
     #[error("updating the kernel map {map} failed: {reason}")]
     Map { map: &'static str, reason: String },
+    #[error("{FDS_ENTRIES}={0:?} is not a number of entries between 16 and 16777216: unset it for the default, 65536")]
+    FdsEntries(String),
+}
+
+/// Sizes the kernel's table of followed fds (NVIDIA files and accepted connections, 65536 by
+/// default): larger for a host with more, smaller to see what a full table does (the tests).
+pub const FDS_ENTRIES: &str = "GPUTRACE_FDS_ENTRIES";
+
+fn fds_entries() -> Result<Option<u32>, ProbeError> {
+    let Ok(value) = std::env::var(FDS_ENTRIES) else { return Ok(None) };
+    match value.parse::<u32>() {
+        Ok(n) if (16..=1 << 24).contains(&n) => Ok(Some(n)),
+        _ => Err(ProbeError::FdsEntries(value)),
+    }
 }
 
 /// What the running kernel offers, as preflight found it.
@@ -157,6 +171,8 @@ pub struct Probe {
     stats: PerCpuArray<MapData, u64>,
     /// Taken out of the object to be filled: held so the programs' reference to it stays valid.
     _cgroups: Option<aya::maps::CgroupArray<MapData>>,
+    /// With `--kernel-log`: the programs' diagnostics, to flush when its fd is readable.
+    pub kernel_log: Option<aya_log::EbpfLogger<KernelLog>>,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -175,24 +191,51 @@ fn map_err(map: &'static str) -> impl Fn(aya::maps::MapError) -> ProbeError {
     move |e| ProbeError::Map { map, reason: e.to_string() }
 }
 
+/// What the kernel side traces, and how.
+#[derive(Clone, Copy, Default)]
+pub struct Selection<'a> {
+    /// Every process, not only those attached or launched and their children.
+    pub trace_all: bool,
+    /// A cgroup v2 directory, opened, whose processes are traced too.
+    pub cgroup: Option<&'a std::fs::File>,
+    /// NVIDIA's device numbers on this host, None to know its files by path alone.
+    pub majors: Option<crate::devices::Majors>,
+    /// The programs' own diagnostics (`--kernel-log`), read from [`Probe::kernel_log`].
+    pub kernel_log: bool,
+}
+
+/// The eBPF programs' diagnostics, printed to stderr as gputrace's own lines.
+pub struct KernelLog;
+
+impl log::Log for KernelLog {
+    fn enabled(&self, _: &log::Metadata) -> bool {
+        true
+    }
+    fn log(&self, record: &log::Record) {
+        eprintln!("gputrace: kernel: {}", record.args());
+    }
+    fn flush(&self) {}
+}
+
 impl Probe {
     /// Loads the programs for a driver layout and attaches every hook.
-    /// `cgroup`: a cgroup v2 directory, opened, whose processes are traced too.
-    /// `majors`: NVIDIA's device numbers on this host, None to know its files by path alone.
-    pub fn load(
-        layout: &Layout,
-        trace_all: bool,
-        cgroup: Option<&std::fs::File>,
-        majors: Option<crate::devices::Majors>,
-        kernel: &Kernel,
-    ) -> Result<Probe, ProbeError> {
+    pub fn load(layout: &Layout, selection: Selection, kernel: &Kernel) -> Result<Probe, ProbeError> {
+        let Selection { trace_all, cgroup, majors, kernel_log } = selection;
         // The kernel accounts BPF memory by memcg on current kernels; raising the old locked-memory
         // limit only matters on old ones and may be refused (no CAP_SYS_RESOURCE): not an error.
         let unlimited = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
         // SAFETY: setrlimit with a valid struct.
         unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &unlimited) };
 
-        let mut ebpf = Ebpf::load(EBPF_OBJECT).map_err(|e| ProbeError::Load {
+        // aya-log's levels: 0 silences every diagnostic, 2 lets warnings through.
+        let log_level: u8 = if kernel_log { 2 } else { 0 };
+        let btf = aya::Btf::from_sys_fs().ok();
+        let mut loader = aya::EbpfLoader::new();
+        loader.btf(btf.as_ref()).override_global("AYA_LOG_LEVEL", &log_level, true);
+        if let Some(entries) = fds_entries()? {
+            loader.map_max_entries("FDS", entries);
+        }
+        let mut ebpf = loader.load(EBPF_OBJECT).map_err(|e| ProbeError::Load {
             reason: e.to_string(),
             hint: if Path::new("/sys/kernel/btf/vmlinux").exists() {
                 ""
@@ -238,6 +281,13 @@ impl Probe {
         let fds = HashMap::try_from(take(&mut ebpf, "FDS")?).map_err(map_err("FDS"))?;
         let traced = HashMap::try_from(take(&mut ebpf, "TRACED")?).map_err(map_err("TRACED"))?;
         let stats = PerCpuArray::try_from(take(&mut ebpf, "STATS")?).map_err(map_err("STATS"))?;
+        let kernel_log = match kernel_log {
+            true => Some(
+                aya_log::EbpfLogger::init_with_logger(&mut ebpf, KernelLog)
+                    .map_err(|e| ProbeError::Map { map: "AYA_LOGS", reason: e.to_string() })?,
+            ),
+            false => None,
+        };
         let events = RingBuf::try_from(take(&mut ebpf, "EVENTS")?).map_err(map_err("EVENTS"))?;
 
         let mut loaded = std::collections::HashSet::new();
@@ -255,7 +305,7 @@ impl Probe {
             }
             tp.attach(category, name).map_err(|e| attach_err(e.to_string()))?;
         }
-        Ok(Probe { _ebpf: ebpf, events: Some(events), fds, traced, stats, _cgroups: cgroups })
+        Ok(Probe { _ebpf: ebpf, events: Some(events), fds, traced, stats, _cgroups: cgroups, kernel_log })
     }
 
     /// Traces `pid` and, from now on, every process it forks.

@@ -48,6 +48,8 @@ pub struct Options {
     pub capacity: Option<u64>,
     /// Also every process under this cgroup v2 directory, now and to come (`watch --cgroup`).
     pub cgroup: Option<PathBuf>,
+    /// The eBPF programs' own diagnostics on stderr (`--kernel-log`).
+    pub kernel_log: bool,
 }
 
 /// How often NVML and the host's memory are sampled into the trace.
@@ -122,7 +124,8 @@ fn trace_into(opts: &Options, sink: impl FnOnce(&Header, Option<&User>) -> Resul
     let sink = sink(&header, user.as_ref())?;
 
     let cgroup = opts.cgroup.as_deref().map(open_cgroup).transpose()?;
-    let mut probe = Probe::load(&layout, opts.all, cgroup.as_ref(), majors, &kernel)?;
+    let selection = probe::Selection { trace_all: opts.all, cgroup: cgroup.as_ref(), majors, kernel_log: opts.kernel_log };
+    let mut probe = Probe::load(&layout, selection, &kernel)?;
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().context("starting the event loop")?;
     let mut session = Session {
         pipeline: Pipeline::new(layout, ProcResolver { majors }, opts.raw, Some(std::process::id())),
@@ -355,6 +358,14 @@ impl Session {
         // SAFETY: the ring buffer's fd stays open as long as the AsyncFd that owns it.
         let mut ring = unsafe { AsyncFd::register_with_interest(ring, Interest::READABLE) }
             .map_err(|e| anyhow!("watching the ring buffer: {}", e.into_parts().1))?;
+        let mut kernel_log = match probe.kernel_log.take() {
+            // SAFETY: the log ring's fd stays open as long as the AsyncFd that owns the logger.
+            Some(logger) => Some(
+                unsafe { AsyncFd::register_with_interest(logger, Interest::READABLE) }
+                    .map_err(|e| anyhow!("watching the kernel's log: {}", e.into_parts().1))?,
+            ),
+            None => None,
+        };
 
         // Before anything is launched: a stop signal from then on reaches the command.
         let stops = StopSignals::install()?;
@@ -408,6 +419,15 @@ impl Session {
                     let mut guard = guard.context("waiting for kernel events")?;
                     self.drain(guard.get_inner_mut(), probe)?;
                     guard.clear_ready();
+                }
+                guard = async { kernel_log.as_mut().unwrap().readable_mut().await }, if kernel_log.is_some() => {
+                    let mut guard = guard.context("waiting for the kernel's log")?;
+                    // aya-log panics on a record it cannot parse: the log stops, recording goes on.
+                    let parsed = flush_kernel_log(guard.get_inner_mut());
+                    guard.clear_ready();
+                    if !parsed {
+                        kernel_log = None;
+                    }
                 }
                 _ = tick.tick() => {
                     // The kernel wakes this loop only once a batch of escapes has built up.
@@ -476,6 +496,9 @@ impl Session {
         }
         self.drain(ring.get_mut(), probe)?;
         self.check_lost(probe);
+        if let Some(logger) = kernel_log.as_mut() {
+            flush_kernel_log(logger.get_mut());
+        }
         if status_line {
             eprint!("\r\x1b[2K");
         }
@@ -579,6 +602,16 @@ fn header(opts: &Options, version: Option<DriverVersion>, source: String, majors
         command: opts.invocation.clone(),
         raw: opts.raw,
     }
+}
+
+/// Prints what the eBPF programs logged. aya-log panics on a record it cannot parse: then the log
+/// stops (false), recording goes on.
+fn flush_kernel_log(logger: &mut aya_log::EbpfLogger<probe::KernelLog>) -> bool {
+    let parsed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| logger.flush())).is_ok();
+    if !parsed {
+        eprintln!("gputrace: the kernel's log had a record that could not be read; --kernel-log stops here, recording goes on");
+    }
+    parsed
 }
 
 /// Every open connection, device file and /proc entry is a descriptor: take the hard limit.

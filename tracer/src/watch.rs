@@ -38,6 +38,8 @@ pub struct Options {
     pub pids: Vec<u32>,
     /// Only the processes under this cgroup v2 directory.
     pub cgroup: Option<PathBuf>,
+    /// The eBPF programs' own diagnostics on stderr.
+    pub kernel_log: bool,
 }
 
 /// Watches until SIGTERM or SIGINT; a dump waiting for its aftermath is written first.
@@ -64,6 +66,7 @@ pub fn run(opts: Options) -> Result<()> {
         redact: opts.redact,
         capacity: opts.capacity,
         cgroup: opts.cgroup.clone(),
+        kernel_log: opts.kernel_log,
     };
     let what = if let Some(cgroup) = &opts.cgroup {
         format!("the processes of cgroup {}", cgroup.display())
