@@ -19,7 +19,7 @@ ls -l /dev/nvidiactl /dev/nvidia0 /dev/nvidia-uvm 2>&1
 for module in cupy:cupy-cuda12x cuda:cuda-python torch:torch numpy:numpy; do
     python3 -c "import ${module%%:*}" 2>/dev/null || timeout 240 pip install -q "${module##*:}" >>"$OUT/pip.log" 2>&1
 done
-APIS="cudaMalloc cudaMallocAsync vmm vmm-release-while-mapped cudaHostAlloc cudaHostRegister cudaMallocManaged torch torch-expandable oom microbench"
+APIS="cudaMalloc cudaMallocAsync vmm vmm-release-while-mapped vmm-ipc cudaHostAlloc cudaHostRegister cudaMallocManaged torch torch-expandable oom microbench"
 for api in $APIS; do
     env=()
     [ "$api" = torch-expandable ] && env=(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)

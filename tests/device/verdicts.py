@@ -99,7 +99,7 @@ def found(records, asked, kind):
     return not missing, f"{len(asked) - len(missing)}/{len(asked)} asked sizes decoded" + (f", missing {missing}" if missing else "")
 
 
-for api in ["cudaMalloc", "cudaMallocAsync", "vmm", "vmm-release-while-mapped", "cudaHostAlloc", "cudaHostRegister",
+for api in ["cudaMalloc", "cudaMallocAsync", "vmm", "vmm-release-while-mapped", "vmm-ipc", "cudaHostAlloc", "cudaHostRegister",
             "cudaMallocManaged", "torch", "torch-expandable", "oom"]:
     account, records, rows, why = load(api)
     print(f"\n== {api}")
@@ -131,6 +131,16 @@ for api in ["cudaMalloc", "cudaMallocAsync", "vmm", "vmm-release-while-mapped", 
         size = asked[0]["bytes"] if asked else 0
         verdict("VMM: memory released while mapped stays live until unmapped", held >= size and gone == 0,
                 f"live {held / MIB:.0f} MiB while mapped, {gone / MIB:.0f} MiB after the unmap (asked {size / MIB:.0f} MiB)")
+    if api == "vmm-ipc":
+        forms = sorted({r["ev"] for r in records if r["ev"] in ("export_object", "export_objects", "import_object", "import_objects")})
+        verdict("IPC: CUDA's export to a POSIX fd and its import are followed", len(forms) >= 2 or None, f"controls seen: {forms}")
+        pid = workload_pid(records, api)
+        cps = {c["label"].split(":")[0]: c for c in account["checkpoints"]}
+        live = [traced_live(rows, pid, c["t"]) if pid else -1 for c in account["checkpoints"]]
+        size = asked[0]["bytes"] if asked else 0
+        verdict("IPC: the memory lives while the fd is open and goes with its close",
+                len(live) == 3 and live[0] >= size and live[1] >= size and live[2] == 0 and len(cps) == 3,
+                f"live {[f'{b / MIB:.0f} MiB' for b in live]} at {list(cps)} (asked {size / MIB:.0f} MiB)")
     if api == "oom":
         failed = [r for r in records if r["ev"] == "alloc" and r["status"] != 0]
         statuses = sorted({hex(r["status"]) for r in failed})

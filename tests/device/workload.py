@@ -5,7 +5,8 @@
 Writes what it asked for and, at checkpoints, the driver's own count of this process's memory
 (NVML, through nvidia-smi) with the CLOCK_MONOTONIC time gputrace's records carry, so the
 traced live bytes can be compared with it at the same moments. APIs: cudaMalloc,
-cudaMallocAsync, vmm (cuMemCreate/cuMemMap), vmm-release-while-mapped, cudaHostAlloc,
+cudaMallocAsync, vmm (cuMemCreate/cuMemMap), vmm-release-while-mapped, vmm-ipc (export to a
+POSIX fd and import back), cudaHostAlloc,
 cudaHostRegister, cudaMallocManaged, torch, torch-expandable, oom, microbench.
 """
 import json
@@ -77,7 +78,7 @@ def run():
             rt.freeAsync(p, stream.ptr)
         stream.synchronize()
         checkpoint("freed to the pool (the pool may keep it)")
-    elif api in ("vmm", "vmm-release-while-mapped"):
+    elif api in ("vmm", "vmm-release-while-mapped", "vmm-ipc"):
         from cuda import cuda  # cuda-python
         def ok(result):
             err = result[0]
@@ -92,6 +93,8 @@ def run():
         prop.type = cuda.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         prop.location.type = cuda.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         prop.location.id = 0
+        if api == "vmm-ipc":
+            prop.requestedHandleTypes = cuda.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
         gran = ok(cuda.cuMemGetAllocationGranularity(prop, cuda.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM))
         size = ((GIB + gran - 1) // gran) * gran
         handle = ok(cuda.cuMemCreate(size, prop, 0))
@@ -103,7 +106,20 @@ def run():
         access.flags = cuda.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         ok((cuda.cuMemSetAccess(va, size, [access], 1)[0], None))
         checkpoint("created and mapped")
-        if api == "vmm-release-while-mapped":
+        if api == "vmm-ipc":
+            # Exported to a POSIX fd (which RM_CONTROL: EXPORT_OBJECT_TO_FD or the batched
+            # EXPORT_OBJECTS_TO_FD?), imported back, every handle released with the fd open.
+            kind = cuda.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+            fd = ok(cuda.cuMemExportToShareableHandle(handle, kind, 0))
+            imported = ok(cuda.cuMemImportFromShareableHandle(fd, kind))
+            ok((cuda.cuMemUnmap(va, size)[0], None))
+            ok((cuda.cuMemRelease(handle)[0], None))
+            checkpoint("released, the import's handle and the fd keep it: memory must stay live")
+            ok((cuda.cuMemRelease(imported)[0], None))
+            checkpoint("the import released, the fd open: memory must stay live")
+            os.close(fd)
+            checkpoint("fd closed: memory must be gone")
+        elif api == "vmm-release-while-mapped":
             ok((cuda.cuMemRelease(handle)[0], None))
             checkpoint("handle released, still mapped: memory must stay live")
             ok((cuda.cuMemUnmap(va, size)[0], None))

@@ -99,6 +99,12 @@ pub fn put64(b: &mut [u8], at: usize, v: u64) {
 pub fn get32(b: &[u8], at: usize) -> u32 {
     b.get(at..at + 4).map(|s| u32::from_le_bytes(s.try_into().unwrap())).unwrap_or(0)
 }
+pub fn get16(b: &[u8], at: usize) -> u16 {
+    b.get(at..at + 2).map(|s| u16::from_le_bytes([s[0], s[1]])).unwrap_or(0)
+}
+pub fn put16(b: &mut [u8], at: usize, v: u16) {
+    b[at..at + 2].copy_from_slice(&v.to_le_bytes());
+}
 pub fn get64(b: &[u8], at: usize) -> u64 {
     b.get(at..at + 8).map(|s| u64::from_le_bytes(s.try_into().unwrap())).unwrap_or(0)
 }

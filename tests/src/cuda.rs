@@ -6,7 +6,7 @@ use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 
-use crate::abi::{class, esc, get32, put32, put64, rm_cmd, uvm, Abi};
+use crate::abi::{class, esc, get32, put16, put32, put64, rm_cmd, uvm, Abi};
 
 /// An NV status, or 0xffff when ioctl() itself failed.
 pub type Status = u32;
@@ -266,6 +266,36 @@ impl Gpu {
         put32(&mut p, 12, self.device);
         self.control(0x3d06, &mut p)?;
         Ok(get32(&p, 16))
+    }
+
+    /// The same, the way current libcuda does it: EXPORT_OBJECTS_TO_FD, the batched form (2128
+    /// bytes), with the one object in slot 0 of a file made for one.
+    pub fn export_batched(&self, buffer: &Buffer) -> Result<File, Status> {
+        let share = open("/dev/nvidiactl").map_err(|_| IOCTL_FAILED)?;
+        let mut p = vec![0u8; 2128];
+        put32(&mut p, 0, share.as_raw_fd() as u32);
+        put32(&mut p, 4, self.device);
+        put16(&mut p, 8, 1);
+        put32(&mut p, 76, buffer.handle);
+        put16(&mut p, 2124, 1);
+        self.control(0x3d0b, &mut p)?;
+        Ok(share)
+    }
+
+    /// IMPORT_OBJECTS_FROM_FD: slot 0 of `share` under a handle this process chooses, as libcuda
+    /// does; RM says by the type it writes back whether anything was imported.
+    pub fn import_batched(&self, share: &File) -> Result<u32, Status> {
+        const HANDLE: u32 = 0xbeef_0001;
+        let mut p = vec![0u8; 652];
+        put32(&mut p, 0, share.as_raw_fd() as u32);
+        put32(&mut p, 4, self.device);
+        put32(&mut p, 8, HANDLE);
+        put16(&mut p, 648, 1);
+        self.control(0x3d0c, &mut p)?;
+        if p[520] == 0 {
+            return Err(IOCTL_FAILED);
+        }
+        Ok(HANDLE)
     }
 
     /// RM_FREE of one handle, directly or wrapped in NV_ESC_IOCTL_XFER_CMD.

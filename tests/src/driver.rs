@@ -4,12 +4,12 @@
 //! handle frees the client), freeing an unknown handle is NV_OK, dups are reference counted, and
 //! releasing an nvidiactl file frees every client created on it.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use crate::abi::{class, esc, get32, get64, put32, put64, status, uvm, Abi};
+use crate::abi::{class, esc, get16, get32, get64, put32, put64, status, uvm, Abi};
 use crate::fuse::{Caller, Files, IoctlReply};
 use crate::truth::{monotonic_ns, DriverLine, DriverOp, Log};
 
@@ -74,9 +74,10 @@ struct OpenFile {
     /// RM memory mapped into this file's ranges: (base of the mapping, memory id). Each holds a
     /// reference, as uvm_map_external.c's duplicate of the memory object does.
     maps: Vec<(u64, u64)>,
-    /// The memory an object exported to this nvidiactl file refers to: a reference held by the
-    /// kernel's client of the file until its release (rmobjexportimport.c).
-    export: Option<u64>,
+    /// The memory each slot of this nvidiactl file's exports refers to: a reference held by the
+    /// kernel's client of the file until its release (rmobjexportimport.c). The single export
+    /// takes slot 0 of a file that holds none; a batch fills slots from its index on.
+    exports: BTreeMap<u16, u64>,
 }
 
 pub struct Config {
@@ -551,40 +552,85 @@ impl Driver {
     fn control(&mut self, caller: Caller, fh: u64, p: &[u8]) -> Result<(), u32> {
         const EXPORT: u32 = 0x3d05;
         const IMPORT: u32 = 0x3d06;
+        const EXPORT_BATCH: u32 = 0x3d0b;
+        const IMPORT_BATCH: u32 = 0x3d0c;
         let (client, cmd, ptr) = (get32(p, 0), get32(p, 8), get64(p, 16));
         let size = match cmd {
             EXPORT => 24,
             IMPORT => 20,
+            EXPORT_BATCH => 2128,
+            IMPORT_BATCH => 652,
             _ => return Ok(()),
         };
         let mut params = read_mem(caller.tid, ptr, size).ok_or(status::INVALID_ARGUMENT)?;
-        if cmd == EXPORT {
-            let object = get32(&params, 12);
-            let memory = self.clients.get(&client).ok_or(status::INVALID_CLIENT)?.objects.get(&object);
-            let id = memory.ok_or(status::INVALID_OBJECT_HANDLE)?.memory.ok_or(status::INVALID_ARGUMENT)?;
+        let memory_of = |driver: &Driver, object: u32| -> Result<u64, u32> {
+            let memory = driver.clients.get(&client).ok_or(status::INVALID_CLIENT)?.objects.get(&object);
+            memory.ok_or(status::INVALID_OBJECT_HANDLE)?.memory.ok_or(status::INVALID_ARGUMENT)
+        };
+        if cmd == EXPORT || cmd == EXPORT_BATCH {
+            // (slot, object) pairs: the single form's one object in slot 0, a batch's from its index.
+            let pairs: Vec<(u16, u32)> = match cmd {
+                EXPORT => vec![(0, get32(&params, 12))],
+                _ => {
+                    let (count, index) = (get16(&params, 2124), get16(&params, 2126));
+                    (0..count.min(512)).map(|i| (index.saturating_add(i), get32(&params, 76 + 4 * usize::from(i)))).collect()
+                }
+            };
+            let ids = pairs.iter().map(|&(_, object)| if object == 0 { Ok(None) } else { memory_of(self, object).map(Some) });
+            let ids: Vec<Option<u64>> = ids.collect::<Result<_, _>>()?;
             let tgid = self.tgid(caller.tid);
             let file = self.files.iter().filter(|(h, f)| **h != fh && f.inode == CTL_INODE && f.opener == tgid).map(|(h, _)| *h).max();
-            let file = self.files.get_mut(&file.ok_or(status::INVALID_ARGUMENT)?).expect("found above");
-            if file.export.is_some() {
+            let file = file.ok_or(status::INVALID_ARGUMENT)?;
+            if cmd == EXPORT && !self.files[&file].exports.is_empty() {
                 return Err(status::INVALID_ARGUMENT);
             }
-            file.export = Some(id);
-            self.memory.get_mut(&id).expect("a live object's memory").handles += 1;
+            for ((slot, _), id) in pairs.into_iter().zip(ids) {
+                let old = self.files.get_mut(&file).expect("found above").exports.remove(&slot);
+                if let Some(id) = id {
+                    self.memory.get_mut(&id).expect("a live object's memory").handles += 1;
+                    self.files.get_mut(&file).expect("found above").exports.insert(slot, id);
+                }
+                if let Some(old) = old {
+                    self.drop_handle(caller, old, "unexport");
+                }
+            }
             return Ok(());
         }
-        let (parent, mut object) = (get32(&params, 12), get32(&params, 16));
+        let mut held = self.files.values().filter(|f| !f.exports.is_empty());
+        let (Some(file), None) = (held.next(), held.next()) else { return Err(status::INVALID_ARGUMENT) };
+        let slots = file.exports.clone();
+        if cmd == IMPORT {
+            let (parent, mut object) = (get32(&params, 12), get32(&params, 16));
+            self.parent_ok(client, parent)?;
+            let id = *slots.get(&0).ok_or(status::INVALID_ARGUMENT)?;
+            if object == 0 {
+                object = self.new_object_handle();
+                put32(&mut params, 16, object);
+                if !write_mem(caller.tid, ptr, &params) {
+                    return Err(status::INVALID_ARGUMENT);
+                }
+            }
+            self.memory.get_mut(&id).expect("an exported object's memory").handles += 1;
+            self.insert_object(client, object, parent, Some(id), None);
+            return Ok(());
+        }
+        // A batch: each nonzero handle becomes a dup of its slot, if that slot holds anything;
+        // RM writes back each one's type (1, video memory) or 0 where nothing was imported.
+        let parent = get32(&params, 4);
         self.parent_ok(client, parent)?;
-        let mut held = self.files.values().filter_map(|f| f.export);
-        let (Some(id), None) = (held.next(), held.next()) else { return Err(status::INVALID_ARGUMENT) };
-        if object == 0 {
-            object = self.new_object_handle();
-            put32(&mut params, 16, object);
-            if !write_mem(caller.tid, ptr, &params) {
-                return Err(status::INVALID_ARGUMENT);
+        let (count, index) = (get16(&params, 648), get16(&params, 650));
+        for i in 0..usize::from(count.min(128)) {
+            let object = get32(&params, 8 + 4 * i);
+            let id = slots.get(&index.saturating_add(i as u16)).copied().filter(|_| object != 0);
+            params[520 + i] = u8::from(id.is_some());
+            if let Some(id) = id {
+                self.memory.get_mut(&id).expect("an exported object's memory").handles += 1;
+                self.insert_object(client, object, parent, Some(id), None);
             }
         }
-        self.memory.get_mut(&id).expect("an exported object's memory").handles += 1;
-        self.insert_object(client, object, parent, Some(id), None);
+        if !write_mem(caller.tid, ptr, &params) {
+            return Err(status::INVALID_ARGUMENT);
+        }
         Ok(())
     }
 
@@ -722,7 +768,15 @@ impl Files for Driver {
         let opener = self.tgid(caller.tid);
         self.files.insert(
             fh,
-            OpenFile { inode, opener, registered_ctl: None, uvm_ready: false, ranges: HashMap::new(), maps: Vec::new(), export: None },
+            OpenFile {
+                inode,
+                opener,
+                registered_ctl: None,
+                uvm_ready: false,
+                ranges: HashMap::new(),
+                maps: Vec::new(),
+                exports: BTreeMap::new(),
+            },
         );
         self.open_files.fetch_add(1, Ordering::SeqCst);
         self.record(caller, DriverOp::Open { device: device_name(inode), handle: fh });
@@ -770,8 +824,13 @@ impl Files for Driver {
                 self.free_clients_of(caller, ctl);
             }
         }
-        let mut ids: Vec<u64> =
-            file.ranges.values().filter_map(|(_, m)| *m).chain(file.maps.iter().map(|(_, id)| *id)).chain(file.export).collect();
+        let mut ids: Vec<u64> = file
+            .ranges
+            .values()
+            .filter_map(|(_, m)| *m)
+            .chain(file.maps.iter().map(|(_, id)| *id))
+            .chain(file.exports.values().copied())
+            .collect();
         ids.sort();
         for id in ids {
             self.drop_handle(caller, id, "release");

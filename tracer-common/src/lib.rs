@@ -282,14 +282,37 @@ pub mod control {
     pub const EXPORT_OBJECT_TO_FD: u32 = 0x3d05;
     /// NV0000_CTRL_CMD_OS_UNIX_IMPORT_OBJECT_FROM_FD: fd@0 type@4 hDevice@8 hParent@12 hObject@16 (written back).
     pub const IMPORT_OBJECT_FROM_FD: u32 = 0x3d06;
+    /// NV0000_CTRL_CMD_OS_UNIX_EXPORT_OBJECTS_TO_FD, the batched form current libcuda uses
+    /// (2128 bytes): fd@0 hDevice@4 maxObjects@8 metadata[64]@10 objects[512]@76 numObjects@2124
+    /// index@2126. The kernel side copies fd and hDevice, numObjects and index, and the first
+    /// [`OBJECTS_FOLLOWED`] objects, packed as [`PACKED_HEAD`], [`PACKED_COUNT`], [`PACKED_OBJECTS`].
+    pub const EXPORT_OBJECTS_TO_FD: u32 = 0x3d0b;
+    pub const EXPORT_OBJECTS_AT: u32 = 76;
+    pub const EXPORT_COUNT_AT: u32 = 2124;
+    /// NV0000_CTRL_CMD_OS_UNIX_IMPORT_OBJECTS_FROM_FD (652 bytes): fd@0 hParent@4 objects[128]@8
+    /// objectTypes[128]@520 (written back; 0 where nothing was imported) numObjects@648 index@650.
+    /// Packed like an export, then the first objectTypes at [`PACKED_TYPES`].
+    pub const IMPORT_OBJECTS_FROM_FD: u32 = 0x3d0c;
+    pub const IMPORT_OBJECTS_AT: u32 = 8;
+    pub const IMPORT_TYPES_AT: u32 = 520;
+    pub const IMPORT_COUNT_AT: u32 = 648;
+    /// Handles of a batch that are followed (libcuda exports one per file); the rest are counted.
+    pub const OBJECTS_FOLLOWED: usize = 16;
+    pub const PACKED_HEAD: usize = 0;
+    pub const PACKED_COUNT: usize = 8;
+    pub const PACKED_OBJECTS: usize = 12;
+    pub const PACKED_TYPES: usize = PACKED_OBJECTS + 4 * OBJECTS_FOLLOWED;
 }
 
-/// The params size of a followed control, copied from behind NVOS54's params pointer.
+/// The size of what the kernel side copies of a followed control's params (from behind NVOS54's
+/// params pointer): the whole struct, or for a batch the packed parts (see [`control`]).
 #[inline(always)]
 pub const fn control_params_size(cmd: u32) -> Option<u32> {
     match cmd {
         control::EXPORT_OBJECT_TO_FD => Some(24),
         control::IMPORT_OBJECT_FROM_FD => Some(20),
+        control::EXPORT_OBJECTS_TO_FD => Some(control::PACKED_TYPES as u32),
+        control::IMPORT_OBJECTS_FROM_FD => Some((control::PACKED_TYPES + control::OBJECTS_FOLLOWED) as u32),
         _ => None,
     }
 }

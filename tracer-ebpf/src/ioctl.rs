@@ -117,6 +117,34 @@ pub fn ioctl_exit(ctx: TracePointContext) -> u32 {
     0
 }
 
+/// Copies a followed control's params into `out`: the whole struct, or a batch's parts (its
+/// head, its count and index, its first handles and, for an import, their types written back).
+#[inline(always)]
+fn copy_control(cmd: u32, ptr: u64, out: &mut [u8; CLASS_PARAMS_MAX], len: u32) -> bool {
+    let base = out.as_mut_ptr();
+    let at = |offset: usize| unsafe { base.add(offset) };
+    const HANDLES: u32 = 4 * control::OBJECTS_FOLLOWED as u32;
+    let left = |offset: usize| CLASS_PARAMS_MAX - offset;
+    let (objects, count) = match cmd {
+        control::EXPORT_OBJECTS_TO_FD => (control::EXPORT_OBJECTS_AT, control::EXPORT_COUNT_AT),
+        control::IMPORT_OBJECTS_FROM_FD => (control::IMPORT_OBJECTS_AT, control::IMPORT_COUNT_AT),
+        _ => return read_user(at(0), CLASS_PARAMS_MAX, ptr, len),
+    };
+    let mut ok = read_user(at(control::PACKED_HEAD), 8, ptr, 8)
+        && read_user(at(control::PACKED_COUNT), left(control::PACKED_COUNT), ptr + count as u64, 4)
+        && read_user(at(control::PACKED_OBJECTS), left(control::PACKED_OBJECTS), ptr + objects as u64, HANDLES);
+    if cmd == control::IMPORT_OBJECTS_FROM_FD {
+        ok = ok
+            && read_user(
+                at(control::PACKED_TYPES),
+                left(control::PACKED_TYPES),
+                ptr + control::IMPORT_TYPES_AT as u64,
+                control::OBJECTS_FOLLOWED as u32,
+            );
+    }
+    ok
+}
+
 /// Returns false when the record is not worth sending (an XFER wrapping an untraced escape).
 #[inline(always)]
 unsafe fn fill_ioctl(record: &mut IoctlRecord, inflight: &Inflight, ret: i64) -> bool {
@@ -189,7 +217,7 @@ unsafe fn fill_ioctl(record: &mut IoctlRecord, inflight: &Inflight, ret: i64) ->
         };
         let at = control::PARAMS;
         let ptr = u64::from_ne_bytes([p[at], p[at + 1], p[at + 2], p[at + 3], p[at + 4], p[at + 5], p[at + 6], p[at + 7]]);
-        if read_user(record.class_params.as_mut_ptr(), CLASS_PARAMS_MAX, ptr, len) {
+        if copy_control(cmd, ptr, &mut record.class_params, len) {
             record.class_len = len;
             let c = &record.class_params;
             let at = if cmd == control::EXPORT_OBJECT_TO_FD { 16 } else { 0 };

@@ -6,6 +6,7 @@
 use std::process::Command;
 use std::time::Instant;
 
+use gputrace::event::Record;
 use gputrace::flight::stream::stream;
 use gputrace::flight::{Config, Flight, Trigger};
 use gputrace::model::Model;
@@ -94,5 +95,48 @@ fn main() {
         let (s, kb) = measure(op);
         row(what, s, kb);
         println!("{:<34} {:.3}% of a core at 1,000 events a second", "", s / EVENTS as f64 * 1_000.0 * 100.0);
+    }
+    let mut records = Vec::new();
+    stream(1_000, 300_000, |r| records.push(r.clone()));
+    encodings(&records);
+}
+
+/// The window's encoding: JSON Lines (what it keeps) against MessagePack with field names (the
+/// binary format the events' internally tagged, fields-skipped-when-empty layout allows), each
+/// encoding the same records once and decoding them back, as the window does.
+fn encodings(records: &[Record]) {
+    let n = records.len() as f64;
+    let per_event = |started: Instant| started.elapsed().as_secs_f64() * 1e9 / n;
+    let started = Instant::now();
+    let mut json = Vec::new();
+    for r in records {
+        serde_json::to_writer(&mut json, r).unwrap();
+        json.push(b'\n');
+    }
+    let json_encode = per_event(started);
+    let started = Instant::now();
+    let back: Vec<Record> = json.split(|&b| b == b'\n').filter(|l| !l.is_empty()).map(|l| serde_json::from_slice(l).unwrap()).collect();
+    let json_decode = per_event(started);
+    assert_eq!(back, records);
+    let started = Instant::now();
+    let mut packed = Vec::new();
+    for r in records {
+        rmp_serde::encode::write_named(&mut packed, r).unwrap();
+    }
+    let pack_encode = per_event(started);
+    let started = Instant::now();
+    let mut rest = &packed[..];
+    let mut back = Vec::with_capacity(records.len());
+    while !rest.is_empty() {
+        back.push(rmp_serde::decode::from_read::<_, Record>(&mut rest).unwrap());
+    }
+    let pack_decode = per_event(started);
+    assert_eq!(back, records, "MessagePack gives back what it was given");
+    println!("\nthe window's encoding, {} records of the same stream:", records.len());
+    println!("{:<34} {:>12} {:>12} {:>12} {:>14}", "", "bytes/event", "encode ns", "decode ns", "(enc+dec)/JSON");
+    for (name, bytes, enc, dec) in
+        [("JSON Lines (kept)", json.len(), json_encode, json_decode), ("MessagePack, named", packed.len(), pack_encode, pack_decode)]
+    {
+        println!("{name:<34} {:>12.1} {enc:>12.0} {dec:>12.0} {:>14.2}", bytes as f64 / n, (enc + dec) / (json_encode + json_decode));
     }
 }

@@ -215,6 +215,12 @@ impl Fields<'_> {
     fn u64(&self, at: usize) -> Option<u64> {
         self.0.get(at..at + 8).map(|b| u64::from_le_bytes(b.try_into().unwrap()))
     }
+    fn u16(&self, at: usize) -> Option<u16> {
+        self.0.get(at..at + 2).map(|b| u16::from_le_bytes([b[0], b[1]]))
+    }
+    fn u8(&self, at: usize) -> Option<u8> {
+        self.0.get(at).copied()
+    }
 }
 
 fn undecodable(raw: &RawIoctl, reason: impl Into<String>) -> Event {
@@ -300,6 +306,24 @@ fn decode_control(raw: &RawIoctl, p: &Fields) -> Option<Event> {
         }
         control::IMPORT_OBJECT_FROM_FD => {
             Some(Event::ImportObject { fd: raw.fd, client, parent: c.u32(12)?, object: c.u32(16)?, from_fd: c.u32(0)? as i32, status })
+        }
+        control::EXPORT_OBJECTS_TO_FD | control::IMPORT_OBJECTS_FROM_FD => {
+            let count = c.u16(control::PACKED_COUNT)?;
+            let index = c.u16(control::PACKED_COUNT + 2)?;
+            let followed = usize::from(count).min(control::OBJECTS_FOLLOWED);
+            let more = count - followed as u16;
+            let mut objects: Vec<u32> = (0..followed).map(|i| c.u32(control::PACKED_OBJECTS + 4 * i)).collect::<Option<_>>()?;
+            let (file_fd, second) = (c.u32(control::PACKED_HEAD)? as i32, c.u32(control::PACKED_HEAD + 4)?);
+            if cmd == control::EXPORT_OBJECTS_TO_FD {
+                return Some(Event::ExportObjects { fd: raw.fd, client, objects, index, more, to_fd: file_fd, status });
+            }
+            // RM writes a type per handle: none where that slot held nothing to import.
+            for (i, object) in objects.iter_mut().enumerate() {
+                if c.u8(control::PACKED_TYPES + i)? == 0 {
+                    *object = 0;
+                }
+            }
+            Some(Event::ImportObjects { fd: raw.fd, client, parent: second, objects, index, more, from_fd: file_fd, status })
         }
         _ => Some(undecodable(raw, format!("RM_CONTROL {cmd:#x} is not a control gputrace follows"))),
     }

@@ -21,6 +21,9 @@ pub struct Record {
 fn is_zero(v: &u32) -> bool {
     *v == 0
 }
+fn is_zero_u16(v: &u16) -> bool {
+    *v == 0
+}
 fn is_false(v: &bool) -> bool {
     !*v
 }
@@ -194,6 +197,32 @@ pub enum Event {
         client: u32,
         parent: u32,
         object: u32,
+        from_fd: i32,
+        status: u32,
+    },
+    /// RM_CONTROL EXPORT_OBJECTS_TO_FD, the batched form current libcuda uses: `objects` go into
+    /// the slots of the file behind `to_fd` from `index` on (a 0 empties its slot); the file keeps
+    /// each until its last close. `more`: handles of the batch past the ones followed.
+    ExportObjects {
+        fd: i32,
+        client: u32,
+        objects: Vec<u32>,
+        index: u16,
+        #[serde(default, skip_serializing_if = "is_zero_u16")]
+        more: u16,
+        to_fd: i32,
+        status: u32,
+    },
+    /// RM_CONTROL IMPORT_OBJECTS_FROM_FD: `objects[i]`, under `parent`, is a new handle to what
+    /// slot `index + i` of the file behind `from_fd` holds (0 where nothing was imported).
+    ImportObjects {
+        fd: i32,
+        client: u32,
+        parent: u32,
+        objects: Vec<u32>,
+        index: u16,
+        #[serde(default, skip_serializing_if = "is_zero_u16")]
+        more: u16,
         from_fd: i32,
         status: u32,
     },

@@ -220,9 +220,10 @@ pub struct Model {
     /// /dev/nvidiaN files registered with an nvidiactl file (REGISTER_FD): each holds that file
     /// open until it is released itself.
     registered: HashMap<FileId, FileId>,
-    /// Objects exported to a file (RM_CONTROL EXPORT_OBJECT_TO_FD): a reference on the memory
-    /// held by the kernel's client of that nvidiactl file until its last close. One per file.
-    exports: HashMap<FileId, AllocId>,
+    /// Objects exported to a file (RM_CONTROL EXPORT_OBJECT(S)_TO_FD), by the file and its slot: a
+    /// reference on the memory held by the kernel's client of that nvidiactl file until its last
+    /// close.
+    exports: HashMap<(FileId, u16), AllocId>,
     /// Sticky fabric objects (by their allocation) and the memory each keeps alive until it goes.
     holds: HashMap<AllocId, AllocId>,
     /// Synthesised file ids for fds first seen by an ioctl with no Open/FdFound before it.
@@ -318,7 +319,7 @@ impl Model {
     /// Built once, for a report.
     pub fn other_files_keeping(&self) -> HashMap<AllocId, Vec<FileId>> {
         let mut keeping: HashMap<AllocId, Vec<FileId>> = HashMap::new();
-        let exported = self.exports.iter().map(|(f, id)| (*id, *f));
+        let exported = self.exports.iter().map(|((f, _), id)| (*id, *f));
         let mapped = self.uvm_maps.iter().flat_map(|((f, _), ids)| ids.iter().map(|id| (*id, *f)));
         for (id, file) in exported.chain(mapped) {
             keeping.entry(id).or_default().push(file);
@@ -372,6 +373,8 @@ impl Model {
             | Event::DupObject { status, .. }
             | Event::ExportObject { status, .. }
             | Event::ImportObject { status, .. }
+            | Event::ExportObjects { status, .. }
+            | Event::ImportObjects { status, .. }
             | Event::UvmMap { status, .. }
             | Event::UvmFree { status, .. }
             | Event::UvmUnmap { status, .. }
@@ -384,9 +387,13 @@ impl Model {
             Event::DupObject { fd, client, parent, object, src_client, src_object, .. } => {
                 self.on_dup_object(pid, ts, *fd, (*client, *parent, *object), (*src_client, *src_object))
             }
-            Event::ExportObject { client, object, to_fd, .. } => self.on_export(pid, ts, (*client, *object), *to_fd),
+            Event::ExportObject { client, object, to_fd, .. } => self.on_export(pid, ts, *client, &[*object], None, *to_fd),
             Event::ImportObject { fd, client, parent, object, from_fd, .. } => {
-                self.on_import(pid, ts, *fd, (*client, *parent, *object), *from_fd)
+                self.on_import(pid, ts, *fd, (*client, *parent), &[*object], 0, *from_fd)
+            }
+            Event::ExportObjects { client, objects, index, to_fd, .. } => self.on_export(pid, ts, *client, objects, Some(*index), *to_fd),
+            Event::ImportObjects { fd, client, parent, objects, index, from_fd, .. } => {
+                self.on_import(pid, ts, *fd, (*client, *parent), objects, *index, *from_fd)
             }
             Event::RegisterFd { fd, ctl_fd } => self.on_register_fd(pid, ts, *fd, *ctl_fd),
             Event::UvmMap { fd, base, client, memory, .. } => self.on_uvm_map(pid, ts, *fd, *base, (*client, *memory)),

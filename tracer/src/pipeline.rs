@@ -62,7 +62,10 @@ impl<R: Resolver> Pipeline<R> {
                 if let Some(event) = decode_ioctl(&self.layout, &ioctl) {
                     // The file an export or import names may be known only by the kernel's word.
                     let named = match event {
-                        Event::ExportObject { to_fd: fd, status: 0, .. } | Event::ImportObject { from_fd: fd, status: 0, .. } => Some(fd),
+                        Event::ExportObject { to_fd: fd, status: 0, .. }
+                        | Event::ImportObject { from_fd: fd, status: 0, .. }
+                        | Event::ExportObjects { to_fd: fd, status: 0, .. }
+                        | Event::ImportObjects { from_fd: fd, status: 0, .. } => Some(fd),
                         _ => None,
                     };
                     if let Some(found) = named.and_then(|fd| self.files.named(pid, fd, Device::Ctl, ioctl.named_file, updates)) {

@@ -21,7 +21,8 @@
 //!   imports it; the exporter frees and exits; the importer frees its handle after N ms, and
 //!   only its close of the export file, 100 ms later, frees the memory. With `--close-first`
 //!   the importer closes the export file at once, as applications do, and its handle's free is
-//!   what frees the memory.
+//!   what frees the memory. With `--batched` both sides use the batched controls current libcuda
+//!   issues (EXPORT_OBJECTS_TO_FD, IMPORT_OBJECTS_FROM_FD) instead of the single ones.
 use std::fs::File;
 use std::io::Write;
 use std::os::fd::AsRawFd;
@@ -266,14 +267,16 @@ fn start_peer(args: &[&str]) -> Result<(i32, std::process::Child), String> {
     Ok((pair[0], child))
 }
 
-fn ipc(truth: &mut Truth, ms: u64, close_first: bool) -> Result<(), String> {
+fn ipc(truth: &mut Truth, ms: u64, close_first: bool, batched: bool) -> Result<(), String> {
     let mut gpu = Gpu::open(0)?;
     let buffer = truth.alloc(&mut gpu, Path::RmAlloc, 3 * GIB).ok_or("alloc failed")?;
-    let share = gpu.export(&buffer).map_err(|s| format!("export: {s:#x}"))?;
+    let share = if batched { gpu.export_batched(&buffer) } else { gpu.export(&buffer) };
+    let share = share.map_err(|s| format!("export: {s:#x}"))?;
     truth.note("exported", "RmControl", buffer.bytes, buffer.handle, 0);
     let ms = ms.to_string();
     let mut peer = vec!["import", "--ms", &ms];
     peer.extend(close_first.then_some("--close-first"));
+    peer.extend(batched.then_some("--batched"));
     let (socket, importer) = start_peer(&peer)?;
     send_fds(socket, &[share.as_raw_fd()], &[0u8; 12])?;
     let mut ack = [0u8; 1];
@@ -286,7 +289,7 @@ fn ipc(truth: &mut Truth, ms: u64, close_first: bool) -> Result<(), String> {
     Ok(())
 }
 
-fn import(truth: &mut Truth, socket: i32, ms: u64, close_first: bool) -> Result<(), String> {
+fn import(truth: &mut Truth, socket: i32, ms: u64, close_first: bool, batched: bool) -> Result<(), String> {
     use std::os::fd::FromRawFd;
     let gpu = Gpu::open(0)?;
     let fds = receive_fds(socket, 1, &mut [0u8; 12])?;
@@ -295,7 +298,8 @@ fn import(truth: &mut Truth, socket: i32, ms: u64, close_first: bool) -> Result<
     // Settled first (the recorder has read its fork and copied its fds): what follows is then
     // judged by the kernel's word alone.
     std::thread::sleep(std::time::Duration::from_millis(250));
-    let handle = gpu.import(&share).map_err(|s| format!("import: {s:#x}"))?;
+    let handle = if batched { gpu.import_batched(&share) } else { gpu.import(&share) };
+    let handle = handle.map_err(|s| format!("import: {s:#x}"))?;
     // Closed within microseconds of the import, long before a recorder reads its record.
     let share = match close_first {
         true => {
@@ -340,6 +344,7 @@ fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let value = |flag: &str| args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1)).cloned();
     let close_first = args.iter().any(|a| a == "--close-first");
+    let batched = args.iter().any(|a| a == "--batched");
     let mut truth = Truth(value("--truth").map(|p| File::create(p).expect("creating the truth file")));
     let result = match args.first().map(String::as_str) {
         Some("paths") => paths(&mut truth),
@@ -352,17 +357,18 @@ fn main() -> ExitCode {
             value("--ms").and_then(|v| v.parse().ok()).unwrap_or(1000),
             value("--host-mib").and_then(|v| v.parse().ok()).unwrap_or(0),
         ),
-        Some("ipc") => ipc(&mut truth, value("--ms").and_then(|v| v.parse().ok()).unwrap_or(300), close_first),
+        Some("ipc") => ipc(&mut truth, value("--ms").and_then(|v| v.parse().ok()).unwrap_or(300), close_first, batched),
         Some("import") => import(
             &mut truth,
             value("--socket").and_then(|v| v.parse().ok()).unwrap_or(-1),
             value("--ms").and_then(|v| v.parse().ok()).unwrap_or(300),
             close_first,
+            batched,
         ),
         Some("vmm") => vmm(&mut truth, value("--ms").and_then(|v| v.parse().ok()).unwrap_or(300)),
         Some("oom") => oom(&mut truth, value("--bytes").and_then(|v| parse_bytes(&v)).unwrap_or(1 << 40)),
         _ => Err(
-            "usage: fake-workload paths|fork-holder|storm|oom|hold|vmm|pass-fd|ipc [--close-first] [--truth FILE] [--hold-ms N] [--count N] [--bytes B] [--ms N]"
+            "usage: fake-workload paths|fork-holder|storm|oom|hold|vmm|pass-fd|ipc [--close-first] [--batched] [--truth FILE] [--hold-ms N] [--count N] [--bytes B] [--ms N]"
                 .into(),
         ),
     };

@@ -291,6 +291,52 @@ fn rm_control_exports_and_imports_objects() {
     assert!(reason(decode_ioctl(&l, &rm(escape::RM_CONTROL, nvos54(0x2080_0101, 0), vec![0; 24]))).contains("not a control"));
 }
 
+/// The batched forms current libcuda uses (0x3d0b, 0x3d0c), as the kernel side packs them: the
+/// head, the count and index, the first handles and, for an import, the types RM wrote back.
+#[test]
+fn rm_control_exports_and_imports_batches_of_objects() {
+    use tracer_common::control::{PACKED_COUNT, PACKED_OBJECTS, PACKED_TYPES};
+    let nvos54 = |cmd: u32| Buf::new(32).u32(0, 0xc1d00001).u32(4, 0xc1d00001).u32(8, cmd).u64(16, 0x7000).u32(24, 2128);
+    let l = layout(580, 95, 5);
+    let count = |n: u32, index: u32| n | index << 16;
+    let export = Buf::new(PACKED_TYPES).u32(0, 11).u32(4, 0xde000001).u32(PACKED_COUNT, count(2, 3)).u32(PACKED_OBJECTS, 0xcafe0007);
+    assert_eq!(
+        decode_ioctl(&l, &rm(escape::RM_CONTROL, nvos54(0x3d0b), export.0)),
+        Some(Event::ExportObjects { fd: 7, client: 0xc1d00001, objects: vec![0xcafe0007, 0], index: 3, more: 0, to_fd: 11, status: 0 })
+    );
+    // More handles than are followed: the first sixteen, and how many more.
+    let big = Buf::new(PACKED_TYPES).u32(0, 11).u32(PACKED_COUNT, count(20, 0));
+    match decode_ioctl(&l, &rm(escape::RM_CONTROL, nvos54(0x3d0b), big.0)) {
+        Some(Event::ExportObjects { objects, more: 4, .. }) => assert_eq!(objects.len(), 16),
+        other => panic!("{other:?}"),
+    }
+    let mut import = Buf::new(PACKED_TYPES + 16)
+        .u32(0, 12)
+        .u32(4, 0xde000002)
+        .u32(PACKED_COUNT, count(2, 0))
+        .u32(PACKED_OBJECTS, 0xbeef0003)
+        .u32(PACKED_OBJECTS + 4, 0xbeef0004);
+    import.0[PACKED_TYPES] = 1;
+    assert_eq!(
+        decode_ioctl(&l, &rm(escape::RM_CONTROL, nvos54(0x3d0c), import.0)),
+        Some(Event::ImportObjects {
+            fd: 7,
+            client: 0xc1d00001,
+            parent: 0xde000002,
+            objects: vec![0xbeef0003, 0],
+            index: 0,
+            more: 0,
+            from_fd: 12,
+            status: 0
+        }),
+        "the second slot held nothing: RM wrote type NONE and made no handle"
+    );
+    match decode_ioctl(&l, &rm(escape::RM_CONTROL, nvos54(0x3d0c), vec![0; PACKED_TYPES])) {
+        Some(Event::Undecodable { reason, .. }) => assert!(reason.contains("params behind NVOS54"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+}
+
 #[test]
 fn failed_ioctl_reports_errno_not_the_stale_status() {
     let l = layout(580, 95, 5);

@@ -186,8 +186,11 @@ impl Model {
             self.drop_file_ref(ctl, ts);
         }
         // The kernel's client of an export goes with the file (rm_cleanup_file_private).
-        if let Some(id) = self.exports.remove(&file) {
-            self.drop_handle(id, ts, FreedBy::FileRelease);
+        let slots: Vec<(FileId, u16)> = self.exports.keys().filter(|(f, _)| *f == file).copied().collect();
+        for key in slots {
+            if let Some(id) = self.exports.remove(&key) {
+                self.drop_handle(id, ts, FreedBy::FileRelease);
+            }
         }
         let clients: Vec<u32> = self.clients.iter().filter(|(_, c)| c.file == Some(file)).map(|(h, _)| *h).collect();
         for client in clients {

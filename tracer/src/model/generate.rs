@@ -50,7 +50,7 @@ pub fn records(data: &[u8]) -> Vec<Record> {
         let handle = |b: &mut Bytes, client: u32| if b.one_in(5) { client } else { 0x100 + b.pick(8) };
         // Mostly forward in time; sometimes backwards, as a damaged or hostile trace may be.
         ts = if op & 0x80 != 0 && op & 0x40 != 0 { ts.saturating_sub(u64::from(b.u8())) } else { ts + u64::from(b.u8()) };
-        let event = match op % 22 {
+        let event = match op % 24 {
             0 => Event::Process {
                 ppid: 1 + b.pick(4),
                 seen: if b.one_in(2) { Seen::Forked } else { Seen::Running },
@@ -145,6 +145,25 @@ pub fn records(data: &[u8]) -> Vec<Record> {
                     holds: Some(held),
                     ..Alloc::video(client, parent, object, b.size())
                 })
+            }
+            21 => {
+                // A batch: a few handles (some 0: slots emptied) from a small index on.
+                let objects = (0..1 + b.pick(3)).map(|_| if b.one_in(4) { 0 } else { 0x100 + b.pick(8) }).collect();
+                Event::ExportObjects { fd, client, objects, index: b.pick(3) as u16, more: 0, to_fd: 3 + b.pick(4) as i32, status: 0 }
+            }
+            22 => {
+                let parent = handle(&mut b, client);
+                let objects = (0..1 + b.pick(3)).map(|_| if b.one_in(4) { 0 } else { 0x100 + b.pick(8) }).collect();
+                Event::ImportObjects {
+                    fd,
+                    client,
+                    parent,
+                    objects,
+                    index: b.pick(3) as u16,
+                    more: 0,
+                    from_fd: 3 + b.pick(4) as i32,
+                    status: 0,
+                }
             }
             17 => Event::UvmUnmap { fd, base: u64::from(b.pick(4)) << 21, length: u64::from(b.pick(3)) << 20, status: 0 },
             _ => Event::Lost { records: b.size() },

@@ -96,37 +96,64 @@ impl Model {
         if let Some(id) = alloc {
             *self.handle_refs.entry(id).or_default() += 1;
         }
+        self.clear_handle(client, object, ts);
         let gpu = alloc.and_then(|id| self.allocations[id].gpu).or_else(|| self.gpu_of(client, parent));
         self.insert_object(client, pid, fd, ts, object, Object { parent, alloc, gpu, class });
     }
 
-    /// EXPORT_OBJECT_TO_FD: RM dups the object into a client of its own, kept by the nvidiactl
-    /// file behind `to_fd` (`rmobjexportimport.c`): its memory outlives every RM_FREE of the
-    /// caller's handles until that file's last close, in whichever process holds it then. A file
-    /// holds one export: RM refuses a second (NV_ERR_STATE_IN_USE), so a trace that says one
-    /// succeeded changes nothing.
-    pub(super) fn on_export(&mut self, pid: u32, ts: u64, (client, object): (u32, u32), to_fd: i32) {
+    /// EXPORT_OBJECT(S)_TO_FD: RM dups each object into a client of its own, kept by the
+    /// nvidiactl file behind `to_fd` in a slot (`rmobjexportimport.c`): its memory outlives every
+    /// RM_FREE of the caller's handles until that file's last close, in whichever process holds
+    /// it then. The single form (`index` None) takes slot 0 of a file that holds no export and
+    /// is refused on one that does (NV_ERR_STATE_IN_USE); a batch fills the slots from `index`
+    /// on, replacing what they held, a 0 emptying its slot.
+    pub(super) fn on_export(&mut self, pid: u32, ts: u64, client: u32, objects: &[u32], index: Option<u16>, to_fd: i32) {
         let Some(file) = self.file_of(pid, to_fd, ts) else { return };
-        if self.exports.contains_key(&file) {
+        if index.is_none() && self.exports.keys().any(|(f, _)| *f == file) {
             return;
         }
-        let alloc = self.clients.get(&client).and_then(|c| c.objects.get(&object)).and_then(|o| o.alloc);
-        if let Some(id) = alloc {
-            *self.handle_refs.entry(id).or_default() += 1;
-            self.exports.insert(file, id);
+        let first = index.unwrap_or(0);
+        for (i, &object) in objects.iter().enumerate() {
+            let Some(slot) = u16::try_from(i).ok().and_then(|i| first.checked_add(i)) else { break };
+            if let Some(old) = self.exports.remove(&(file, slot)) {
+                self.drop_handle(old, ts, FreedBy::Unseen);
+            }
+            let alloc = self.clients.get(&client).and_then(|c| c.objects.get(&object)).and_then(|o| o.alloc);
+            if let Some(id) = alloc.filter(|_| object != 0) {
+                *self.handle_refs.entry(id).or_default() += 1;
+                self.exports.insert((file, slot), id);
+            }
         }
     }
 
-    /// IMPORT_OBJECT_FROM_FD: a handle in the caller's client to what the file behind `from_fd`
-    /// holds, as a dup is.
-    pub(super) fn on_import(&mut self, pid: u32, ts: u64, fd: i32, (client, parent, object): (u32, u32, u32), from_fd: i32) {
-        let alloc = self.file_of(pid, from_fd, ts).and_then(|file| self.exports.get(&file).copied());
-        if let Some(id) = alloc {
-            *self.handle_refs.entry(id).or_default() += 1;
+    /// IMPORT_OBJECT(S)_FROM_FD: a new handle in the caller's client, under `parent`, to what
+    /// each slot from `index` on of the file behind `from_fd` holds, as a dup is (0: none made).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn on_import(
+        &mut self,
+        pid: u32,
+        ts: u64,
+        fd: i32,
+        (client, parent): (u32, u32),
+        objects: &[u32],
+        index: u16,
+        from_fd: i32,
+    ) {
+        let file = self.file_of(pid, from_fd, ts);
+        for (i, &object) in objects.iter().enumerate() {
+            let Some(slot) = u16::try_from(i).ok().and_then(|i| index.checked_add(i)) else { break };
+            if object == 0 {
+                continue;
+            }
+            let alloc = file.and_then(|file| self.exports.get(&(file, slot)).copied());
+            if let Some(id) = alloc {
+                *self.handle_refs.entry(id).or_default() += 1;
+            }
+            self.clear_handle(client, object, ts);
+            let class = alloc.map_or(UNKNOWN_CLASS, |id| self.allocations[id].class);
+            let gpu = alloc.and_then(|id| self.allocations[id].gpu).or_else(|| self.gpu_of(client, parent));
+            self.insert_object(client, pid, fd, ts, object, Object { parent, alloc, gpu, class });
         }
-        let class = alloc.map_or(UNKNOWN_CLASS, |id| self.allocations[id].class);
-        let gpu = alloc.and_then(|id| self.allocations[id].gpu).or_else(|| self.gpu_of(client, parent));
-        self.insert_object(client, pid, fd, ts, object, Object { parent, alloc, gpu, class });
     }
 
     /// UVM_MAP_EXTERNAL_ALLOCATION: the mapping duplicates the RM memory object and keeps it
@@ -180,6 +207,9 @@ impl Model {
 
     pub(super) fn alloc(&mut self, r: &Record, a: &Alloc) {
         let (ts, pid) = (r.ts, r.pid);
+        if a.succeeded() && a.base.is_none() {
+            self.clear_handle(a.client, a.object, ts);
+        }
         let gpu = self.gpu_of(a.client, a.parent);
         if !a.succeeded() {
             self.process(pid, ts).usage.failed += 1;
@@ -243,6 +273,14 @@ impl Model {
     /// A new handle in a client. Like a client handle, a live one is never handed out twice: what
     /// was there before (and below it) was freed unseen, and is released now.
     fn insert_object(&mut self, client: u32, pid: u32, fd: i32, ts: u64, handle: u32, object: Object) {
+        self.clear_handle(client, handle, ts);
+        self.client_mut(client, pid, fd, ts).insert(handle, object);
+    }
+
+    /// What a handle about to be made anew held before (and below it) was freed unseen: gone
+    /// before anything of the new object (its GPU, through its parent) is read, as in RM, where
+    /// the old object no longer exists when the new one is made.
+    fn clear_handle(&mut self, client: u32, handle: u32, ts: u64) {
         if let Some(c) = self.clients.get_mut(&client) {
             for (_, o) in c.remove_subtree(handle) {
                 if let Some(id) = o.alloc {
@@ -250,7 +288,6 @@ impl Model {
                 }
             }
         }
-        self.client_mut(client, pid, fd, ts).insert(handle, object);
     }
 
     pub(super) fn free_handle(&mut self, client: u32, object: u32, ts: u64) {

@@ -338,12 +338,13 @@ impl<'a> Snapshot<'a> {
 
     /// Objects exported to files, each under the handle its memory was written with.
     fn exports(&mut self) {
-        let mut exports: Vec<(FileId, AllocId)> = self.model.exports.iter().map(|(f, id)| (*f, *id)).collect();
+        let mut exports: Vec<((FileId, u16), AllocId)> = self.model.exports.iter().map(|(k, id)| (*k, *id)).collect();
         exports.sort_unstable();
-        for (file, id) in exports {
+        for ((file, index), id) in exports {
             let Some(&(client, object)) = self.made.get(&id) else { continue };
             let Some((pid, to_fd)) = self.someone_with(file) else { continue };
-            self.push(self.at, pid, Event::ExportObject { fd: -1, client, object, to_fd, status: 0 });
+            let objects = vec![object];
+            self.push(self.at, pid, Event::ExportObjects { fd: -1, client, objects, index, more: 0, to_fd, status: 0 });
         }
     }
 

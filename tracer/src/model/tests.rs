@@ -241,6 +241,45 @@ fn a_second_export_to_the_same_file_holds_nothing() {
     assert_eq!(m.check_books(), Ok(()));
 }
 
+/// The batched export libcuda uses: slots of one file, each holding its memory until the file's
+/// last close; a later batch replaces a slot (a 0 empties it, freeing memory nothing else holds);
+/// an import names slots from its index on; the single form is refused on a file with exports.
+#[test]
+fn batched_exports_fill_slots_until_the_files_last_close() {
+    let mut t = setup(10, false);
+    t.push(alloc(10, 10, 3, DEVICE, 0xa, GIB, 0));
+    t.push(alloc(11, 10, 3, DEVICE, 0xb, 2 * GIB, 0));
+    t.push(open(12, 10, 4, 2, Device::Ctl, false));
+    let export = |ts, objects: Vec<u32>, index| {
+        rec(ts, 10, Event::ExportObjects { fd: 3, client: CLIENT, objects, index, more: 0, to_fd: 4, status: 0 })
+    };
+    t.push(export(13, vec![0xa, 0xb], 0));
+    t.push(rec(14, 10, Event::ExportObject { fd: 3, client: CLIENT, object: 0xb, to_fd: 4, status: 0 }));
+    t.push(free(15, 10, 0xa));
+    t.push(free(16, 10, 0xb));
+    let m = Model::from_records(&t);
+    assert_eq!((freed(&m, 0xa), freed(&m, 0xb)), (None, None), "both held by their slots");
+    // The second slot emptied: its memory goes; an import of slot 0 is a dup of the first.
+    t.push(export(17, vec![0], 1));
+    t.push(rec(
+        18,
+        10,
+        Event::ImportObjects { fd: 3, client: CLIENT, parent: DEVICE, objects: vec![0xc, 0], index: 0, more: 0, from_fd: 4, status: 0 },
+    ));
+    t.push(rec(19, 10, Event::Close { fd: 4 }));
+    let m = Model::from_records(&t);
+    assert_eq!(freed(&m, 0xb), Some((17, FreedBy::Unseen)), "emptied by the later batch");
+    assert_eq!(freed(&m, 0xa), None, "the import's handle keeps it after the file went");
+    assert_eq!(m.check_books(), Ok(()));
+    let snapshot = m.snapshot();
+    t.push(free(20, 10, 0xc));
+    let m = Model::from_records(&t);
+    assert_eq!(freed(&m, 0xa), Some((20, FreedBy::Explicit)));
+    let mut replay = Model::from_records(&snapshot);
+    replay.apply(&free(20, 10, 0xc));
+    assert_eq!(replay.live(Memory::Video), 0, "the snapshot carries the import");
+}
+
 /// A failed export holds nothing; an export file closed unused frees nothing else.
 #[test]
 fn a_failed_export_holds_nothing() {
@@ -567,4 +606,23 @@ proptest::proptest! {
         proptest::prop_assert_eq!(live_state(&rebuilt), live_state(&whole));
         proptest::prop_assert_eq!(rebuilt.check_books(), Ok(()));
     }
+}
+
+/// A handle made anew under itself (a hostile or damaged trace: a dup into a device handle whose
+/// parent is that handle) no longer inherits the GPU of the object it replaces: what was there is
+/// gone first, as in RM, so a snapshot and its replay agree (found by the property test).
+#[test]
+fn a_handle_made_anew_takes_nothing_from_what_it_replaces() {
+    let mut t = setup(10, false);
+    t.push(rec(5, 10, Event::Object { fd: 3, client: CLIENT, parent: CLIENT, object: 0x259, class: 0x80, status: 0, gpu: Some(0) }));
+    t.push(alloc(6, 10, 3, CLIENT, 0xa, GIB, 0));
+    let dup = Event::DupObject { fd: 3, client: CLIENT, parent: 0x259, object: 0x259, src_client: CLIENT, src_object: 0xa, status: 0 };
+    t.push(rec(7, 10, dup));
+    let cut = t.len();
+    t.push(alloc(8, 10, 3, 0x259, 0xb, GIB, 0));
+    let whole = Model::from_records(&t);
+    let snapshot = Model::from_records(&t[..cut]).snapshot();
+    let rebuilt = Model::from_records(snapshot.iter().chain(&t[cut..]));
+    assert_eq!(live_state(&rebuilt), live_state(&whole));
+    assert_eq!(whole.allocations.iter().find(|a| a.object == 0xb).unwrap().gpu, None, "its parent went when the handle was made anew");
 }
