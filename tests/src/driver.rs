@@ -572,8 +572,12 @@ impl Driver {
             let pairs: Vec<(u16, u32)> = match cmd {
                 EXPORT => vec![(0, get32(&params, 12))],
                 _ => {
-                    let (count, index) = (get16(&params, 2124), get16(&params, 2126));
-                    (0..count.min(512)).map(|i| (index.saturating_add(i), get32(&params, 76 + 4 * usize::from(i)))).collect()
+                    let (max, count, index) = (get16(&params, 8), get16(&params, 2124), get16(&params, 2126));
+                    // A batch names at most 512 objects, inside the file's maxObjects slots.
+                    if count > 512 || u32::from(index) + u32::from(count) > u32::from(max) {
+                        return Err(status::INVALID_ARGUMENT);
+                    }
+                    (0..count).map(|i| (index.saturating_add(i), get32(&params, 76 + 4 * usize::from(i)))).collect()
                 }
             };
             let ids = pairs.iter().map(|&(_, object)| if object == 0 { Ok(None) } else { memory_of(self, object).map(Some) });
@@ -619,7 +623,10 @@ impl Driver {
         let parent = get32(&params, 4);
         self.parent_ok(client, parent)?;
         let (count, index) = (get16(&params, 648), get16(&params, 650));
-        for i in 0..usize::from(count.min(128)) {
+        if count > 128 {
+            return Err(status::INVALID_ARGUMENT);
+        }
+        for i in 0..usize::from(count) {
             let object = get32(&params, 8 + 4 * i);
             let id = slots.get(&index.saturating_add(i as u16)).copied().filter(|_| object != 0);
             params[520 + i] = u8::from(id.is_some());

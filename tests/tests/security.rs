@@ -503,3 +503,40 @@ fn a_device_mounted_at_an_nvidia_path_is_not_followed() {
     assert_eq!(devices, [Device::Ctl, Device::Uvm], "by path alone: {err}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A followed fd closed where no syscall tracepoint sees it (io_uring's close) and its number
+/// reused for another file: the kernel side checks the device number behind a followed fd at
+/// each ioctl where the driver is loaded, so the second UVM command (on /proc/version) is not
+/// recorded, and the fd is seen closed. Here /dev/nvidia-uvm is the null device, its major said
+/// to be UVM's.
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn a_followed_fd_reused_behind_the_tracers_back_is_not_followed() {
+    use gputrace::event::Event;
+    let _root = as_root();
+    let dir = scratch("repoint");
+    let trace = dir.join("run.trace");
+    let script = r#"mount -t tmpfs none /dev && mknod /dev/null c 1 3 && mknod /dev/nvidia-uvm c 1 3 &&
+        exec "$0" record -o "$1" -- "$2" repoint"#;
+    let out = Command::new("unshare")
+        .args(["--mount", "--propagation", "private", "sh", "-c", script])
+        .arg(gputrace_bin())
+        .arg(&trace)
+        .arg(env!("CARGO_BIN_EXE_fake-workload"))
+        .env("GPUTRACE_DEVICE_MAJORS", "195,1")
+        .output()
+        .unwrap();
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    let (_, records, _) = gputrace::trace::Reader::read_all(&trace).unwrap();
+    let events: Vec<&Event> = records.iter().map(|r| &r.event).collect();
+    let frees = events.iter().filter(|e| matches!(e, Event::UvmFree { .. })).count();
+    assert_eq!(frees, 1, "only the command on the genuine file: {events:?}\n{err}");
+    let opened = events.iter().find_map(|e| match e {
+        Event::Open { fd, .. } => Some(*fd),
+        _ => None,
+    });
+    assert!(opened.is_some_and(|fd| events.iter().any(|e| matches!(e, Event::Close { fd: c } if *c == fd))), "seen closed: {events:?}");
+    assert!(err.contains("1 files at NVIDIA's paths were not NVIDIA's devices"), "{err}");
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -101,11 +101,14 @@ pub fn open_exit(ctx: TracePointContext) -> u32 {
     let file = file_of(fd as u32);
     // A file at an NVIDIA path that is not NVIDIA's device (one a user mounted there in a
     // namespace of their own) is never followed: its ioctls would be made-up memory.
+    let key = FdKey { tgid: (pid_tgid >> 32) as u32, fd: fd as u32 };
     if !nvidia_device_number(opening.device, file) {
         bump(stat::IMPOSTORS);
+        // Answered here, so its ioctls never become questions userspace would ask /proc about.
+        let _ = FDS.insert(&key, &device::NOT_NVIDIA, 0);
         return 0;
     }
-    remember("FDS", FDS.insert(&FdKey { tgid: (pid_tgid >> 32) as u32, fd: fd as u32 }, &opening.device, 0));
+    remember("FDS", FDS.insert(&key, &opening.device, 0));
     let record = OpenRecord {
         header: header(kind::OPEN),
         fd: fd as i32,
@@ -124,7 +127,7 @@ pub fn open_exit(ctx: TracePointContext) -> u32 {
 /// Forgets what `fd` was; tells userspace when it was an NVIDIA file (a reference dropped), or
 /// when it may be one inherited by a child whose fds userspace has not copied yet.
 #[inline(always)]
-fn forget_fd(tgid: u32, fd: u32) {
+pub(crate) fn forget_fd(tgid: u32, fd: u32) {
     let key = FdKey { tgid, fd };
     match unsafe { FDS.get(&key) } {
         Some(&state) => {

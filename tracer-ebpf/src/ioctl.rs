@@ -45,13 +45,13 @@ pub fn ioctl_enter(ctx: TracePointContext) -> u32 {
         Some(&device::NOT_NVIDIA) | Some(&device::CONN) => return 0,
         Some(&device::PENDING) => (device::PENDING, ioctl_flag::PENDING),
         Some(&device::UVM) => {
-            if !uvm_command_traced(cmd) {
+            if !uvm_command_traced(cmd) || repointed(&key, device::UVM) {
                 return 0;
             }
             (device::UVM, 0)
         }
         Some(&state) => {
-            if !rm_command_traced(cmd) {
+            if !rm_command_traced(cmd) || repointed(&key, state) {
                 return 0;
             }
             (state, 0)
@@ -72,6 +72,20 @@ pub fn ioctl_enter(ctx: TracePointContext) -> u32 {
     let inflight = Inflight { arg: sys_arg(&ctx, 2), file, fd: fd as i32, cmd, device: state, flags };
     remember("IOCTLS", IOCTLS.insert(&pid_tgid, &inflight, 0));
     0
+}
+
+/// Whether a followed fd's file is no longer NVIDIA's device: the fd was closed and its number
+/// reused where no syscall tracepoint saw it (io_uring's close and open). Then the fd is
+/// forgotten (its close sent) and known as not NVIDIA. Only where the driver's majors are known.
+#[inline(always)]
+fn repointed(key: &FdKey, state: u8) -> bool {
+    if CONFIG.get(0).is_none_or(|c| c.nvidia_major == 0) || nvidia_device_number(state, file_of(key.fd)) {
+        return false;
+    }
+    fds::forget_fd(key.tgid, key.fd);
+    let _ = FDS.insert(key, &device::NOT_NVIDIA, 0);
+    bump(stat::IMPOSTORS);
+    true
 }
 
 const RM_CONTROL_CMD: u32 = rm_cmd(escape::RM_CONTROL, 32);
@@ -222,13 +236,15 @@ unsafe fn fill_ioctl(record: &mut IoctlRecord, inflight: &Inflight, ret: i64) ->
             let c = &record.class_params;
             let at = if cmd == control::EXPORT_OBJECT_TO_FD { 16 } else { 0 };
             let fd = u32::from_ne_bytes([c[at], c[at + 1], c[at + 2], c[at + 3]]);
-            record.named_file = file_of(fd);
             // RM took it for an nvidiactl file: its close is followed from now on, even one
             // that comes before userspace has read this record (an importer that closes at once).
             let status = u32::from_ne_bytes([p[28], p[29], p[30], p[31]]);
             if ret == 0 && status == 0 {
-                let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
-                let _ = FDS.insert(&FdKey { tgid, fd }, &device::CTL, BPF_NOEXIST as u64);
+                record.named_file = file_of(fd);
+                if nvidia_device_number(device::CTL, record.named_file) {
+                    let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+                    let _ = FDS.insert(&FdKey { tgid, fd }, &device::CTL, BPF_NOEXIST as u64);
+                }
             }
         } else {
             record.flags |= ioctl_flag::CLASS_FAULT;

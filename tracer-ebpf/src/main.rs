@@ -67,8 +67,36 @@ fn remember<E>(map: &'static str, inserted: Result<(), E>) {
     if inserted.is_err() {
         bump(stat::INSERT_FAILED);
         let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
-        warn!(&(), "the map {} is full: an entry for pid {} was refused, and what it was for is not followed", map, tgid);
+        if may_log() {
+            warn!(&(), "the map {} is full: an entry for pid {} was refused, and what it was for is not followed", map, tgid);
+        }
     }
+}
+
+#[derive(Clone, Copy)]
+struct LogBudget {
+    second: u64,
+    lines: u32,
+}
+/// Lines each CPU may log per second: a full map fails every insert, and a log line per
+/// failure would flood the log ring and the terminal.
+#[map]
+static LOG_BUDGET: PerCpuArray<LogBudget> = PerCpuArray::with_max_entries(1, 0);
+const LOG_LINES_PER_SECOND: u32 = 4;
+
+/// Whether this CPU may log one more line this second (`--kernel-log`).
+#[inline(always)]
+fn may_log() -> bool {
+    let Some(budget) = LOG_BUDGET.get_ptr_mut(0) else { return false };
+    let second = unsafe { bpf_ktime_get_ns() } / 1_000_000_000;
+    // SAFETY: a per-CPU value, touched only by programs on this CPU, which do not preempt each other.
+    let budget = unsafe { &mut *budget };
+    if budget.second != second {
+        budget.second = second;
+        budget.lines = 0;
+    }
+    budget.lines += 1;
+    budget.lines <= LOG_LINES_PER_SECOND
 }
 
 #[inline(always)]
@@ -186,7 +214,7 @@ fn file_of(fd: u32) -> u64 {
         return 0;
     }
     let file = read_file_of(o, fd);
-    if file == 0 {
+    if file == 0 && may_log() {
         let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
         warn!(&(), "pid {} fd {}: the open file behind it could not be read; userspace tells files apart by kcmp", tgid, fd);
     }
@@ -216,11 +244,13 @@ fn read_file_of(o: &KernelOffsets, fd: u32) -> u64 {
 }
 
 /// Whether `file`, opened at an NVIDIA path as `device`, is NVIDIA's device: its major is the
-/// driver's (from userspace's reading of /proc/devices). Where no driver was found, or the device
-/// number cannot be read, the path stands alone.
+/// driver's (from userspace's reading of /proc/devices) and its minor the device's (255 for
+/// nvidiactl, 0 to 247 for a GPU: nv-chardev-numbers.h). Where that driver (or the UVM module)
+/// was not found, or the device number cannot be read, the path stands alone.
 fn nvidia_device_number(device: u8, file: u64) -> bool {
     let Some(c) = CONFIG.get(0) else { return true };
-    if c.nvidia_major == 0 {
+    let want = if device == device::UVM { c.uvm_major } else { c.nvidia_major };
+    if want == 0 {
         return true;
     }
     let Some(o) = OFFSETS.get(0) else { return true };
@@ -233,8 +263,13 @@ fn nvidia_device_number(device: u8, file: u64) -> bool {
     }
     let Ok(rdev) = (unsafe { bpf_probe_read_kernel((inode + o.inode_rdev as u64) as *const u32) }) else { return true };
     // The kernel's own dev_t: the major above 20 bits of minor.
-    let want = if device == device::UVM { c.uvm_major } else { c.nvidia_major };
-    rdev >> 20 == want
+    let (major, minor) = (rdev >> 20, rdev & 0xfffff);
+    major == want
+        && match device {
+            device::CTL => minor == 255,
+            device::GPU => minor <= 247,
+            _ => true,
+        }
 }
 
 mod fds;

@@ -14,7 +14,8 @@ use crate::event::Device;
 pub struct Majors {
     /// nvidiactl and nvidiaN (registered as "nvidia", or "nvidia-frontend" by older drivers).
     pub nvidia: u32,
-    /// nvidia-uvm; 0 when its module is not loaded (then no file is NVIDIA's UVM).
+    /// nvidia-uvm; 0 when its module is not loaded yet (CUDA loads it at its first use, often
+    /// after gputrace started): then its path stands alone until a new reading finds it.
     pub uvm: u32,
 }
 
@@ -55,12 +56,28 @@ impl Majors {
         Some(Majors { nvidia, uvm: major_of(&["nvidia-uvm"]).unwrap_or(0) })
     }
 
-    /// Whether a file at `device`'s path with this major is that device.
-    pub fn admits(&self, device: Device, major: u32) -> bool {
+    /// Whether a file at `device`'s path with this device number is that device (minors from
+    /// nv-chardev-numbers.h: 255 for nvidiactl, 0 to 247 for the GPUs).
+    pub fn admits(&self, device: Device, (major, minor): (u32, u32)) -> bool {
         match device {
-            Device::Ctl | Device::Gpu => major == self.nvidia,
-            Device::Uvm => self.uvm != 0 && major == self.uvm,
+            Device::Ctl => major == self.nvidia && minor == 255,
+            Device::Gpu => major == self.nvidia && minor <= 247,
+            Device::Uvm => self.uvm == 0 || major == self.uvm,
         }
+    }
+
+    /// How files are told apart with these majors, for the trace's header.
+    pub fn describe(majors: Option<Majors>) -> String {
+        match majors {
+            Some(Majors { nvidia, uvm: 0 }) => format!("device numbers (nvidia {nvidia}; nvidia-uvm not loaded: its path alone)"),
+            Some(Majors { nvidia, uvm }) => format!("device numbers (nvidia {nvidia}, nvidia-uvm {uvm})"),
+            None => "paths alone (no NVIDIA driver loaded)".into(),
+        }
+    }
+
+    /// Whether a later reading may still learn something (a module loaded since).
+    pub fn incomplete(majors: Option<Majors>) -> bool {
+        majors.is_none_or(|m| m.uvm == 0)
     }
 }
 
@@ -73,12 +90,20 @@ mod tests {
         let text = "Character devices:\n  1 mem\n  4 /dev/vc/0\n195 nvidia\n195 nvidia-modeset\n509 nvidia-uvm\n510 nvidia-nvlink\n\nBlock devices:\n  7 loop\n509 nvidia\n";
         let m = Majors::parse(text).unwrap();
         assert_eq!(m, Majors { nvidia: 195, uvm: 509 });
-        assert!(m.admits(Device::Ctl, 195) && m.admits(Device::Gpu, 195) && m.admits(Device::Uvm, 509));
-        assert!(!m.admits(Device::Ctl, 0) && !m.admits(Device::Uvm, 195) && !m.admits(Device::Gpu, 1));
-        // Older drivers' name; no UVM module loaded: no file is NVIDIA's UVM.
+        assert!(m.admits(Device::Ctl, (195, 255)) && m.admits(Device::Gpu, (195, 0)) && m.admits(Device::Gpu, (195, 247)));
+        assert!(m.admits(Device::Uvm, (509, 0)) && m.admits(Device::Uvm, (509, 1)));
+        assert!(!m.admits(Device::Ctl, (0, 255)) && !m.admits(Device::Uvm, (195, 0)) && !m.admits(Device::Gpu, (1, 3)));
+        // The modeset device and a GPU's minor at the control path, the control's at a GPU's.
+        assert!(!m.admits(Device::Ctl, (195, 254)) && !m.admits(Device::Ctl, (195, 0)) && !m.admits(Device::Gpu, (195, 255)));
+        assert!(!Majors::incomplete(Some(m)));
+        assert_eq!(Majors::describe(Some(m)), "device numbers (nvidia 195, nvidia-uvm 509)");
+        assert_eq!(Majors::describe(None), "paths alone (no NVIDIA driver loaded)");
+        // Older drivers' name; no UVM module loaded yet: its path stands alone, and a later
+        // reading is worth taking.
         let old = Majors::parse("Character devices:\n195 nvidia-frontend\n").unwrap();
         assert_eq!(old, Majors { nvidia: 195, uvm: 0 });
-        assert!(!old.admits(Device::Uvm, 0));
+        assert!(old.admits(Device::Uvm, (0, 0)) && old.admits(Device::Uvm, (1, 3)));
+        assert!(Majors::incomplete(Some(old)) && Majors::incomplete(None));
         // No driver (the fake GPU): no majors, paths alone.
         assert_eq!(Majors::parse("Character devices:\n  1 mem\n 10 misc\n\nBlock devices:\n195 nvidia\n"), None);
         assert_eq!(Majors::parse(""), None);

@@ -35,19 +35,19 @@ pub trait Resolver {
     fn place(&self, _pid: u32) -> Option<crate::event::Place> {
         None
     }
-    /// The majors of NVIDIA's devices on this host, None without the driver (see [`Majors`]).
-    fn majors(&self) -> Option<Majors> {
-        None
-    }
-    /// The major of the device number behind a fd.
-    fn fd_major(&self, _pid: u32, _fd: i32) -> Option<u32> {
+    /// The device number (major, minor) behind a fd, None when the process or fd is gone.
+    fn fd_device_number(&self, _pid: u32, _fd: i32) -> Option<(u32, u32)> {
         None
     }
 }
 
-/// Whether a fd at `device`'s path is that device: by its major where the driver is loaded.
-fn admitted(resolver: &impl Resolver, pid: u32, fd: i32, device: Device) -> bool {
-    resolver.majors().is_none_or(|m| resolver.fd_major(pid, fd).is_some_and(|major| m.admits(device, major)))
+/// Whether a fd at `device`'s path is that device: by its device number where the driver is
+/// loaded (`majors`), by the path alone elsewhere. None when the fd is gone.
+fn admitted(resolver: &impl Resolver, majors: Option<Majors>, pid: u32, fd: i32, device: Device) -> Option<bool> {
+    match majors {
+        None => Some(true),
+        Some(m) => Some(m.admits(device, resolver.fd_device_number(pid, fd)?)),
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -81,13 +81,18 @@ pub fn device_of_path(path: &str) -> Option<Device> {
 /// Every process, other than gputrace, with NVIDIA device files open now: a /proc scan, what
 /// `fuser -v /dev/nvidia*` shows.
 pub fn nvidia_holders(majors: Option<Majors>) -> Vec<crate::trace::HolderAtStart> {
-    let resolver = ProcResolver { majors };
+    let resolver = ProcResolver;
     let mut holders: Vec<crate::trace::HolderAtStart> = procfs::all_pids()
         .into_iter()
         .filter_map(|pid| {
             let mut devices: Vec<String> = procfs::open_fds(pid)
                 .into_iter()
-                .filter_map(|fd| procfs::fd_path(pid, fd)?.to_str().and_then(device_of_path).filter(|&d| admitted(&resolver, pid, fd, d)))
+                .filter_map(|fd| {
+                    procfs::fd_path(pid, fd)?
+                        .to_str()
+                        .and_then(device_of_path)
+                        .filter(|&d| admitted(&resolver, majors, pid, fd, d) == Some(true))
+                })
                 .map(|d| format!("{d:?}").to_lowercase())
                 .collect();
             devices.sort();
@@ -141,6 +146,8 @@ pub struct FileTable<R: Resolver> {
     pub pending_dropped: u64,
     /// Fds at an NVIDIA path whose file is not NVIDIA's device: not followed.
     pub impostors: u64,
+    /// NVIDIA's device numbers on this host; None: no driver, paths alone (see [`Majors`]).
+    majors: Option<Majors>,
     /// Where each live process was last seen to run.
     places: HashMap<u32, crate::event::Place>,
 }
@@ -181,8 +188,14 @@ impl<R: Resolver> FileTable<R> {
             questions_answered: 0,
             pending_dropped: 0,
             impostors: 0,
+            majors: None,
             places: HashMap::new(),
         }
+    }
+
+    /// NVIDIA's device numbers, as read at start or since (a module loaded later).
+    pub fn set_majors(&mut self, majors: Option<Majors>) {
+        self.majors = majors;
     }
 
     fn new_file(&mut self) -> u64 {
@@ -397,6 +410,12 @@ impl<R: Resolver> FileTable<R> {
         if fd < 0 || self.knows_nvidia(pid, fd) {
             return None;
         }
+        // RM checked the file when it took it; one gone since is taken on RM's word, one that
+        // is another device now was re-pointed since and is not followed.
+        if admitted(&self.resolver, self.majors, pid, fd, device) == Some(false) {
+            self.impostors += 1;
+            return None;
+        }
         updates.push(KernelUpdate::SetFd { pid, fd, state: kernel_state(device) });
         Some(self.found(pid, fd, device, kernel_file))
     }
@@ -422,12 +441,12 @@ impl<R: Resolver> FileTable<R> {
     /// The NVIDIA device a fd is, by its path and its device number; None when the fd is gone.
     fn nvidia_fd(&mut self, pid: u32, fd: i32) -> Option<Option<Device>> {
         let path = self.resolver.fd_path(pid, fd)?;
-        let device = path.to_str().and_then(device_of_path);
-        if device.is_some_and(|d| !admitted(&self.resolver, pid, fd, d)) {
+        let Some(device) = path.to_str().and_then(device_of_path) else { return Some(None) };
+        if !admitted(&self.resolver, self.majors, pid, fd, device)? {
             self.impostors += 1;
             return Some(None);
         }
-        Some(device)
+        Some(Some(device))
     }
 
     /// A process already running when tracing began: its command and the NVIDIA fds it holds.
@@ -448,9 +467,7 @@ impl<R: Resolver> FileTable<R> {
 }
 
 /// The real resolver: /proc and kcmp(2).
-pub struct ProcResolver {
-    pub majors: Option<Majors>,
-}
+pub struct ProcResolver;
 
 impl Resolver for ProcResolver {
     fn fd_path(&self, pid: u32, fd: i32) -> Option<PathBuf> {
@@ -474,11 +491,8 @@ impl Resolver for ProcResolver {
     fn place(&self, pid: u32) -> Option<crate::event::Place> {
         procfs::place(pid)
     }
-    fn majors(&self) -> Option<Majors> {
-        self.majors
-    }
-    fn fd_major(&self, pid: u32, fd: i32) -> Option<u32> {
-        procfs::fd_major(pid, fd)
+    fn fd_device_number(&self, pid: u32, fd: i32) -> Option<(u32, u32)> {
+        procfs::fd_device_number(pid, fd)
     }
 }
 
@@ -490,9 +504,8 @@ mod tests {
     #[derive(Default)]
     struct FakeProc {
         fds: HashMap<(u32, i32), (String, u32)>,
-        /// The host's NVIDIA majors, and each fd's device major, when a test sets them.
-        majors: Option<Majors>,
-        rdev: HashMap<(u32, i32), u32>,
+        /// Each fd's device number, when a test sets them.
+        rdev: HashMap<(u32, i32), (u32, u32)>,
     }
 
     impl Resolver for FakeProc {
@@ -513,10 +526,7 @@ mod tests {
             fds.sort();
             fds
         }
-        fn majors(&self) -> Option<Majors> {
-            self.majors
-        }
-        fn fd_major(&self, pid: u32, fd: i32) -> Option<u32> {
+        fn fd_device_number(&self, pid: u32, fd: i32) -> Option<(u32, u32)> {
             self.rdev.get(&(pid, fd)).copied()
         }
     }
@@ -567,8 +577,8 @@ mod tests {
             ((10, 8), "/dev/nvidia-uvm", 3),
             ((10, 9), "/dev/nvidia0", 4),
         ]);
-        t.resolver.majors = Some(Majors { nvidia: 195, uvm: 509 });
-        t.resolver.rdev = HashMap::from([((10, 6), 195), ((10, 7), 0), ((10, 8), 509), ((10, 9), 509)]);
+        t.set_majors(Some(Majors { nvidia: 195, uvm: 509 }));
+        t.resolver.rdev = HashMap::from([((10, 6), (195, 255)), ((10, 7), (0, 0)), ((10, 8), (509, 0)), ((10, 9), (509, 0))]);
         let mut updates = vec![];
         assert_eq!(t.answer(10, 6, 0, &mut updates).0, Some(Device::Ctl));
         assert_eq!(t.answer(10, 7, 0, &mut updates), (None, None), "a FUSE file at /dev/nvidiactl");
@@ -581,6 +591,38 @@ mod tests {
         // Without the driver (the fake GPU), paths alone.
         let mut t = table(&[((10, 7), "/dev/nvidiactl", 2)]);
         assert_eq!(t.answer(10, 7, 0, &mut updates).0, Some(Device::Ctl));
+    }
+
+    /// A fd gone before it could be checked is gone, not an impostor; UVM's module loaded after
+    /// gputrace read the majors leaves its files to their path until the next reading.
+    #[test]
+    fn device_numbers_that_cannot_be_read_or_are_not_known_yet() {
+        let mut t = table(&[((10, 6), "/dev/nvidiactl", 1), ((10, 8), "/dev/nvidia-uvm", 3)]);
+        t.set_majors(Some(Majors { nvidia: 195, uvm: 0 }));
+        t.resolver.rdev = HashMap::from([((10, 8), (511, 0))]);
+        let mut updates = vec![];
+        assert_eq!(t.answer(10, 6, 0, &mut updates), (None, None), "its number could not be read: gone");
+        assert!(updates.is_empty(), "no answer that could go stale");
+        assert_eq!(t.answer(10, 8, 0, &mut updates).0, Some(Device::Uvm), "UVM loaded since the reading");
+        assert_eq!(t.impostors, 0);
+        t.set_majors(Some(Majors { nvidia: 195, uvm: 509 }));
+        assert_eq!(t.scan(10, &mut updates).iter().filter(|e| matches!(e, Event::FdFound { .. })).count(), 0, "511 is not 509");
+        assert_eq!(t.impostors, 1);
+    }
+
+    /// The nvidiactl file an export names is taken on RM's word when it is gone already (an
+    /// importer that closed it at once), and refused when it is another device by now.
+    #[test]
+    fn a_named_file_is_checked_where_it_can_be() {
+        let mut t = table(&[((10, 7), "/dev/nvidiactl", 2)]);
+        t.set_majors(Some(Majors { nvidia: 195, uvm: 509 }));
+        let mut updates = vec![];
+        assert!(t.named(10, 5, Device::Ctl, 0xf00, &mut updates).is_some(), "gone: RM checked it");
+        t.resolver.rdev.insert((10, 7), (1, 3));
+        assert_eq!(t.named(10, 7, Device::Ctl, 0xf08, &mut updates), None, "re-pointed to the null device");
+        assert_eq!(t.impostors, 1);
+        t.resolver.rdev.insert((10, 7), (195, 255));
+        assert!(t.named(10, 7, Device::Ctl, 0xf08, &mut updates).is_some());
     }
 
     #[test]

@@ -206,6 +206,9 @@ pub struct Model {
     /// NVIDIA fds held in all processes now, and those not followed for being past the bound.
     fd_refs: usize,
     pub fd_refs_dropped: u64,
+    /// Handles of batched exports and imports past the first 16 of each, which the kernel side
+    /// does not copy: what they carry is not followed.
+    pub handles_not_followed: u64,
     pub first_ts: Option<u64>,
     pub last_ts: u64,
     clients: HashMap<u32, Client>,
@@ -223,7 +226,7 @@ pub struct Model {
     /// Objects exported to a file (RM_CONTROL EXPORT_OBJECT(S)_TO_FD), by the file and its slot: a
     /// reference on the memory held by the kernel's client of that nvidiactl file until its last
     /// close.
-    exports: HashMap<(FileId, u16), AllocId>,
+    exports: HashMap<FileId, BTreeMap<u16, AllocId>>,
     /// Sticky fabric objects (by their allocation) and the memory each keeps alive until it goes.
     holds: HashMap<AllocId, AllocId>,
     /// Synthesised file ids for fds first seen by an ioctl with no Open/FdFound before it.
@@ -255,7 +258,7 @@ impl Model {
         let mut referenced: HashSet<AllocId> = self.clients.values().flat_map(|c| c.objects.values().filter_map(|o| o.alloc)).collect();
         referenced.extend(self.uvm_ranges.values().copied());
         referenced.extend(self.uvm_maps.values().flatten().copied());
-        referenced.extend(self.exports.values().copied());
+        referenced.extend(self.exports.values().flat_map(|slots| slots.values().copied()));
         let holders_live = self.holds.iter().filter(|(fabric, _)| self.allocations[**fabric].freed.is_none());
         referenced.extend(holders_live.map(|(_, held)| *held));
         for (id, a) in self.allocations.iter().enumerate() {
@@ -319,7 +322,7 @@ impl Model {
     /// Built once, for a report.
     pub fn other_files_keeping(&self) -> HashMap<AllocId, Vec<FileId>> {
         let mut keeping: HashMap<AllocId, Vec<FileId>> = HashMap::new();
-        let exported = self.exports.iter().map(|((f, _), id)| (*id, *f));
+        let exported = self.exports.iter().flat_map(|(f, slots)| slots.values().map(move |id| (*id, *f)));
         let mapped = self.uvm_maps.iter().flat_map(|((f, _), ids)| ids.iter().map(|id| (*id, *f)));
         for (id, file) in exported.chain(mapped) {
             keeping.entry(id).or_default().push(file);
@@ -387,12 +390,16 @@ impl Model {
             Event::DupObject { fd, client, parent, object, src_client, src_object, .. } => {
                 self.on_dup_object(pid, ts, *fd, (*client, *parent, *object), (*src_client, *src_object))
             }
-            Event::ExportObject { client, object, to_fd, .. } => self.on_export(pid, ts, *client, &[*object], None, *to_fd),
+            Event::ExportObject { client, object, to_fd, .. } => self.on_export(pid, ts, *client, &[*object], (None, 0), *to_fd),
             Event::ImportObject { fd, client, parent, object, from_fd, .. } => {
                 self.on_import(pid, ts, *fd, (*client, *parent), &[*object], 0, *from_fd)
             }
-            Event::ExportObjects { client, objects, index, to_fd, .. } => self.on_export(pid, ts, *client, objects, Some(*index), *to_fd),
-            Event::ImportObjects { fd, client, parent, objects, index, from_fd, .. } => {
+            Event::ExportObjects { client, objects, index, more, to_fd, .. } => {
+                add(&mut self.handles_not_followed, u64::from(*more));
+                self.on_export(pid, ts, *client, objects, (Some(*index), u32::from(*more)), *to_fd)
+            }
+            Event::ImportObjects { fd, client, parent, objects, index, more, from_fd, .. } => {
+                add(&mut self.handles_not_followed, u64::from(*more));
                 self.on_import(pid, ts, *fd, (*client, *parent), objects, *index, *from_fd)
             }
             Event::RegisterFd { fd, ctl_fd } => self.on_register_fd(pid, ts, *fd, *ctl_fd),

@@ -92,7 +92,9 @@ pub enum ProbeError {
     MissingMap(&'static str),
     #[error("updating the kernel map {map} failed: {reason}")]
     Map { map: &'static str, reason: String },
-    #[error("{FDS_ENTRIES}={0:?} is not a number of entries between 16 and 16777216: unset it for the default, 65536")]
+    #[error(
+        "{FDS_ENTRIES}={0:?} is not a number of entries between 16 and 1048576 (each costs kernel memory): unset it for the default, 65536"
+    )]
     FdsEntries(String),
 }
 
@@ -103,7 +105,7 @@ pub const FDS_ENTRIES: &str = "GPUTRACE_FDS_ENTRIES";
 fn fds_entries() -> Result<Option<u32>, ProbeError> {
     let Ok(value) = std::env::var(FDS_ENTRIES) else { return Ok(None) };
     match value.parse::<u32>() {
-        Ok(n) if (16..=1 << 24).contains(&n) => Ok(Some(n)),
+        Ok(n) if (16..=1 << 20).contains(&n) => Ok(Some(n)),
         _ => Err(ProbeError::FdsEntries(value)),
     }
 }
@@ -169,6 +171,8 @@ pub struct Probe {
     fds: HashMap<MapData, FdKey, u8>,
     traced: HashMap<MapData, u32, u8>,
     stats: PerCpuArray<MapData, u64>,
+    config: Array<MapData, Config>,
+    settings: Config,
     /// Taken out of the object to be filled: held so the programs' reference to it stays valid.
     _cgroups: Option<aya::maps::CgroupArray<MapData>>,
     /// With `--kernel-log`: the programs' diagnostics, to flush when its fd is readable.
@@ -204,15 +208,45 @@ pub struct Selection<'a> {
     pub kernel_log: bool,
 }
 
-/// The eBPF programs' diagnostics, printed to stderr as gputrace's own lines.
-pub struct KernelLog;
+/// The eBPF programs' diagnostics, printed to stderr as gputrace's own lines, at most
+/// [`KernelLog::LINES_PER_SECOND`] (each CPU logs a few a second; a host has hundreds of CPUs).
+#[derive(Default)]
+pub struct KernelLog {
+    /// The second (since the logger began) the count is for, and lines in it.
+    window: std::sync::Mutex<(u64, u64)>,
+    began: std::sync::OnceLock<std::time::Instant>,
+}
+
+impl KernelLog {
+    pub const LINES_PER_SECOND: u64 = 20;
+
+    /// Whether a line at `second` may be printed; the first line of a second after some were
+    /// dropped says how many.
+    fn admit(&self, second: u64) -> (bool, u64) {
+        let mut window = self.window.lock().unwrap_or_else(|e| e.into_inner());
+        let mut dropped = 0;
+        if window.0 != second {
+            dropped = window.1.saturating_sub(Self::LINES_PER_SECOND);
+            *window = (second, 0);
+        }
+        window.1 += 1;
+        (window.1 <= Self::LINES_PER_SECOND, dropped)
+    }
+}
 
 impl log::Log for KernelLog {
     fn enabled(&self, _: &log::Metadata) -> bool {
         true
     }
     fn log(&self, record: &log::Record) {
-        eprintln!("gputrace: kernel: {}", record.args());
+        let second = self.began.get_or_init(std::time::Instant::now).elapsed().as_secs();
+        let (print, dropped) = self.admit(second);
+        if dropped > 0 {
+            eprintln!("gputrace: kernel: {dropped} more lines in the last second were not printed");
+        }
+        if print {
+            eprintln!("gputrace: kernel: {}", record.args());
+        }
     }
     fn flush(&self) {}
 }
@@ -283,7 +317,7 @@ impl Probe {
         let stats = PerCpuArray::try_from(take(&mut ebpf, "STATS")?).map_err(map_err("STATS"))?;
         let kernel_log = match kernel_log {
             true => Some(
-                aya_log::EbpfLogger::init_with_logger(&mut ebpf, KernelLog)
+                aya_log::EbpfLogger::init_with_logger(&mut ebpf, KernelLog::default())
                     .map_err(|e| ProbeError::Map { map: "AYA_LOGS", reason: e.to_string() })?,
             ),
             false => None,
@@ -305,7 +339,14 @@ impl Probe {
             }
             tp.attach(category, name).map_err(|e| attach_err(e.to_string()))?;
         }
-        Ok(Probe { _ebpf: ebpf, events: Some(events), fds, traced, stats, _cgroups: cgroups, kernel_log })
+        Ok(Probe { _ebpf: ebpf, events: Some(events), fds, traced, stats, config, settings, _cgroups: cgroups, kernel_log })
+    }
+
+    /// NVIDIA's device numbers, read again since the load (a module loaded later).
+    pub fn set_majors(&mut self, majors: Option<crate::devices::Majors>) -> Result<(), ProbeError> {
+        self.settings.nvidia_major = majors.map_or(0, |m| m.nvidia);
+        self.settings.uvm_major = majors.map_or(0, |m| m.uvm);
+        self.config.set(0, self.settings, 0).map_err(map_err("CONFIG"))
     }
 
     /// Traces `pid` and, from now on, every process it forks.
@@ -343,4 +384,18 @@ fn verifier_message(program: &str, e: &aya::programs::ProgramError) -> String {
     let text = format!("{e:?}");
     let tail: String = text.lines().rev().take(12).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n");
     format!("program {program}: {e}\n{tail}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::KernelLog;
+
+    #[test]
+    fn the_kernel_log_is_capped_per_second_and_says_what_it_dropped() {
+        let log = KernelLog::default();
+        let printed = (0..100).filter(|_| log.admit(0).0).count() as u64;
+        assert_eq!(printed, KernelLog::LINES_PER_SECOND);
+        assert_eq!(log.admit(1), (true, 100 - KernelLog::LINES_PER_SECOND), "the next second says how many");
+        assert_eq!(log.admit(1), (true, 0));
+    }
 }

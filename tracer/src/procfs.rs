@@ -257,11 +257,16 @@ pub fn fd_path(pid: u32, fd: i32) -> Option<PathBuf> {
     std::fs::read_link(format!("/proc/{pid}/fd/{fd}")).ok()
 }
 
-/// The major of the device number of the file behind a fd (0 for a file that is no device).
-pub fn fd_major(pid: u32, fd: i32) -> Option<u32> {
-    use std::os::unix::fs::MetadataExt;
-    let rdev = std::fs::metadata(format!("/proc/{pid}/fd/{fd}")).ok()?.rdev();
-    Some(libc::major(rdev))
+/// The device number (major, minor) of the file behind a fd ((0, 0) for a file that is no
+/// device); None when the fd is gone.
+pub fn fd_device_number(pid: u32, fd: i32) -> Option<(u32, u32)> {
+    let path = std::ffi::CString::new(format!("/proc/{pid}/fd/{fd}")).ok()?;
+    // SAFETY: statx writes into the zeroed struct it is given; the path is NUL-terminated.
+    let mut stx: libc::statx = unsafe { std::mem::zeroed() };
+    // Attributes as cached: a plain stat would ask a FUSE file's server, which may never answer
+    // and would stall the event loop. A device number never changes while the file is open.
+    let rc = unsafe { libc::statx(libc::AT_FDCWD, path.as_ptr(), libc::AT_STATX_DONT_SYNC, libc::STATX_TYPE, &mut stx) };
+    (rc == 0).then_some((stx.stx_rdev_major, stx.stx_rdev_minor))
 }
 
 /// The fds a process has open now.

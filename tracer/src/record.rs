@@ -128,7 +128,8 @@ fn trace_into(opts: &Options, sink: impl FnOnce(&Header, Option<&User>) -> Resul
     let mut probe = Probe::load(&layout, selection, &kernel)?;
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().context("starting the event loop")?;
     let mut session = Session {
-        pipeline: Pipeline::new(layout, ProcResolver { majors }, opts.raw, Some(std::process::id())),
+        pipeline: Pipeline::new(layout, ProcResolver, opts.raw, Some(std::process::id())),
+        majors: (majors, Instant::now()),
         model: Model::new(),
         sink,
         records: 0,
@@ -139,6 +140,7 @@ fn trace_into(opts: &Options, sink: impl FnOnce(&Header, Option<&User>) -> Resul
         redact: opts.redact,
         user,
     };
+    session.pipeline.files.set_majors(majors);
     let exit_code = runtime.block_on(session.trace(&mut probe, opts))?;
 
     session.close(&probe, &header, opts)?;
@@ -166,6 +168,8 @@ struct Session {
     /// Ring buffer records that did not parse (a mismatched kernel object).
     decode_errors: u64,
     redact: bool,
+    /// NVIDIA's device numbers, and when they were last read.
+    majors: (Option<Majors>, Instant),
     /// Who the command runs as, under sudo.
     user: Option<User>,
 }
@@ -193,6 +197,7 @@ impl Session {
             damaged_lines: 0,
             torn_tail: false,
             fds_not_followed: self.model.fd_refs_dropped,
+            handles_not_followed: self.model.handles_not_followed,
             write_error: write_error.clone(),
         };
         let mut summary = Report::new(header, &self.model, writer.path().display().to_string(), writer.records, loss, opts.idle_ns);
@@ -215,7 +220,7 @@ impl Session {
             }
             if filter.impostors > 0 {
                 eprintln!(
-                    "gputrace: warning: {} files at NVIDIA's paths were not NVIDIA's devices (another device number: a file mounted there in a namespace) and were not followed",
+                    "gputrace: warning: {} files at NVIDIA's paths were not NVIDIA's devices (another device number: a file mounted there in a namespace, or a followed fd reused for another file by a close no tracepoint sees, as io_uring's) and were not followed",
                     filter.impostors
                 );
             }
@@ -266,6 +271,28 @@ impl Session {
                 }
             }
         }
+    }
+
+    /// CUDA loads nvidia-uvm at its first use, often after gputrace started (and a service may
+    /// start before the driver): until both are known, /proc/devices is read again each second.
+    fn read_majors_again(&mut self, probe: &mut Probe) -> Result<()> {
+        let (majors, read) = self.majors;
+        if !Majors::incomplete(majors) || read.elapsed() < Duration::from_secs(1) {
+            return Ok(());
+        }
+        let now = Majors::of_host()?;
+        self.majors = (now, Instant::now());
+        if now != majors {
+            probe.set_majors(now)?;
+            self.pipeline.files.set_majors(now);
+            if let Some(m) = now {
+                eprintln!(
+                    "gputrace: NVIDIA's device numbers are now known (nvidia {}, nvidia-uvm {}): a module was loaded",
+                    m.nvidia, m.uvm
+                );
+            }
+        }
+        Ok(())
     }
 
     fn apply_updates(&mut self, probe: &mut Probe) -> Result<()> {
@@ -434,6 +461,7 @@ impl Session {
                     self.drain(ring.get_mut(), probe)?;
                     self.tick();
                     self.check_lost(probe);
+                    self.read_majors_again(probe)?;
                     if !attached.is_empty() {
                         attached.retain(|&pid| procfs::running(pid));
                         if attached.is_empty() {
@@ -598,6 +626,7 @@ fn header(opts: &Options, version: Option<DriverVersion>, source: String, majors
         gpus: snapshot.gpus,
         prior_use: snapshot.prior_use,
         holders_at_start: crate::files::nvidia_holders(majors),
+        device_check: Majors::describe(majors),
         nvml: snapshot.note,
         command: opts.invocation.clone(),
         raw: opts.raw,

@@ -169,6 +169,9 @@ pub struct Loss {
     /// NVIDIA fds not followed: more than a million held at once (only a crafted trace has that).
     #[serde(skip_serializing_if = "is_zero")]
     pub fds_not_followed: u64,
+    /// Handles of batched exports and imports past the 16 of each the kernel side copies.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub handles_not_followed: u64,
     /// Why the recorder stopped writing the trace (a full disk), when it did.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub write_error: Option<String>,
@@ -426,6 +429,7 @@ pub fn load(path: &std::path::Path, redact: bool) -> Result<(Header, Model, u64,
         damaged_lines: damage.bad_lines.saturating_add(damage.torn_tail as u64),
         torn_tail: damage.torn_tail,
         fds_not_followed: model.fd_refs_dropped,
+        handles_not_followed: model.handles_not_followed,
         write_error: None,
     };
     Ok((reader.header, model, events, loss))
@@ -599,13 +603,21 @@ impl Report {
         } else {
             let _ = writeln!(
                 out,
-                "INCOMPLETE: {} records lost in the kernel (ring buffer full), {} driver calls unreadable, {} damaged trace lines{}{}.",
+                "INCOMPLETE: {} records lost in the kernel (ring buffer full), {} driver calls unreadable, {} damaged trace lines{}{}{}.",
                 l.lost_records,
                 l.undecodable,
                 l.damaged_lines,
                 if l.torn_tail { ", torn last line" } else { "" },
                 if l.fds_not_followed > 0 {
                     format!(", {} device fds not followed (over a million held)", l.fds_not_followed)
+                } else {
+                    String::new()
+                },
+                if l.handles_not_followed > 0 {
+                    format!(
+                        ", {} exported or imported handles not followed (past the first 16 of a batch: their memory's lifetime is not known)",
+                        l.handles_not_followed
+                    )
                 } else {
                     String::new()
                 }

@@ -73,6 +73,10 @@ pub struct Header {
     /// Every process with NVIDIA device files open at start, from /proc.
     #[serde(default)]
     pub holders_at_start: Vec<HolderAtStart>,
+    /// How NVIDIA's files were told from others at start: by device number, or by path alone
+    /// (no driver loaded). Empty in traces older than the field.
+    #[serde(default)]
+    pub device_check: String,
     pub nvml: String,
     /// The gputrace command line that made this trace.
     pub command: Vec<String>,
@@ -97,6 +101,7 @@ impl Default for Header {
             gpus: Vec::new(),
             prior_use: Vec::new(),
             holders_at_start: Vec::new(),
+            device_check: String::new(),
             nvml: String::new(),
             command: Vec::new(),
             raw: false,

@@ -111,8 +111,8 @@ fn build(guest: &Guest) -> Result<PathBuf> {
     Ok(target_dir.join(guest.rust_target).join("release"))
 }
 
-/// The guest's /init: mount what gputrace needs, load fuse, run the scenario, print the report
-/// between markers, power off.
+/// The guest's /init: mount what gputrace needs, load fuse, load the programs with their log
+/// and device-number checks live, run the scenario, print the report between markers, power off.
 fn init_script() -> String {
     let (name, server) = SCENARIO;
     format!(
@@ -121,6 +121,7 @@ fn init_script() -> String {
          mount -t tracefs tracefs /sys/kernel/tracing; mount -t tmpfs tmp /tmp; mount -t tmpfs run /run\n\
          ip link set lo up; insmod /fuse.ko\n\
          echo \"=== kernel: $(uname -m) $(uname -r)\"\n\
+         GPUTRACE_DEVICE_MAJORS=195,1 gputrace record --kernel-log -o /tmp/kernel-log.trace -- true > /tmp/kernel-log.txt 2>&1; echo \"=== kernel-log exit: $?\"; tail -3 /tmp/kernel-log.txt\n\
          fakegpu scenario {name} --server {server} --dir /tmp/run > /tmp/scenario.log 2>&1; echo \"=== scenario exit: $?\"\n\
          tail -5 /tmp/scenario.log\n\
          echo '=== report'; gputrace report --json /tmp/run/run.trace; echo '=== end'\n\
@@ -193,6 +194,10 @@ fn check(guest: &Guest, console: &str) -> Result<String> {
     let category = report["diagnosis"]["category"].as_str().unwrap_or("?");
     let lost = report["loss"]["lost_records"].as_u64().unwrap_or(u64::MAX);
     let events = report["events"].as_u64().unwrap_or(0);
+    // The programs with their log calls live (the verifier prunes them when the level is 0).
+    if !console.contains("=== kernel-log exit: 0") {
+        return Err(format!("on {kernel}: gputrace record --kernel-log failed to load or run; console:\n{console}"));
+    }
     if category != EXPECTED || lost != 0 {
         return Err(format!("on {kernel}: verdict {category}, {lost} records lost (expected {EXPECTED}, none lost); console:\n{console}"));
     }

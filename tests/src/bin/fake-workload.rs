@@ -16,6 +16,8 @@
 //!   memory into UVM, releases its handle while it is mapped (cuMemRelease), waits N ms, then
 //!   unmaps it (cuMemUnmap): only then does the driver free it; the address range it reserved
 //!   goes after (cuMemAddressFree).
+//! - `repoint`: a followed /dev/nvidia-uvm fd closed by io_uring and its number reused for
+//!   another file, with a UVM command on each (see [`repoint`]);
 //! - `ipc --ms N`: CUDA IPC through a file descriptor (cuMemExportToShareableHandle): exports
 //!   3 GiB to a fresh nvidiactl file, sends it over a unix socket to a process it starts, which
 //!   imports it; the exporter frees and exits; the importer frees its handle after N ms, and
@@ -151,6 +153,35 @@ fn storm(count: u64) -> Result<(), String> {
             Ok(())
         }
     }
+}
+
+/// Closes a followed /dev/nvidia-uvm fd through io_uring (no close syscall for a tracepoint to
+/// see), opens another file under the same number and issues a UVM command on each: a tracer
+/// that checked the file only at its open would take the second for NVIDIA's.
+fn repoint() -> Result<(), String> {
+    let free = |fd: i32| {
+        let mut params = [0u8; 24];
+        // SAFETY: a UVM_FREE-sized buffer; the device answers or refuses, nothing else is touched.
+        unsafe { libc::ioctl(fd, uvm::FREE as _, params.as_mut_ptr()) }
+    };
+    let uvm = File::options().read(true).write(true).open("/dev/nvidia-uvm").map_err(|e| format!("/dev/nvidia-uvm: {e}"))?;
+    let fd = std::os::fd::IntoRawFd::into_raw_fd(uvm);
+    free(fd);
+    let mut ring = io_uring::IoUring::new(2).map_err(|e| format!("io_uring: {e}"))?;
+    let close = io_uring::opcode::Close::new(io_uring::types::Fd(fd)).build();
+    // SAFETY: the entry names no buffer.
+    unsafe { ring.submission().push(&close) }.map_err(|e| format!("io_uring: {e}"))?;
+    ring.submit_and_wait(1).map_err(|e| format!("io_uring: {e}"))?;
+    let result = ring.completion().next().map(|c| c.result());
+    if result != Some(0) {
+        return Err(format!("io_uring's close of fd {fd} gave {result:?}"));
+    }
+    let other = File::open("/proc/version").map_err(|e| format!("/proc/version: {e}"))?;
+    if other.as_raw_fd() != fd {
+        return Err(format!("the new file got fd {}, not {fd}", other.as_raw_fd()));
+    }
+    free(fd);
+    Ok(())
 }
 
 fn oom(truth: &mut Truth, bytes: u64) -> Result<(), String> {
@@ -366,9 +397,10 @@ fn main() -> ExitCode {
             batched,
         ),
         Some("vmm") => vmm(&mut truth, value("--ms").and_then(|v| v.parse().ok()).unwrap_or(300)),
+        Some("repoint") => repoint(),
         Some("oom") => oom(&mut truth, value("--bytes").and_then(|v| parse_bytes(&v)).unwrap_or(1 << 40)),
         _ => Err(
-            "usage: fake-workload paths|fork-holder|storm|oom|hold|vmm|pass-fd|ipc [--close-first] [--batched] [--truth FILE] [--hold-ms N] [--count N] [--bytes B] [--ms N]"
+            "usage: fake-workload paths|fork-holder|storm|oom|hold|vmm|pass-fd|ipc|repoint [--close-first] [--batched] [--truth FILE] [--hold-ms N] [--count N] [--bytes B] [--ms N]"
                 .into(),
         ),
     };

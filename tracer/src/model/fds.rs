@@ -2,6 +2,8 @@
 //! driver's release of a file when its last descriptor goes (close, dup2 over it, close-on-exec,
 //! exit, in every process that shares it after fork).
 
+use std::collections::BTreeMap;
+
 use super::{File, FileId, FreedBy, Model};
 
 /// NVIDIA fds followed across every process at once: far above what real workloads hold, and
@@ -186,11 +188,8 @@ impl Model {
             self.drop_file_ref(ctl, ts);
         }
         // The kernel's client of an export goes with the file (rm_cleanup_file_private).
-        let slots: Vec<(FileId, u16)> = self.exports.keys().filter(|(f, _)| *f == file).copied().collect();
-        for key in slots {
-            if let Some(id) = self.exports.remove(&key) {
-                self.drop_handle(id, ts, FreedBy::FileRelease);
-            }
+        for id in self.exports.remove(&file).into_iter().flat_map(BTreeMap::into_values) {
+            self.drop_handle(id, ts, FreedBy::FileRelease);
         }
         let clients: Vec<u32> = self.clients.iter().filter(|(_, c)| c.file == Some(file)).map(|(h, _)| *h).collect();
         for client in clients {

@@ -147,9 +147,11 @@ pub fn records(data: &[u8]) -> Vec<Record> {
                 })
             }
             21 => {
-                // A batch: a few handles (some 0: slots emptied) from a small index on.
+                // A batch: a few handles (some 0: slots emptied) from a small index on, and now and
+                // then handles past those followed.
                 let objects = (0..1 + b.pick(3)).map(|_| if b.one_in(4) { 0 } else { 0x100 + b.pick(8) }).collect();
-                Event::ExportObjects { fd, client, objects, index: b.pick(3) as u16, more: 0, to_fd: 3 + b.pick(4) as i32, status: 0 }
+                let more = if b.one_in(4) { b.pick(3) as u16 } else { 0 };
+                Event::ExportObjects { fd, client, objects, index: b.pick(3) as u16, more, to_fd: 3 + b.pick(4) as i32, status: 0 }
             }
             22 => {
                 let parent = handle(&mut b, client);

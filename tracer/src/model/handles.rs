@@ -106,23 +106,41 @@ impl Model {
     /// RM_FREE of the caller's handles until that file's last close, in whichever process holds
     /// it then. The single form (`index` None) takes slot 0 of a file that holds no export and
     /// is refused on one that does (NV_ERR_STATE_IN_USE); a batch fills the slots from `index`
-    /// on, replacing what they held, a 0 emptying its slot.
-    pub(super) fn on_export(&mut self, pid: u32, ts: u64, client: u32, objects: &[u32], index: Option<u16>, to_fd: i32) {
+    /// on, replacing what they held, a 0 emptying its slot; the `more` handles past those the
+    /// kernel side copied replace their slots with what is not followed.
+    pub(super) fn on_export(&mut self, pid: u32, ts: u64, client: u32, objects: &[u32], (index, more): (Option<u16>, u32), to_fd: i32) {
         let Some(file) = self.file_of(pid, to_fd, ts) else { return };
-        if index.is_none() && self.exports.keys().any(|(f, _)| *f == file) {
+        if index.is_none() && self.exports.contains_key(&file) {
             return;
         }
-        let first = index.unwrap_or(0);
-        for (i, &object) in objects.iter().enumerate() {
-            let Some(slot) = u16::try_from(i).ok().and_then(|i| first.checked_add(i)) else { break };
-            if let Some(old) = self.exports.remove(&(file, slot)) {
-                self.drop_handle(old, ts, FreedBy::Unseen);
+        let first = u32::from(index.unwrap_or(0));
+        let end = first + objects.len() as u32 + more;
+        let made: Vec<(u16, AllocId)> = (first..)
+            .zip(objects)
+            .filter_map(|(slot, &object)| {
+                let id = self.clients.get(&client)?.objects.get(&object)?.alloc.filter(|_| object != 0)?;
+                Some((u16::try_from(slot).ok()?, id))
+            })
+            .collect();
+        let slots = self.exports.entry(file).or_default();
+        let mut replaced = Vec::new();
+        slots.retain(|&slot, id| {
+            let refilled = (first..end).contains(&u32::from(slot));
+            if refilled {
+                replaced.push(*id);
             }
-            let alloc = self.clients.get(&client).and_then(|c| c.objects.get(&object)).and_then(|o| o.alloc);
-            if let Some(id) = alloc.filter(|_| object != 0) {
-                *self.handle_refs.entry(id).or_default() += 1;
-                self.exports.insert((file, slot), id);
-            }
+            !refilled
+        });
+        for (slot, id) in made {
+            slots.insert(slot, id);
+            *self.handle_refs.entry(id).or_default() += 1;
+        }
+        if slots.is_empty() {
+            self.exports.remove(&file);
+        }
+        // RM frees what a slot held when the batch fills it again.
+        for old in replaced {
+            self.drop_handle(old, ts, FreedBy::Explicit);
         }
     }
 
@@ -145,7 +163,7 @@ impl Model {
             if object == 0 {
                 continue;
             }
-            let alloc = file.and_then(|file| self.exports.get(&(file, slot)).copied());
+            let alloc = file.and_then(|file| self.exports.get(&file)?.get(&slot).copied());
             if let Some(id) = alloc {
                 *self.handle_refs.entry(id).or_default() += 1;
             }

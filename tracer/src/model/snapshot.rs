@@ -338,7 +338,8 @@ impl<'a> Snapshot<'a> {
 
     /// Objects exported to files, each under the handle its memory was written with.
     fn exports(&mut self) {
-        let mut exports: Vec<((FileId, u16), AllocId)> = self.model.exports.iter().map(|(k, id)| (*k, *id)).collect();
+        let mut exports: Vec<((FileId, u16), AllocId)> =
+            self.model.exports.iter().flat_map(|(f, slots)| slots.iter().map(move |(slot, id)| ((*f, *slot), *id))).collect();
         exports.sort_unstable();
         for ((file, index), id) in exports {
             let Some(&(client, object)) = self.made.get(&id) else { continue };

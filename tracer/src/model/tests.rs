@@ -268,7 +268,7 @@ fn batched_exports_fill_slots_until_the_files_last_close() {
     ));
     t.push(rec(19, 10, Event::Close { fd: 4 }));
     let m = Model::from_records(&t);
-    assert_eq!(freed(&m, 0xb), Some((17, FreedBy::Unseen)), "emptied by the later batch");
+    assert_eq!(freed(&m, 0xb), Some((17, FreedBy::Explicit)), "emptied by the later batch");
     assert_eq!(freed(&m, 0xa), None, "the import's handle keeps it after the file went");
     assert_eq!(m.check_books(), Ok(()));
     let snapshot = m.snapshot();
@@ -278,6 +278,31 @@ fn batched_exports_fill_slots_until_the_files_last_close() {
     let mut replay = Model::from_records(&snapshot);
     replay.apply(&free(20, 10, 0xc));
     assert_eq!(replay.live(Memory::Video), 0, "the snapshot carries the import");
+}
+
+/// A batch of more handles than the kernel side copies: the slots past the 16 it followed are
+/// filled with what is not followed, so what they held before is released, and the handles are
+/// counted as not followed.
+#[test]
+fn handles_past_the_followed_part_of_a_batch_release_their_slots_and_are_counted() {
+    let mut t = setup(10, false);
+    t.push(alloc(10, 10, 3, DEVICE, 0xa, GIB, 0));
+    t.push(alloc(11, 10, 3, DEVICE, 0xb, GIB, 0));
+    t.push(open(12, 10, 4, 2, Device::Ctl, false));
+    let export = |ts, objects: Vec<u32>, index, more| {
+        rec(ts, 10, Event::ExportObjects { fd: 3, client: CLIENT, objects, index, more, to_fd: 4, status: 0 })
+    };
+    t.push(export(13, vec![0xa], 20, 0));
+    t.push(export(14, vec![0xb], 40, 0));
+    t.push(free(15, 10, 0xa));
+    t.push(free(16, 10, 0xb));
+    // 20 handles from slot 4: 16 followed (slots 4..20), 4 not (slots 20..24, 0xa's among them).
+    t.push(export(17, vec![0; 16], 4, 4));
+    let m = Model::from_records(&t);
+    assert_eq!(freed(&m, 0xa), Some((17, FreedBy::Explicit)), "slot 20 filled by a handle not followed");
+    assert_eq!(freed(&m, 0xb), None, "slot 40 untouched");
+    assert_eq!(m.handles_not_followed, 4);
+    assert_eq!(m.check_books(), Ok(()));
 }
 
 /// A failed export holds nothing; an export file closed unused frees nothing else.
