@@ -6,7 +6,7 @@ use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 
-use crate::abi::{class, esc, get32, put16, put32, put64, rm_cmd, uvm, Abi};
+use crate::abi::{class, esc, get16, get32, put16, put32, put64, rm_cmd, uvm, Abi};
 
 /// An NV status, or 0xffff when ioctl() itself failed.
 pub type Status = u32;
@@ -233,14 +233,50 @@ impl Gpu {
 
     /// RM_CONTROL on the client (NVOS54), its params behind the pointer.
     fn control(&self, cmd: u32, params: &mut [u8]) -> Result<(), Status> {
+        self.control_on(self.client, cmd, params)
+    }
+
+    /// RM_CONTROL on one of the client's objects.
+    fn control_on(&self, object: u32, cmd: u32, params: &mut [u8]) -> Result<(), Status> {
         let mut p = [0u8; 32];
         put32(&mut p, 0, self.client);
-        put32(&mut p, 4, self.client);
+        put32(&mut p, 4, object);
         put32(&mut p, 8, cmd);
         put64(&mut p, 16, params.as_mut_ptr() as u64);
         put32(&mut p, 24, params.len() as u32);
         ioctl(&self.ctl, rm_cmd(esc::RM_CONTROL, 32), p.as_mut_ptr())?;
         check(get32(&p, 28))
+    }
+
+    /// A flexible fabric object (class 0xf8, FLEXIBLE_FLA) of `bytes` of fabric address space,
+    /// which memory is attached to (multi-node NVLink, IMEX).
+    pub fn flexible_fabric(&self, bytes: u64) -> Result<u32, Status> {
+        let mut params = [0u8; 48];
+        put64(&mut params, 8, bytes);
+        put32(&mut params, 24, 1);
+        self.rm_alloc(true, self.client, self.device, class::MEMORY_FABRIC, &mut params)
+    }
+
+    /// NV00F8_CTRL_CMD_ATTACH_MEM: `buffer` at `offset` of the fabric object.
+    pub fn attach(&self, fabric: u32, buffer: &Buffer, offset: u64) -> Result<(), Status> {
+        let mut p = vec![0u8; 2064];
+        put32(&mut p, 0, buffer.handle);
+        put64(&mut p, 8, offset);
+        put64(&mut p, 24, buffer.bytes);
+        put16(&mut p, 2048, 1);
+        self.control_on(fabric, 0xf80103, &mut p)?;
+        if get16(&p, 2056) != 1 {
+            return Err(IOCTL_FAILED);
+        }
+        Ok(())
+    }
+
+    /// NV00F8_CTRL_CMD_DETACH_MEM at `offset`.
+    pub fn detach(&self, fabric: u32, offset: u64) -> Result<(), Status> {
+        let mut p = vec![0u8; 528];
+        put64(&mut p, 0, offset);
+        put16(&mut p, 512, 1);
+        self.control_on(fabric, 0xf80104, &mut p)
     }
 
     /// cuMemExportToShareableHandle (POSIX fd): a fresh nvidiactl file that the driver makes hold

@@ -9,7 +9,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use crate::abi::{class, esc, get16, get32, get64, put32, put64, status, uvm, Abi};
+use crate::abi::{class, esc, get16, get32, get64, put16, put32, put64, status, uvm, Abi};
 use crate::fuse::{Caller, Files, IoctlReply};
 use crate::truth::{monotonic_ns, DriverLine, DriverOp, Log};
 
@@ -48,6 +48,10 @@ struct Memory {
     handles: u32,
     /// A sticky fabric object's: the memory it dup'ed (mem_fabric.c), let go when it goes.
     holds: Option<u64>,
+    /// A fabric object's attachments by offset (ATTACH_MEM): before 570 RM dups each memory
+    /// attached, let go at DETACH_MEM or when the fabric object goes; from 570 they hold nothing
+    /// and are not kept here.
+    attached: BTreeMap<u64, u64>,
 }
 
 struct Object {
@@ -267,7 +271,7 @@ impl Driver {
         let id = self.next_memory;
         self.next_memory += 1;
         let pid = self.tgid(caller.tid);
-        self.memory.insert(id, Memory { pid, gpu: on, client, object, kind, bytes, handles: 1, holds: None });
+        self.memory.insert(id, Memory { pid, gpu: on, client, object, kind, bytes, handles: 1, holds: None, attached: BTreeMap::new() });
         let _ = self.write_state();
         Ok(id)
     }
@@ -283,6 +287,9 @@ impl Driver {
         self.record(caller, DriverOp::Free { client: m.client, object: m.object, kind: m.kind.name(), bytes: m.bytes, how: how.into() });
         let _ = self.write_state();
         if let Some(held) = m.holds {
+            self.drop_handle(caller, held, how);
+        }
+        for held in m.attached.into_values() {
             self.drop_handle(caller, held, how);
         }
     }
@@ -554,15 +561,23 @@ impl Driver {
         const IMPORT: u32 = 0x3d06;
         const EXPORT_BATCH: u32 = 0x3d0b;
         const IMPORT_BATCH: u32 = 0x3d0c;
+        const ATTACH: u32 = 0xf80103;
+        const DETACH: u32 = 0xf80104;
         let (client, cmd, ptr) = (get32(p, 0), get32(p, 8), get64(p, 16));
         let size = match cmd {
             EXPORT => 24,
             IMPORT => 20,
             EXPORT_BATCH => 2128,
             IMPORT_BATCH => 652,
+            ATTACH => 2064,
+            DETACH => 528,
             _ => return Ok(()),
         };
         let mut params = read_mem(caller.tid, ptr, size).ok_or(status::INVALID_ARGUMENT)?;
+        if cmd == ATTACH || cmd == DETACH {
+            let result = self.fabric_control(caller, (client, get32(p, 4)), cmd == ATTACH, &mut params);
+            return if write_mem(caller.tid, ptr, &params) { result } else { Err(status::INVALID_ARGUMENT) };
+        }
         let memory_of = |driver: &Driver, object: u32| -> Result<u64, u32> {
             let memory = driver.clients.get(&client).ok_or(status::INVALID_CLIENT)?.objects.get(&object);
             memory.ok_or(status::INVALID_OBJECT_HANDLE)?.memory.ok_or(status::INVALID_ARGUMENT)
@@ -639,6 +654,55 @@ impl Driver {
             return Err(status::INVALID_ARGUMENT);
         }
         Ok(())
+    }
+
+    /// ATTACH_MEM / DETACH_MEM on a flexible fabric object (mem_fabric.c): up to 64 memInfos
+    /// {hMemory@0, offset@8}, numMemInfos@2048, numAttached@2056 written back; or offsets[64],
+    /// numOffsets@512, numDetached@520. Video memory of the same client, one per offset; before
+    /// 570 each attachment is a dup of the memory.
+    fn fabric_control(&mut self, caller: Caller, (client, fabric): (u32, u32), attach: bool, params: &mut [u8]) -> Result<(), u32> {
+        let memory_of = |driver: &Driver, handle: u32| driver.clients.get(&client)?.objects.get(&handle)?.memory;
+        let fabric = memory_of(self, fabric).filter(|id| self.memory[id].kind == Kind::Virtual).ok_or(status::INVALID_OBJECT_HANDLE)?;
+        let dups = self.abi.major < 570;
+        let (count_at, done_at) = if attach { (2048, 2056) } else { (512, 520) };
+        let count = usize::from(get16(params, count_at));
+        if count == 0 || count > 64 {
+            return Err(status::INVALID_ARGUMENT);
+        }
+        let mut done = 0;
+        let mut result = Ok(());
+        for i in 0..count {
+            let step = if attach {
+                let (handle, offset) = (get32(params, 32 * i), get64(params, 32 * i + 8));
+                match memory_of(self, handle).filter(|id| self.memory[id].kind == Kind::Video) {
+                    Some(_) if self.memory[&fabric].attached.contains_key(&offset) => Err(status::INVALID_ARGUMENT),
+                    Some(id) => {
+                        if dups {
+                            self.memory.get_mut(&id).expect("a live object's memory").handles += 1;
+                            self.memory.get_mut(&fabric).expect("a live fabric object").attached.insert(offset, id);
+                        }
+                        Ok(())
+                    }
+                    None => Err(status::INVALID_ARGUMENT),
+                }
+            } else {
+                match self.memory.get_mut(&fabric).expect("a live fabric object").attached.remove(&get64(params, 8 * i)) {
+                    Some(id) => {
+                        self.drop_handle(caller, id, "detached");
+                        Ok(())
+                    }
+                    None if dups => Err(status::INVALID_ARGUMENT),
+                    None => Ok(()),
+                }
+            };
+            if let Err(e) = step {
+                result = Err(e);
+                break;
+            }
+            done += 1;
+        }
+        put16(params, done_at, done);
+        result
     }
 
     fn uvm_ioctl(&mut self, caller: Caller, fh: u64, cmd: u32, arg: u64) -> i32 {

@@ -124,6 +124,7 @@ fn check_frees_match(model: &Model, driver: &[DriverLine]) {
             "explicit" => FreedBy::Explicit,
             "subtree" => FreedBy::Subtree,
             "unmapped" => FreedBy::Unmapped,
+            "detached" => FreedBy::Detached,
             _ => FreedBy::FileRelease,
         };
         assert_eq!(freed_by, expected, "how {object:#x} was freed");
@@ -381,6 +382,32 @@ fn memory_released_while_mapped_lives_until_unmapped() {
     let range_freed = workload.iter().find(|w| w["op"] == "free_range").unwrap()["ts"].as_u64().unwrap();
     assert!(freed_at < range_freed, "freed by the unmap (cuMemUnmap), before its address range went");
     std::fs::remove_dir_all(&run.dir).ok();
+}
+
+/// Memory attached to a flexible fabric object and released while attached: before 570 the
+/// driver holds it (a dup) until DETACH_MEM, from 570 it goes with its handle; the trace agrees
+/// with the fake driver's ground truth on both.
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn memory_attached_to_a_fabric_object_lives_until_detached_before_570() {
+    for (version, held) in [("550.54.14", true), ("580.95.05", false)] {
+        let run = record(&format!("fabric-{version}"), version, &["fabric", "--ms", "300"]);
+        assert_eq!(run.status, 0, "{}", run.stderr);
+        let (_, model) = run.trace();
+        check_frees_match(&model, &run.driver());
+        let memory = model.allocations.iter().find(|a| a.bytes == 2 << 30 && a.memory == Memory::Video).expect("the 2 GiB");
+        let (freed_at, how) = memory.freed.expect("freed");
+        let workload: Vec<serde_json::Value> = read_lines(&run.dir.join("workload.jsonl")).unwrap();
+        let at = |op: &str| workload.iter().find(|w| w["op"] == op).unwrap()["ts"].as_u64().unwrap();
+        if held {
+            assert_eq!(how, FreedBy::Detached, "{version}");
+            assert!(freed_at >= at("release_attached") + 250_000_000 && freed_at <= at("detach"), "{version}: freed at the detach");
+        } else {
+            assert_eq!(how, FreedBy::Explicit, "{version}");
+            assert!(freed_at <= at("release_attached"), "{version}: freed with its handle");
+        }
+        std::fs::remove_dir_all(&run.dir).ok();
+    }
 }
 
 /// CUDA IPC through a file descriptor: the exporter frees its handle and exits, the importer

@@ -302,6 +302,29 @@ pub mod control {
     pub const PACKED_COUNT: usize = 8;
     pub const PACKED_OBJECTS: usize = 12;
     pub const PACKED_TYPES: usize = PACKED_OBJECTS + 4 * OBJECTS_FOLLOWED;
+
+    /// NV00F8_CTRL_CMD_ATTACH_MEM on a flexible fabric object (2064 bytes): memInfos[64] of 32
+    /// bytes {hMemory@0, offset@8, mapOffset@16, mapLength@24}, numMemInfos@2048 flags@2052
+    /// numAttached@2056 (written back, valid on failure too). The kernel side copies the first
+    /// [`FABRIC_FOLLOWED`] memInfos' hMemory and offset (16 bytes each), then 12 bytes from 2048.
+    pub const FABRIC_ATTACH_MEM: u32 = 0xf80103;
+    /// NV00F8_CTRL_CMD_DETACH_MEM (528 bytes): offsets[64]@0, numOffsets@512 flags@516
+    /// numDetached@520. Copied: the first [`FABRIC_FOLLOWED`] offsets, then 12 bytes from 512.
+    pub const FABRIC_DETACH_MEM: u32 = 0xf80104;
+    pub const FABRIC_INFO_SIZE: u32 = 32;
+    pub const FABRIC_COUNTS_AT: u32 = 2048;
+    pub const FABRIC_DETACH_COUNTS_AT: u32 = 512;
+    /// Attachments of one control that are followed (CUDA attaches one at a time); the rest are
+    /// counted as not followed.
+    pub const FABRIC_FOLLOWED: usize = 7;
+    /// Where the copied counts sit: after 7 attachments of 16 bytes or 7 offsets of 8.
+    pub const PACKED_ATTACH_COUNTS: usize = 16 * FABRIC_FOLLOWED;
+    pub const PACKED_DETACH_COUNTS: usize = 8 * FABRIC_FOLLOWED;
+    /// NV00FD_CTRL_CMD_ATTACH_MEM on a multicast object (40 bytes): hSubdevice@0 hMemory@4
+    /// offset@8 mapOffset@16 mapLength@24 flags@32. DETACH_MEM (24 bytes): hSubdevice@0
+    /// offset@8 flags@16. Copied whole.
+    pub const MULTICAST_ATTACH_MEM: u32 = 0xfd0102;
+    pub const MULTICAST_DETACH_MEM: u32 = 0xfd0105;
 }
 
 /// The size of what the kernel side copies of a followed control's params (from behind NVOS54's
@@ -313,6 +336,10 @@ pub const fn control_params_size(cmd: u32) -> Option<u32> {
         control::IMPORT_OBJECT_FROM_FD => Some(20),
         control::EXPORT_OBJECTS_TO_FD => Some(control::PACKED_TYPES as u32),
         control::IMPORT_OBJECTS_FROM_FD => Some((control::PACKED_TYPES + control::OBJECTS_FOLLOWED) as u32),
+        control::FABRIC_ATTACH_MEM => Some(control::PACKED_ATTACH_COUNTS as u32 + 12),
+        control::FABRIC_DETACH_MEM => Some(control::PACKED_DETACH_COUNTS as u32 + 12),
+        control::MULTICAST_ATTACH_MEM => Some(40),
+        control::MULTICAST_DETACH_MEM => Some(24),
         _ => None,
     }
 }

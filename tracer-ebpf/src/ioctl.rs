@@ -142,6 +142,7 @@ fn copy_control(cmd: u32, ptr: u64, out: &mut [u8; CLASS_PARAMS_MAX], len: u32) 
     let (objects, count) = match cmd {
         control::EXPORT_OBJECTS_TO_FD => (control::EXPORT_OBJECTS_AT, control::EXPORT_COUNT_AT),
         control::IMPORT_OBJECTS_FROM_FD => (control::IMPORT_OBJECTS_AT, control::IMPORT_COUNT_AT),
+        control::FABRIC_ATTACH_MEM | control::FABRIC_DETACH_MEM => return copy_fabric(cmd, ptr, out),
         _ => return read_user(at(0), CLASS_PARAMS_MAX, ptr, len),
     };
     let mut ok = read_user(at(control::PACKED_HEAD), 8, ptr, 8)
@@ -157,6 +158,28 @@ fn copy_control(cmd: u32, ptr: u64, out: &mut [u8; CLASS_PARAMS_MAX], len: u32) 
             );
     }
     ok
+}
+
+/// A flexible fabric object's ATTACH_MEM or DETACH_MEM: of each of the first memInfos its
+/// hMemory and offset (16 bytes of 32), or the first offsets, then the counts.
+#[inline(always)]
+fn copy_fabric(cmd: u32, ptr: u64, out: &mut [u8; CLASS_PARAMS_MAX]) -> bool {
+    let base = out.as_mut_ptr();
+    let attach = cmd == control::FABRIC_ATTACH_MEM;
+    let (stride, len, counts_at, packed_counts) = if attach {
+        (control::FABRIC_INFO_SIZE, 16, control::FABRIC_COUNTS_AT, control::PACKED_ATTACH_COUNTS)
+    } else {
+        (8, 8, control::FABRIC_DETACH_COUNTS_AT, control::PACKED_DETACH_COUNTS)
+    };
+    let mut ok = true;
+    let mut i = 0;
+    while i < control::FABRIC_FOLLOWED {
+        let dst = unsafe { base.add(i * len as usize) };
+        ok &= read_user(dst, CLASS_PARAMS_MAX - i * len as usize, ptr + (i as u32 * stride) as u64, len);
+        i += 1;
+    }
+    let counts = unsafe { base.add(packed_counts) };
+    ok && read_user(counts, CLASS_PARAMS_MAX - packed_counts, ptr + counts_at as u64, 12)
 }
 
 /// Returns false when the record is not worth sending (an XFER wrapping an untraced escape).

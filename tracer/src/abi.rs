@@ -75,6 +75,11 @@ pub struct Layout {
     /// VID_HEAP_CONTROL's ALLOC_SIZE with attr2 USE_EGM allocates EGM (class 0x42): 550 to 590
     /// (rmapi_deprecated_vidheapctrl.c); before and after, the bit is not read.
     pub vid_heap_egm: bool,
+    /// ATTACH_MEM on a fabric object (flexible 0xf8, multicast 0xfd) dups the memory into the
+    /// fabric's internal client, held until DETACH_MEM or the fabric object goes: up to 565.77;
+    /// from 570.86.15 it is an inter-mapping, torn down when the memory is freed (mem_fabric.c,
+    /// mem_multicast_fabric.c at those tags).
+    pub fabric_attach_holds: bool,
     /// True when the version is outside every range compiled and checked: fields stable across
     /// versions still decode, the rest is the nearest known layout.
     pub assumed: bool,
@@ -105,6 +110,7 @@ impl Layout {
             uvm_free_size: if at_least(590, 0, 0) { 16 } else { 24 },
             multicast_params: if at_least(545, 0, 0) { (80, 48) } else { (40, 8) },
             vid_heap_egm: at_least(550, 0, 0) && !at_least(595, 0, 0),
+            fabric_attach_holds: !at_least(570, 0, 0),
             assumed: v < OLDEST_KNOWN || v > NEWEST_KNOWN,
         }
     }
@@ -325,6 +331,8 @@ mod tests {
         assert_eq!(l(545, 23, 6).memory_params_size, 128);
         assert_eq!(l(550, 40, 7).uvm_map_external_size, 1200);
         assert_eq!(l(550, 40, 53).uvm_map_external_size, 9264, "the cutoff is 550.40.53");
+        assert!(l(535, 43, 2).fabric_attach_holds && l(565, 77, 0).fabric_attach_holds, "RM dups attached memory up to 565");
+        assert!(!l(570, 86, 15).fabric_attach_holds && !l(595, 45, 4).fabric_attach_holds, "an inter-mapping from 570");
         let v550 = l(550, 54, 14);
         assert_eq!((v550.uvm_map_external_size, v550.uvm_semaphore_pool_size), (9264, 9248));
         assert_eq!(l(580, 95, 5).uvm_free_size, 24);

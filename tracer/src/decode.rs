@@ -278,7 +278,7 @@ pub fn decode_ioctl(layout: &Layout, raw: &RawIoctl) -> Option<Event> {
             src_object: p.u32(o::DUP_OBJECT_SRC)?,
             status: status_or_errno(raw, p.u32(o::DUP_STATUS)?),
         }),
-        escape::RM_CONTROL => decode_control(raw, &p),
+        escape::RM_CONTROL => decode_control(layout, raw, &p),
         escape::REGISTER_FD => {
             if raw.ret != 0 {
                 return None;
@@ -289,10 +289,18 @@ pub fn decode_ioctl(layout: &Layout, raw: &RawIoctl) -> Option<Event> {
     }
 }
 
-/// The two controls the kernel side lets through (`tracer_common::control`), their params copied
+/// The controls the kernel side lets through (`tracer_common::control`), their params copied
 /// from behind NVOS54's pointer.
-fn decode_control(raw: &RawIoctl, p: &Fields) -> Option<Event> {
+fn decode_control(layout: &Layout, raw: &RawIoctl, p: &Fields) -> Option<Event> {
     let (client, cmd) = (p.u32(0)?, p.u32(control::CMD)?);
+    let fabric_control = matches!(
+        cmd,
+        control::FABRIC_ATTACH_MEM | control::FABRIC_DETACH_MEM | control::MULTICAST_ATTACH_MEM | control::MULTICAST_DETACH_MEM
+    );
+    // From 570 an attachment holds nothing (freeing the memory detaches it): nothing to record.
+    if fabric_control && !layout.fabric_attach_holds {
+        return None;
+    }
     let status = status_or_errno(raw, p.u32(28)?);
     let c = Fields(&raw.class_params);
     let need = control_params_size(cmd).unwrap_or(0) as usize;
@@ -324,6 +332,39 @@ fn decode_control(raw: &RawIoctl, p: &Fields) -> Option<Event> {
                 }
             }
             Some(Event::ImportObjects { fd: raw.fd, client, parent: second, objects, index, more, from_fd: file_fd, status })
+        }
+        control::FABRIC_ATTACH_MEM | control::FABRIC_DETACH_MEM => {
+            let fabric = p.u32(4)?;
+            let at = if cmd == control::FABRIC_ATTACH_MEM { control::PACKED_ATTACH_COUNTS } else { control::PACKED_DETACH_COUNTS };
+            // numMemInfos@0 flags@4 numAttached@8 (numOffsets, flags, numDetached alike).
+            let (count, done) = (c.u16(at)?, c.u16(at + 8)?);
+            let followed = usize::from(count).min(control::FABRIC_FOLLOWED);
+            let more = count - followed as u16;
+            if cmd == control::FABRIC_ATTACH_MEM {
+                let attachments = (0..followed).map(|i| Some((c.u32(16 * i)?, c.u64(16 * i + 8)?))).collect::<Option<_>>()?;
+                return Some(Event::FabricAttach { fd: raw.fd, client, fabric, subdevice: 0, attachments, attached: done, more, status });
+            }
+            let offsets = (0..followed).map(|i| c.u64(8 * i)).collect::<Option<_>>()?;
+            Some(Event::FabricDetach { fd: raw.fd, client, fabric, subdevice: 0, offsets, detached: done, more, status })
+        }
+        // One each, on one GPU's subdevice: done when RM says so.
+        control::MULTICAST_ATTACH_MEM => {
+            let attachments = vec![(c.u32(4)?, c.u64(8)?)];
+            let attached = u16::from(status == 0);
+            Some(Event::FabricAttach {
+                fd: raw.fd,
+                client,
+                fabric: p.u32(4)?,
+                subdevice: c.u32(0)?,
+                attachments,
+                attached,
+                more: 0,
+                status,
+            })
+        }
+        control::MULTICAST_DETACH_MEM => {
+            let (offsets, detached) = (vec![c.u64(8)?], u16::from(status == 0));
+            Some(Event::FabricDetach { fd: raw.fd, client, fabric: p.u32(4)?, subdevice: c.u32(0)?, offsets, detached, more: 0, status })
         }
         _ => Some(undecodable(raw, format!("RM_CONTROL {cmd:#x} is not a control gputrace follows"))),
     }

@@ -226,6 +226,35 @@ pub enum Event {
         from_fd: i32,
         status: u32,
     },
+    /// RM_CONTROL ATTACH_MEM on the fabric object `fabric` (flexible 0xf8, or multicast 0xfd on
+    /// the GPU whose subdevice handle is `subdevice`; 0 for 0xf8): the first `attached` of
+    /// `attachments` (memory handle, offset) were attached (RM counts them, on failure too).
+    /// Recorded only for drivers whose attachment holds the memory (before 570.86.15, RM dups
+    /// it). `more`: attachments past those followed.
+    FabricAttach {
+        fd: i32,
+        client: u32,
+        fabric: u32,
+        subdevice: u32,
+        attachments: Vec<(u32, u64)>,
+        attached: u16,
+        #[serde(default, skip_serializing_if = "is_zero_u16")]
+        more: u16,
+        status: u32,
+    },
+    /// RM_CONTROL DETACH_MEM: the first `detached` of `offsets` were detached, each releasing
+    /// what was attached there.
+    FabricDetach {
+        fd: i32,
+        client: u32,
+        fabric: u32,
+        subdevice: u32,
+        offsets: Vec<u64>,
+        detached: u16,
+        #[serde(default, skip_serializing_if = "is_zero_u16")]
+        more: u16,
+        status: u32,
+    },
     /// REGISTER_FD: /dev/nvidiaN fd `fd` joined the ctl fd `ctl_fd`.
     RegisterFd {
         fd: i32,

@@ -39,6 +39,9 @@ pub enum FreedBy {
     /// VMM allocators do): the driver freed it with the mapping, at UVM_FREE of its range (at the
     /// release of the UVM file it is `FileRelease`).
     Unmapped,
+    /// Its handles were freed while it was attached to a fabric object (drivers before 570,
+    /// where RM dups attached memory): freed at DETACH_MEM.
+    Detached,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -229,6 +232,9 @@ pub struct Model {
     exports: HashMap<FileId, BTreeMap<u16, AllocId>>,
     /// Sticky fabric objects (by their allocation) and the memory each keeps alive until it goes.
     holds: HashMap<AllocId, AllocId>,
+    /// Memory attached to fabric objects (ATTACH_MEM, drivers before 570): by the fabric
+    /// object's allocation, then (subdevice, offset), RM's dup of the memory attached there.
+    attachments: HashMap<AllocId, BTreeMap<(u32, u64), AllocId>>,
     /// Synthesised file ids for fds first seen by an ioctl with no Open/FdFound before it.
     next_orphan_file: FileId,
     /// Followed connections (by name) and the request open on each.
@@ -261,6 +267,8 @@ impl Model {
         referenced.extend(self.exports.values().flat_map(|slots| slots.values().copied()));
         let holders_live = self.holds.iter().filter(|(fabric, _)| self.allocations[**fabric].freed.is_none());
         referenced.extend(holders_live.map(|(_, held)| *held));
+        let attached_live = self.attachments.iter().filter(|(fabric, _)| self.allocations[**fabric].freed.is_none());
+        referenced.extend(attached_live.flat_map(|(_, slots)| slots.values().copied()));
         for (id, a) in self.allocations.iter().enumerate() {
             match (a.freed.is_none(), referenced.contains(&id)) {
                 (true, false) => return Err(format!("allocation {id} ({} B, pid {}) is live with no handle left", a.bytes, a.pid)),
@@ -403,6 +411,16 @@ impl Model {
                 self.on_import(pid, ts, *fd, (*client, *parent), objects, *index, *from_fd)
             }
             Event::RegisterFd { fd, ctl_fd } => self.on_register_fd(pid, ts, *fd, *ctl_fd),
+            Event::FabricAttach { client, fabric, subdevice, attachments, attached, more, .. } => {
+                add(&mut self.handles_not_followed, u64::from(*more));
+                let done = attachments.iter().take(usize::from(*attached));
+                self.on_fabric_attach((*client, *fabric), *subdevice, done)
+            }
+            Event::FabricDetach { client, fabric, subdevice, offsets, detached, more, .. } => {
+                add(&mut self.handles_not_followed, u64::from(*more));
+                let done = offsets.iter().take(usize::from(*detached));
+                self.on_fabric_detach(ts, (*client, *fabric), *subdevice, done)
+            }
             Event::UvmMap { fd, base, client, memory, .. } => self.on_uvm_map(pid, ts, *fd, *base, (*client, *memory)),
             Event::UvmFree { fd, base, .. } => self.on_uvm_free(pid, ts, *fd, *base),
             Event::UvmUnmap { fd, base, length, .. } => self.on_uvm_unmap(pid, ts, *fd, *base, *length),

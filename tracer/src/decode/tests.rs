@@ -473,3 +473,75 @@ fn request_lines_and_response_parts() {
     assert_eq!(response_part(b"data: {\"choices\":[]}\n\n", 60), (None, true));
     assert_eq!(response_part(b"", 5), (None, true), "short writes carry data too");
 }
+
+/// ATTACH_MEM and DETACH_MEM on fabric objects, as the kernel side copies them: the flexible
+/// 0xf8 form packed (hMemory and offset of the first attachments, then the counts RM wrote
+/// back), the multicast 0xfd form whole. Recorded only where RM dups what is attached (before
+/// 570); from 570 on they are not memory events at all.
+#[test]
+fn fabric_attachments_are_decoded_where_they_hold_memory() {
+    use tracer_common::control::{PACKED_ATTACH_COUNTS, PACKED_DETACH_COUNTS};
+    let nvos54 = |cmd: u32, status: u32| Buf::new(32).u32(0, 0xc1d00001).u32(4, 0xfab00001).u32(8, cmd).u64(16, 0x7000).u32(28, status);
+    let old = layout(550, 54, 14);
+    // Three asked, two attached before RM failed.
+    let attach = Buf::new(PACKED_ATTACH_COUNTS + 12)
+        .u32(0, 0xcafe0001)
+        .u64(8, 0)
+        .u32(16, 0xcafe0002)
+        .u64(24, 2 << 20)
+        .u32(32, 0xcafe0003)
+        .u64(40, 4 << 20)
+        .u32(PACKED_ATTACH_COUNTS, 3)
+        .u32(PACKED_ATTACH_COUNTS + 8, 2);
+    let expected = Event::FabricAttach {
+        fd: 7,
+        client: 0xc1d00001,
+        fabric: 0xfab00001,
+        subdevice: 0,
+        attachments: vec![(0xcafe0001, 0), (0xcafe0002, 2 << 20), (0xcafe0003, 4 << 20)],
+        attached: 2,
+        more: 0,
+        status: 0x1f,
+    };
+    assert_eq!(decode_ioctl(&old, &rm(escape::RM_CONTROL, nvos54(0xf80103, 0x1f), attach.0.clone())), Some(expected));
+    let detach = Buf::new(PACKED_DETACH_COUNTS + 12).u64(0, 2 << 20).u32(PACKED_DETACH_COUNTS, 10).u32(PACKED_DETACH_COUNTS + 8, 10);
+    match decode_ioctl(&old, &rm(escape::RM_CONTROL, nvos54(0xf80104, 0), detach.0)) {
+        Some(Event::FabricDetach { offsets, detached: 10, more: 3, subdevice: 0, .. }) => assert_eq!(offsets.len(), 7),
+        other => panic!("{other:?}"),
+    }
+    let multicast = Buf::new(40).u32(0, 0x5b000001).u32(4, 0xcafe0001).u64(8, 2 << 20).u64(24, 2 << 20);
+    assert_eq!(
+        decode_ioctl(&old, &rm(escape::RM_CONTROL, nvos54(0xfd0102, 0), multicast.0.clone())),
+        Some(Event::FabricAttach {
+            fd: 7,
+            client: 0xc1d00001,
+            fabric: 0xfab00001,
+            subdevice: 0x5b000001,
+            attachments: vec![(0xcafe0001, 2 << 20)],
+            attached: 1,
+            more: 0,
+            status: 0
+        })
+    );
+    match decode_ioctl(&old, &rm(escape::RM_CONTROL, nvos54(0xfd0102, 0x1f), multicast.0.clone())) {
+        Some(Event::FabricAttach { attached: 0, .. }) => {}
+        other => panic!("a refused attach attaches nothing: {other:?}"),
+    }
+    let multicast_detach = Buf::new(24).u32(0, 0x5b000001).u64(8, 2 << 20);
+    assert_eq!(
+        decode_ioctl(&old, &rm(escape::RM_CONTROL, nvos54(0xfd0105, 0), multicast_detach.0)),
+        Some(Event::FabricDetach {
+            fd: 7,
+            client: 0xc1d00001,
+            fabric: 0xfab00001,
+            subdevice: 0x5b000001,
+            offsets: vec![2 << 20],
+            detached: 1,
+            more: 0,
+            status: 0
+        })
+    );
+    // 570 and later: an attachment holds nothing; nothing to record.
+    assert_eq!(decode_ioctl(&layout(570, 86, 15), &rm(escape::RM_CONTROL, nvos54(0xfd0102, 0), multicast.0)), None);
+    assert_eq!(decode_ioctl(&layout(580, 95, 5), &rm(escape::RM_CONTROL, nvos54(0xf80103, 0), attach.0)), None);
+}

@@ -14,6 +14,7 @@ fn freed_by(f: Option<(u64, FreedBy)>) -> &'static str {
         Some(FreedBy::FileRelease) => "file_release",
         Some(FreedBy::Unseen) => "unseen",
         Some(FreedBy::Unmapped) => "unmapped",
+        Some(FreedBy::Detached) => "detached",
         None => "never",
     }
 }

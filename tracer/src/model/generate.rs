@@ -50,7 +50,7 @@ pub fn records(data: &[u8]) -> Vec<Record> {
         let handle = |b: &mut Bytes, client: u32| if b.one_in(5) { client } else { 0x100 + b.pick(8) };
         // Mostly forward in time; sometimes backwards, as a damaged or hostile trace may be.
         ts = if op & 0x80 != 0 && op & 0x40 != 0 { ts.saturating_sub(u64::from(b.u8())) } else { ts + u64::from(b.u8()) };
-        let event = match op % 24 {
+        let event = match op % 30 {
             0 => Event::Process {
                 ppid: 1 + b.pick(4),
                 seen: if b.one_in(2) { Seen::Forked } else { Seen::Running },
@@ -135,14 +135,15 @@ pub fn records(data: &[u8]) -> Vec<Record> {
                 let (parent, object) = (handle(&mut b, client), 0x100 + b.pick(8));
                 Event::ImportObject { fd, client, parent, object, from_fd: 3 + b.pick(4) as i32, status: 0 }
             }
-            20 => {
-                // A sticky fabric object over one of the client's handles.
-                let (parent, object, held) = (handle(&mut b, client), 0x100 + b.pick(8), 0x100 + b.pick(8));
+            20 | 27 => {
+                // A sticky fabric object over one of the client's handles, or one to attach to.
+                // Among the first two handles, where attachments look for fabric objects.
+                let (parent, object, held) = (handle(&mut b, client), 0x100 + b.pick(2), 0x100 + b.pick(8));
                 Event::Alloc(Alloc {
                     fd,
                     class: 0xf8,
                     memory: Memory::Virtual,
-                    holds: Some(held),
+                    holds: b.one_in(2).then_some(held),
                     ..Alloc::video(client, parent, object, b.size())
                 })
             }
@@ -166,6 +167,19 @@ pub fn records(data: &[u8]) -> Vec<Record> {
                     from_fd: 3 + b.pick(4) as i32,
                     status: 0,
                 }
+            }
+            23 | 25 | 26 => {
+                // Attachments at a few offsets of a few GPUs, some of them failed.
+                let attachments: Vec<(u32, u64)> = (0..1 + b.pick(3)).map(|_| (0x100 + b.pick(8), u64::from(b.pick(3)) << 21)).collect();
+                let attached = b.pick(attachments.len() as u8 + 1) as u16;
+                let (fabric, subdevice) = (0x100 + b.pick(2), b.pick(2));
+                Event::FabricAttach { fd, client, fabric, subdevice, attachments, attached, more: 0, status: 0 }
+            }
+            24 | 28 => {
+                let offsets: Vec<u64> = (0..1 + b.pick(2)).map(|_| u64::from(b.pick(3)) << 21).collect();
+                let detached = b.pick(offsets.len() as u8 + 1) as u16;
+                let (fabric, subdevice) = (0x100 + b.pick(2), b.pick(2));
+                Event::FabricDetach { fd, client, fabric, subdevice, offsets, detached, more: 0, status: 0 }
             }
             17 => Event::UvmUnmap { fd, base: u64::from(b.pick(4)) << 21, length: u64::from(b.pick(3)) << 20, status: 0 },
             _ => Event::Lost { records: b.size() },

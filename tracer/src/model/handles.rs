@@ -2,7 +2,7 @@
 //! RM_FREE of a handle frees its subtree, of a client handle the whole client; RM_DUP_OBJECT adds
 //! a handle to the same memory, which lives until its last handle goes.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use super::{AllocId, Allocation, FailedAllocation, FileId, FreedBy, Model};
 use crate::event::{Alloc, Memory, Record};
@@ -352,6 +352,55 @@ impl Model {
         }
         if let Some(held) = self.holds.remove(&id) {
             self.drop_handle(held, ts, how);
+        }
+        // A fabric object's destruction detaches everything attached to it.
+        for held in self.attachments.remove(&id).into_iter().flat_map(BTreeMap::into_values) {
+            self.drop_handle(held, ts, how);
+        }
+    }
+
+    fn alloc_of(&self, client: u32, handle: u32) -> Option<AllocId> {
+        self.clients.get(&client)?.objects.get(&handle)?.alloc
+    }
+
+    /// ATTACH_MEM (drivers before 570): RM dups each memory attached to the fabric object and
+    /// keeps the dup at its (subdevice, offset) until DETACH_MEM there or the fabric object's
+    /// end. Only video memory, on a fabric object (address space), at a free offset: RM refuses
+    /// the rest, and a trace that says otherwise cannot make chains of holders.
+    pub(super) fn on_fabric_attach<'a>(
+        &mut self,
+        (client, fabric): (u32, u32),
+        subdevice: u32,
+        done: impl Iterator<Item = &'a (u32, u64)>,
+    ) {
+        let Some(fabric_id) = self.alloc_of(client, fabric).filter(|&f| self.allocations[f].memory == Memory::Virtual) else { return };
+        for &(memory, offset) in done {
+            let Some(held) = self.alloc_of(client, memory).filter(|&h| self.allocations[h].memory == Memory::Video) else { continue };
+            let slots = self.attachments.entry(fabric_id).or_default();
+            if slots.contains_key(&(subdevice, offset)) {
+                continue;
+            }
+            slots.insert((subdevice, offset), held);
+            *self.handle_refs.entry(held).or_default() += 1;
+        }
+    }
+
+    /// DETACH_MEM: what was attached at each offset goes back (freed if nothing else holds it).
+    pub(super) fn on_fabric_detach<'a>(
+        &mut self,
+        ts: u64,
+        (client, fabric): (u32, u32),
+        subdevice: u32,
+        done: impl Iterator<Item = &'a u64>,
+    ) {
+        let Some(fabric_id) = self.alloc_of(client, fabric) else { return };
+        let Some(slots) = self.attachments.get_mut(&fabric_id) else { return };
+        let released: Vec<AllocId> = done.filter_map(|&offset| slots.remove(&(subdevice, offset))).collect();
+        if slots.is_empty() {
+            self.attachments.remove(&fabric_id);
+        }
+        for held in released {
+            self.drop_handle(held, ts, FreedBy::Detached);
         }
     }
 }

@@ -31,6 +31,7 @@ impl Model {
         s.allocations();
         s.remaining_handles();
         s.uvm_mappings();
+        s.attachments();
         s.exports();
         s.registrations();
         s.requests();
@@ -321,6 +322,36 @@ impl<'a> Snapshot<'a> {
                 self.push(self.at, 0, event);
                 self.done.insert((client, handle));
             }
+        }
+    }
+
+    /// Memory attached to fabric objects, attached again from the fabric object's client (through
+    /// a stand-in dup where the memory was written in another).
+    fn attachments(&mut self) {
+        let model = self.model;
+        let mut attached: Vec<(AllocId, (u32, u64), AllocId)> =
+            model.attachments.iter().flat_map(|(f, slots)| slots.iter().map(move |(key, held)| (*f, *key, *held))).collect();
+        attached.sort_unstable();
+        for (fabric, (subdevice, offset), held) in attached {
+            let (Some(&(client, fabric)), Some(&(held_client, memory))) = (self.made.get(&fabric), self.made.get(&held)) else { continue };
+            let memory = if held_client == client {
+                memory
+            } else {
+                let handle = self.stand_in(Some(client));
+                let dup = Event::DupObject {
+                    fd: -1,
+                    client,
+                    parent: client,
+                    object: handle,
+                    src_client: held_client,
+                    src_object: memory,
+                    status: 0,
+                };
+                self.push(self.at, 0, dup);
+                handle
+            };
+            let attachments = vec![(memory, offset)];
+            self.push(self.at, 0, Event::FabricAttach { fd: -1, client, fabric, subdevice, attachments, attached: 1, more: 0, status: 0 });
         }
     }
 

@@ -200,6 +200,86 @@ fn a_sticky_fabric_object_keeps_its_memory_until_it_goes() {
     assert_eq!(m.check_books(), Ok(()));
 }
 
+/// Before 570, RM dups memory attached to a fabric object (ATTACH_MEM): it outlives its handle
+/// until DETACH_MEM at its offset, or the fabric object's end; the snapshot carries the
+/// attachment. A failed multi-attach counts only what RM says it attached.
+#[test]
+fn memory_attached_to_a_fabric_object_lives_until_it_is_detached() {
+    let multicast = |ts, object| {
+        let a = Alloc { class: 0xfd, memory: Memory::Virtual, ..Alloc::video(CLIENT, DEVICE, object, 2 << 20) };
+        rec(ts, 10, Event::Alloc(a))
+    };
+    let attach = |ts, attachments: Vec<(u32, u64)>, attached| {
+        rec(ts, 10, Event::FabricAttach { fd: 3, client: CLIENT, fabric: 0xf, subdevice: 7, attachments, attached, more: 0, status: 0 })
+    };
+    let detach = |ts, offset| {
+        rec(
+            ts,
+            10,
+            Event::FabricDetach {
+                fd: 3,
+                client: CLIENT,
+                fabric: 0xf,
+                subdevice: 7,
+                offsets: vec![offset],
+                detached: 1,
+                more: 0,
+                status: 0,
+            },
+        )
+    };
+    let mut t = setup(10, false);
+    t.push(alloc(10, 10, 3, DEVICE, 0xa, GIB, 0));
+    t.push(alloc(11, 10, 3, DEVICE, 0xb, GIB, 0));
+    t.push(alloc(12, 10, 3, DEVICE, 0xc, GIB, 0));
+    t.push(multicast(13, 0xf));
+    // 0xc's attachment failed (RM attached the first two only).
+    t.push(attach(14, vec![(0xa, 0), (0xb, 2 << 20), (0xc, 4 << 20)], 2));
+    for (ts, object) in [(15, 0xa), (16, 0xb), (17, 0xc)] {
+        t.push(free(ts, 10, object));
+    }
+    let m = Model::from_records(&t);
+    assert_eq!((freed(&m, 0xa), freed(&m, 0xb)), (None, None), "attached: held by RM's dups");
+    assert_eq!(freed(&m, 0xc), Some((17, FreedBy::Explicit)), "not attached");
+    assert_eq!(m.check_books(), Ok(()));
+    let snapshot = m.snapshot();
+    t.push(detach(18, 0));
+    let m = Model::from_records(&t);
+    assert_eq!(freed(&m, 0xa), Some((18, FreedBy::Detached)));
+    let mut replay = Model::from_records(&snapshot);
+    replay.apply(&detach(18, 0));
+    assert_eq!(replay.live(Memory::Video), GIB, "the snapshot carries both attachments; one is left");
+    t.push(free(19, 10, 0xf));
+    let m = Model::from_records(&t);
+    assert_eq!(freed(&m, 0xb), Some((19, FreedBy::Explicit)), "detached with the fabric object");
+    assert_eq!(m.live(Memory::Video), 0);
+    assert_eq!(m.check_books(), Ok(()));
+}
+
+/// Only video memory is attached, only to a fabric object (address space): a trace claiming
+/// otherwise changes nothing, so holders never chain.
+#[test]
+fn only_video_memory_is_attached_and_only_to_address_space() {
+    let mut t = setup(10, false);
+    t.push(alloc(10, 10, 3, DEVICE, 0xa, GIB, 0));
+    t.push(alloc(11, 10, 3, DEVICE, 0xb, GIB, 0));
+    let attach = |fabric| Event::FabricAttach {
+        fd: 3,
+        client: CLIENT,
+        fabric,
+        subdevice: 0,
+        attachments: vec![(0xb, 0)],
+        attached: 1,
+        more: 0,
+        status: 0,
+    };
+    t.push(rec(12, 10, attach(0xa)));
+    t.push(free(13, 10, 0xb));
+    let m = Model::from_records(&t);
+    assert_eq!(freed(&m, 0xb), Some((13, FreedBy::Explicit)), "0xa is video memory, not a fabric object");
+    assert_eq!(m.check_books(), Ok(()));
+}
+
 /// RM holds only video memory under a fabric object: a trace that claims a fabric object holds
 /// another one (or itself, or system memory) gets no hold, so no chain of them can be built,
 /// and a hundred thousand such claims replay without a deep recursion.
