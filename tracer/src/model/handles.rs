@@ -114,7 +114,7 @@ impl Model {
             return;
         }
         let first = u32::from(index.unwrap_or(0));
-        let end = first + objects.len() as u32 + more;
+        let end = first.saturating_add(u32::try_from(objects.len()).unwrap_or(u32::MAX)).saturating_add(more);
         let made: Vec<(u16, AllocId)> = (first..)
             .zip(objects)
             .filter_map(|(slot, &object)| {
