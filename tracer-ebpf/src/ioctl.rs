@@ -76,14 +76,15 @@ pub fn ioctl_enter(ctx: TracePointContext) -> u32 {
 
 /// Whether a followed fd's file is no longer NVIDIA's device: the fd was closed and its number
 /// reused where no syscall tracepoint saw it (io_uring's close and open). Then the fd is
-/// forgotten (its close sent) and known as not NVIDIA. Only where the driver's majors are known.
+/// forgotten (its close sent). Only where the driver's majors are known.
 #[inline(always)]
 fn repointed(key: &FdKey, state: u8) -> bool {
     if CONFIG.get(0).is_none_or(|c| c.nvidia_major == 0) || nvidia_device_number(state, file_of(key.fd)) {
         return false;
     }
+    // Forgotten, not marked: the next NVIDIA ioctl on that number is a question for userspace,
+    // so a mismatch seen by a thread with a file table of its own hides nothing for good.
     fds::forget_fd(key.tgid, key.fd);
-    let _ = FDS.insert(key, &device::NOT_NVIDIA, 0);
     bump(stat::IMPOSTORS);
     true
 }

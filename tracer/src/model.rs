@@ -389,6 +389,10 @@ impl Model {
             | Event::UvmMap { status, .. }
             | Event::UvmFree { status, .. }
             | Event::UvmUnmap { status, .. }
+            // A failed attach or detach may have failed before RM read it: its counts would be
+            // the caller's own bytes (another user's handles, made-up offsets), so none is kept.
+            | Event::FabricAttach { status, .. }
+            | Event::FabricDetach { status, .. }
                 if *status != 0 => {}
             Event::Object { fd, client, parent, object, class, gpu, .. } => {
                 self.on_object(pid, ts, *fd, (*client, *parent, *object), *class, *gpu)

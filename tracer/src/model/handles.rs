@@ -373,7 +373,9 @@ impl Model {
         subdevice: u32,
         done: impl Iterator<Item = &'a (u32, u64)>,
     ) {
-        let Some(fabric_id) = self.alloc_of(client, fabric).filter(|&f| self.allocations[f].memory == Memory::Virtual) else { return };
+        let is_fabric = |class| class == crate::abi::class::MEMORY_FABRIC || class == crate::abi::class::MULTICAST_FABRIC;
+        let fabric_id = self.clients.get(&client).and_then(|c| c.objects.get(&fabric)).filter(|o| is_fabric(o.class)).and_then(|o| o.alloc);
+        let Some(fabric_id) = fabric_id.filter(|&f| self.allocations[f].memory == Memory::Virtual) else { return };
         for &(memory, offset) in done {
             let Some(held) = self.alloc_of(client, memory).filter(|&h| self.allocations[h].memory == Memory::Video) else { continue };
             let slots = self.attachments.entry(fabric_id).or_default();
