@@ -514,22 +514,7 @@ fn a_device_mounted_at_an_nvidia_path_is_not_followed() {
 fn a_followed_fd_reused_behind_the_tracers_back_is_not_followed() {
     use gputrace::event::Event;
     let _root = as_root();
-    let dir = scratch("repoint");
-    let trace = dir.join("run.trace");
-    let script = r#"mount -t tmpfs none /dev && mknod /dev/null c 1 3 && mknod /dev/nvidia-uvm c 1 3 &&
-        exec "$0" record -o "$1" -- "$2" repoint"#;
-    let out = Command::new("unshare")
-        .args(["--mount", "--propagation", "private", "sh", "-c", script])
-        .arg(gputrace_bin())
-        .arg(&trace)
-        .arg(env!("CARGO_BIN_EXE_fake-workload"))
-        .env("GPUTRACE_DEVICE_MAJORS", "195,1")
-        .output()
-        .unwrap();
-    let err = stderr(&out);
-    assert!(out.status.success(), "{err}");
-    let (_, records, _) = gputrace::trace::Reader::read_all(&trace).unwrap();
-    let events: Vec<&Event> = records.iter().map(|r| &r.event).collect();
+    let (events, err) = record_with_null_uvm("repoint", "repoint", "195,1");
     let frees = events.iter().filter(|e| matches!(e, Event::UvmFree { .. })).count();
     assert_eq!(frees, 1, "only the command on the genuine file: {events:?}\n{err}");
     let opened = events.iter().find_map(|e| match e {
@@ -538,5 +523,59 @@ fn a_followed_fd_reused_behind_the_tracers_back_is_not_followed() {
     });
     assert!(opened.is_some_and(|fd| events.iter().any(|e| matches!(e, Event::Close { fd: c } if *c == fd))), "seen closed: {events:?}");
     assert!(err.contains("1 files at NVIDIA's paths were not NVIDIA's devices"), "{err}");
+}
+
+/// Runs `fake-workload WORKLOAD` under `gputrace record` in a mount namespace whose
+/// /dev/nvidia-uvm is the null device (1:3), with `majors` as NVIDIA's; returns the trace's
+/// events and the recorder's stderr.
+fn record_with_null_uvm(name: &str, workload: &str, majors: &str) -> (Vec<gputrace::event::Event>, String) {
+    let dir = scratch(name);
+    let trace = dir.join("run.trace");
+    let script = r#"mount -t tmpfs none /dev && mknod /dev/null c 1 3 && mknod /dev/nvidia-uvm c 1 3 &&
+        exec "$0" record -o "$1" -- "$2" "$3""#;
+    let out = Command::new("unshare")
+        .args(["--mount", "--propagation", "private", "sh", "-c", script])
+        .arg(gputrace_bin())
+        .arg(&trace)
+        .arg(env!("CARGO_BIN_EXE_fake-workload"))
+        .arg(workload)
+        .env("GPUTRACE_DEVICE_MAJORS", majors)
+        .output()
+        .unwrap();
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    let (_, records, _) = gputrace::trace::Reader::read_all(&trace).unwrap();
     std::fs::remove_dir_all(&dir).ok();
+    (records.into_iter().map(|r| r.event).collect(), err)
+}
+
+/// A thread with a file table of its own (unshare(CLONE_FILES)) closes its copy of a followed
+/// fd, opens another file under that number and sends a UVM command on it: none of that is the
+/// process's fd, so the process's file is not seen closed and the thread's command on
+/// /proc/version is not recorded; the process's two commands are. Paths alone (no device
+/// numbers to catch the other file).
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn a_thread_with_a_file_table_of_its_own_does_not_touch_its_process_fds() {
+    use gputrace::event::Event;
+    let _root = as_root();
+    let (events, err) = record_with_null_uvm("own-table", "own-table", "off");
+    let frees = events.iter().filter(|e| matches!(e, Event::UvmFree { .. })).count();
+    assert_eq!(frees, 2, "the process's two commands, not the thread's: {events:?}\n{err}");
+    assert!(!events.iter().any(|e| matches!(e, Event::Close { .. })), "the process's fd was never closed: {events:?}");
+    assert!(err.contains("from threads with a file table of their own"), "{err}");
+}
+
+/// A fd answered not NVIDIA, closed and reopened as NVIDIA's device by io_uring (no tracepoint
+/// sees either): where the driver's majors are known, its next NVIDIA command is asked about
+/// again, and it is found and followed.
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn a_fd_reopened_as_nvidia_behind_the_tracers_back_is_followed() {
+    use gputrace::event::{Device, Event};
+    let _root = as_root();
+    let (events, err) = record_with_null_uvm("reopen", "reopen", "195,1");
+    let frees = events.iter().filter(|e| matches!(e, Event::UvmFree { .. })).count();
+    assert_eq!(frees, 1, "the command on the reopened file, not the one on /proc/version: {events:?}\n{err}");
+    assert!(events.iter().any(|e| matches!(e, Event::FdFound { device: Device::Uvm, .. })), "{events:?}");
 }

@@ -92,7 +92,10 @@ pub mod stat {
     pub const INSERT_FAILED: u32 = 2;
     /// Opens of an NVIDIA path whose file is not NVIDIA's device (its major differs): not followed.
     pub const IMPOSTORS: u32 = 3;
-    pub const COUNT: u32 = 4;
+    /// Opens, closes, dups and ioctls in threads with a file table of their own (unshare
+    /// CLONE_FILES): their fd numbers are not their process's, so they are not followed.
+    pub const OWN_FILE_TABLE: u32 = 4;
+    pub const COUNT: u32 = 5;
 }
 
 /// `Config` array index 0.
@@ -128,6 +131,10 @@ pub struct KernelOffsets {
     /// `file.f_inode` and `inode.i_rdev`: the device number behind a file; 0 when unknown.
     pub file_inode: u32,
     pub inode_rdev: u32,
+    /// `task_struct.group_leader`: a thread's table is its process's when it is the leader's;
+    /// 0 when unknown (every thread is taken to share it).
+    pub task_group_leader: u32,
+    pub _pad: u32,
 }
 
 #[repr(C)]

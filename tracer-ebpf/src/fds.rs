@@ -73,6 +73,9 @@ fn open_enter(ctx: &TracePointContext, path_arg: usize, flags_arg: usize) -> u32
     let Some(device) = classify(&opening.path) else {
         return 0;
     };
+    if own_file_table() {
+        return 0;
+    }
     opening.device = device;
     remember("OPENS", OPENS.insert(&pid_tgid, &opening, 0));
     0
@@ -125,12 +128,18 @@ pub fn open_exit(ctx: TracePointContext) -> u32 {
 }
 
 /// Forgets what `fd` was; tells userspace when it was an NVIDIA file (a reference dropped), or
-/// when it may be one inherited by a child whose fds userspace has not copied yet.
+/// when it may be one inherited by a child whose fds userspace has not copied yet. Not for a
+/// thread with a file table of its own: its fd is not the process's.
 #[inline(always)]
 pub(crate) fn forget_fd(tgid: u32, fd: u32) {
     let key = FdKey { tgid, fd };
-    match unsafe { FDS.get(&key) } {
-        Some(&state) => {
+    let state = unsafe { FDS.get(&key) }.copied();
+    let inheriting = || unsafe { TRACED.get(&tgid) } == Some(&traced::INHERITING);
+    if (state.is_some() || inheriting()) && own_file_table() {
+        return;
+    }
+    match state {
+        Some(state) => {
             let _ = FDS.remove(&key);
             if is_nvidia(state) {
                 send_fd_record(kind::CLOSE, fd as i64, 0, 0);
@@ -139,7 +148,7 @@ pub(crate) fn forget_fd(tgid: u32, fd: u32) {
             }
         }
         None => {
-            if unsafe { TRACED.get(&tgid) } == Some(&traced::INHERITING) {
+            if inheriting() {
                 send_fd_record(kind::CLOSE, fd as i64, 1, 0);
             }
         }
@@ -166,6 +175,9 @@ fn dup_enter(ctx: &TracePointContext, new_fd: Option<u32>, cloexec: i32) -> u32 
         forget_fd(tgid, new_fd);
     }
     if let Some(&state) = unsafe { FDS.get(&FdKey { tgid, fd: old_fd }) } {
+        if own_file_table() {
+            return 0;
+        }
         remember("DUPS", DUPS.insert(&pid_tgid, &Duping { old_fd: old_fd as i32, cloexec, state }, 0));
     }
     0
@@ -199,7 +211,7 @@ pub fn fcntl_enter(ctx: TracePointContext) -> u32 {
             let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
             let fd = sys_arg(&ctx, 0) as u32;
             if let Some(&state) = unsafe { FDS.get(&FdKey { tgid, fd }) } {
-                if is_nvidia(state) {
+                if is_nvidia(state) && !own_file_table() {
                     let value = sys_arg(&ctx, 2);
                     send_fd_record(kind::SET_CLOEXEC, fd as i64, (value & FD_CLOEXEC) as i64, 0);
                 }
@@ -231,7 +243,7 @@ pub fn dup_exit(ctx: TracePointContext) -> u32 {
 /// The range may be huge (3..~0), so userspace, which mirrors FDS, does the forgetting.
 #[tracepoint]
 pub fn close_range_enter(ctx: TracePointContext) -> u32 {
-    if !is_traced((bpf_get_current_pid_tgid() >> 32) as u32) {
+    if !is_traced((bpf_get_current_pid_tgid() >> 32) as u32) || own_file_table() {
         return 0;
     }
     let (first, last, flags) = (sys_arg(&ctx, 0), sys_arg(&ctx, 1), sys_arg(&ctx, 2));

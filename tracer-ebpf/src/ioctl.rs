@@ -41,27 +41,39 @@ pub fn ioctl_enter(ctx: TracePointContext) -> u32 {
     let tgid = (pid_tgid >> 32) as u32;
     let fd = sys_arg(&ctx, 0);
     let key = FdKey { tgid, fd: fd as u32 };
-    let (state, flags) = match unsafe { FDS.get(&key) } {
-        Some(&device::NOT_NVIDIA) | Some(&device::CONN) => return 0,
-        Some(&device::PENDING) => (device::PENDING, ioctl_flag::PENDING),
-        Some(&device::UVM) => {
+    let known = unsafe { FDS.get(&key) }.copied();
+    if matches!(known, Some(device::CONN)) || (known == Some(device::NOT_NVIDIA) && !reused_for_nvidia(&key)) {
+        return 0;
+    }
+    if own_file_table() {
+        return 0;
+    }
+    let (state, flags) = match known {
+        Some(device::PENDING) => (device::PENDING, ioctl_flag::PENDING),
+        Some(device::UVM) => {
             if !uvm_command_traced(cmd) || repointed(&key, device::UVM) {
                 return 0;
             }
             (device::UVM, 0)
         }
-        Some(&state) => {
+        Some(state) if state != device::NOT_NVIDIA => {
             if !rm_command_traced(cmd) || repointed(&key, state) {
                 return 0;
             }
             (state, 0)
         }
-        None => {
+        // Never seen (inherited, dup'ed before tracing, received over a socket), or once not
+        // NVIDIA and now NVIDIA's device: ask once.
+        _ => {
             if !is_traced(tgid) {
                 return 0;
             }
-            // Inherited, dup'ed before tracing or received over a socket: ask once.
-            if FDS.insert(&key, &device::PENDING, BPF_NOEXIST as u64).is_err() {
+            let asked = if known.is_none() {
+                FDS.insert(&key, &device::PENDING, BPF_NOEXIST as u64)
+            } else {
+                FDS.insert(&key, &device::PENDING, BPF_EXIST as u64)
+            };
+            if asked.is_err() {
                 return 0;
             }
             bump(stat::QUESTIONS);
@@ -72,6 +84,14 @@ pub fn ioctl_enter(ctx: TracePointContext) -> u32 {
     let inflight = Inflight { arg: sys_arg(&ctx, 2), file, fd: fd as i32, cmd, device: state, flags };
     remember("IOCTLS", IOCTLS.insert(&pid_tgid, &inflight, 0));
     0
+}
+
+/// Whether a fd answered not NVIDIA now names NVIDIA's device: its number reused where no
+/// syscall tracepoint saw it (io_uring's open). Only where the driver's majors are known, and
+/// only for NVIDIA-looking commands, so other programs' ioctls never pay for it.
+#[inline(always)]
+fn reused_for_nvidia(key: &FdKey) -> bool {
+    CONFIG.get(0).is_some_and(|c| c.nvidia_major != 0) && nvidia_device_of(file_of(key.fd)).is_some()
 }
 
 /// Whether a followed fd's file is no longer NVIDIA's device: the fd was closed and its number

@@ -7,7 +7,7 @@
 #![no_main]
 
 use aya_ebpf::{
-    bindings::BPF_NOEXIST,
+    bindings::{BPF_EXIST, BPF_NOEXIST},
     helpers::{
         bpf_get_current_pid_tgid, bpf_get_current_task, bpf_ktime_get_ns, bpf_probe_read_kernel, bpf_probe_read_kernel_str_bytes,
         bpf_probe_read_user_str_bytes, generated::bpf_probe_read_user,
@@ -207,7 +207,8 @@ fn read_user(dst: *mut u8, dst_len: usize, src: u64, len: u32) -> bool {
 }
 
 /// `current->files->fdt->fd[fd]`: the open file description behind a fd of the current process.
-/// Only at NVIDIA opens and questions, never on the hot path. 0 when unknown.
+/// At NVIDIA opens, questions, and each ioctl on a followed fd where the driver's majors are
+/// known (never for other programs' ioctls). 0 when unknown.
 fn file_of(fd: u32) -> u64 {
     let Some(o) = OFFSETS.get(0) else { return 0 };
     if o.fdtable_fd == 0 {
@@ -221,8 +222,13 @@ fn file_of(fd: u32) -> u64 {
     file
 }
 
+#[inline(always)]
+fn read_pointer(addr: u64) -> u64 {
+    unsafe { bpf_probe_read_kernel(addr as *const u64) }.unwrap_or(0)
+}
+
 fn read_file_of(o: &KernelOffsets, fd: u32) -> u64 {
-    let read = |addr: u64| -> u64 { unsafe { bpf_probe_read_kernel(addr as *const u64) }.unwrap_or(0) };
+    let read = read_pointer;
     let task = unsafe { bpf_get_current_task() };
     let files = read(task + o.task_files as u64);
     if files == 0 {
@@ -243,31 +249,77 @@ fn read_file_of(o: &KernelOffsets, fd: u32) -> u64 {
     read(table + 8 * fd as u64)
 }
 
+/// Whether the current thread has a file table of its own (unshare(CLONE_FILES), or a clone
+/// without CLONE_FILES): its fd numbers are not its process's, by which FDS is keyed, so what it
+/// does with fds is not followed (and counted). False when it cannot be told, and once the
+/// group leader has exited (its table is gone; the survivors' is the process's).
+fn own_file_table() -> bool {
+    let Some(o) = OFFSETS.get(0) else { return false };
+    if o.task_group_leader == 0 || o.task_files == 0 {
+        return false;
+    }
+    let task = unsafe { bpf_get_current_task() };
+    let leader = read_pointer(task + o.task_group_leader as u64);
+    if leader == 0 || leader == task {
+        return false;
+    }
+    let leader_files = read_pointer(leader + o.task_files as u64);
+    let own = leader_files != 0 && leader_files != read_pointer(task + o.task_files as u64);
+    if own {
+        bump(stat::OWN_FILE_TABLE);
+    }
+    own
+}
+
+/// What NVIDIA device `file` is by its device number alone (nvidiactl, a GPU, or UVM), where
+/// the driver's majors are known: for a fd once answered not NVIDIA whose number may since have
+/// been reused, unseen, for NVIDIA's file.
+fn nvidia_device_of(file: u64) -> Option<u8> {
+    let c = CONFIG.get(0)?;
+    if c.nvidia_major == 0 {
+        return None;
+    }
+    let (major, minor) = device_number(file)?;
+    match (major, minor) {
+        (m, 255) if m == c.nvidia_major => Some(device::CTL),
+        (m, 0..=247) if m == c.nvidia_major => Some(device::GPU),
+        (m, _) if m == c.uvm_major && m != 0 => Some(device::UVM),
+        _ => None,
+    }
+}
+
+/// The (major, minor) of the device file `file`, where it can be read.
+fn device_number(file: u64) -> Option<(u32, u32)> {
+    let o = OFFSETS.get(0)?;
+    if file == 0 || o.file_inode == 0 || o.inode_rdev == 0 {
+        return None;
+    }
+    let inode = read_pointer(file + o.file_inode as u64);
+    if inode == 0 {
+        return None;
+    }
+    let rdev = unsafe { bpf_probe_read_kernel((inode + o.inode_rdev as u64) as *const u32) }.ok()?;
+    // The kernel's own dev_t: the major above 20 bits of minor.
+    Some((rdev >> 20, rdev & 0xfffff))
+}
+
 /// Whether `file`, opened at an NVIDIA path as `device`, is NVIDIA's device: its major is the
 /// driver's (from userspace's reading of /proc/devices) and its minor the device's (255 for
-/// nvidiactl, 0 to 247 for a GPU: nv-chardev-numbers.h). Where that driver (or the UVM module)
-/// was not found, or the device number cannot be read, the path stands alone.
+/// nvidiactl, 0 to 247 for a GPU: nv-chardev-numbers.h). Where that driver
+/// (or the UVM module) was not found, or the device number cannot be read, the path stands alone.
 fn nvidia_device_number(device: u8, file: u64) -> bool {
     let Some(c) = CONFIG.get(0) else { return true };
     let want = if device == device::UVM { c.uvm_major } else { c.nvidia_major };
     if want == 0 {
         return true;
     }
-    let Some(o) = OFFSETS.get(0) else { return true };
-    if file == 0 || o.file_inode == 0 || o.inode_rdev == 0 {
-        return true;
-    }
-    let inode = unsafe { bpf_probe_read_kernel((file + o.file_inode as u64) as *const u64) }.unwrap_or(0);
-    if inode == 0 {
-        return true;
-    }
-    let Ok(rdev) = (unsafe { bpf_probe_read_kernel((inode + o.inode_rdev as u64) as *const u32) }) else { return true };
-    // The kernel's own dev_t: the major above 20 bits of minor.
-    let (major, minor) = (rdev >> 20, rdev & 0xfffff);
+    let Some((major, minor)) = device_number(file) else { return true };
     major == want
         && match device {
             device::CTL => minor == 255,
             device::GPU => minor <= 247,
+            // Any minor of UVM's major: nvidia-uvm-tools (minor 1) at UVM's path answers every
+            // command followed with -EINVAL (uvm_tools.c), a failure that changes nothing.
             _ => true,
         }
 }

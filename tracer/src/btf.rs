@@ -71,8 +71,9 @@ pub fn struct_members(data: &[u8], wanted: &[&str]) -> Result<HashMap<String, Ha
 }
 
 /// The offsets of `task_struct.files`, `files_struct.fdt`, `fdtable.fd`, `fdtable.max_fds`, and
-/// optionally `task_struct.exit_code` (without it exits carry no status) and `file.f_inode` and
-/// `inode.i_rdev` (without them opens are judged by path alone).
+/// optionally `task_struct.exit_code` (without it exits carry no status), `file.f_inode` and
+/// `inode.i_rdev` (without them opens are judged by path alone) and `task_struct.group_leader`
+/// (without it a thread with a file table of its own is not told apart).
 pub fn kernel_offsets(data: &[u8]) -> Result<KernelOffsets, String> {
     let found = struct_members(data, &["task_struct", "files_struct", "fdtable", "file", "inode"])?;
     let get = |s: &str, m: &str| {
@@ -86,6 +87,8 @@ pub fn kernel_offsets(data: &[u8]) -> Result<KernelOffsets, String> {
         task_exit_code: get("task_struct", "exit_code").unwrap_or(0),
         file_inode: get("file", "f_inode").unwrap_or(0),
         inode_rdev: get("inode", "i_rdev").unwrap_or(0),
+        task_group_leader: get("task_struct", "group_leader").unwrap_or(0),
+        _pad: 0,
     })
 }
 
@@ -147,5 +150,6 @@ mod tests {
         assert_ne!(o.fdtable_fd, o.fdtable_max_fds);
         assert!(o.task_exit_code > 0 && o.task_exit_code < 16384 && o.task_exit_code != o.task_files, "{o:?}");
         assert!(o.file_inode > 0 && o.file_inode < 256 && o.inode_rdev > 0 && o.inode_rdev < 1024, "{o:?}");
+        assert!(o.task_group_leader > 0 && o.task_group_leader < 16384 && o.task_group_leader != o.task_files, "{o:?}");
     }
 }

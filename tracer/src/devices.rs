@@ -57,7 +57,8 @@ impl Majors {
     }
 
     /// Whether a file at `device`'s path with this device number is that device (minors from
-    /// nv-chardev-numbers.h: 255 for nvidiactl, 0 to 247 for the GPUs).
+    /// nv-chardev-numbers.h: 255 for nvidiactl, 0 to 247 for the GPUs; any of UVM's, since
+    /// nvidia-uvm-tools, minor 1, fails every UVM command followed with -EINVAL: uvm_tools.c).
     pub fn admits(&self, device: Device, (major, minor): (u32, u32)) -> bool {
         match device {
             Device::Ctl => major == self.nvidia && minor == 255,

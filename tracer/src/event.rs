@@ -429,6 +429,26 @@ pub struct Alloc {
     pub holds: Option<u32>,
 }
 
+impl Event {
+    /// The fd and RM client of a driver call that succeeded on a client: RM checks the client
+    /// belongs to that fd's file before it acts (`Model`'s `through_own_file`).
+    pub fn client_call(&self) -> Option<(i32, u32)> {
+        match *self {
+            Event::Object { fd, client, status: 0, .. }
+            | Event::Free { fd, client, status: 0, .. }
+            | Event::DupObject { fd, client, status: 0, .. }
+            | Event::ExportObject { fd, client, status: 0, .. }
+            | Event::ImportObject { fd, client, status: 0, .. }
+            | Event::ExportObjects { fd, client, status: 0, .. }
+            | Event::ImportObjects { fd, client, status: 0, .. }
+            | Event::FabricAttach { fd, client, status: 0, .. }
+            | Event::FabricDetach { fd, client, status: 0, .. } => Some((fd, client)),
+            Event::Alloc(ref a) if a.succeeded() && a.base.is_none() => Some((a.fd, a.client)),
+            _ => None,
+        }
+    }
+}
+
 impl Alloc {
     /// Video memory asked of RM (RM_ALLOC with NVOS64, class 0x40) on fd 3, granted: the
     /// allocation tests and benchmarks build most.

@@ -370,19 +370,28 @@ impl<R: Resolver> FileTable<R> {
 
     /// The answer to the kernel's question about (pid, fd), from the mirror or from /proc.
     /// Returns the device (None: not NVIDIA, or the fd is gone) and the FdFound event to record
-    /// when gputrace learned of this NVIDIA fd only now.
-    pub fn answer(&mut self, pid: u32, fd: i32, kernel_file: u64, updates: &mut Vec<KernelUpdate>) -> (Option<Device>, Option<Event>) {
+    /// when gputrace learned of this NVIDIA fd only now. `asked`: the kernel's own question (it
+    /// had no entry, or one saying not NVIDIA for a fd whose device number is NVIDIA's now), so
+    /// a not-NVIDIA answer in the mirror may be stale (the number closed and reused, unseen, for
+    /// a received or io_uring-opened NVIDIA file) and /proc is asked again.
+    pub fn answer(
+        &mut self,
+        pid: u32,
+        (fd, asked): (i32, bool),
+        kernel_file: u64,
+        updates: &mut Vec<KernelUpdate>,
+    ) -> (Option<Device>, Option<Event>) {
         match self.fds.get(&(pid, fd)).copied() {
             Some(Answer::Nvidia { device, .. }) => {
                 updates.push(KernelUpdate::SetFd { pid, fd, state: kernel_state(device) });
                 return (Some(device), None);
             }
-            Some(Answer::NotNvidia) => {
+            Some(Answer::NotNvidia) if !asked => {
                 updates.push(KernelUpdate::SetFd { pid, fd, state: device::NOT_NVIDIA });
                 return (None, None);
             }
             // A connection the kernel no longer follows under that number: ask /proc afresh.
-            Some(Answer::Conn { .. }) | None => {}
+            Some(Answer::NotNvidia) | Some(Answer::Conn { .. }) | None => {}
         }
         self.questions_answered += 1;
         // A fd already gone leaves nothing to answer; the kernel dropped its entry on close.
@@ -554,16 +563,23 @@ mod tests {
     fn a_question_is_answered_once_from_proc_then_from_the_mirror() {
         let mut t = table(&[((10, 5), "socket:[99]", 1), ((10, 6), "/dev/nvidiactl", 2)]);
         let mut updates = vec![];
-        assert_eq!(t.answer(10, 5, 0, &mut updates), (None, None));
+        assert_eq!(t.answer(10, (5, true), 0, &mut updates), (None, None));
         assert_eq!(updates, vec![KernelUpdate::SetFd { pid: 10, fd: 5, state: device::NOT_NVIDIA }]);
-        let (device, event) = t.answer(10, 6, 0, &mut updates);
+        let (device, event) = t.answer(10, (6, true), 0, &mut updates);
         assert_eq!(device, Some(Device::Ctl));
         assert!(matches!(event, Some(Event::FdFound { fd: 6, device: Device::Ctl, .. })));
         assert_eq!(t.questions_answered, 2);
         // Pending ioctls that arrive after the answer are settled from the mirror.
-        assert_eq!(t.answer(10, 5, 0, &mut updates).0, None);
-        assert_eq!(t.answer(10, 6, 0, &mut updates), (Some(Device::Ctl), None));
+        assert_eq!(t.answer(10, (5, false), 0, &mut updates).0, None);
+        assert_eq!(t.answer(10, (6, false), 0, &mut updates), (Some(Device::Ctl), None));
         assert_eq!(t.questions_answered, 2);
+        // The kernel asks again about a fd answered not NVIDIA only when it may be stale (its
+        // number closed and reused for NVIDIA's file where no tracepoint saw it): /proc again.
+        t.resolver.fds.insert((10, 5), ("/dev/nvidiactl".into(), 3));
+        let (device, event) = t.answer(10, (5, true), 0, &mut updates);
+        assert_eq!(device, Some(Device::Ctl));
+        assert!(matches!(event, Some(Event::FdFound { fd: 5, device: Device::Ctl, .. })));
+        assert_eq!(t.questions_answered, 3);
     }
 
     /// Where the driver is loaded, a file at an NVIDIA path is followed only with NVIDIA's device
@@ -580,17 +596,17 @@ mod tests {
         t.set_majors(Some(Majors { nvidia: 195, uvm: 509 }));
         t.resolver.rdev = HashMap::from([((10, 6), (195, 255)), ((10, 7), (0, 0)), ((10, 8), (509, 0)), ((10, 9), (509, 0))]);
         let mut updates = vec![];
-        assert_eq!(t.answer(10, 6, 0, &mut updates).0, Some(Device::Ctl));
-        assert_eq!(t.answer(10, 7, 0, &mut updates), (None, None), "a FUSE file at /dev/nvidiactl");
+        assert_eq!(t.answer(10, (6, true), 0, &mut updates).0, Some(Device::Ctl));
+        assert_eq!(t.answer(10, (7, true), 0, &mut updates), (None, None), "a FUSE file at /dev/nvidiactl");
         assert_eq!(updates.last(), Some(&KernelUpdate::SetFd { pid: 10, fd: 7, state: device::NOT_NVIDIA }));
-        assert_eq!(t.answer(10, 8, 0, &mut updates).0, Some(Device::Uvm));
-        assert_eq!(t.answer(10, 9, 0, &mut updates).0, None, "UVM's major at a GPU's path");
+        assert_eq!(t.answer(10, (8, true), 0, &mut updates).0, Some(Device::Uvm));
+        assert_eq!(t.answer(10, (9, true), 0, &mut updates).0, None, "UVM's major at a GPU's path");
         assert_eq!(t.impostors, 2);
         let found = t.scan(10, &mut updates).iter().filter(|e| matches!(e, Event::FdFound { .. })).count();
         assert_eq!(found, 2, "the scan admits the same two");
         // Without the driver (the fake GPU), paths alone.
         let mut t = table(&[((10, 7), "/dev/nvidiactl", 2)]);
-        assert_eq!(t.answer(10, 7, 0, &mut updates).0, Some(Device::Ctl));
+        assert_eq!(t.answer(10, (7, true), 0, &mut updates).0, Some(Device::Ctl));
     }
 
     /// A fd gone before it could be checked is gone, not an impostor; UVM's module loaded after
@@ -601,9 +617,9 @@ mod tests {
         t.set_majors(Some(Majors { nvidia: 195, uvm: 0 }));
         t.resolver.rdev = HashMap::from([((10, 8), (511, 0))]);
         let mut updates = vec![];
-        assert_eq!(t.answer(10, 6, 0, &mut updates), (None, None), "its number could not be read: gone");
+        assert_eq!(t.answer(10, (6, true), 0, &mut updates), (None, None), "its number could not be read: gone");
         assert!(updates.is_empty(), "no answer that could go stale");
-        assert_eq!(t.answer(10, 8, 0, &mut updates).0, Some(Device::Uvm), "UVM loaded since the reading");
+        assert_eq!(t.answer(10, (8, true), 0, &mut updates).0, Some(Device::Uvm), "UVM loaded since the reading");
         assert_eq!(t.impostors, 0);
         t.set_majors(Some(Majors { nvidia: 195, uvm: 509 }));
         assert_eq!(t.scan(10, &mut updates).iter().filter(|e| matches!(e, Event::FdFound { .. })).count(), 0, "511 is not 509");
@@ -629,7 +645,7 @@ mod tests {
     fn a_gone_fd_gets_no_answer_that_could_go_stale() {
         let mut t = table(&[]);
         let mut updates = vec![];
-        assert_eq!(t.answer(10, 5, 0, &mut updates), (None, None));
+        assert_eq!(t.answer(10, (5, true), 0, &mut updates), (None, None));
         assert!(updates.is_empty());
     }
 
@@ -639,9 +655,9 @@ mod tests {
         let mut t = table(&[((10, 6), "/dev/nvidiactl", 2), ((20, 9), "/dev/nvidiactl", 2), ((20, 4), "/dev/nvidiactl", 3)]);
         let Event::Open { file, .. } = t.opened(10, 6, Device::Ctl, false, 0) else { panic!() };
         let mut updates = vec![];
-        let (_, found) = t.answer(20, 9, 0, &mut updates);
+        let (_, found) = t.answer(20, (9, true), 0, &mut updates);
         assert_eq!(found, Some(Event::FdFound { fd: 9, file, device: Device::Ctl }));
-        let (_, other) = t.answer(20, 4, 0, &mut updates);
+        let (_, other) = t.answer(20, (4, true), 0, &mut updates);
         assert!(matches!(other, Some(Event::FdFound { file: f, .. }) if f != file), "a different description is a different file");
     }
 
@@ -653,7 +669,7 @@ mod tests {
         let Event::Open { file, .. } = t.opened(10, 6, Device::Ctl, false, 0xffff_8880_1234_5600) else { panic!() };
         let mut updates = vec![];
         t.exited(10, &mut updates);
-        let (_, found) = t.answer(20, 9, 0xffff_8880_1234_5600, &mut updates);
+        let (_, found) = t.answer(20, (9, true), 0xffff_8880_1234_5600, &mut updates);
         assert_eq!(found, Some(Event::FdFound { fd: 9, file, device: Device::Ctl }));
         // A later open that reuses the address is a different file.
         let Event::Open { file: reopened, .. } = t.opened(30, 3, Device::Ctl, false, 0xffff_8880_1234_5600) else { panic!() };
@@ -679,7 +695,7 @@ mod tests {
         t.opened(10, 6, Device::Ctl, false, 0);
         t.opened(10, 7, Device::Uvm, true, 0);
         let mut updates = vec![];
-        t.answer(10, 3, 0, &mut updates); // not NVIDIA (gone): nothing copied for it
+        t.answer(10, (3, true), 0, &mut updates); // not NVIDIA (gone): nothing copied for it
         updates.clear();
         let event = t.forked(10, 11, Seen::Forked, &mut updates);
         assert!(matches!(event, Event::Process { ppid: 10, seen: Seen::Forked, .. }));
@@ -697,7 +713,7 @@ mod tests {
         t.opened(10, 6, Device::Ctl, false, 0);
         t.opened(10, 7, Device::Uvm, true, 0);
         let mut updates = vec![];
-        t.answer(10, 5, 0, &mut updates);
+        t.answer(10, (5, true), 0, &mut updates);
         updates.clear();
         t.exec(10, "/bin/next", &mut updates);
         assert!(updates.contains(&KernelUpdate::ForgetFd { pid: 10, fd: 5 }));

@@ -212,6 +212,9 @@ pub struct Model {
     /// Handles of batched exports and imports past the first 16 of each, which the kernel side
     /// does not copy: what they carry is not followed.
     pub handles_not_followed: u64,
+    /// Calls the trace says succeeded on an RM client of another file: RM refuses them, so
+    /// they are ignored (a fd re-pointed behind the kernel side's back, or a crafted trace).
+    pub foreign_client_calls: u64,
     pub first_ts: Option<u64>,
     pub last_ts: u64,
     clients: HashMap<u32, Client>,
@@ -367,6 +370,12 @@ impl Model {
         self.first_ts.get_or_insert(r.ts);
         self.last_ts = self.last_ts.max(r.ts);
         let (ts, pid) = (r.ts, r.pid);
+        if let Some((fd, client)) = r.event.client_call() {
+            if !self.through_own_file(pid, fd, client) {
+                add(&mut self.foreign_client_calls, 1);
+                return;
+            }
+        }
         match &r.event {
             Event::Process { ppid, seen, command } => self.on_process(pid, ts, *ppid, *seen, command),
             Event::Exec { command } => self.on_exec(pid, ts, command),

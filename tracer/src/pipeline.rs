@@ -46,7 +46,8 @@ impl<R: Resolver> Pipeline<R> {
                     // closed the fd and the program reused its number (a received fd, say) before
                     // the kernel heard of the exec. Asked afresh either way.
                     kernel => {
-                        let (device, found) = self.files.answer(pid, ioctl.fd, ioctl.file, updates);
+                        let asked = ioctl.flags & ioctl_flag::QUESTION != 0;
+                        let (device, found) = self.files.answer(pid, (ioctl.fd, asked), ioctl.file, updates);
                         if let Some(found) = found {
                             push(pid, found, None);
                         }

@@ -189,6 +189,8 @@ pub struct Counters {
     pub insert_failed: u64,
     /// Opens of NVIDIA paths whose file had another device number: not followed.
     pub impostors: u64,
+    /// fd changes and ioctls in threads with a file table of their own: not followed.
+    pub own_file_table: u64,
 }
 
 fn map_err(map: &'static str) -> impl Fn(aya::maps::MapError) -> ProbeError {
@@ -375,6 +377,7 @@ impl Probe {
             questions: sum(stat::QUESTIONS),
             insert_failed: sum(stat::INSERT_FAILED),
             impostors: sum(stat::IMPOSTORS),
+            own_file_table: sum(stat::OWN_FILE_TABLE),
         }
     }
 }

@@ -191,21 +191,15 @@ impl Session {
                 *write_error = Some(e.to_string());
             }
         }
-        let loss = Loss {
-            lost_records: self.model.lost_records,
-            undecodable: self.model.undecodable + self.decode_errors,
-            damaged_lines: 0,
-            torn_tail: false,
-            fds_not_followed: self.model.fd_refs_dropped,
-            handles_not_followed: self.model.handles_not_followed,
-            write_error: write_error.clone(),
-        };
+        let loss =
+            Loss { undecodable: self.model.undecodable + self.decode_errors, write_error: write_error.clone(), ..Loss::of(&self.model) };
         let mut summary = Report::new(header, &self.model, writer.path().display().to_string(), writer.records, loss, opts.idle_ns);
         let filter = FdFilter {
             questions: counters.questions,
             pending_dropped: self.pipeline.files.pending_dropped,
             map_inserts_failed: counters.insert_failed,
             impostors: counters.impostors + self.pipeline.files.impostors,
+            own_file_table: counters.own_file_table,
         };
         if opts.json {
             summary.fd_filter = Some(filter);
@@ -222,6 +216,12 @@ impl Session {
                 eprintln!(
                     "gputrace: warning: {} files at NVIDIA's paths were not NVIDIA's devices (another device number: a file mounted there in a namespace, or a followed fd reused for another file by a close no tracepoint sees, as io_uring's) and were not followed",
                     filter.impostors
+                );
+            }
+            if filter.own_file_table > 0 {
+                eprintln!(
+                    "gputrace: warning: {} opens, closes, dups or ioctls of NVIDIA files came from threads with a file table of their own (unshare(CLONE_FILES)): their fd numbers are not their process's, and they were not followed",
+                    filter.own_file_table
                 );
             }
             if filter.questions > 0 {

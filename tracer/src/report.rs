@@ -172,12 +172,28 @@ pub struct Loss {
     /// Handles of batched exports and imports past the 16 of each the kernel side copies.
     #[serde(skip_serializing_if = "is_zero")]
     pub handles_not_followed: u64,
+    /// Calls on another file's RM client, ignored (RM refuses them).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub foreign_client_calls: u64,
     /// Why the recorder stopped writing the trace (a full disk), when it did.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub write_error: Option<String>,
 }
 
 impl Loss {
+    /// What the model itself counted as missing or refused; the caller adds what it knows of
+    /// the trace file and the decoder.
+    pub fn of(model: &Model) -> Loss {
+        Loss {
+            lost_records: model.lost_records,
+            undecodable: model.undecodable,
+            fds_not_followed: model.fd_refs_dropped,
+            handles_not_followed: model.handles_not_followed,
+            foreign_client_calls: model.foreign_client_calls,
+            ..Loss::default()
+        }
+    }
+
     pub fn is_lossless(&self) -> bool {
         *self == Loss::default()
     }
@@ -195,6 +211,9 @@ pub struct FdFilter {
     pub map_inserts_failed: u64,
     /// Files at NVIDIA's paths that were not NVIDIA's devices (their device number), not followed.
     pub impostors: u64,
+    /// Opens, closes, dups and ioctls of NVIDIA files in threads with a file table of their own
+    /// (unshare(CLONE_FILES)): not followed.
+    pub own_file_table: u64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -423,15 +442,8 @@ pub fn load(path: &std::path::Path, redact: bool) -> Result<(Header, Model, u64,
         crate::redact::header(&mut reader.header);
     }
     let damage = &reader.damage;
-    let loss = Loss {
-        lost_records: model.lost_records,
-        undecodable: model.undecodable,
-        damaged_lines: damage.bad_lines.saturating_add(damage.torn_tail as u64),
-        torn_tail: damage.torn_tail,
-        fds_not_followed: model.fd_refs_dropped,
-        handles_not_followed: model.handles_not_followed,
-        write_error: None,
-    };
+    let loss =
+        Loss { damaged_lines: damage.bad_lines.saturating_add(damage.torn_tail as u64), torn_tail: damage.torn_tail, ..Loss::of(&model) };
     Ok((reader.header, model, events, loss))
 }
 
@@ -601,26 +613,26 @@ impl Report {
         if l.is_lossless() {
             let _ = writeln!(out, "Lost events: 0.");
         } else {
+            // The rarer losses, each named only when it happened.
+            let rare = [
+                (l.fds_not_followed, "device fds not followed (over a million held)"),
+                (
+                    l.handles_not_followed,
+                    "exported or imported handles not followed (past the first 16 of a batch: their memory's lifetime is not known)",
+                ),
+                (
+                    l.foreign_client_calls,
+                    "calls on another file's RM client ignored (RM refuses those: a fd re-pointed while its call ran, or an edited trace)",
+                ),
+            ];
+            let rare: String = rare.iter().filter(|(n, _)| *n > 0).map(|(n, what)| format!(", {n} {what}")).collect();
             let _ = writeln!(
                 out,
-                "INCOMPLETE: {} records lost in the kernel (ring buffer full), {} driver calls unreadable, {} damaged trace lines{}{}{}.",
+                "INCOMPLETE: {} records lost in the kernel (ring buffer full), {} driver calls unreadable, {} damaged trace lines{}{rare}.",
                 l.lost_records,
                 l.undecodable,
                 l.damaged_lines,
                 if l.torn_tail { ", torn last line" } else { "" },
-                if l.fds_not_followed > 0 {
-                    format!(", {} device fds not followed (over a million held)", l.fds_not_followed)
-                } else {
-                    String::new()
-                },
-                if l.handles_not_followed > 0 {
-                    format!(
-                        ", {} exported or imported handles not followed (past the first 16 of a batch: their memory's lifetime is not known)",
-                        l.handles_not_followed
-                    )
-                } else {
-                    String::new()
-                }
             );
         }
         out
@@ -646,6 +658,18 @@ mod tests {
 
     /// A process that allocated, then did nothing for longer than the threshold, is a suspect;
     /// one active within it is not.
+    /// Every loss is named, the rare ones only when they happened; none at all reads as none.
+    #[test]
+    fn losses_are_named_in_the_text() {
+        let model = Model::new();
+        let text = |loss: Loss| Report::new(&header(), &model, String::new(), 0, loss, u64::MAX).text();
+        assert!(text(Loss::default()).contains("Lost events: 0."));
+        let some = text(Loss { lost_records: 3, foreign_client_calls: 2, torn_tail: true, ..Loss::default() });
+        assert!(some.contains("INCOMPLETE: 3 records lost in the kernel"), "{some}");
+        assert!(some.contains(", torn last line, 2 calls on another file's RM client ignored"), "{some}");
+        assert!(!some.contains("handles not followed") && !some.contains("device fds not followed"), "{some}");
+    }
+
     #[test]
     fn an_idle_context_is_a_suspect_after_the_threshold() {
         let rec = |ts: u64, event| Record { ts, pid: 7, tid: 7, event, raw: None };

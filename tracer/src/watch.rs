@@ -288,12 +288,7 @@ impl DumpJob {
         }
         writer.flush()?;
         std::fs::rename(&partial, &path).with_context(|| format!("cannot rename {} to {}", partial.display(), path.display()))?;
-        let loss = Loss {
-            lost_records: model.lost_records,
-            undecodable: model.undecodable,
-            handles_not_followed: model.handles_not_followed,
-            ..Loss::default()
-        };
+        let loss = Loss::of(&model);
         let report = Report::new(&header, &model, path.display().to_string(), writer.records, loss, self.idle_ns);
         if let Ok(mut d) = self.diagnoses.lock() {
             *d.entry(report.diagnosis.category.name().to_string()).or_default() += 1;

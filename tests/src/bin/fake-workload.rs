@@ -180,28 +180,92 @@ fn storm(count: u64) -> Result<(), String> {
 /// see), opens another file under the same number and issues a UVM command on each: a tracer
 /// that checked the file only at its open would take the second for NVIDIA's.
 fn repoint() -> Result<(), String> {
-    let free = |fd: i32| {
-        let mut params = [0u8; 24];
-        // SAFETY: a UVM_FREE-sized buffer; the device answers or refuses, nothing else is touched.
-        unsafe { libc::ioctl(fd, uvm::FREE as _, params.as_mut_ptr()) }
-    };
     let uvm = File::options().read(true).write(true).open("/dev/nvidia-uvm").map_err(|e| format!("/dev/nvidia-uvm: {e}"))?;
     let fd = std::os::fd::IntoRawFd::into_raw_fd(uvm);
-    free(fd);
-    let mut ring = io_uring::IoUring::new(2).map_err(|e| format!("io_uring: {e}"))?;
-    let close = io_uring::opcode::Close::new(io_uring::types::Fd(fd)).build();
-    // SAFETY: the entry names no buffer.
-    unsafe { ring.submission().push(&close) }.map_err(|e| format!("io_uring: {e}"))?;
-    ring.submit_and_wait(1).map_err(|e| format!("io_uring: {e}"))?;
-    let result = ring.completion().next().map(|c| c.result());
-    if result != Some(0) {
-        return Err(format!("io_uring's close of fd {fd} gave {result:?}"));
+    uvm_free(fd);
+    let mut ring = ring()?;
+    let closed = io_uring_once(&mut ring, io_uring::opcode::Close::new(io_uring::types::Fd(fd)).build())?;
+    if closed != 0 {
+        return Err(format!("io_uring's close of fd {fd} gave {closed}"));
     }
     let other = File::open("/proc/version").map_err(|e| format!("/proc/version: {e}"))?;
     if other.as_raw_fd() != fd {
         return Err(format!("the new file got fd {}, not {fd}", other.as_raw_fd()));
     }
-    free(fd);
+    uvm_free(fd);
+    Ok(())
+}
+
+/// A UVM command on `fd`: the device answers or refuses, nothing else is touched.
+fn uvm_free(fd: i32) {
+    let mut params = [0u8; 24];
+    // SAFETY: a UVM_FREE-sized buffer.
+    unsafe { libc::ioctl(fd, uvm::FREE as _, params.as_mut_ptr()) };
+}
+
+/// A ring for [`io_uring_once`], made before the fds a test reuses: its own fd takes a number.
+fn ring() -> Result<io_uring::IoUring, String> {
+    io_uring::IoUring::new(2).map_err(|e| format!("io_uring: {e}"))
+}
+
+/// One io_uring operation, waited for; its result (a fd, 0, or -errno).
+fn io_uring_once(ring: &mut io_uring::IoUring, entry: io_uring::squeue::Entry) -> Result<i32, String> {
+    // SAFETY: the caller's entry names only buffers that outlive this call.
+    unsafe { ring.submission().push(&entry) }.map_err(|e| format!("io_uring: {e}"))?;
+    ring.submit_and_wait(1).map_err(|e| format!("io_uring: {e}"))?;
+    let result = ring.completion().next().map(|c| c.result());
+    result.ok_or_else(|| "io_uring: no completion".into())
+}
+
+/// A thread with a file table of its own (unshare(CLONE_FILES)) closes its copy of the UVM fd
+/// and opens /proc/version under the same number, then sends a UVM command on it; the process's
+/// own fd stays open, and a UVM command goes on it before and after.
+fn own_table() -> Result<(), String> {
+    let uvm = File::options().read(true).write(true).open("/dev/nvidia-uvm").map_err(|e| format!("/dev/nvidia-uvm: {e}"))?;
+    let fd = uvm.as_raw_fd();
+    uvm_free(fd);
+    let thread = std::thread::spawn(move || -> Result<(), String> {
+        // SAFETY: unshare and close touch only this thread's fd table.
+        if unsafe { libc::unshare(libc::CLONE_FILES) } != 0 {
+            return Err(format!("unshare(CLONE_FILES): {}", std::io::Error::last_os_error()));
+        }
+        unsafe { libc::close(fd) };
+        let other = File::open("/proc/version").map_err(|e| format!("/proc/version: {e}"))?;
+        if other.as_raw_fd() != fd {
+            return Err(format!("the thread's new file got fd {}, not {fd}", other.as_raw_fd()));
+        }
+        uvm_free(fd);
+        Ok(())
+    });
+    thread.join().map_err(|_| "the thread panicked")??;
+    uvm_free(fd);
+    // Held to the end: the process's exit closes it.
+    std::mem::forget(uvm);
+    Ok(())
+}
+
+/// A fd answered not NVIDIA (/proc/version, asked about at its first UVM command) closed and
+/// reopened as /dev/nvidia-uvm under the same number, both by io_uring (no tracepoint sees
+/// either), then a UVM command on it.
+fn reopen() -> Result<(), String> {
+    let mut ring = ring()?;
+    let fd = std::os::fd::IntoRawFd::into_raw_fd(File::open("/proc/version").map_err(|e| format!("/proc/version: {e}"))?);
+    uvm_free(fd);
+    // The tracer's answer (not NVIDIA) lands before the number is reused.
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let closed = io_uring_once(&mut ring, io_uring::opcode::Close::new(io_uring::types::Fd(fd)).build())?;
+    if closed != 0 {
+        return Err(format!("io_uring's close of fd {fd} gave {closed}"));
+    }
+    let path = c"/dev/nvidia-uvm";
+    let open = io_uring::opcode::OpenAt::new(io_uring::types::Fd(libc::AT_FDCWD), path.as_ptr()).flags(libc::O_RDWR).build();
+    let reopened = io_uring_once(&mut ring, open)?;
+    if reopened != fd {
+        return Err(format!("io_uring's open of /dev/nvidia-uvm gave {reopened}, not {fd}"));
+    }
+    uvm_free(fd);
+    // Held while the tracer asks /proc about it, as a program holds the files it uses.
+    std::thread::sleep(std::time::Duration::from_millis(300));
     Ok(())
 }
 
@@ -420,9 +484,11 @@ fn main() -> ExitCode {
         Some("fabric") => fabric(&mut truth, value("--ms").and_then(|v| v.parse().ok()).unwrap_or(300)),
         Some("vmm") => vmm(&mut truth, value("--ms").and_then(|v| v.parse().ok()).unwrap_or(300)),
         Some("repoint") => repoint(),
+        Some("own-table") => own_table(),
+        Some("reopen") => reopen(),
         Some("oom") => oom(&mut truth, value("--bytes").and_then(|v| parse_bytes(&v)).unwrap_or(1 << 40)),
         _ => Err(
-            "usage: fake-workload paths|fork-holder|storm|oom|hold|vmm|fabric|pass-fd|ipc|repoint [--close-first] [--batched] [--truth FILE] [--hold-ms N] [--count N] [--bytes B] [--ms N]"
+            "usage: fake-workload paths|fork-holder|storm|oom|hold|vmm|fabric|pass-fd|ipc|repoint|own-table|reopen [--close-first] [--batched] [--truth FILE] [--hold-ms N] [--count N] [--bytes B] [--ms N]"
                 .into(),
         ),
     };

@@ -33,7 +33,24 @@ impl Bytes<'_> {
     }
 }
 
-const CLIENTS: [u32; 3] = [0xc1d0_0001, 0xc1d0_0002, 0xc1d0_0003];
+const CLIENTS: [u32; 16] = [
+    0xc1d0_0001,
+    0xc1d0_0002,
+    0xc1d0_0003,
+    0xc1d0_0004,
+    0xc1d0_0005,
+    0xc1d0_0006,
+    0xc1d0_0007,
+    0xc1d0_0008,
+    0xc1d0_0009,
+    0xc1d0_000a,
+    0xc1d0_000b,
+    0xc1d0_000c,
+    0xc1d0_000d,
+    0xc1d0_000e,
+    0xc1d0_000f,
+    0xc1d0_0010,
+];
 const CLASS_CLIENT: u32 = 0x41;
 
 /// Records for `data`, with non-decreasing times unless the bytes ask otherwise. Long, on
@@ -46,7 +63,9 @@ pub fn records(data: &[u8]) -> Vec<Record> {
         let op = b.u8();
         let pid = 1 + b.pick(4);
         let fd = 3 + b.pick(4) as i32;
-        let client = CLIENTS[b.pick(3) as usize];
+        // RM takes a client only through the file that made it: mostly the fd's own client, now
+        // and then another (a call the model refuses).
+        let client = CLIENTS[if b.one_in(8) { b.pick(16) as usize } else { ((pid as usize - 1) * 4 + fd as usize - 3) % CLIENTS.len() }];
         let handle = |b: &mut Bytes, client: u32| if b.one_in(5) { client } else { 0x100 + b.pick(8) };
         // Mostly forward in time; sometimes backwards, as a damaged or hostile trace may be.
         ts = if op & 0x80 != 0 && op & 0x40 != 0 { ts.saturating_sub(u64::from(b.u8())) } else { ts + u64::from(b.u8()) };
@@ -96,7 +115,9 @@ pub fn records(data: &[u8]) -> Vec<Record> {
                 Event::Free { fd, via: Via::RmFree, client, parent: 0, object, status: 0 }
             }
             12 => {
-                let (src_client, src_object) = (CLIENTS[b.pick(3) as usize], 0x100 + b.pick(8));
+                // Within the client, or from another one (RM lets a dup name any client as its source).
+                let src_client = if b.one_in(2) { client } else { CLIENTS[b.pick(16) as usize] };
+                let src_object = 0x100 + b.pick(8);
                 Event::DupObject {
                     fd,
                     client,

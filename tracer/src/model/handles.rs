@@ -85,6 +85,21 @@ impl Model {
         }
     }
 
+    /// Whether `fd` of `pid` reaches `client`: RM acts on a client only through the file that
+    /// made it (strict client validation, on unless a registry key turns it off:
+    /// rmclientValidate), and a /dev/nvidiaN file registered with an nvidiactl file acts as that
+    /// file (escape.c). A client first met now is taken on this call's word, and so is a record
+    /// with no fd: the snapshot's own (a live call on fd -1 fails before any driver sees it).
+    pub(super) fn through_own_file(&self, pid: u32, fd: i32, client: u32) -> bool {
+        if fd < 0 {
+            return true;
+        }
+        let Some(owner) = self.clients.get(&client).and_then(|c| c.file) else { return true };
+        let Some(file) = self.processes.get(&pid).and_then(|p| p.fds.get(&fd)).map(|f| f.file) else { return false };
+        let acting = |f: FileId| self.registered.get(&f).copied().unwrap_or(f);
+        acting(file) == acting(owner)
+    }
+
     /// The GPU of the object `handle` of `client`: the device it is, or is under.
     fn gpu_of(&self, client: u32, handle: u32) -> Option<u32> {
         self.clients.get(&client)?.objects.get(&handle)?.gpu

@@ -665,6 +665,45 @@ fn a_registered_device_file_keeps_the_control_file_open() {
     assert_eq!(freed(&Model::from_records(&t), 0xa), Some((9, FreedBy::FileRelease)));
 }
 
+/// RM acts on a client only through the file that made it (rmclientValidate, strict by
+/// default), or a device file registered with that file: a call the trace says succeeded
+/// through another file (a fd re-pointed while its call ran, an edited trace) is refused and
+/// counted, and cannot free, replace or add to another process's memory.
+#[test]
+fn a_client_is_reached_only_through_its_own_file() {
+    let mut t = setup(10, false);
+    t.push(alloc(5, 10, 3, DEVICE, 0xa, GIB, 0));
+    // Another user's process, with an nvidiactl file of its own.
+    t.push(process(6, 20, 1, Seen::Launched));
+    t.push(open(7, 20, 3, 2, Device::Ctl, false));
+    t.push(rec(8, 20, Event::Free { fd: 3, via: Via::RmFree, client: CLIENT, parent: 0, object: 0xa, status: 0 }));
+    t.push(rec(9, 20, Event::Free { fd: 3, via: Via::RmFree, client: CLIENT, parent: 0, object: CLIENT, status: 0 }));
+    t.push(object(10, 20, 3, 0, CLIENT, 0x41));
+    t.push(alloc(11, 20, 3, DEVICE, 0xb, GIB, 0));
+    let dup = Event::DupObject { fd: 3, client: CLIENT, parent: DEVICE, object: 0xc, src_client: CLIENT, src_object: 0xa, status: 0 };
+    t.push(rec(12, 20, dup));
+    let m = Model::from_records(&t);
+    assert_eq!(freed(&m, 0xa), None, "pid 20's free of pid 10's handle never happened");
+    assert_eq!(m.processes[&10].usage.physical_live(), GIB);
+    assert!(m.allocations.iter().all(|a| a.object != 0xb), "nothing added to pid 10's client from pid 20's file");
+    assert_eq!(m.foreign_client_calls, 5);
+    assert_eq!(m.check_books(), Ok(()));
+    // A failed call is no call: not counted.
+    let mut failed = t.clone();
+    failed.push(rec(13, 20, Event::Free { fd: 3, via: Via::RmFree, client: CLIENT, parent: 0, object: 0xa, status: 0x57 }));
+    assert_eq!(Model::from_records(&failed).foreign_client_calls, 5);
+
+    // The owner's own calls go on, through the file or a device file registered with it.
+    t.push(open(20, 10, 4, 3, Device::Gpu, false));
+    t.push(rec(21, 10, Event::Free { fd: 4, via: Via::RmFree, client: CLIENT, parent: 0, object: 0xa, status: 0 }));
+    assert_eq!(freed(&Model::from_records(&t), 0xa), None, "an unregistered device file is another file");
+    let free_through_registered = t.len() - 1;
+    t.insert(free_through_registered, rec(20, 10, Event::RegisterFd { fd: 4, ctl_fd: 3 }));
+    let m = Model::from_records(&t);
+    assert_eq!(freed(&m, 0xa), Some((21, FreedBy::Explicit)), "a registered device file acts as its nvidiactl file");
+    assert_eq!(m.foreign_client_calls, 5);
+}
+
 /// What a snapshot must give back: the live allocations (time, pid, kind, size, GPU, class) and
 /// every process's fd table. Files are held to it through what their release frees: a
 /// damaged trace can leave a descriptor on a file already released, which no snapshot can say.
