@@ -381,6 +381,9 @@ fn memory_released_while_mapped_lives_until_unmapped() {
     );
     let range_freed = workload.iter().find(|w| w["op"] == "free_range").unwrap()["ts"].as_u64().unwrap();
     assert!(freed_at < range_freed, "freed by the unmap (cuMemUnmap), before its address range went");
+    // Shown as released (its handle freed) at cuMemRelease, still mapped until the unmap.
+    let released_at = segment.released.expect("released while mapped");
+    assert!(released_at <= released && released - released_at < 100_000_000, "released at cuMemRelease: {released_at} vs {released}");
     std::fs::remove_dir_all(&run.dir).ok();
 }
 

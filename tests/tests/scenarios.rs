@@ -252,7 +252,7 @@ fn exports_are_well_formed(o: &Outcome, what: &str) {
     let csv = export("csv");
     let mut lines = csv.lines();
     let columns = lines.next().unwrap().split(',').count();
-    assert_eq!(columns, 13, "{what}");
+    assert_eq!(columns, 14, "{what}");
     let rows: Vec<&str> = lines.collect();
     assert_eq!(rows.len(), o.model.allocations.len() + o.model.failures.len(), "{what}: one row per allocation");
     for row in rows {
@@ -265,9 +265,10 @@ fn exports_are_well_formed(o: &Outcome, what: &str) {
                 _ => {}
             }
         }
-        assert_eq!(fields + 1, 13, "{what}: {row}");
+        assert_eq!(fields + 1, 14, "{what}: {row}");
         let freed_by = row.rsplit(',').nth(1).unwrap();
-        assert!(["explicit", "subtree", "file_release", "unmapped", "never", "failed"].contains(&freed_by), "{what}: {row}");
+        let known = ["explicit", "subtree", "file_release", "unmapped", "detached", "released_still_held", "never", "failed"];
+        assert!(known.contains(&freed_by), "{what}: {row}");
     }
 }
 

@@ -61,6 +61,11 @@ pub struct Allocation {
     /// before tracing began, or for UVM ranges.
     pub gpu: Option<u32>,
     pub freed: Option<(u64, FreedBy)>,
+    /// When its last RM handle was freed while the driver still held the memory (mapped into a
+    /// UVM range, exported to a file, attached to a fabric object): "released, still mapped
+    /// until `freed`".
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub released: Option<u64>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -220,6 +225,9 @@ pub struct Model {
     clients: HashMap<u32, Client>,
     /// Handles referring to each allocation; the memory is freed when it reaches zero.
     handle_refs: HashMap<AllocId, u32>,
+    /// Of those, the RM handles in clients (not mappings, exports or fabric objects): when they
+    /// reach zero first, the allocation is `released`.
+    object_refs: HashMap<AllocId, u32>,
     /// UVM ranges by (file, base).
     uvm_ranges: HashMap<(FileId, u64), AllocId>,
     /// RM memory mapped into UVM (UVM_MAP_EXTERNAL_ALLOCATION): the mapping holds a reference
@@ -264,7 +272,19 @@ impl Model {
     /// what was freed plus what is live (exactly, wherever the sums fit in 64 bits). The fuzzer and
     /// the property tests hold the model to this after any sequence of events.
     pub fn check_books(&self) -> Result<(), String> {
-        let mut referenced: HashSet<AllocId> = self.clients.values().flat_map(|c| c.objects.values().filter_map(|o| o.alloc)).collect();
+        let mut handles: HashMap<AllocId, u32> = HashMap::new();
+        for id in self.clients.values().flat_map(|c| c.objects.values().filter_map(|o| o.alloc)) {
+            *handles.entry(id).or_default() += 1;
+        }
+        if handles != self.object_refs {
+            return Err("the RM handles counted for some allocation are not those in the clients".into());
+        }
+        for (id, a) in self.allocations.iter().enumerate() {
+            if a.released.is_some() && handles.contains_key(&id) {
+                return Err(format!("allocation {id} ({} B, pid {}) is released while an RM handle still refers to it", a.bytes, a.pid));
+            }
+        }
+        let mut referenced: HashSet<AllocId> = handles.keys().copied().collect();
         referenced.extend(self.uvm_ranges.values().copied());
         referenced.extend(self.uvm_maps.values().flatten().copied());
         referenced.extend(self.exports.values().flat_map(|slots| slots.values().copied()));

@@ -7,7 +7,9 @@ use crate::analysis::Services;
 use crate::model::{FreedBy, Model};
 use crate::trace::Header;
 
-fn freed_by(f: Option<(u64, FreedBy)>) -> &'static str {
+/// How the memory went; `released_still_held` while its handles are gone and the driver still
+/// holds it (mapped, exported, attached), the time of that release in `released_ns`.
+fn freed_by(f: Option<(u64, FreedBy)>, released: Option<u64>) -> &'static str {
     match f.map(|(_, how)| how) {
         Some(FreedBy::Explicit) => "explicit",
         Some(FreedBy::Subtree) => "subtree",
@@ -15,6 +17,7 @@ fn freed_by(f: Option<(u64, FreedBy)>) -> &'static str {
         Some(FreedBy::Unseen) => "unseen",
         Some(FreedBy::Unmapped) => "unmapped",
         Some(FreedBy::Detached) => "detached",
+        None if released.is_some() => "released_still_held",
         None => "never",
     }
 }
@@ -36,15 +39,17 @@ fn csv_field(text: &str) -> String {
 pub fn csv(header: &Header, model: &Model, out: &mut dyn Write) -> io::Result<()> {
     let start = model.time_zero(header.monotonic_start_ns);
     let services = Services::new(model);
-    writeln!(out, "allocated_ns,freed_ns,pid,command,service,context,gpu,kind,bytes,phase,requests_in_flight,freed_by,status")?;
+    writeln!(out, "allocated_ns,freed_ns,released_ns,pid,command,service,context,gpu,kind,bytes,phase,requests_in_flight,freed_by,status")?;
     for r in rows(model, &services) {
         let a = r.allocation;
         let context = if a.client != 0 { format!("client {:#x}", a.client) } else { "uvm".into() };
+        let since_start = |t: Option<u64>| t.map(|t| t.saturating_sub(start).to_string()).unwrap_or_default();
         writeln!(
             out,
-            "{},{},{},{},{},{},{},{},{},{},{},{},0",
+            "{},{},{},{},{},{},{},{},{},{},{},{},{},0",
             a.ts.saturating_sub(start),
-            a.freed.map(|(t, _)| t.saturating_sub(start).to_string()).unwrap_or_default(),
+            since_start(a.freed.map(|(t, _)| t)),
+            since_start(a.released),
             a.pid,
             csv_field(&r.command),
             csv_field(&r.service),
@@ -54,7 +59,7 @@ pub fn csv(header: &Header, model: &Model, out: &mut dyn Write) -> io::Result<()
             a.bytes,
             r.phase.name(),
             r.in_flight,
-            freed_by(a.freed),
+            freed_by(a.freed, a.released),
         )?;
     }
     for f in &model.failures {
@@ -63,7 +68,7 @@ pub fn csv(header: &Header, model: &Model, out: &mut dyn Write) -> io::Result<()
         let in_flight = services.of(f.pid).map(|s| services.in_flight_count(s, f.ts)).unwrap_or(0);
         writeln!(
             out,
-            "{},,{},{},{},,{},{},{},{},{},failed,{:#x}",
+            "{},,,{},{},{},,{},{},{},{},{},failed,{:#x}",
             f.ts.saturating_sub(start),
             f.pid,
             csv_field(&command),

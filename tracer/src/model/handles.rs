@@ -109,7 +109,7 @@ impl Model {
         let source = self.clients.get(&src.0).and_then(|c| c.objects.get(&src.1));
         let (alloc, class) = source.map_or((None, UNKNOWN_CLASS), |o| (o.alloc, o.class));
         if let Some(id) = alloc {
-            *self.handle_refs.entry(id).or_default() += 1;
+            self.add_object_ref(id);
         }
         self.clear_handle(client, object, ts);
         let gpu = alloc.and_then(|id| self.allocations[id].gpu).or_else(|| self.gpu_of(client, parent));
@@ -180,7 +180,7 @@ impl Model {
             }
             let alloc = file.and_then(|file| self.exports.get(&file)?.get(&slot).copied());
             if let Some(id) = alloc {
-                *self.handle_refs.entry(id).or_default() += 1;
+                self.add_object_ref(id);
             }
             self.clear_handle(client, object, ts);
             let class = alloc.map_or(UNKNOWN_CLASS, |id| self.allocations[id].class);
@@ -276,9 +276,13 @@ impl Model {
             file,
             gpu,
             freed: None,
+            released: None,
         });
         self.process(pid, ts).usage.add(a.memory, a.bytes);
         self.handle_refs.insert(id, 1);
+        if a.base.is_none() {
+            self.object_refs.insert(id, 1);
+        }
         // A sticky fabric object dups the memory it is made over until it goes itself. RM takes
         // only video memory there (never another holder), so a trace that says otherwise cannot
         // make chains of holds.
@@ -317,7 +321,7 @@ impl Model {
         if let Some(c) = self.clients.get_mut(&client) {
             for (_, o) in c.remove_subtree(handle) {
                 if let Some(id) = o.alloc {
-                    self.drop_handle(id, ts, FreedBy::Unseen);
+                    self.drop_object_ref(id, ts, FreedBy::Unseen);
                 }
             }
         }
@@ -331,7 +335,7 @@ impl Model {
         let Some(c) = self.clients.get_mut(&client) else { return };
         for (h, o) in c.remove_subtree(object) {
             if let Some(id) = o.alloc {
-                self.drop_handle(id, ts, if h == object { FreedBy::Explicit } else { FreedBy::Subtree });
+                self.drop_object_ref(id, ts, if h == object { FreedBy::Explicit } else { FreedBy::Subtree });
             }
         }
     }
@@ -341,8 +345,32 @@ impl Model {
         let how = if how == FreedBy::Explicit { FreedBy::Subtree } else { how };
         for o in c.objects.into_values() {
             if let Some(id) = o.alloc {
-                self.drop_handle(id, ts, how);
+                self.drop_object_ref(id, ts, how);
             }
+        }
+    }
+
+    /// A new RM handle to the memory of `id` (a dup, or an import of memory released since).
+    fn add_object_ref(&mut self, id: AllocId) {
+        *self.handle_refs.entry(id).or_default() += 1;
+        *self.object_refs.entry(id).or_default() += 1;
+        self.allocations[id].released = None;
+    }
+
+    /// An RM handle to `id` gone. The last one gone while something else (a UVM mapping, an
+    /// export file, a fabric object) still holds the memory marks it released: the program let
+    /// go of it, the driver has not yet.
+    fn drop_object_ref(&mut self, id: AllocId, ts: u64, how: FreedBy) {
+        let refs = self.object_refs.entry(id).or_insert(1);
+        *refs = refs.saturating_sub(1);
+        let last = *refs == 0;
+        if last {
+            self.object_refs.remove(&id);
+        }
+        self.drop_handle(id, ts, how);
+        let a = &mut self.allocations[id];
+        if last && a.freed.is_none() {
+            a.released = Some(ts);
         }
     }
 

@@ -626,10 +626,18 @@ fn memory_mapped_into_uvm_lives_until_its_range_goes() {
     t.push(free(9, 10, 0xa));
     let m = Model::from_records(&t);
     assert_eq!(freed(&m, 0xa), None, "released, still mapped");
+    let released = |m: &Model| m.allocations.iter().find(|a| a.object == 0xa).unwrap().released;
+    assert_eq!(released(&m), Some(9), "its handle's free shown as a release");
     assert_eq!(m.check_books(), Ok(()));
+    let mut csv = Vec::new();
+    crate::export::csv(&crate::trace::Header::default(), &m, &mut csv).unwrap();
+    let row = String::from_utf8(csv).unwrap().lines().nth(1).unwrap().to_string();
+    assert!(row.starts_with("6,,9,10,") && row.ends_with(",released_still_held,0"), "{row}");
     let mut unmapped = t.clone();
     unmapped.push(rec(10, 10, Event::UvmFree { fd: 5, base: 0x10_0000, status: 0 }));
-    assert_eq!(freed(&Model::from_records(&unmapped), 0xa), Some((10, FreedBy::Unmapped)), "the mapping lay in the range freed");
+    let m = Model::from_records(&unmapped);
+    assert_eq!(freed(&m, 0xa), Some((10, FreedBy::Unmapped)), "the mapping lay in the range freed");
+    assert_eq!(released(&m), Some(9), "released at 9, still mapped until 10");
     let mut closed = t.clone();
     closed.push(rec(11, 10, Event::Close { fd: 5 }));
     assert_eq!(freed(&Model::from_records(&closed), 0xa), Some((11, FreedBy::FileRelease)), "the UVM file's release");
@@ -648,7 +656,9 @@ fn memory_mapped_into_uvm_lives_until_its_range_goes() {
     t.push(rec(9, 10, Event::UvmFree { fd: 5, base: 0x10_0000, status: 0 }));
     assert_eq!(freed(&Model::from_records(&t), 0xa), None);
     t.push(free(10, 10, 0xa));
-    assert_eq!(freed(&Model::from_records(&t), 0xa), Some((10, FreedBy::Explicit)));
+    let m = Model::from_records(&t);
+    assert_eq!(freed(&m, 0xa), Some((10, FreedBy::Explicit)));
+    assert_eq!(released(&m), None, "freed by its handle: never released while held");
 }
 
 /// REGISTER_FD: a /dev/nvidiaN file registered with the nvidiactl file keeps it, and the memory of
