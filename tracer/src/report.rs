@@ -3,7 +3,7 @@
 //! (the schema is documented in docs/report-schema.md). `record` prints it at the end, `report`
 //! prints it for a trace file.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 
 use serde::Serialize;
@@ -102,30 +102,56 @@ pub struct Disagreement {
     pub why: String,
 }
 
-/// NVML's last per-process figures against the traced memory of each traced process, where they
-/// differ by 256 MiB and 10% or more.
+/// NVML's per-process figures against the traced video memory of each traced process, at every
+/// sample taken while recording (not only the last: a process that frees before it exits hides
+/// its gap from the end): for each process, the sample where they differ most, when that is by
+/// 256 MiB and 10% or more.
 fn disagreements(header: &Header, model: &Model) -> Vec<Disagreement> {
-    let Some((ts, sample)) = model.samples.iter().rev().find(|(_, s)| !s.processes.is_empty()).filter(|_| header.nvml == "ok") else {
+    if header.nvml != "ok" {
         return Vec::new();
-    };
-    let start = model.time_zero(header.monotonic_start_ns);
-    // Both sides summed per pid in one pass each.
-    let mut nvml_of: BTreeMap<u32, u64> = BTreeMap::new();
-    for u in &sample.processes {
-        add(nvml_of.entry(u.pid).or_default(), u.used_bytes.unwrap_or(0));
     }
-    let mut traced_of: BTreeMap<u32, u64> = BTreeMap::new();
-    for a in model.allocations.iter().filter(|a| a.memory == Memory::Video && a.ts <= *ts && a.freed.is_none_or(|(f, _)| f > *ts)) {
-        add(traced_of.entry(a.pid).or_default(), a.bytes);
+    let start = model.time_zero(header.monotonic_start_ns);
+    // Traced live video bytes per pid, swept forward through the samples: each allocation's
+    // start and end in time order, applied up to each sample's time (what is live at `ts`).
+    let mut changes: Vec<(u64, u32, i128)> = Vec::new();
+    for a in model.allocations.iter().filter(|a| a.memory == Memory::Video) {
+        changes.push((a.ts, a.pid, i128::from(a.bytes)));
+        if let Some((freed, _)) = a.freed {
+            changes.push((freed, a.pid, -i128::from(a.bytes)));
+        }
+    }
+    changes.sort_unstable_by_key(|&(ts, _, _)| ts);
+    let mut samples: Vec<&(u64, crate::event::Sample)> = model.samples.iter().filter(|(_, s)| !s.processes.is_empty()).collect();
+    samples.sort_by_key(|(ts, _)| *ts);
+    let mut live: HashMap<u32, i128> = HashMap::new();
+    let mut applied = 0;
+    let mut worst: BTreeMap<u32, (u64, u64, u64)> = BTreeMap::new();
+    for (ts, sample) in samples {
+        while let Some(&(_, pid, delta)) = changes.get(applied).filter(|c| c.0 <= *ts) {
+            *live.entry(pid).or_default() += delta;
+            applied += 1;
+        }
+        let mut nvml_of: BTreeMap<u32, u64> = BTreeMap::new();
+        for u in &sample.processes {
+            add(nvml_of.entry(u.pid).or_default(), u.used_bytes.unwrap_or(0));
+        }
+        for p in model.processes.values() {
+            let nvml = nvml_of.get(&p.pid).copied().unwrap_or(0);
+            let traced = u64::try_from(live.get(&p.pid).copied().unwrap_or(0).max(0)).unwrap_or(u64::MAX);
+            let gap = nvml.abs_diff(traced);
+            if gap < 256 << 20 || gap < nvml.max(traced) / 10 {
+                continue;
+            }
+            let entry = worst.entry(p.pid).or_insert((*ts, nvml, traced));
+            if gap > entry.1.abs_diff(entry.2) {
+                *entry = (*ts, nvml, traced);
+            }
+        }
     }
     let mut out = Vec::new();
-    for p in model.processes.values() {
-        let (nvml, traced) = (nvml_of.get(&p.pid).copied().unwrap_or(0), traced_of.get(&p.pid).copied().unwrap_or(0));
-        let gap = nvml.abs_diff(traced);
-        if gap < 256 << 20 || gap < nvml.max(traced) / 10 {
-            continue;
-        }
-        let before = header.prior_use.iter().any(|u| u.pid == p.pid && u.used_bytes.unwrap_or(0) > 0);
+    for (pid, (ts, nvml, traced)) in worst {
+        let p = &model.processes[&pid];
+        let before = header.prior_use.iter().any(|u| u.pid == pid && u.used_bytes.unwrap_or(0) > 0);
         let why = if nvml > traced && (before || p.seen == crate::event::Seen::Running) {
             "it allocated memory before recording began, which no traced ioctl shows".to_string()
         } else if nvml > traced {
@@ -135,7 +161,7 @@ fn disagreements(header: &Header, model: &Model) -> Vec<Disagreement> {
                 .to_string()
         };
         out.push(Disagreement {
-            pid: p.pid,
+            pid,
             command: p.command_line(),
             ts: ts.saturating_sub(start),
             nvml_bytes: nvml,
@@ -656,8 +682,43 @@ mod tests {
         Header::default()
     }
 
-    /// A process that allocated, then did nothing for longer than the threshold, is a suspect;
-    /// one active within it is not.
+    /// NVML's figure against the traced one, at every sample: a process whose managed memory
+    /// NVML counts shows the gap at the sample where it was widest, even when it freed
+    /// everything before the last sample; a gap under 256 MiB, or a process NVML agrees with,
+    /// says nothing.
+    #[test]
+    fn the_widest_gap_to_nvml_is_named_wherever_it_fell() {
+        use crate::event::{Alloc, Event, ProcessUse, Sample, Seen};
+        let rec = |ts: u64, pid: u32, event| Record { ts, pid, tid: pid, event, raw: None };
+        let nvml = |ts: u64, used: &[(u32, u64)]| {
+            let processes = used.iter().map(|&(pid, bytes)| ProcessUse { pid, gpu: 0, used_bytes: Some(bytes), command: vec![] }).collect();
+            rec(ts, 0, Event::Sample(Sample { gpus: vec![], processes, host: None }))
+        };
+        let (managed, plain) = (10, 20);
+        let mut t = vec![];
+        for pid in [managed, plain] {
+            t.push(rec(1, pid, Event::Process { ppid: 1, seen: Seen::Launched, command: vec![format!("p{pid}")] }));
+            t.push(rec(2, pid, Event::Object { fd: 3, client: pid, parent: pid, object: pid, class: 0x41, status: 0, gpu: None }));
+        }
+        t.push(rec(3, managed, Event::Alloc(Alloc::video(managed, managed, 0xa, 1 << 30))));
+        t.push(rec(3, plain, Event::Alloc(Alloc::video(plain, plain, 0xa, 1 << 30))));
+        // Managed memory NVML counts and no ioctl shows: 3 GiB over the traced 1, then 100 MiB.
+        t.push(nvml(10, &[(managed, 2 << 30), (plain, (1 << 30) + (100 << 20))]));
+        t.push(nvml(20, &[(managed, 4 << 30), (plain, 1 << 30)]));
+        t.push(rec(25, managed, Event::Free { fd: 3, via: crate::event::Via::RmFree, client: managed, parent: 0, object: 0xa, status: 0 }));
+        t.push(nvml(30, &[(managed, 0), (plain, 1 << 30)]));
+        let model = Model::from_records(&t);
+        let with_nvml = Header { nvml: "ok".into(), ..header() };
+        let report = Report::new(&with_nvml, &model, String::new(), 9, Loss::default(), u64::MAX);
+        assert_eq!(report.nvml_vs_traced.len(), 1, "{:?}", report.nvml_vs_traced);
+        let d = &report.nvml_vs_traced[0];
+        assert_eq!((d.pid, d.ts, d.nvml_bytes, d.traced_bytes), (managed, 20, 4 << 30, 1 << 30), "the widest gap, not the last sample");
+        assert!(d.why.contains("managed memory"), "{}", d.why);
+        assert!(report.text().contains("managed memory"), "named in the text too");
+        // Without NVML, nothing is compared.
+        assert!(Report::new(&header(), &model, String::new(), 9, Loss::default(), u64::MAX).nvml_vs_traced.is_empty());
+    }
+
     /// Every loss is named, the rare ones only when they happened; none at all reads as none.
     #[test]
     fn losses_are_named_in_the_text() {
@@ -670,6 +731,8 @@ mod tests {
         assert!(!some.contains("handles not followed") && !some.contains("device fds not followed"), "{some}");
     }
 
+    /// A process that allocated, then did nothing for longer than the threshold, is a suspect;
+    /// one active within it is not.
     #[test]
     fn an_idle_context_is_a_suspect_after_the_threshold() {
         let rec = |ts: u64, event| Record { ts, pid: 7, tid: 7, event, raw: None };

@@ -257,6 +257,8 @@ pub fn mps_server(model: &Model, header: &Header) -> Option<u32> {
         .find(|p| is_mps(&p.command))
         .map(|p| p.pid)
         .or_else(|| header.holders_at_start.iter().find(|h| is_mps(&h.command)).map(|h| h.pid))
+        // Started after recording began and not traced: NVML still lists it with its command.
+        .or_else(|| model.samples.iter().flat_map(|(_, s)| &s.processes).find(|u| is_mps(&u.command)).map(|u| u.pid))
 }
 
 /// Whether a program (argv[0], or a command line starting with it) is the MPS server, which

@@ -487,4 +487,12 @@ fn mps_is_named_in_the_report() {
     assert!(crate::report::Report::new(&header(80 * GIB, &[]), &plain, String::new(), 0, crate::report::Loss::default(), 0)
         .notes
         .is_empty());
+    // A server started after recording began, never traced: NVML's samples name it.
+    let mut t = Trace::vllm(GIB);
+    let server = crate::event::ProcessUse { pid: 950, gpu: 0, used_bytes: Some(GIB), command: vec!["nvidia-cuda-mps-server".into()] };
+    let sample = crate::event::Sample { gpus: vec![], processes: vec![server], host: None };
+    t.at(5, 0, Event::Sample(sample));
+    let model = Model::from_records(&t.0);
+    let report = crate::report::Report::new(&header(80 * GIB, &[]), &model, String::new(), 0, crate::report::Loss::default(), 0);
+    assert!(report.text().contains("MPS is in use (nvidia-cuda-mps-server, pid 950)"), "{}", report.text());
 }

@@ -227,6 +227,21 @@ fn verdict_and_tables(report: &Report) -> (String, String) {
         }
         tables += "</table>";
     }
+    if !report.nvml_vs_traced.is_empty() {
+        tables += "<h2>NVML and the trace disagree</h2><table><tr><th>pid</th><th>command</th><th>at</th><th>NVML</th><th>traced</th><th>why</th></tr>";
+        for d in &report.nvml_vs_traced {
+            tables += &format!(
+                "<tr><td>{}</td><td>{}</td><td>{:.2} s</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+                d.pid,
+                escape(&d.command),
+                d.ts as f64 / 1e9,
+                b(d.nvml_bytes),
+                b(d.traced_bytes),
+                escape(&d.why)
+            );
+        }
+        tables += "</table>";
+    }
     if report.gpus.len() > 1 {
         tables += "<h2>GPUs</h2><table><tr><th>gpu</th><th>name</th><th>capacity</th><th>held before recording</th><th>peak traced</th><th>live at end</th><th>failed</th></tr>";
         for g in &report.gpus {
@@ -311,6 +326,26 @@ pub fn html(header: &Header, model: &Model, report: &Report, out: &mut dyn Write
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The gap to NVML is a table of the page, its command escaped.
+    #[test]
+    fn the_gap_to_nvml_is_shown() {
+        use crate::report::{Disagreement, Loss, Report};
+        let mut report = Report::new(&Header::default(), &Model::new(), String::new(), 0, Loss::default(), u64::MAX);
+        let (_, tables) = verdict_and_tables(&report);
+        assert!(!tables.contains("NVML and the trace disagree"));
+        report.nvml_vs_traced.push(Disagreement {
+            pid: 7,
+            command: "<script>".into(),
+            ts: 2_000_000_000,
+            nvml_bytes: 4 << 30,
+            traced_bytes: 1 << 30,
+            why: "NVML counts memory no traced ioctl shows: managed memory".into(),
+        });
+        let (_, tables) = verdict_and_tables(&report);
+        assert!(tables.contains("<h2>NVML and the trace disagree</h2>") && tables.contains("2.00 s"), "{tables}");
+        assert!(tables.contains("&lt;script&gt;") && !tables.contains("<script>"), "{tables}");
+    }
 
     #[test]
     fn places_are_filled_once_and_values_never_rescanned() {
