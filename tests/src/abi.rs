@@ -15,6 +15,10 @@ pub struct Abi {
     pub uvm_map_external_size: usize,
     pub uvm_semaphore_pool_size: usize,
     pub uvm_free_size: usize,
+    /// NV00FD_ALLOCATION_PARAMETERS: (size, offset of allocSize); it grew at 545.
+    pub multicast_params: (usize, usize),
+    /// VID_HEAP_CONTROL's attr2 USE_EGM allocates EGM (class 0x42): 550 to 590.
+    pub vid_heap_egm: bool,
 }
 
 impl Abi {
@@ -34,6 +38,8 @@ impl Abi {
             uvm_map_external_size: if big_uvm { 9264 } else { 1200 },
             uvm_semaphore_pool_size: if big_uvm { 9248 } else { 1184 },
             uvm_free_size: if major >= 590 { 16 } else { 24 },
+            multicast_params: if major >= 545 { (80, 48) } else { (40, 8) },
+            vid_heap_egm: (550..595).contains(&major),
         }
     }
 }
@@ -82,6 +88,14 @@ pub mod class {
     pub const SYSTEM: u32 = 0x3e;
     pub const LOCAL_USER: u32 = 0x40;
     pub const MEMORY_VIRTUAL: u32 = 0x70;
+    /// LOCAL_PRIVILEGED: of RM_ALLOC_MEMORY, a 4 GiB window with no memory.
+    pub const LOCAL_PRIVILEGED: u32 = 0x3f;
+    /// EXTENDED_USER: EGM, host memory of a Grace system's NUMA node (NV_MEMORY_ALLOCATION_PARAMS).
+    pub const EXTENDED_USER: u32 = 0x42;
+    /// LOCAL_PHYSICAL: a mapping of the whole framebuffer, no memory (phys_mem.c).
+    pub const LOCAL_PHYSICAL: u32 = 0xc2;
+    /// NV_MEMORY_MULTICAST_FABRIC: fabric address space; allocSize where `Abi::multicast_params` says.
+    pub const MULTICAST_FABRIC: u32 = 0xfd;
     pub const OS_DESCRIPTOR: u32 = 0x71;
     pub const NV50_MEMORY_VIRTUAL: u32 = 0x50a0;
     /// NV_MEMORY_FABRIC: 48-byte params, allocSize@8, allocFlags@24 (bit 0 FLEXIBLE), map.hVidMem@40.

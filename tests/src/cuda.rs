@@ -208,6 +208,47 @@ impl Gpu {
         }
     }
 
+    /// RM_ALLOC (NVOS64) of `hclass` under the device, its size where the class keeps it: EGM
+    /// (0x42) and LOCAL_PHYSICAL (0xc2) in NV_MEMORY_ALLOCATION_PARAMS, a multicast fabric
+    /// object (0xfd) where the version's NV00FD params do.
+    pub fn alloc_class(&self, hclass: u32, bytes: u64) -> Result<u32, Status> {
+        let (size, at) = match hclass {
+            class::MULTICAST_FABRIC => self.abi.multicast_params,
+            _ => (self.abi.memory_params_size, 64),
+        };
+        let mut params = vec![0u8; size];
+        put64(&mut params, at, bytes);
+        self.rm_alloc(true, self.client, self.device, hclass, &mut params)
+    }
+
+    /// RM_ALLOC_MEMORY (the deprecated path) of `hclass` with the limit `bytes - 1`, on the
+    /// GPU's file naming nvidiactl, as the pinned host path does.
+    pub fn alloc_memory(&self, hclass: u32, bytes: u64) -> Result<u32, Status> {
+        let mut p = [0u8; 56];
+        put32(&mut p, 0, self.client);
+        put32(&mut p, 4, self.device);
+        put32(&mut p, 12, hclass);
+        put64(&mut p, 32, bytes - 1);
+        put32(&mut p, 48, self.ctl.as_raw_fd() as u32);
+        ioctl(&self.gpu_file, rm_cmd(esc::RM_ALLOC_MEMORY, 56), p.as_mut_ptr())?;
+        check(get32(&p, 40))?;
+        Ok(get32(&p, 8))
+    }
+
+    /// VID_HEAP_CONTROL ALLOC_SIZE asking for EGM (attr2 USE_EGM): EGM from 550 to 590, video
+    /// memory before and after (the flag is not there).
+    pub fn vid_heap_egm(&self, bytes: u64) -> Result<u32, Status> {
+        let mut p = [0u8; 184];
+        put32(&mut p, 0, self.client);
+        put32(&mut p, 4, self.device);
+        put32(&mut p, 8, 2);
+        put64(&mut p, 88, bytes);
+        put32(&mut p, 144, 1 << 24);
+        ioctl(&self.ctl, rm_cmd(esc::RM_VID_HEAP_CONTROL, 184), p.as_mut_ptr())?;
+        check(get32(&p, 20))?;
+        Ok(get32(&p, 44))
+    }
+
     /// UVM_ALLOC_SEMAPHORE_POOL: new system memory at a new UVM range.
     pub fn semaphore_pool(&mut self, bytes: u64) -> Result<u64, Status> {
         let va = self.take_va(bytes);

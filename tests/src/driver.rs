@@ -344,7 +344,8 @@ impl Driver {
 
     fn class_params_size(&self, hclass: u32) -> usize {
         match hclass {
-            class::LOCAL_USER | class::SYSTEM | class::NV50_MEMORY_VIRTUAL => self.abi.memory_params_size,
+            class::LOCAL_USER | class::SYSTEM | class::NV50_MEMORY_VIRTUAL | class::EXTENDED_USER => self.abi.memory_params_size,
+            class::MULTICAST_FABRIC => self.abi.multicast_params.0,
             class::DEVICE => 56,
             class::VASPACE => {
                 if self.abi.major >= 580 {
@@ -396,10 +397,11 @@ impl Driver {
         } else {
             None
         };
+        // LOCAL_PHYSICAL (0xc2) and every class not memory: an object.
         let kind = match hclass {
             class::LOCAL_USER => Some(Kind::Video),
-            class::SYSTEM => Some(Kind::System),
-            class::NV50_MEMORY_VIRTUAL | class::MEMORY_FABRIC => Some(Kind::Virtual),
+            class::SYSTEM | class::EXTENDED_USER => Some(Kind::System),
+            class::NV50_MEMORY_VIRTUAL | class::MEMORY_FABRIC | class::MULTICAST_FABRIC => Some(Kind::Virtual),
             _ => None,
         };
         // A fabric object made over memory of this client, not FLEXIBLE, dups that memory.
@@ -409,7 +411,11 @@ impl Driver {
         } else {
             None
         };
-        let size = if hclass == class::MEMORY_FABRIC { get64(&class_params, 8) } else { get64(&class_params, 64) };
+        let size = match hclass {
+            class::MEMORY_FABRIC => get64(&class_params, 8),
+            class::MULTICAST_FABRIC => get64(&class_params, self.abi.multicast_params.1),
+            _ => get64(&class_params, 64),
+        };
         let gpu = self.gpu_under(root, parent);
         let memory = match kind {
             Some(kind) => Some(self.take(caller, (root, new, hclass), kind, gpu, size, "rm_alloc")?),
@@ -444,9 +450,11 @@ impl Driver {
                     handle = self.new_object_handle();
                     put32(p, 44, handle);
                 }
-                let (flags, attr, size) = (get32(p, 52), get32(p, 56), get64(p, 88));
+                let (flags, attr, size, attr2) = (get32(p, 52), get32(p, 56), get64(p, 88), get32(p, 144));
                 let (kind, hclass) = if flags & 0x80000 != 0 {
                     (Kind::Virtual, class::NV50_MEMORY_VIRTUAL)
+                } else if self.abi.vid_heap_egm && attr2 & (1 << 24) != 0 {
+                    (Kind::System, class::EXTENDED_USER)
                 } else if (attr >> 25) & 3 == 0 {
                     (Kind::Video, class::LOCAL_USER)
                 } else {

@@ -358,6 +358,31 @@ fn a_command_that_fails_without_the_gpu_gets_no_oom_verdict() {
     drop(taken);
 }
 
+/// What is not memory counts nothing, and what is memory of another kind counts as that kind,
+/// in the trace as in the driver's own log, across the versions where the layouts and the EGM
+/// flag differ: LOCAL_PHYSICAL and RM_ALLOC_MEMORY's LOCAL_USER and LOCAL_PRIVILEGED (objects),
+/// EGM (host memory), a multicast fabric object (address space, its params grown at 545), and
+/// VID_HEAP_CONTROL's USE_EGM (EGM from 550 to 590, video memory elsewhere).
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn objects_count_nothing_and_egm_and_multicast_count_as_what_they_are() {
+    let _root = as_root();
+    for (version, egm_heap) in [("535.183.01", "video"), ("580.95.05", "system"), ("595.45.04", "video")] {
+        let run = record(&format!("classes-{version}"), version, &["classes"]);
+        assert_eq!(run.status, 0, "{version}: {}", run.stderr);
+        let (records, _) = run.trace();
+        let driver = run.driver();
+        let traced = traced_allocs(&records);
+        assert_eq!(traced, driver_allocs(&driver), "{version}: allocations (pid, kind, bytes, status)");
+        let sized = |bytes: u64| traced.iter().filter(|a| a.2 == bytes).map(|a| a.1.as_str()).collect::<Vec<_>>();
+        assert_eq!(sized(1 << 30), ["system"], "{version}: EGM is host memory");
+        assert_eq!(sized(2 << 30), ["virtual"], "{version}: a multicast object is address space");
+        assert_eq!(sized(512 << 20), [egm_heap], "{version}: VID_HEAP_CONTROL with USE_EGM");
+        assert!(sized(80 << 30).is_empty() && sized(4 << 30).is_empty() && sized(0).is_empty(), "{version}: objects counted: {traced:?}");
+        std::fs::remove_dir_all(&run.dir).ok();
+    }
+}
+
 /// cuMemRelease while mapped: the driver keeps the memory until the UVM range goes, and so does
 /// gputrace (freed `unmapped`, at the unmap, not at the handle's free).
 #[test]

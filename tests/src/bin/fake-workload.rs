@@ -125,6 +125,34 @@ fn fabric(truth: &mut Truth, ms: u64) -> Result<(), String> {
     Ok(())
 }
 
+/// What is not memory and what is memory of another kind, as RM counts them: LOCAL_PHYSICAL
+/// (0xc2) and RM_ALLOC_MEMORY of LOCAL_USER and LOCAL_PRIVILEGED (a mapping of the whole card, a
+/// 4 GiB window) are objects; EGM (0x42) is host memory, a multicast fabric object (0xfd)
+/// address space, VID_HEAP_CONTROL with USE_EGM EGM where the driver has it.
+fn classes(truth: &mut Truth) -> Result<(), String> {
+    use fakegpu::abi::class;
+    let gpu = Gpu::open(0)?;
+    let objects = [
+        ("local_physical", gpu.alloc_class(class::LOCAL_PHYSICAL, 0)),
+        ("alloc_memory_local_user", gpu.alloc_memory(class::LOCAL_USER, 80 * GIB)),
+        ("alloc_memory_local_privileged", gpu.alloc_memory(class::LOCAL_PRIVILEGED, 4 * GIB)),
+    ];
+    for (what, made) in objects {
+        let handle = made.map_err(|s| format!("{what}: status {s:#x}"))?;
+        truth.note(what, "object", 0, handle, 0);
+    }
+    let memory = [
+        ("egm", GIB, gpu.alloc_class(class::EXTENDED_USER, GIB)),
+        ("multicast", 2 * GIB, gpu.alloc_class(class::MULTICAST_FABRIC, 2 * GIB)),
+        ("vid_heap_egm", 512 * MIB, gpu.vid_heap_egm(512 * MIB)),
+    ];
+    for (what, bytes, made) in memory {
+        let handle = made.map_err(|s| format!("{what}: status {s:#x}"))?;
+        truth.note(what, "memory", bytes, handle, 0);
+    }
+    Ok(())
+}
+
 fn fork_holder(truth: &mut Truth, hold_ms: u64) -> Result<(), String> {
     let mut gpu = Gpu::open(0)?;
     truth.alloc(&mut gpu, Path::RmAlloc, 4 * GIB).ok_or("alloc failed")?;
@@ -484,11 +512,12 @@ fn main() -> ExitCode {
         Some("fabric") => fabric(&mut truth, value("--ms").and_then(|v| v.parse().ok()).unwrap_or(300)),
         Some("vmm") => vmm(&mut truth, value("--ms").and_then(|v| v.parse().ok()).unwrap_or(300)),
         Some("repoint") => repoint(),
+        Some("classes") => classes(&mut truth),
         Some("own-table") => own_table(),
         Some("reopen") => reopen(),
         Some("oom") => oom(&mut truth, value("--bytes").and_then(|v| parse_bytes(&v)).unwrap_or(1 << 40)),
         _ => Err(
-            "usage: fake-workload paths|fork-holder|storm|oom|hold|vmm|fabric|pass-fd|ipc|repoint|own-table|reopen [--close-first] [--batched] [--truth FILE] [--hold-ms N] [--count N] [--bytes B] [--ms N]"
+            "usage: fake-workload paths|fork-holder|storm|oom|hold|vmm|fabric|pass-fd|ipc|repoint|own-table|reopen|classes [--close-first] [--batched] [--truth FILE] [--hold-ms N] [--count N] [--bytes B] [--ms N]"
                 .into(),
         ),
     };
