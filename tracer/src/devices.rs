@@ -76,9 +76,16 @@ impl Majors {
         }
     }
 
-    /// Whether a later reading may still learn something (a module loaded since).
-    pub fn incomplete(majors: Option<Majors>) -> bool {
-        majors.is_none_or(|m| m.uvm == 0)
+    /// What is known after a new reading: what it adds (a driver or UVM module loaded since, a
+    /// UVM module reloaded under a new major), never what it lacks. A failed read, or a module
+    /// unloaded meanwhile (no file of it can be open then), leaves the known majors checked:
+    /// only losing them would let paths stand alone again.
+    pub fn update(known: Option<Majors>, reading: Option<Majors>) -> Option<Majors> {
+        match (known, reading) {
+            (known, None) => known,
+            (None, reading) => reading,
+            (Some(k), Some(r)) => Some(Majors { nvidia: r.nvidia, uvm: if r.uvm != 0 { r.uvm } else { k.uvm } }),
+        }
     }
 }
 
@@ -96,7 +103,6 @@ mod tests {
         assert!(!m.admits(Device::Ctl, (0, 255)) && !m.admits(Device::Uvm, (195, 0)) && !m.admits(Device::Gpu, (1, 3)));
         // The modeset device and a GPU's minor at the control path, the control's at a GPU's.
         assert!(!m.admits(Device::Ctl, (195, 254)) && !m.admits(Device::Ctl, (195, 0)) && !m.admits(Device::Gpu, (195, 255)));
-        assert!(!Majors::incomplete(Some(m)));
         assert_eq!(Majors::describe(Some(m)), "device numbers (nvidia 195, nvidia-uvm 509)");
         assert_eq!(Majors::describe(None), "paths alone (no NVIDIA driver loaded)");
         // Older drivers' name; no UVM module loaded yet: its path stands alone, and a later
@@ -104,7 +110,12 @@ mod tests {
         let old = Majors::parse("Character devices:\n195 nvidia-frontend\n").unwrap();
         assert_eq!(old, Majors { nvidia: 195, uvm: 0 });
         assert!(old.admits(Device::Uvm, (0, 0)) && old.admits(Device::Uvm, (1, 3)));
-        assert!(Majors::incomplete(Some(old)) && Majors::incomplete(None));
+        // Readings add what they know and never take away.
+        assert_eq!(Majors::update(Some(old), Some(m)), Some(m), "UVM loaded since");
+        assert_eq!(Majors::update(Some(m), None), Some(m), "a failed read (or the driver unloaded) keeps the check");
+        assert_eq!(Majors::update(Some(m), Some(old)), Some(m), "UVM unloaded: its last major is still checked");
+        assert_eq!(Majors::update(Some(m), Some(Majors { nvidia: 195, uvm: 511 })), Some(Majors { nvidia: 195, uvm: 511 }), "reloaded");
+        assert_eq!(Majors::update(None, Some(old)), Some(old), "the driver loaded after gputrace started");
         // No driver (the fake GPU): no majors, paths alone.
         assert_eq!(Majors::parse("Character devices:\n  1 mem\n 10 misc\n\nBlock devices:\n195 nvidia\n"), None);
         assert_eq!(Majors::parse(""), None);

@@ -274,20 +274,21 @@ impl Session {
     }
 
     /// CUDA loads nvidia-uvm at its first use, often after gputrace started (and a service may
-    /// start before the driver): until both are known, /proc/devices is read again each second.
+    /// start before the driver, or reload nvidia-uvm under a new major): /proc/devices is read
+    /// again each second (64 KiB at most), and what a reading adds is taken.
     fn read_majors_again(&mut self, probe: &mut Probe) -> Result<()> {
         let (majors, read) = self.majors;
-        if !Majors::incomplete(majors) || read.elapsed() < Duration::from_secs(1) {
+        if read.elapsed() < Duration::from_secs(1) {
             return Ok(());
         }
-        let now = Majors::of_host()?;
+        let now = Majors::update(majors, Majors::of_host()?);
         self.majors = (now, Instant::now());
         if now != majors {
             probe.set_majors(now)?;
             self.pipeline.files.set_majors(now);
             if let Some(m) = now {
                 eprintln!(
-                    "gputrace: NVIDIA's device numbers are now known (nvidia {}, nvidia-uvm {}): a module was loaded",
+                    "gputrace: NVIDIA's device numbers are now nvidia {}, nvidia-uvm {} (a module was loaded or reloaded)",
                     m.nvidia, m.uvm
                 );
             }

@@ -545,3 +545,15 @@ fn fabric_attachments_are_decoded_where_they_hold_memory() {
     assert_eq!(decode_ioctl(&layout(570, 86, 15), &rm(escape::RM_CONTROL, nvos54(0xfd0102, 0), multicast.0)), None);
     assert_eq!(decode_ioctl(&layout(580, 95, 5), &rm(escape::RM_CONTROL, nvos54(0xf80103, 0), attach.0)), None);
 }
+
+/// REGISTER_FD on a /dev/nvidiaN fd names the nvidiactl fd it joins (its 4-byte param); a failed
+/// one joins nothing and is not recorded.
+#[test]
+fn register_fd_names_the_control_fd_it_joins() {
+    let l = layout(580, 95, 5);
+    let mut raw = rm(escape::REGISTER_FD, Buf::new(4).u32(0, 5), vec![]);
+    raw.device = Some(Device::Gpu);
+    assert_eq!(decode_ioctl(&l, &raw), Some(Event::RegisterFd { fd: 7, ctl_fd: 5 }));
+    raw.ret = -22;
+    assert_eq!(decode_ioctl(&l, &raw), None, "refused (EINVAL): nothing joined");
+}
