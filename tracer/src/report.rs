@@ -73,6 +73,10 @@ pub struct ProcessReport {
     /// Its cgroup, container, pod and pid inside its container, where recorded.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub place: Option<crate::event::Place>,
+    /// The most device memory NVML counted for it at once (over every sample and GPU): beside the
+    /// traced video peak, what no ioctl shows (the context's own, managed memory) is visible.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nvml_peak_bytes: Option<u64>,
 }
 
 /// A driver context (an open nvidiactl file and the clients on it) still holding memory that no
@@ -272,7 +276,23 @@ fn physical(map: &BTreeMap<Memory, u64>) -> u64 {
     map.get(&Memory::Video).copied().unwrap_or(0).saturating_add(map.get(&Memory::System).copied().unwrap_or(0))
 }
 
-fn process_report(p: &Process, model: &Model, services: &Services) -> ProcessReport {
+/// Per pid, the most device memory NVML counted for it in one sample (summed over its GPUs).
+fn nvml_peaks(model: &Model) -> HashMap<u32, u64> {
+    let mut peaks: HashMap<u32, u64> = HashMap::new();
+    for (_, sample) in &model.samples {
+        let mut used: HashMap<u32, u64> = HashMap::new();
+        for u in &sample.processes {
+            add(used.entry(u.pid).or_default(), u.used_bytes.unwrap_or(0));
+        }
+        for (pid, bytes) in used {
+            let peak = peaks.entry(pid).or_default();
+            *peak = (*peak).max(bytes);
+        }
+    }
+    peaks
+}
+
+fn process_report(p: &Process, model: &Model, services: &Services, nvml_peak_bytes: Option<u64>) -> ProcessReport {
     let u = &p.usage;
     let by_kind = Memory::ALL
         .iter()
@@ -307,6 +327,7 @@ fn process_report(p: &Process, model: &Model, services: &Services) -> ProcessRep
         exit_code: p.exit_code,
         exited: p.exited.is_some(),
         place: p.place.clone(),
+        nvml_peak_bytes,
     }
 }
 
@@ -478,11 +499,12 @@ impl Report {
         let diagnoser = Diagnoser::new(header, model, loss.lost_records);
         let diagnoses = diagnoser.diagnose();
         let services = diagnoser.services();
+        let nvml_peaks = nvml_peaks(model);
         let processes = model
             .processes
             .values()
             .filter(|p| p.usage.allocations > 0 || p.usage.failed > 0)
-            .map(|p| process_report(p, model, services))
+            .map(|p| process_report(p, model, services, nvml_peaks.get(&p.pid).copied()))
             .collect();
         let duration_ns = model.first_ts.map(|f| model.last_ts - f).unwrap_or(0);
         Report {
@@ -557,16 +579,27 @@ impl Report {
         }
         if !self.processes.is_empty() {
             // PEAK is video memory, what runs out on a discrete GPU; pinned host memory beside it.
+            // NVML's own peak beside the traced one, where NVML counted any traced process.
+            let nvml = self.processes.iter().any(|p| p.nvml_peak_bytes.is_some());
             let _ = writeln!(
                 out,
-                "\n{:>8}  {:<28} {:>7} {:>11} {:>11} {:>11} {:>11} {:>11} {:>6}",
-                "PID", "COMMAND", "ALLOCS", "ALLOCATED", "FREED", "PEAK", "HOST PEAK", "LIVE", "FAILED"
+                "\n{:>8}  {:<28} {:>7} {:>11} {:>11} {:>11} {:>11} {:>11} {:>6}{}",
+                "PID",
+                "COMMAND",
+                "ALLOCS",
+                "ALLOCATED",
+                "FREED",
+                "PEAK",
+                "HOST PEAK",
+                "LIVE",
+                "FAILED",
+                if nvml { format!(" {:>11}", "NVML PEAK") } else { String::new() }
             );
             for p in &self.processes {
                 let peak = |kind: Memory| bytes(p.by_kind.get(kind.name()).map_or(0, |k| k.peak));
                 let _ = writeln!(
                     out,
-                    "{:>8}  {:<28} {:>7} {:>11} {:>11} {:>11} {:>11} {:>11} {:>6}",
+                    "{:>8}  {:<28} {:>7} {:>11} {:>11} {:>11} {:>11} {:>11} {:>6}{}",
                     p.pid,
                     clip(&p.command, 28),
                     p.allocations,
@@ -575,7 +608,8 @@ impl Report {
                     peak(Memory::Video),
                     peak(Memory::System),
                     bytes(p.bytes_live),
-                    p.failed_allocations
+                    p.failed_allocations,
+                    if nvml { format!(" {:>11}", p.nvml_peak_bytes.map_or_else(|| "-".into(), bytes)) } else { String::new() }
                 );
             }
             // Where each ran, only when some ran in a container, a pod or a pid namespace of its own.
@@ -715,6 +749,10 @@ mod tests {
         assert_eq!((d.pid, d.ts, d.nvml_bytes, d.traced_bytes), (managed, 20, 4 << 30, 1 << 30), "the widest gap, not the last sample");
         assert!(d.why.contains("managed memory"), "{}", d.why);
         assert!(report.text().contains("managed memory"), "named in the text too");
+        // NVML's own peak stands beside the traced one for every process it counted.
+        let peaks: Vec<_> = report.processes.iter().map(|p| (p.pid, p.nvml_peak_bytes)).collect();
+        assert_eq!(peaks, [(managed, Some(4 << 30)), (plain, Some((1 << 30) + (100 << 20)))]);
+        assert!(report.text().contains("NVML PEAK"), "{}", report.text());
         // Without NVML, nothing is compared.
         assert!(Report::new(&header(), &model, String::new(), 9, Loss::default(), u64::MAX).nvml_vs_traced.is_empty());
     }

@@ -258,10 +258,10 @@ fn verdict_and_tables(report: &Report) -> (String, String) {
         }
         tables += "</table>";
     }
-    tables += "<h2>Processes</h2><table><tr><th>pid</th><th>command</th><th>allocations</th><th>allocated</th><th>freed</th><th>peak</th><th>live at end</th><th>failed</th></tr>";
+    tables += "<h2>Processes</h2><table><tr><th>pid</th><th>command</th><th>allocations</th><th>allocated</th><th>freed</th><th>peak</th><th>live at end</th><th>failed</th><th>NVML peak</th></tr>";
     for p in &report.processes {
         tables += &format!(
-            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
             p.pid,
             escape(&p.command),
             p.allocations,
@@ -269,7 +269,8 @@ fn verdict_and_tables(report: &Report) -> (String, String) {
             b(p.bytes_freed),
             b(p.bytes_peak),
             b(p.bytes_live),
-            p.failed_allocations
+            p.failed_allocations,
+            p.nvml_peak_bytes.map_or_else(|| "-".into(), b)
         );
     }
     tables +=
