@@ -133,7 +133,7 @@ impl Model {
         let made: Vec<(u16, AllocId)> = (first..)
             .zip(objects)
             .filter_map(|(slot, &object)| {
-                let id = self.clients.get(&client)?.objects.get(&object)?.alloc.filter(|_| object != 0)?;
+                let id = self.alloc_of(client, object).filter(|_| object != 0)?;
                 Some((u16::try_from(slot).ok()?, id))
             })
             .collect();
@@ -192,7 +192,7 @@ impl Model {
     /// UVM_MAP_EXTERNAL_ALLOCATION: the mapping duplicates the RM memory object and keeps it
     /// until the range is destroyed (uvm_map_external.c), whatever RM_FREE does meanwhile.
     pub(super) fn on_uvm_map(&mut self, pid: u32, ts: u64, fd: i32, base: u64, (client, memory): (u32, u32)) {
-        let Some(id) = self.clients.get(&client).and_then(|c| c.objects.get(&memory)).and_then(|o| o.alloc) else { return };
+        let Some(id) = self.alloc_of(client, memory) else { return };
         let Some(file) = self.file_of(pid, fd, ts) else { return };
         *self.handle_refs.entry(id).or_default() += 1;
         self.uvm_maps.entry((file, base)).or_default().push(id);
@@ -284,12 +284,9 @@ impl Model {
             self.object_refs.insert(id, 1);
         }
         // A sticky fabric object dups the memory it is made over until it goes itself. RM takes
-        // only video memory there (never another holder), so a trace that says otherwise cannot
-        // make chains of holds.
-        let held = a
-            .holds
-            .and_then(|h| self.clients.get(&a.client)?.objects.get(&h)?.alloc)
-            .filter(|&h| self.allocations[h].memory == Memory::Video && !self.holds.contains_key(&h));
+        // only memory the fabric can map there (never another holder), so a trace that says
+        // otherwise cannot make chains of holds.
+        let held = a.holds.and_then(|h| self.alloc_of(a.client, h)).filter(|&h| self.fla_mappable(h) && !self.holds.contains_key(&h));
         if let Some(held) = held {
             *self.handle_refs.entry(held).or_default() += 1;
             self.holds.insert(id, held);
@@ -406,10 +403,17 @@ impl Model {
         self.clients.get(&client)?.objects.get(&handle)?.alloc
     }
 
+    /// Whether RM lets a fabric object map (and so hold) this memory: video memory or EGM on the
+    /// GPUs of drivers before 570 (`memmgrIsMemDescSupportedByFla_GA100`: ADDR_FBMEM or EGM).
+    fn fla_mappable(&self, id: AllocId) -> bool {
+        let a = &self.allocations[id];
+        a.memory == Memory::Video || a.class == crate::abi::class::EXTENDED_USER
+    }
+
     /// ATTACH_MEM (drivers before 570): RM dups each memory attached to the fabric object and
     /// keeps the dup at its (subdevice, offset) until DETACH_MEM there or the fabric object's
-    /// end. Only video memory, on a fabric object (address space), at a free offset: RM refuses
-    /// the rest, and a trace that says otherwise cannot make chains of holders.
+    /// end. Only video memory or EGM, on a fabric object (address space), at a free offset: RM
+    /// refuses the rest, and a trace that says otherwise cannot make chains of holders.
     pub(super) fn on_fabric_attach<'a>(
         &mut self,
         (client, fabric): (u32, u32),
@@ -420,7 +424,7 @@ impl Model {
         let fabric_id = self.clients.get(&client).and_then(|c| c.objects.get(&fabric)).filter(|o| is_fabric(o.class)).and_then(|o| o.alloc);
         let Some(fabric_id) = fabric_id.filter(|&f| self.allocations[f].memory == Memory::Virtual) else { return };
         for &(memory, offset) in done {
-            let Some(held) = self.alloc_of(client, memory).filter(|&h| self.allocations[h].memory == Memory::Video) else { continue };
+            let Some(held) = self.alloc_of(client, memory).filter(|&h| self.fla_mappable(h)) else { continue };
             let slots = self.attachments.entry(fabric_id).or_default();
             if slots.contains_key(&(subdevice, offset)) {
                 continue;

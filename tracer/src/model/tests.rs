@@ -256,10 +256,11 @@ fn memory_attached_to_a_fabric_object_lives_until_it_is_detached() {
     assert_eq!(m.check_books(), Ok(()));
 }
 
-/// Only video memory is attached, only to a fabric object (address space): a trace claiming
-/// otherwise changes nothing, so holders never chain.
+/// Only memory the fabric maps is attached (video memory or EGM, as RM's FLA check says), only
+/// to a fabric object (address space): a trace claiming otherwise changes nothing, so holders
+/// never chain.
 #[test]
-fn only_video_memory_is_attached_and_only_to_address_space() {
+fn only_video_memory_and_egm_are_attached_and_only_to_address_space() {
     let mut t = setup(10, false);
     t.push(alloc(10, 10, 3, DEVICE, 0xa, GIB, 0));
     t.push(alloc(11, 10, 3, DEVICE, 0xb, GIB, 0));
@@ -277,6 +278,29 @@ fn only_video_memory_is_attached_and_only_to_address_space() {
     t.push(free(13, 10, 0xb));
     let m = Model::from_records(&t);
     assert_eq!(freed(&m, 0xb), Some((13, FreedBy::Explicit)), "0xa is video memory, not a fabric object");
+    assert_eq!(m.check_books(), Ok(()));
+    // EGM (host memory of a Grace system) is attached and held; other system memory is not.
+    let fabric = Alloc { class: 0xf8, memory: Memory::Virtual, ..Alloc::video(CLIENT, DEVICE, 0xf, 2 << 20) };
+    t.push(rec(14, 10, Event::Alloc(fabric)));
+    for (object, class) in [(0xc, 0x42), (0xd, 0x3e)] {
+        t.push(rec(15, 10, Event::Alloc(Alloc { class, memory: Memory::System, ..Alloc::video(CLIENT, DEVICE, object, GIB) })));
+    }
+    let both = Event::FabricAttach {
+        fd: 3,
+        client: CLIENT,
+        fabric: 0xf,
+        subdevice: 0,
+        attachments: vec![(0xc, 0), (0xd, 2 << 20)],
+        attached: 2,
+        more: 0,
+        status: 0,
+    };
+    t.push(rec(16, 10, both));
+    t.push(free(17, 10, 0xc));
+    t.push(free(17, 10, 0xd));
+    let m = Model::from_records(&t);
+    assert_eq!(freed(&m, 0xc), None, "EGM attached: held by RM's dup");
+    assert_eq!(freed(&m, 0xd), Some((17, FreedBy::Explicit)), "plain system memory is never attached");
     assert_eq!(m.check_books(), Ok(()));
 }
 
