@@ -22,9 +22,12 @@ struct Guest {
     console: &'static str,
     /// Packages the host needs: QEMU and the cross linker.
     host_packages: &'static [&'static str],
+    /// The Debian release whose kernel boots: None for the host's own apt sources (bookworm, 6.1),
+    /// else one read through a sources list of its own, the host's left as they are.
+    suite: Option<&'static str>,
 }
 
-const GUESTS: [Guest; 2] = [
+const GUESTS: [Guest; 3] = [
     Guest {
         name: "arm64",
         rust_target: "aarch64-unknown-linux-gnu",
@@ -35,6 +38,7 @@ const GUESTS: [Guest; 2] = [
         qemu_args: &["-M", "virt", "-cpu", "cortex-a57"],
         console: "ttyAMA0",
         host_packages: &["qemu-system-arm", "gcc-aarch64-linux-gnu", "cpio"],
+        suite: None,
     },
     Guest {
         name: "x86",
@@ -46,6 +50,21 @@ const GUESTS: [Guest; 2] = [
         qemu_args: &["-M", "q35", "-cpu", "max"],
         console: "ttyS0",
         host_packages: &["qemu-system-x86", "cpio"],
+        suite: None,
+    },
+    // Debian 11's 5.10: the oldest kernel the programs are held to (BPF ring buffer 5.8,
+    // close_range 5.9), as long-term distributions still run it.
+    Guest {
+        name: "x86-5.10",
+        rust_target: "x86_64-unknown-linux-gnu",
+        linker: "cc",
+        debian_arch: "amd64",
+        kernel_package: "linux-image-amd64",
+        qemu: "qemu-system-x86_64",
+        qemu_args: &["-M", "q35", "-cpu", "max"],
+        console: "ttyS0",
+        host_packages: &["qemu-system-x86", "cpio"],
+        suite: Some("bullseye"),
     },
 ];
 
@@ -77,8 +96,27 @@ fn install(guest: &Guest, cache: &Path) -> Result<()> {
         run(Command::new("dpkg").args(["--add-architecture", arch]))?;
         run(Command::new("apt-get").args(["update", "-qq"]))?;
     }
+    // Another release's packages through a sources list and package lists of its own.
+    let apt_options: Vec<String> = match guest.suite {
+        None => Vec::new(),
+        Some(suite) => {
+            let lists = cache.join("lists");
+            std::fs::create_dir_all(lists.join("partial")).map_err(|e| e.to_string())?;
+            let sources = cache.join("sources.list");
+            std::fs::write(&sources, format!("deb [arch={arch}] http://deb.debian.org/debian {suite} main\n"))
+                .map_err(|e| e.to_string())?;
+            let options = vec![
+                format!("-oDir::Etc::SourceList={}", sources.display()),
+                "-oDir::Etc::SourceParts=/nonexistent".to_string(),
+                format!("-oDir::State::Lists={}", lists.display()),
+            ];
+            run(Command::new("apt-get").args(&options).args(["update", "-qq"]))?;
+            options
+        }
+    };
     // The metapackage names the real image in its Depends.
-    let depends = output(Command::new("apt-cache").args(["depends", &format!("{}:{arch}", guest.kernel_package)])).unwrap_or_default();
+    let depends = output(Command::new("apt-cache").args(&apt_options).args(["depends", &format!("{}:{arch}", guest.kernel_package)]))
+        .unwrap_or_default();
     let image = depends
         .lines()
         .find_map(|l| l.trim().strip_prefix("Depends: ").filter(|p| p.starts_with("linux-image-")))
@@ -86,11 +124,12 @@ fn install(guest: &Guest, cache: &Path) -> Result<()> {
         .ok_or_else(|| format!("cannot find the kernel image that {} depends on (apt-get update?)", guest.kernel_package))?;
     eprintln!("xtask: fetching {image}:{arch} and busybox-static:{arch}");
     let script = format!(
-        "cd {dir}; rm -rf x; apt-get download -qq {image}:{arch} busybox-static:{arch}; for d in *.deb; do dpkg-deb -x $d x; done; \
+        "cd {dir}; rm -rf x; apt-get {options} download -qq {image}:{arch} busybox-static:{arch}; for d in *.deb; do dpkg-deb -x $d x; done; \
          cp x/boot/vmlinuz-* vmlinuz; cp x/bin/busybox busybox; \
          f=$(find x/lib/modules -name 'fuse.ko*' | head -1); case $f in *.xz) xz -dc $f > fuse.ko;; *.zst) zstd -qdc $f > fuse.ko;; *) cp $f fuse.ko;; esac; \
          rm -rf x *.deb",
-        dir = cache.display()
+        dir = cache.display(),
+        options = apt_options.join(" ")
     );
     sh(&script)
 }
@@ -205,7 +244,7 @@ fn check(guest: &Guest, console: &str) -> Result<String> {
 }
 
 pub fn vm(which: &str) -> Result<()> {
-    let guest = GUESTS.iter().find(|g| g.name == which).ok_or_else(|| format!("no guest {which:?}: give arm64 or x86"))?;
+    let guest = GUESTS.iter().find(|g| g.name == which).ok_or_else(|| format!("no guest {which:?}: give arm64, x86 or x86-5.10"))?;
     let cache = root().join("target/vm/cache").join(guest.name);
     install(guest, &cache)?;
     let binaries = build(guest)?;
