@@ -244,8 +244,10 @@ pub struct Model {
     /// Sticky fabric objects (by their allocation) and the memory each keeps alive until it goes.
     holds: HashMap<AllocId, AllocId>,
     /// Memory attached to fabric objects (ATTACH_MEM, drivers before 570): by the fabric
-    /// object's allocation, then (subdevice, offset), RM's dup of the memory attached there.
-    attachments: HashMap<AllocId, BTreeMap<(u32, u64), AllocId>>,
+    /// object's allocation, then (where, offset), RM's dup of the memory attached there; where:
+    /// the GPU of a multicast attachment's subdevice (RM keeps one per GPU), or the handle when
+    /// its GPU is not known ([`handles::attach_point`]).
+    attachments: HashMap<AllocId, BTreeMap<(u64, u64), AllocId>>,
     /// Synthesised file ids for fds first seen by an ioctl with no Open/FdFound before it.
     next_orphan_file: FileId,
     /// Followed connections (by name) and the request open on each.

@@ -67,6 +67,9 @@ pub fn records(data: &[u8]) -> Vec<Record> {
         // and then another (a call the model refuses).
         let client = CLIENTS[if b.one_in(8) { b.pick(16) as usize } else { ((pid as usize - 1) * 4 + fd as usize - 3) % CLIENTS.len() }];
         let handle = |b: &mut Bytes, client: u32| if b.one_in(5) { client } else { 0x100 + b.pick(8) };
+        // A multicast attachment's subdevice: a handle with no GPU known, or one of the client's
+        // objects, which may be under a device of a GPU.
+        let subdevice = |b: &mut Bytes| if b.one_in(2) { b.pick(2) } else { 0x100 + b.pick(8) };
         // Mostly forward in time; sometimes backwards, as a damaged or hostile trace may be.
         ts = if op & 0x80 != 0 && op & 0x40 != 0 { ts.saturating_sub(u64::from(b.u8())) } else { ts + u64::from(b.u8()) };
         let event = match op % 30 {
@@ -193,13 +196,13 @@ pub fn records(data: &[u8]) -> Vec<Record> {
                 // Attachments at a few offsets of a few GPUs, some of them failed.
                 let attachments: Vec<(u32, u64)> = (0..1 + b.pick(3)).map(|_| (0x100 + b.pick(8), u64::from(b.pick(3)) << 21)).collect();
                 let attached = b.pick(attachments.len() as u8 + 1) as u16;
-                let (fabric, subdevice) = (0x100 + b.pick(2), b.pick(2));
+                let (fabric, subdevice) = (0x100 + b.pick(2), subdevice(&mut b));
                 Event::FabricAttach { fd, client, fabric, subdevice, attachments, attached, more: 0, status: 0 }
             }
             24 | 28 => {
                 let offsets: Vec<u64> = (0..1 + b.pick(2)).map(|_| u64::from(b.pick(3)) << 21).collect();
                 let detached = b.pick(offsets.len() as u8 + 1) as u16;
-                let (fabric, subdevice) = (0x100 + b.pick(2), b.pick(2));
+                let (fabric, subdevice) = (0x100 + b.pick(2), subdevice(&mut b));
                 Event::FabricDetach { fd, client, fabric, subdevice, offsets, detached, more: 0, status: 0 }
             }
             17 => Event::UvmUnmap { fd, base: u64::from(b.pick(4)) << 21, length: u64::from(b.pick(3)) << 20, status: 0 },

@@ -21,6 +21,9 @@ pub(super) struct Object {
 /// The class of a dup whose source was never seen: no class RM has (0 would read as a client).
 pub(super) const UNKNOWN_CLASS: u32 = u32::MAX;
 
+/// An attachment point named by a subdevice handle whose GPU is not known: above every GPU index.
+pub(super) const HANDLE_POINT: u64 = 1 << 32;
+
 #[derive(Clone, Debug, Default)]
 pub(super) struct Client {
     pub(super) file: Option<FileId>,
@@ -410,8 +413,18 @@ impl Model {
         a.memory == Memory::Video || a.class == crate::abi::class::EXTENDED_USER
     }
 
+    /// Where on a fabric object an attachment is (`attachments`): RM keeps a multicast object's
+    /// attachments per GPU, whichever subdevice handle names it; the handle stands for itself
+    /// when its GPU is not known (a device made before tracing), and 0 for a flexible object's.
+    fn attach_point(&self, client: u32, subdevice: u32) -> u64 {
+        match self.gpu_of(client, subdevice) {
+            Some(gpu) => u64::from(gpu),
+            None => HANDLE_POINT | u64::from(subdevice),
+        }
+    }
+
     /// ATTACH_MEM (drivers before 570): RM dups each memory attached to the fabric object and
-    /// keeps the dup at its (subdevice, offset) until DETACH_MEM there or the fabric object's
+    /// keeps the dup at its (GPU, offset) until DETACH_MEM there or the fabric object's
     /// end. Only video memory or EGM, on a fabric object (address space), at a free offset: RM
     /// refuses the rest, and a trace that says otherwise cannot make chains of holders.
     pub(super) fn on_fabric_attach<'a>(
@@ -423,13 +436,14 @@ impl Model {
         let is_fabric = |class| class == crate::abi::class::MEMORY_FABRIC || class == crate::abi::class::MULTICAST_FABRIC;
         let fabric_id = self.clients.get(&client).and_then(|c| c.objects.get(&fabric)).filter(|o| is_fabric(o.class)).and_then(|o| o.alloc);
         let Some(fabric_id) = fabric_id.filter(|&f| self.allocations[f].memory == Memory::Virtual) else { return };
+        let at = self.attach_point(client, subdevice);
         for &(memory, offset) in done {
             let Some(held) = self.alloc_of(client, memory).filter(|&h| self.fla_mappable(h)) else { continue };
             let slots = self.attachments.entry(fabric_id).or_default();
-            if slots.contains_key(&(subdevice, offset)) {
+            if slots.contains_key(&(at, offset)) {
                 continue;
             }
-            slots.insert((subdevice, offset), held);
+            slots.insert((at, offset), held);
             *self.handle_refs.entry(held).or_default() += 1;
         }
     }
@@ -443,8 +457,9 @@ impl Model {
         done: impl Iterator<Item = &'a u64>,
     ) {
         let Some(fabric_id) = self.alloc_of(client, fabric) else { return };
+        let at = self.attach_point(client, subdevice);
         let Some(slots) = self.attachments.get_mut(&fabric_id) else { return };
-        let released: Vec<AllocId> = done.filter_map(|&offset| slots.remove(&(subdevice, offset))).collect();
+        let released: Vec<AllocId> = done.filter_map(|&offset| slots.remove(&(at, offset))).collect();
         if slots.is_empty() {
             self.attachments.remove(&fabric_id);
         }

@@ -326,14 +326,32 @@ impl<'a> Snapshot<'a> {
     }
 
     /// Memory attached to fabric objects, attached again from the fabric object's client (through
-    /// a stand-in dup where the memory was written in another).
+    /// a stand-in dup where the memory was written in another), at its GPU through a stand-in
+    /// subdevice of that GPU, or at the handle that named it.
     fn attachments(&mut self) {
         let model = self.model;
-        let mut attached: Vec<(AllocId, (u32, u64), AllocId)> =
+        let mut attached: Vec<(AllocId, (u64, u64), AllocId)> =
             model.attachments.iter().flat_map(|(f, slots)| slots.iter().map(move |(key, held)| (*f, *key, *held))).collect();
         attached.sort_unstable();
-        for (fabric, (subdevice, offset), held) in attached {
+        for (fabric, (at, offset), held) in attached {
             let (Some(&(client, fabric)), Some(&(held_client, memory))) = (self.made.get(&fabric), self.made.get(&held)) else { continue };
+            let subdevice = match u32::try_from(at) {
+                Ok(gpu) => {
+                    let handle = self.stand_in(Some(client));
+                    let object = Event::Object {
+                        fd: -1,
+                        client,
+                        parent: client,
+                        object: handle,
+                        class: class::SUBDEVICE,
+                        status: 0,
+                        gpu: Some(gpu),
+                    };
+                    self.push(self.at, 0, object);
+                    handle
+                }
+                Err(_) => at as u32,
+            };
             let memory = if held_client == client {
                 memory
             } else {

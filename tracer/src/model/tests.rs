@@ -256,6 +256,52 @@ fn memory_attached_to_a_fabric_object_lives_until_it_is_detached() {
     assert_eq!(m.check_books(), Ok(()));
 }
 
+/// RM keeps a multicast object's attachments per GPU: a detach through another subdevice handle
+/// of the same GPU detaches, one of another GPU does not; a snapshot keeps the GPU (through a
+/// stand-in subdevice of it).
+#[test]
+fn multicast_attachments_are_kept_by_gpu_not_by_subdevice_handle() {
+    let device = |ts, object, gpu| {
+        rec(ts, 10, Event::Object { fd: 3, client: CLIENT, parent: CLIENT, object, class: 0x80, status: 0, gpu: Some(gpu) })
+    };
+    let subdevice = |ts, handle, parent| object(ts, 10, 3, parent, handle, 0x2080);
+    let detach = |ts, subdevice| {
+        let event =
+            Event::FabricDetach { fd: 3, client: CLIENT, fabric: 0xf, subdevice, offsets: vec![0], detached: 1, more: 0, status: 0 };
+        rec(ts, 10, event)
+    };
+    let mut t = setup(10, false);
+    t.push(device(5, 0xd1, 1));
+    t.push(device(5, 0xd2, 2));
+    t.push(subdevice(6, 0x51, 0xd1));
+    t.push(subdevice(6, 0x52, 0xd1));
+    t.push(subdevice(6, 0x53, 0xd2));
+    t.push(alloc(7, 10, 3, 0xd1, 0xa, GIB, 0));
+    let multicast = Alloc { class: 0xfd, memory: Memory::Virtual, ..Alloc::video(CLIENT, DEVICE, 0xf, 2 << 20) };
+    t.push(rec(8, 10, Event::Alloc(multicast)));
+    let attach = Event::FabricAttach {
+        fd: 3,
+        client: CLIENT,
+        fabric: 0xf,
+        subdevice: 0x51,
+        attachments: vec![(0xa, 0)],
+        attached: 1,
+        more: 0,
+        status: 0,
+    };
+    t.push(rec(9, 10, attach));
+    t.push(free(10, 10, 0xa));
+    let snapshot = Model::from_records(&t).snapshot();
+    let mut other_gpu = t.clone();
+    other_gpu.push(detach(11, 0x53));
+    assert_eq!(freed(&Model::from_records(&other_gpu), 0xa), None, "GPU 2 has nothing attached at 0");
+    t.push(detach(11, 0x52));
+    assert_eq!(freed(&Model::from_records(&t), 0xa), Some((11, FreedBy::Detached)), "another handle of GPU 1");
+    let mut replay = Model::from_records(&snapshot);
+    replay.apply(&detach(11, 0x52));
+    assert_eq!(replay.live(Memory::Video), 0, "the snapshot kept the attachment at GPU 1");
+}
+
 /// Only memory the fabric maps is attached (video memory or EGM, as RM's FLA check says), only
 /// to a fabric object (address space): a trace claiming otherwise changes nothing, so holders
 /// never chain.
