@@ -249,6 +249,25 @@ impl Gpu {
         Ok(get32(&p, 44))
     }
 
+    /// NV00FD_CTRL_CMD_ATTACH_MEM (0xfd0102): `buffer` at `offset` of a multicast object, for
+    /// this context's GPU (its subdevice).
+    pub fn attach_multicast(&self, multicast: u32, buffer: &Buffer, offset: u64) -> Result<(), Status> {
+        let mut p = [0u8; 40];
+        put32(&mut p, 0, self.subdevice);
+        put32(&mut p, 4, buffer.handle);
+        put64(&mut p, 8, offset);
+        put64(&mut p, 24, buffer.bytes);
+        self.control_on(multicast, 0xfd0102, &mut p)
+    }
+
+    /// NV00FD_CTRL_CMD_DETACH_MEM (0xfd0105): what this GPU has at `offset` of a multicast object.
+    pub fn detach_multicast(&self, multicast: u32, offset: u64) -> Result<(), Status> {
+        let mut p = [0u8; 24];
+        put32(&mut p, 0, self.subdevice);
+        put64(&mut p, 8, offset);
+        self.control_on(multicast, 0xfd0105, &mut p)
+    }
+
     /// UVM_ALLOC_SEMAPHORE_POOL: new system memory at a new UVM range.
     pub fn semaphore_pool(&mut self, bytes: u64) -> Result<u64, Status> {
         let va = self.take_va(bytes);

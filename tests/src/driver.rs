@@ -48,10 +48,11 @@ struct Memory {
     handles: u32,
     /// A sticky fabric object's: the memory it dup'ed (mem_fabric.c), let go when it goes.
     holds: Option<u64>,
-    /// A fabric object's attachments by offset (ATTACH_MEM): before 570 RM dups each memory
-    /// attached, let go at DETACH_MEM or when the fabric object goes; from 570 they hold nothing
-    /// and are not kept here.
-    attached: BTreeMap<u64, u64>,
+    /// A fabric object's attachments by (GPU, offset) (ATTACH_MEM; GPU 0 on a flexible object,
+    /// the subdevice's on a multicast one): before 570 RM dups each memory attached, let go at
+    /// DETACH_MEM or when the fabric object goes; from 570 they hold nothing and are not kept
+    /// here.
+    attached: BTreeMap<(usize, u64), u64>,
 }
 
 struct Object {
@@ -571,6 +572,8 @@ impl Driver {
         const IMPORT_BATCH: u32 = 0x3d0c;
         const ATTACH: u32 = 0xf80103;
         const DETACH: u32 = 0xf80104;
+        const MULTICAST_ATTACH: u32 = 0xfd0102;
+        const MULTICAST_DETACH: u32 = 0xfd0105;
         let (client, cmd, ptr) = (get32(p, 0), get32(p, 8), get64(p, 16));
         let size = match cmd {
             EXPORT => 24,
@@ -579,12 +582,17 @@ impl Driver {
             IMPORT_BATCH => 652,
             ATTACH => 2064,
             DETACH => 528,
+            MULTICAST_ATTACH => 40,
+            MULTICAST_DETACH => 24,
             _ => return Ok(()),
         };
         let mut params = read_mem(caller.tid, ptr, size).ok_or(status::INVALID_ARGUMENT)?;
         if cmd == ATTACH || cmd == DETACH {
             let result = self.fabric_control(caller, (client, get32(p, 4)), cmd == ATTACH, &mut params);
             return if write_mem(caller.tid, ptr, &params) { result } else { Err(status::INVALID_ARGUMENT) };
+        }
+        if cmd == MULTICAST_ATTACH || cmd == MULTICAST_DETACH {
+            return self.multicast_control(caller, (client, get32(p, 4)), cmd == MULTICAST_ATTACH, &params);
         }
         let memory_of = |driver: &Driver, object: u32| -> Result<u64, u32> {
             let memory = driver.clients.get(&client).ok_or(status::INVALID_CLIENT)?.objects.get(&object);
@@ -671,7 +679,6 @@ impl Driver {
     fn fabric_control(&mut self, caller: Caller, (client, fabric): (u32, u32), attach: bool, params: &mut [u8]) -> Result<(), u32> {
         let memory_of = |driver: &Driver, handle: u32| driver.clients.get(&client)?.objects.get(&handle)?.memory;
         let fabric = memory_of(self, fabric).filter(|id| self.memory[id].kind == Kind::Virtual).ok_or(status::INVALID_OBJECT_HANDLE)?;
-        let dups = self.abi.major < 570;
         let (count_at, done_at) = if attach { (2048, 2056) } else { (512, 520) };
         let count = usize::from(get16(params, count_at));
         if count == 0 || count > 64 {
@@ -683,25 +690,11 @@ impl Driver {
             let step = if attach {
                 let (handle, offset) = (get32(params, 32 * i), get64(params, 32 * i + 8));
                 match memory_of(self, handle).filter(|id| self.memory[id].kind == Kind::Video) {
-                    Some(_) if self.memory[&fabric].attached.contains_key(&offset) => Err(status::INVALID_ARGUMENT),
-                    Some(id) => {
-                        if dups {
-                            self.memory.get_mut(&id).expect("a live object's memory").handles += 1;
-                            self.memory.get_mut(&fabric).expect("a live fabric object").attached.insert(offset, id);
-                        }
-                        Ok(())
-                    }
+                    Some(id) => self.attach_at(fabric, (0, offset), id),
                     None => Err(status::INVALID_ARGUMENT),
                 }
             } else {
-                match self.memory.get_mut(&fabric).expect("a live fabric object").attached.remove(&get64(params, 8 * i)) {
-                    Some(id) => {
-                        self.drop_handle(caller, id, "detached");
-                        Ok(())
-                    }
-                    None if dups => Err(status::INVALID_ARGUMENT),
-                    None => Ok(()),
-                }
+                self.detach_at(caller, fabric, (0, get64(params, 8 * i)))
             };
             if let Err(e) = step {
                 result = Err(e);
@@ -711,6 +704,50 @@ impl Driver {
         }
         put16(params, done_at, done);
         result
+    }
+
+    /// A multicast object's ATTACH_MEM (0xfd0102: hSubdevice@0, hMemory@4, offset@8) or
+    /// DETACH_MEM (0xfd0105: hSubdevice@0, offset@8): one attachment at the subdevice's GPU.
+    fn multicast_control(&mut self, caller: Caller, (client, multicast): (u32, u32), attach: bool, params: &[u8]) -> Result<(), u32> {
+        let memory_of = |driver: &Driver, handle: u32| driver.clients.get(&client)?.objects.get(&handle)?.memory;
+        let multicast =
+            memory_of(self, multicast).filter(|id| self.memory[id].kind == Kind::Virtual).ok_or(status::INVALID_OBJECT_HANDLE)?;
+        let subdevice = get32(params, 0);
+        if !self.clients.get(&client).is_some_and(|c| c.objects.contains_key(&subdevice)) {
+            return Err(status::INVALID_OBJECT_HANDLE);
+        }
+        let at = (self.gpu_under(client, subdevice), get64(params, 8));
+        if attach {
+            let memory =
+                memory_of(self, get32(params, 4)).filter(|id| self.memory[id].kind == Kind::Video).ok_or(status::INVALID_ARGUMENT)?;
+            self.attach_at(multicast, at, memory)
+        } else {
+            self.detach_at(caller, multicast, at)
+        }
+    }
+
+    /// Memory attached to a fabric object at `at`: before 570 RM dups it there.
+    fn attach_at(&mut self, fabric: u64, at: (usize, u64), memory: u64) -> Result<(), u32> {
+        if self.memory[&fabric].attached.contains_key(&at) {
+            return Err(status::INVALID_ARGUMENT);
+        }
+        if self.abi.major < 570 {
+            self.memory.get_mut(&memory).expect("a live object's memory").handles += 1;
+            self.memory.get_mut(&fabric).expect("a live fabric object").attached.insert(at, memory);
+        }
+        Ok(())
+    }
+
+    /// What was attached at `at` goes back; before 570 nothing there is an error.
+    fn detach_at(&mut self, caller: Caller, fabric: u64, at: (usize, u64)) -> Result<(), u32> {
+        match self.memory.get_mut(&fabric).expect("a live fabric object").attached.remove(&at) {
+            Some(id) => {
+                self.drop_handle(caller, id, "detached");
+                Ok(())
+            }
+            None if self.abi.major < 570 => Err(status::INVALID_ARGUMENT),
+            None => Ok(()),
+        }
     }
 
     fn uvm_ioctl(&mut self, caller: Caller, fh: u64, cmd: u32, arg: u64) -> i32 {

@@ -412,14 +412,16 @@ fn memory_released_while_mapped_lives_until_unmapped() {
     std::fs::remove_dir_all(&run.dir).ok();
 }
 
-/// Memory attached to a flexible fabric object and released while attached: before 570 the
-/// driver holds it (a dup) until DETACH_MEM, from 570 it goes with its handle; the trace agrees
-/// with the fake driver's ground truth on both.
+/// Memory attached to a flexible fabric object, or to a multicast one at its GPU, and released
+/// while attached: before 570 the driver holds it (a dup) until DETACH_MEM, from 570 it goes with
+/// its handle; the trace agrees with the fake driver's ground truth on all four.
 #[test]
 #[ignore = "needs root: `sudo cargo xtask test` runs it"]
 fn memory_attached_to_a_fabric_object_lives_until_detached_before_570() {
-    for (version, held) in [("550.54.14", true), ("580.95.05", false)] {
-        let run = record(&format!("fabric-{version}"), version, &["fabric", "--ms", "300"]);
+    let cases = [("550.54.14", true), ("580.95.05", false)];
+    for ((version, held), kind) in cases.into_iter().flat_map(|c| [(c, "flexible"), (c, "multicast")]) {
+        let args: &[&str] = if kind == "multicast" { &["fabric", "--ms", "300", "--multicast"] } else { &["fabric", "--ms", "300"] };
+        let run = record(&format!("fabric-{kind}-{version}"), version, args);
         assert_eq!(run.status, 0, "{}", run.stderr);
         let (_, model) = run.trace();
         check_frees_match(&model, &run.driver());
@@ -428,11 +430,11 @@ fn memory_attached_to_a_fabric_object_lives_until_detached_before_570() {
         let workload: Vec<serde_json::Value> = read_lines(&run.dir.join("workload.jsonl")).unwrap();
         let at = |op: &str| workload.iter().find(|w| w["op"] == op).unwrap()["ts"].as_u64().unwrap();
         if held {
-            assert_eq!(how, FreedBy::Detached, "{version}");
-            assert!(freed_at >= at("release_attached") + 250_000_000 && freed_at <= at("detach"), "{version}: freed at the detach");
+            assert_eq!(how, FreedBy::Detached, "{kind} {version}");
+            assert!(freed_at >= at("release_attached") + 250_000_000 && freed_at <= at("detach"), "{kind} {version}: freed at the detach");
         } else {
-            assert_eq!(how, FreedBy::Explicit, "{version}");
-            assert!(freed_at <= at("release_attached"), "{version}: freed with its handle");
+            assert_eq!(how, FreedBy::Explicit, "{kind} {version}");
+            assert!(freed_at <= at("release_attached"), "{kind} {version}: freed with its handle");
         }
         std::fs::remove_dir_all(&run.dir).ok();
     }

@@ -18,8 +18,9 @@
 //!   goes after (cuMemAddressFree).
 //! - `repoint`: a followed /dev/nvidia-uvm fd closed by io_uring and its number reused for
 //!   another file, with a UVM command on each (see [`repoint`]);
-//! - `fabric --ms N`: memory attached to a flexible fabric object (ATTACH_MEM), its handle
-//!   released while attached, detached N ms later: before 570 the driver frees it only then;
+//! - `fabric --ms N [--multicast]`: memory attached to a flexible fabric object (or a multicast
+//!   one, at its GPU) (ATTACH_MEM), its handle released while attached, detached N ms later:
+//!   before 570 the driver frees it only then;
 //! - `ipc --ms N`: CUDA IPC through a file descriptor (cuMemExportToShareableHandle): exports
 //!   3 GiB to a fresh nvidiactl file, sends it over a unix socket to a process it starts, which
 //!   imports it; the exporter frees and exits; the importer frees its handle after N ms, and
@@ -108,16 +109,19 @@ fn vmm(truth: &mut Truth, ms: u64) -> Result<(), String> {
 
 /// Memory attached to a flexible fabric object (multi-node NVLink through IMEX), its handle
 /// released while attached, detached `ms` later, then the fabric object freed.
-fn fabric(truth: &mut Truth, ms: u64) -> Result<(), String> {
+fn fabric(truth: &mut Truth, ms: u64, multicast: bool) -> Result<(), String> {
     let mut gpu = Gpu::open(0)?;
     let memory = truth.alloc(&mut gpu, Path::VidHeap, 2 * GIB).ok_or("VidHeap failed")?;
-    let fabric = gpu.flexible_fabric(2 * GIB).map_err(|s| format!("fabric object: {s:#x}"))?;
-    gpu.attach(fabric, &memory, 0).map_err(|s| format!("attach: {s:#x}"))?;
+    let fabric = if multicast { gpu.alloc_class(fakegpu::abi::class::MULTICAST_FABRIC, 2 * GIB) } else { gpu.flexible_fabric(2 * GIB) };
+    let fabric = fabric.map_err(|s| format!("fabric object: {s:#x}"))?;
+    let attached = if multicast { gpu.attach_multicast(fabric, &memory, 0) } else { gpu.attach(fabric, &memory, 0) };
+    attached.map_err(|s| format!("attach: {s:#x}"))?;
     truth.note("attach", "FabricAttach", memory.bytes, memory.handle, 0);
     gpu.free_handle(memory.handle, false).map_err(|s| format!("free: {s:#x}"))?;
     truth.note("release_attached", "RmFree", memory.bytes, memory.handle, 0);
     std::thread::sleep(std::time::Duration::from_millis(ms));
-    gpu.detach(fabric, 0).map_err(|s| format!("detach: {s:#x}"))?;
+    let detached = if multicast { gpu.detach_multicast(fabric, 0) } else { gpu.detach(fabric, 0) };
+    detached.map_err(|s| format!("detach: {s:#x}"))?;
     truth.note("detach", "FabricDetach", memory.bytes, memory.handle, 0);
     std::thread::sleep(std::time::Duration::from_millis(50));
     gpu.free_handle(fabric, false).map_err(|s| format!("free fabric: {s:#x}"))?;
@@ -509,7 +513,9 @@ fn main() -> ExitCode {
             close_first,
             batched,
         ),
-        Some("fabric") => fabric(&mut truth, value("--ms").and_then(|v| v.parse().ok()).unwrap_or(300)),
+        Some("fabric") => {
+            fabric(&mut truth, value("--ms").and_then(|v| v.parse().ok()).unwrap_or(300), args.iter().any(|a| a == "--multicast"))
+        }
         Some("vmm") => vmm(&mut truth, value("--ms").and_then(|v| v.parse().ok()).unwrap_or(300)),
         Some("repoint") => repoint(),
         Some("classes") => classes(&mut truth),
@@ -517,7 +523,7 @@ fn main() -> ExitCode {
         Some("reopen") => reopen(),
         Some("oom") => oom(&mut truth, value("--bytes").and_then(|v| parse_bytes(&v)).unwrap_or(1 << 40)),
         _ => Err(
-            "usage: fake-workload paths|fork-holder|storm|oom|hold|vmm|fabric|pass-fd|ipc|repoint|own-table|reopen|classes [--close-first] [--batched] [--truth FILE] [--hold-ms N] [--count N] [--bytes B] [--ms N]"
+            "usage: fake-workload paths|fork-holder|storm|oom|hold|vmm|fabric|pass-fd|ipc|repoint|own-table|reopen|classes [--close-first] [--batched] [--multicast] [--truth FILE] [--hold-ms N] [--count N] [--bytes B] [--ms N]"
                 .into(),
         ),
     };
