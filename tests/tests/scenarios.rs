@@ -266,7 +266,7 @@ fn exports_are_well_formed(o: &Outcome, what: &str) {
             }
         }
         assert_eq!(fields + 1, 14, "{what}: {row}");
-        let freed_by = row.rsplit(',').nth(1).unwrap();
+        let freed_by = row.rsplit(',').nth(2).unwrap();
         let known = ["explicit", "subtree", "file_release", "unmapped", "detached", "released_still_held", "never", "failed"];
         assert!(known.contains(&freed_by), "{what}: {row}");
     }

@@ -526,12 +526,12 @@ fn a_followed_fd_reused_behind_the_tracers_back_is_not_followed() {
 }
 
 /// Runs `fake-workload WORKLOAD` under `gputrace record` in a mount namespace whose
-/// /dev/nvidia-uvm is the null device (1:3), with `majors` as NVIDIA's; returns the trace's
-/// events and the recorder's stderr.
+/// /dev/nvidia-uvm and /dev/nvidia0 are the null device (1:3), with `majors` as NVIDIA's;
+/// returns the trace's events and the recorder's stderr.
 fn record_with_null_uvm(name: &str, workload: &str, majors: &str) -> (Vec<gputrace::event::Event>, String) {
     let dir = scratch(name);
     let trace = dir.join("run.trace");
-    let script = r#"mount -t tmpfs none /dev && mknod /dev/null c 1 3 && mknod /dev/nvidia-uvm c 1 3 &&
+    let script = r#"mount -t tmpfs none /dev && mknod /dev/null c 1 3 && mknod /dev/nvidia-uvm c 1 3 && mknod /dev/nvidia0 c 1 3 &&
         exec "$0" record -o "$1" -- "$2" "$3""#;
     let out = Command::new("unshare")
         .args(["--mount", "--propagation", "private", "sh", "-c", script])
@@ -568,14 +568,15 @@ fn a_thread_with_a_file_table_of_its_own_does_not_touch_its_process_fds() {
 
 /// A fd answered not NVIDIA, closed and reopened as NVIDIA's device by io_uring (no tracepoint
 /// sees either): where the driver's majors are known, its next NVIDIA command is asked about
-/// again, and it is found and followed.
+/// again, and it is found and followed. Here a GPU's node is the null device, NVIDIA's major
+/// said to be 1.
 #[test]
 #[ignore = "needs root: `sudo cargo xtask test` runs it"]
 fn a_fd_reopened_as_nvidia_behind_the_tracers_back_is_followed() {
     use gputrace::event::{Device, Event};
     let _root = as_root();
-    let (events, err) = record_with_null_uvm("reopen", "reopen", "195,1");
-    let frees = events.iter().filter(|e| matches!(e, Event::UvmFree { .. })).count();
+    let (events, err) = record_with_null_uvm("reopen", "reopen", "1,0");
+    let frees = events.iter().filter(|e| matches!(e, Event::Free { .. })).count();
     assert_eq!(frees, 1, "the command on the reopened file, not the one on /proc/version: {events:?}\n{err}");
-    assert!(events.iter().any(|e| matches!(e, Event::FdFound { device: Device::Uvm, .. })), "{events:?}");
+    assert!(events.iter().any(|e| matches!(e, Event::FdFound { device: Device::Gpu, .. })), "{events:?}");
 }

@@ -253,6 +253,7 @@ fn read_file_of(o: &KernelOffsets, fd: u32) -> u64 {
 /// without CLONE_FILES): its fd numbers are not its process's, by which FDS is keyed, so what it
 /// does with fds is not followed (and counted). False when it cannot be told, and once the
 /// group leader has exited (its table is gone; the survivors' is the process's).
+#[inline(always)]
 fn own_file_table() -> bool {
     let Some(o) = OFFSETS.get(0) else { return false };
     if o.task_group_leader == 0 || o.task_files == 0 {
@@ -274,6 +275,7 @@ fn own_file_table() -> bool {
 /// What NVIDIA device `file` is by its device number alone (nvidiactl, a GPU, or UVM), where
 /// the driver's majors are known: for a fd once answered not NVIDIA whose number may since have
 /// been reused, unseen, for NVIDIA's file.
+#[inline(always)]
 fn nvidia_device_of(file: u64) -> Option<u8> {
     let c = CONFIG.get(0)?;
     if c.nvidia_major == 0 {
@@ -283,12 +285,15 @@ fn nvidia_device_of(file: u64) -> Option<u8> {
     match (major, minor) {
         (m, 255) if m == c.nvidia_major => Some(device::CTL),
         (m, 0..=247) if m == c.nvidia_major => Some(device::GPU),
-        (m, _) if m == c.uvm_major && m != 0 => Some(device::UVM),
+        // Minor 0 only: nvidia-uvm-tools (minor 1, open to all) is not UVM, and asking about it
+        // at each of its commands would cost the tracer a question each time.
+        (m, 0) if m == c.uvm_major && m != 0 => Some(device::UVM),
         _ => None,
     }
 }
 
 /// The (major, minor) of the device file `file`, where it can be read.
+#[inline(always)]
 fn device_number(file: u64) -> Option<(u32, u32)> {
     let o = OFFSETS.get(0)?;
     if file == 0 || o.file_inode == 0 || o.inode_rdev == 0 {

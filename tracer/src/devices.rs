@@ -67,6 +67,18 @@ impl Majors {
         }
     }
 
+    /// The NVIDIA device a device number is, wherever its file is (a node made or bind-mounted
+    /// at another path): nvidiactl, a GPU, or UVM (minor 0; nvidia-uvm-tools is minor 1). What
+    /// the kernel side asks about when a fd it was told is not NVIDIA turns out to be.
+    pub fn device_of(&self, (major, minor): (u32, u32)) -> Option<Device> {
+        match (major, minor) {
+            (m, 255) if m == self.nvidia => Some(Device::Ctl),
+            (m, 0..=247) if m == self.nvidia => Some(Device::Gpu),
+            (m, 0) if m == self.uvm && m != 0 => Some(Device::Uvm),
+            _ => None,
+        }
+    }
+
     /// How files are told apart with these majors, for the trace's header.
     pub fn describe(majors: Option<Majors>) -> String {
         match majors {
@@ -110,6 +122,13 @@ mod tests {
         let old = Majors::parse("Character devices:\n195 nvidia-frontend\n").unwrap();
         assert_eq!(old, Majors { nvidia: 195, uvm: 0 });
         assert!(old.admits(Device::Uvm, (0, 0)) && old.admits(Device::Uvm, (1, 3)));
+        // By number alone, wherever the node is.
+        assert_eq!(m.device_of((195, 255)), Some(Device::Ctl));
+        assert_eq!(m.device_of((195, 3)), Some(Device::Gpu));
+        assert_eq!(m.device_of((509, 0)), Some(Device::Uvm));
+        assert_eq!(m.device_of((509, 1)), None, "nvidia-uvm-tools");
+        assert_eq!(m.device_of((195, 254)), None, "nvidia-modeset");
+        assert_eq!(old.device_of((0, 0)), None, "no UVM major known");
         // Readings add what they know and never take away.
         assert_eq!(Majors::update(Some(old), Some(m)), Some(m), "UVM loaded since");
         assert_eq!(Majors::update(Some(m), None), Some(m), "a failed read (or the driver unloaded) keeps the check");

@@ -447,10 +447,14 @@ impl<R: Resolver> FileTable<R> {
         Event::FdFound { fd, file, device }
     }
 
-    /// The NVIDIA device a fd is, by its path and its device number; None when the fd is gone.
+    /// The NVIDIA device a fd is, by its path and its device number, or (where the driver is
+    /// loaded) by its device number alone when its node is elsewhere; None when the fd is gone.
     fn nvidia_fd(&mut self, pid: u32, fd: i32) -> Option<Option<Device>> {
         let path = self.resolver.fd_path(pid, fd)?;
-        let Some(device) = path.to_str().and_then(device_of_path) else { return Some(None) };
+        let Some(device) = path.to_str().and_then(device_of_path) else {
+            let Some(majors) = self.majors else { return Some(None) };
+            return Some(self.resolver.fd_device_number(pid, fd).and_then(|number| majors.device_of(number)));
+        };
         if !admitted(&self.resolver, self.majors, pid, fd, device)? {
             self.impostors += 1;
             return Some(None);
@@ -604,9 +608,21 @@ mod tests {
         assert_eq!(t.impostors, 2);
         let found = t.scan(10, &mut updates).iter().filter(|e| matches!(e, Event::FdFound { .. })).count();
         assert_eq!(found, 2, "the scan admits the same two");
+        // NVIDIA's own node elsewhere (made or bind-mounted at another path) is NVIDIA's by its
+        // number; nvidia-uvm-tools (UVM's major, minor 1) and a plain file are not.
+        t.resolver.fds.extend([
+            ((10, 11), ("/tmp/ctl".into(), 5)),
+            ((10, 12), ("/tmp/tools".into(), 6)),
+            ((10, 13), ("/etc/passwd".into(), 7)),
+        ]);
+        t.resolver.rdev.extend([((10, 11), (195, 255)), ((10, 12), (509, 1)), ((10, 13), (0, 0))]);
+        assert_eq!(t.answer(10, (11, true), 0, &mut updates).0, Some(Device::Ctl));
+        assert_eq!(t.answer(10, (12, true), 0, &mut updates).0, None);
+        assert_eq!(t.answer(10, (13, true), 0, &mut updates).0, None);
         // Without the driver (the fake GPU), paths alone.
-        let mut t = table(&[((10, 7), "/dev/nvidiactl", 2)]);
+        let mut t = table(&[((10, 7), "/dev/nvidiactl", 2), ((10, 11), "/tmp/ctl", 5)]);
         assert_eq!(t.answer(10, (7, true), 0, &mut updates).0, Some(Device::Ctl));
+        assert_eq!(t.answer(10, (11, true), 0, &mut updates).0, None);
     }
 
     /// A fd gone before it could be checked is gone, not an impostor; UVM's module loaded after

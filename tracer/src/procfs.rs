@@ -257,8 +257,8 @@ pub fn fd_path(pid: u32, fd: i32) -> Option<PathBuf> {
     std::fs::read_link(format!("/proc/{pid}/fd/{fd}")).ok()
 }
 
-/// The device number (major, minor) of the file behind a fd ((0, 0) for a file that is no
-/// device); None when the fd is gone.
+/// The device number (major, minor) of the character device behind a fd ((0, 0) for any other
+/// file: a block device's number is another namespace); None when the fd is gone.
 pub fn fd_device_number(pid: u32, fd: i32) -> Option<(u32, u32)> {
     let path = std::ffi::CString::new(format!("/proc/{pid}/fd/{fd}")).ok()?;
     // SAFETY: statx writes into the zeroed struct it is given; the path is NUL-terminated.
@@ -266,7 +266,8 @@ pub fn fd_device_number(pid: u32, fd: i32) -> Option<(u32, u32)> {
     // Attributes as cached: a plain stat would ask a FUSE file's server, which may never answer
     // and would stall the event loop. A device number never changes while the file is open.
     let rc = unsafe { libc::statx(libc::AT_FDCWD, path.as_ptr(), libc::AT_STATX_DONT_SYNC, libc::STATX_TYPE, &mut stx) };
-    (rc == 0).then_some((stx.stx_rdev_major, stx.stx_rdev_minor))
+    let character = u32::from(stx.stx_mode) & libc::S_IFMT == libc::S_IFCHR;
+    (rc == 0).then_some(if character { (stx.stx_rdev_major, stx.stx_rdev_minor) } else { (0, 0) })
 }
 
 /// The fds a process has open now.

@@ -132,21 +132,30 @@ fn disagreements(header: &Header, model: &Model) -> Vec<Disagreement> {
     let mut worst: BTreeMap<u32, (u64, u64, u64)> = BTreeMap::new();
     for (ts, sample) in samples {
         while let Some(&(_, pid, delta)) = changes.get(applied).filter(|c| c.0 <= *ts) {
-            *live.entry(pid).or_default() += delta;
+            let bytes = live.entry(pid).or_default();
+            *bytes += delta;
+            // Only what is live stays: each sample looks at NVML's pids and these, not at every
+            // process ever seen (a day of `record --all` forks).
+            if *bytes == 0 {
+                live.remove(&pid);
+            }
             applied += 1;
         }
         let mut nvml_of: BTreeMap<u32, u64> = BTreeMap::new();
         for u in &sample.processes {
             add(nvml_of.entry(u.pid).or_default(), u.used_bytes.unwrap_or(0));
         }
-        for p in model.processes.values() {
-            let nvml = nvml_of.get(&p.pid).copied().unwrap_or(0);
-            let traced = u64::try_from(live.get(&p.pid).copied().unwrap_or(0).max(0)).unwrap_or(u64::MAX);
+        let mut pids: Vec<u32> = nvml_of.keys().chain(live.keys()).copied().filter(|pid| model.processes.contains_key(pid)).collect();
+        pids.sort_unstable();
+        pids.dedup();
+        for pid in pids {
+            let nvml = nvml_of.get(&pid).copied().unwrap_or(0);
+            let traced = u64::try_from(live.get(&pid).copied().unwrap_or(0).max(0)).unwrap_or(u64::MAX);
             let gap = nvml.abs_diff(traced);
             if gap < 256 << 20 || gap < nvml.max(traced) / 10 {
                 continue;
             }
-            let entry = worst.entry(p.pid).or_insert((*ts, nvml, traced));
+            let entry = worst.entry(pid).or_insert((*ts, nvml, traced));
             if gap > entry.1.abs_diff(entry.2) {
                 *entry = (*ts, nvml, traced);
             }
@@ -682,7 +691,7 @@ impl Report {
                 ),
                 (
                     l.foreign_client_calls,
-                    "calls on another file's RM client ignored (RM refuses those: a fd re-pointed while its call ran, or an edited trace)",
+                    "calls on another file's RM client ignored (RM refuses those: params or a fd changed by another thread while the call ran, records lost before, or an edited trace)",
                 ),
             ];
             let rare: String = rare.iter().filter(|(n, _)| *n > 0).map(|(n, what)| format!(", {n} {what}")).collect();
@@ -765,7 +774,7 @@ mod tests {
         assert!(text(Loss::default()).contains("Lost events: 0."));
         let some = text(Loss { lost_records: 3, foreign_client_calls: 2, torn_tail: true, ..Loss::default() });
         assert!(some.contains("INCOMPLETE: 3 records lost in the kernel"), "{some}");
-        assert!(some.contains(", torn last line, 2 calls on another file's RM client ignored"), "{some}");
+        assert!(some.contains(", torn last line, 2 calls on another file's RM client ignored (RM refuses those"), "{some}");
         assert!(!some.contains("handles not followed") && !some.contains("device fds not followed"), "{some}");
     }
 

@@ -276,26 +276,33 @@ fn own_table() -> Result<(), String> {
     Ok(())
 }
 
-/// A fd answered not NVIDIA (/proc/version, asked about at its first UVM command) closed and
-/// reopened as /dev/nvidia-uvm under the same number, both by io_uring (no tracepoint sees
-/// either), then a UVM command on it.
+/// An RM_FREE on `fd`: the device answers or refuses, nothing else is touched.
+fn rm_free(fd: i32) {
+    let mut params = [0u8; 16];
+    // SAFETY: an NVOS00-sized buffer.
+    unsafe { libc::ioctl(fd, rm_cmd(esc::RM_FREE, 16) as _, params.as_mut_ptr()) };
+}
+
+/// A fd answered not NVIDIA (/proc/version, asked about at its first RM command) closed and
+/// reopened as /dev/nvidia0 under the same number, both by io_uring (no tracepoint sees
+/// either), then an RM command on it.
 fn reopen() -> Result<(), String> {
     let mut ring = ring()?;
     let fd = std::os::fd::IntoRawFd::into_raw_fd(File::open("/proc/version").map_err(|e| format!("/proc/version: {e}"))?);
-    uvm_free(fd);
+    rm_free(fd);
     // The tracer's answer (not NVIDIA) lands before the number is reused.
     std::thread::sleep(std::time::Duration::from_millis(300));
     let closed = io_uring_once(&mut ring, io_uring::opcode::Close::new(io_uring::types::Fd(fd)).build())?;
     if closed != 0 {
         return Err(format!("io_uring's close of fd {fd} gave {closed}"));
     }
-    let path = c"/dev/nvidia-uvm";
+    let path = c"/dev/nvidia0";
     let open = io_uring::opcode::OpenAt::new(io_uring::types::Fd(libc::AT_FDCWD), path.as_ptr()).flags(libc::O_RDWR).build();
     let reopened = io_uring_once(&mut ring, open)?;
     if reopened != fd {
-        return Err(format!("io_uring's open of /dev/nvidia-uvm gave {reopened}, not {fd}"));
+        return Err(format!("io_uring's open of /dev/nvidia0 gave {reopened}, not {fd}"));
     }
-    uvm_free(fd);
+    rm_free(fd);
     // Held while the tracer asks /proc about it, as a program holds the files it uses.
     std::thread::sleep(std::time::Duration::from_millis(300));
     Ok(())

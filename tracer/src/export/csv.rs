@@ -39,17 +39,17 @@ fn csv_field(text: &str) -> String {
 pub fn csv(header: &Header, model: &Model, out: &mut dyn Write) -> io::Result<()> {
     let start = model.time_zero(header.monotonic_start_ns);
     let services = Services::new(model);
-    writeln!(out, "allocated_ns,freed_ns,released_ns,pid,command,service,context,gpu,kind,bytes,phase,requests_in_flight,freed_by,status")?;
+    // released_ns last: scripts that read the columns by position keep working.
+    writeln!(out, "allocated_ns,freed_ns,pid,command,service,context,gpu,kind,bytes,phase,requests_in_flight,freed_by,status,released_ns")?;
     for r in rows(model, &services) {
         let a = r.allocation;
         let context = if a.client != 0 { format!("client {:#x}", a.client) } else { "uvm".into() };
         let since_start = |t: Option<u64>| t.map(|t| t.saturating_sub(start).to_string()).unwrap_or_default();
         writeln!(
             out,
-            "{},{},{},{},{},{},{},{},{},{},{},{},{},0",
+            "{},{},{},{},{},{},{},{},{},{},{},{},0,{}",
             a.ts.saturating_sub(start),
             since_start(a.freed.map(|(t, _)| t)),
-            since_start(a.released),
             a.pid,
             csv_field(&r.command),
             csv_field(&r.service),
@@ -60,6 +60,7 @@ pub fn csv(header: &Header, model: &Model, out: &mut dyn Write) -> io::Result<()
             r.phase.name(),
             r.in_flight,
             freed_by(a.freed, a.released),
+            since_start(a.released),
         )?;
     }
     for f in &model.failures {
@@ -68,7 +69,7 @@ pub fn csv(header: &Header, model: &Model, out: &mut dyn Write) -> io::Result<()
         let in_flight = services.of(f.pid).map(|s| services.in_flight_count(s, f.ts)).unwrap_or(0);
         writeln!(
             out,
-            "{},,,{},{},{},,{},{},{},{},{},failed,{:#x}",
+            "{},,{},{},{},,{},{},{},{},{},failed,{:#x},",
             f.ts.saturating_sub(start),
             f.pid,
             csv_field(&command),

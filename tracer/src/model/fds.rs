@@ -172,6 +172,12 @@ impl Model {
     /// descriptor while the device file is open.
     pub(super) fn on_register_fd(&mut self, pid: u32, ts: u64, fd: i32, ctl_fd: i32) {
         let (Some(device), Some(ctl)) = (self.file_of(pid, fd, ts), self.file_of(pid, ctl_fd, ts)) else { return };
+        self.register(device, ctl);
+    }
+
+    /// `device` registered with `ctl`: it holds `ctl` open, and RM calls through it act as
+    /// `ctl`'s. Once only, and never with itself.
+    pub(super) fn register(&mut self, device: FileId, ctl: FileId) {
         if device == ctl || self.registered.contains_key(&device) {
             return;
         }
@@ -179,6 +185,11 @@ impl Model {
             file.refs += 1;
             self.registered.insert(device, ctl);
         }
+    }
+
+    /// The file RM calls through `file` act as: the nvidiactl file it is registered with, or itself.
+    pub(super) fn acting(&self, file: FileId) -> FileId {
+        self.registered.get(&file).copied().unwrap_or(file)
     }
 
     /// The driver's release of an open file: every client created on it, every UVM range in it,

@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use super::{AllocId, Allocation, FailedAllocation, FileId, FreedBy, Model};
-use crate::event::{Alloc, Memory, Record};
+use crate::event::{Alloc, Device, Memory, Record};
 
 #[derive(Clone, Debug)]
 pub(super) struct Object {
@@ -77,7 +77,9 @@ impl Model {
         gpu: Option<u32>,
     ) {
         if crate::abi::class::is_client(class) {
-            let file = self.file_of(pid, fd, ts);
+            // RM's client belongs to the file the call acts as (a registered device file's
+            // nvidiactl file): released with it, reached through it.
+            let file = self.file_of(pid, fd, ts).map(|f| self.acting(f));
             // RM never hands out a live handle twice: an old client by that handle was freed in
             // a way the trace missed (lost records, a reused pid).
             self.free_client(client, ts, FreedBy::Unseen);
@@ -93,14 +95,40 @@ impl Model {
     /// rmclientValidate), and a /dev/nvidiaN file registered with an nvidiactl file acts as that
     /// file (escape.c). A client first met now is taken on this call's word, and so is a record
     /// with no fd: the snapshot's own (a live call on fd -1 fails before any driver sees it).
-    pub(super) fn through_own_file(&self, pid: u32, fd: i32, client: u32) -> bool {
+    ///
+    /// A registration made before tracing began (or whose record was lost) is inferred, within
+    /// one process only: a device file of `pid` not known to be registered, and an nvidiactl file
+    /// `pid` holds, one of them the client's and the other the call's, are taken to be registered
+    /// together (REGISTER_FD takes only an nvidiactl fd of the caller's own). Pinned host memory
+    /// (RM_ALLOC_MEMORY, only on a device file) of a process met after its registration is so
+    /// followed, and nobody else's client is reached this way.
+    pub(super) fn through_own_file(&mut self, pid: u32, fd: i32, client: u32) -> bool {
         if fd < 0 {
             return true;
         }
         let Some(owner) = self.clients.get(&client).and_then(|c| c.file) else { return true };
         let Some(file) = self.processes.get(&pid).and_then(|p| p.fds.get(&fd)).map(|f| f.file) else { return false };
-        let acting = |f: FileId| self.registered.get(&f).copied().unwrap_or(f);
-        acting(file) == acting(owner)
+        let (through, of) = (self.acting(file), self.acting(owner));
+        if through == of {
+            return true;
+        }
+        let holds = |f: FileId| self.processes.get(&pid).is_some_and(|p| p.fds.values().any(|r| r.file == f));
+        let device_of = |f: FileId| self.files.get(&f).map(|f| f.device);
+        let unregistered_device = |f: FileId| device_of(f) == Some(Device::Gpu) && !self.registered.contains_key(&f);
+        let pair = [(file, of), (owner, through)]
+            .into_iter()
+            .find(|&(device, ctl)| unregistered_device(device) && device_of(ctl) == Some(Device::Ctl) && holds(device) && holds(ctl));
+        match pair {
+            Some((device, ctl)) => {
+                self.register(device, ctl);
+                // Clients made through the device file were RM's nvidiactl file's all along.
+                for c in self.clients.values_mut().filter(|c| c.file == Some(device)) {
+                    c.file = Some(ctl);
+                }
+                true
+            }
+            None => false,
+        }
     }
 
     /// The GPU of the object `handle` of `client`: the device it is, or is under.
@@ -235,7 +263,7 @@ impl Model {
     /// A client created before tracing began is met first through one of its objects.
     fn client_mut(&mut self, client: u32, pid: u32, fd: i32, ts: u64) -> &mut Client {
         if !self.clients.contains_key(&client) {
-            let file = self.file_of(pid, fd, ts);
+            let file = self.file_of(pid, fd, ts).map(|f| self.acting(f));
             self.clients.insert(client, Client::new(file));
         }
         self.clients.get_mut(&client).expect("inserted above")

@@ -702,7 +702,7 @@ fn memory_mapped_into_uvm_lives_until_its_range_goes() {
     let mut csv = Vec::new();
     crate::export::csv(&crate::trace::Header::default(), &m, &mut csv).unwrap();
     let row = String::from_utf8(csv).unwrap().lines().nth(1).unwrap().to_string();
-    assert!(row.starts_with("6,,9,10,") && row.ends_with(",released_still_held,0"), "{row}");
+    assert!(row.starts_with("6,,10,") && row.ends_with(",released_still_held,0,9"), "{row}");
     let mut unmapped = t.clone();
     unmapped.push(rec(10, 10, Event::UvmFree { fd: 5, base: 0x10_0000, status: 0 }));
     let m = Model::from_records(&unmapped);
@@ -776,12 +776,54 @@ fn a_client_is_reached_only_through_its_own_file() {
     // The owner's own calls go on, through the file or a device file registered with it.
     t.push(open(20, 10, 4, 3, Device::Gpu, false));
     t.push(rec(21, 10, Event::Free { fd: 4, via: Via::RmFree, client: CLIENT, parent: 0, object: 0xa, status: 0 }));
-    assert_eq!(freed(&Model::from_records(&t), 0xa), None, "an unregistered device file is another file");
-    let free_through_registered = t.len() - 1;
-    t.insert(free_through_registered, rec(20, 10, Event::RegisterFd { fd: 4, ctl_fd: 3 }));
-    let m = Model::from_records(&t);
+    let mut registered = t.clone();
+    registered.insert(t.len() - 1, rec(20, 10, Event::RegisterFd { fd: 4, ctl_fd: 3 }));
+    let m = Model::from_records(&registered);
     assert_eq!(freed(&m, 0xa), Some((21, FreedBy::Explicit)), "a registered device file acts as its nvidiactl file");
     assert_eq!(m.foreign_client_calls, 5);
+    // Its registration made before tracing began: inferred, within the process that holds both.
+    let m = Model::from_records(&t);
+    assert_eq!(freed(&m, 0xa), Some((21, FreedBy::Explicit)), "registered before tracing: inferred");
+    assert_eq!(m.foreign_client_calls, 5);
+    let mut closed = t.clone();
+    closed.push(alloc(22, 10, 3, DEVICE, 0xe, GIB, 0));
+    closed.push(rec(23, 10, Event::Close { fd: 3 }));
+    assert_eq!(freed(&Model::from_records(&closed), 0xe), None, "the inferred registration holds the nvidiactl file open");
+    // Pid 20's device file never reaches pid 10's client: it holds no file of pid 10's.
+    let mut other = t.clone();
+    other.push(open(24, 20, 4, 4, Device::Gpu, false));
+    other.push(rec(25, 20, Event::Free { fd: 4, via: Via::RmFree, client: CLIENT, parent: 0, object: 0xe, status: 0 }));
+    assert_eq!(Model::from_records(&other).foreign_client_calls, 6);
+}
+
+/// Pinned host memory (RM_ALLOC_MEMORY, on a device file) of a process met after it registered
+/// its device file: the client first met through the device file is reached through the
+/// nvidiactl file too, and the other way round, each inferring the registration.
+#[test]
+fn a_registration_before_tracing_is_inferred_both_ways() {
+    let pinned = |ts, fd, object| {
+        let a = Alloc { fd, via: Via::RmAllocMemory, class: 0x71, memory: Memory::System, ..Alloc::video(CLIENT, DEVICE, object, GIB) };
+        rec(ts, 10, Event::Alloc(a))
+    };
+    for device_first in [true, false] {
+        let mut t = vec![process(1, 10, 1, Seen::Running), open(2, 10, 3, 1, Device::Ctl, false), open(2, 10, 4, 2, Device::Gpu, false)];
+        if device_first {
+            t.push(pinned(3, 4, 0xa));
+            t.push(alloc(4, 10, 3, DEVICE, 0xb, GIB, 0));
+        } else {
+            t.push(alloc(3, 10, 3, DEVICE, 0xb, GIB, 0));
+            t.push(pinned(4, 4, 0xa));
+        }
+        let m = Model::from_records(&t);
+        assert_eq!(m.foreign_client_calls, 0, "device first: {device_first}");
+        assert_eq!(m.allocations.len(), 2);
+        assert_eq!(m.check_books(), Ok(()));
+        // The client is the nvidiactl file's: it lives while the device file holds that open.
+        t.push(rec(5, 10, Event::Close { fd: 3 }));
+        assert_eq!(Model::from_records(&t).live_allocations().count(), 2, "device first: {device_first}");
+        t.push(rec(6, 10, Event::Close { fd: 4 }));
+        assert_eq!(Model::from_records(&t).live_allocations().count(), 0, "device first: {device_first}");
+    }
 }
 
 /// What a snapshot must give back: the live allocations (time, pid, kind, size, GPU, class) and
