@@ -55,8 +55,9 @@ struct Snapshot<'a> {
     done: HashSet<(u32, u32)>,
     /// The handle each live allocation was written under first: later handles dup it.
     made: HashMap<AllocId, (u32, u32)>,
-    /// Stand-in objects and clients, freed at the end.
-    stand_ins: Vec<(u32, u32)>,
+    /// Stand-in objects and clients, freed at the end: (client, handle, when). A stand-in that
+    /// holds memory whose handles were all released goes at that release's own time.
+    stand_ins: Vec<(u32, u32, u64)>,
     next_stand_in: u32,
     at: u64,
 }
@@ -266,6 +267,13 @@ impl<'a> Snapshot<'a> {
                         }
                     };
                     let device = self.stand_in(Some(client));
+                    // Memory no handle refers to (released, held by a mapping, an export or a
+                    // fabric object): its stand-in goes at its release's time, which it keeps.
+                    if let (None, Some(released)) = (primary, a.released) {
+                        if let Some(last) = self.stand_ins.last_mut() {
+                            last.2 = released;
+                        }
+                    }
                     let event =
                         Event::Object { fd: -1, client, parent: client, object: device, class: class::DEVICE, status: 0, gpu: a.gpu };
                     self.push(self.at, 0, event);
@@ -296,7 +304,7 @@ impl<'a> Snapshot<'a> {
     /// A stand-in handle in `client` (a stand-in client when None), freed at the end.
     fn stand_in(&mut self, client: Option<u32>) -> u32 {
         let handle = self.next_handle();
-        self.stand_ins.push((client.unwrap_or(handle), handle));
+        self.stand_ins.push((client.unwrap_or(handle), handle, self.at));
         handle
     }
 
@@ -467,8 +475,10 @@ impl<'a> Snapshot<'a> {
         for ((pid, _), fd) in std::mem::take(&mut self.lent) {
             self.push(self.at, pid, Event::Close { fd });
         }
-        for (client, handle) in std::mem::take(&mut self.stand_ins) {
-            self.push(self.at, 0, Event::Free { fd: -1, via: crate::event::Via::RmFree, client, parent: 0, object: handle, status: 0 });
+        // Last made, first gone: a stand-in device (at its memory's release time) before the
+        // stand-in client it is under.
+        for (client, handle, ts) in std::mem::take(&mut self.stand_ins).into_iter().rev() {
+            self.push(ts, 0, Event::Free { fd: -1, via: crate::event::Via::RmFree, client, parent: 0, object: handle, status: 0 });
         }
     }
 }

@@ -826,10 +826,10 @@ fn a_registration_before_tracing_is_inferred_both_ways() {
     }
 }
 
-/// What a snapshot must give back: the live allocations (time, pid, kind, size, GPU, class) and
-/// every process's fd table. Files are held to it through what their release frees: a
+/// What a snapshot must give back: the live allocations (time, pid, kind, size, GPU, class, when
+/// released while held) and every process's fd table. Files are held to it through what their release frees: a
 /// damaged trace can leave a descriptor on a file already released, which no snapshot can say.
-type LiveState = (Vec<(u64, u32, Memory, u64, Option<u32>, u32)>, Vec<(u32, Vec<(i32, FileId, bool)>)>);
+type LiveState = (Vec<(u64, u32, Memory, u64, Option<u32>, u32, Option<u64>)>, Vec<(u32, Vec<(i32, FileId, bool)>)>);
 
 fn live_state(m: &Model) -> LiveState {
     // Files the model named itself (fds met without their open) are compared by the order they
@@ -838,7 +838,7 @@ fn live_state(m: &Model) -> LiveState {
     named.sort_unstable();
     named.dedup();
     let file = |f: FileId| named.iter().position(|&n| n == f).map_or(f, |i| ORPHAN_FILE_BASE + i as u64);
-    let mut allocations: Vec<_> = m.live_allocations().map(|a| (a.ts, a.pid, a.memory, a.bytes, a.gpu, a.class)).collect();
+    let mut allocations: Vec<_> = m.live_allocations().map(|a| (a.ts, a.pid, a.memory, a.bytes, a.gpu, a.class, a.released)).collect();
     allocations.sort_unstable();
     let processes = m
         .processes
