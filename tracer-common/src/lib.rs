@@ -271,11 +271,15 @@ pub mod escape {
     pub const RM_CONTROL: u32 = 0x2a;
     pub const RM_ALLOC: u32 = 0x2b;
     pub const RM_DUP_OBJECT: u32 = 0x34;
+    /// NVOS57: an object shared beyond its creating process (RM_DUP_OBJECT from elsewhere is
+    /// refused otherwise: the default share policy is the same process's, sharing.c).
+    pub const RM_SHARE: u32 = 0x35;
     pub const RM_VID_HEAP_CONTROL: u32 = 0x4a;
     pub const REGISTER_FD: u32 = 0xc9;
     pub const IOCTL_XFER_CMD: u32 = 0xd3;
     /// The RM escapes whose params gputrace decodes (XFER only wraps one of them).
-    pub const FOLLOWED: [u32; 7] = [RM_ALLOC_MEMORY, RM_FREE, RM_CONTROL, RM_ALLOC, RM_DUP_OBJECT, RM_VID_HEAP_CONTROL, REGISTER_FD];
+    pub const FOLLOWED: [u32; 8] =
+        [RM_ALLOC_MEMORY, RM_FREE, RM_CONTROL, RM_ALLOC, RM_DUP_OBJECT, RM_SHARE, RM_VID_HEAP_CONTROL, REGISTER_FD];
 }
 
 /// The RM controls (NVOS54's cmd) that move memory's lifetime: an object exported to a file
@@ -362,6 +366,7 @@ pub const fn rm_params_size(nr: u32) -> Option<u32> {
         escape::RM_CONTROL => Some(32),
         escape::RM_ALLOC => Some(32),
         escape::RM_DUP_OBJECT => Some(28),
+        escape::RM_SHARE => Some(24),
         escape::RM_VID_HEAP_CONTROL => Some(184),
         escape::REGISTER_FD => Some(4),
         _ => None,

@@ -256,6 +256,13 @@ pub mod offsets {
     pub const DUP_CLIENT_SRC: usize = 12;
     pub const DUP_OBJECT_SRC: usize = 16;
     pub const DUP_STATUS: usize = 24;
+    // NVOS57 (RM_SHARE): sharePolicy {target, accessMask (one limb), type (u16), action (u8)}
+    pub const SHARE_CLIENT: usize = 0;
+    pub const SHARE_OBJECT: usize = 4;
+    pub const SHARE_TARGET: usize = 8;
+    pub const SHARE_TYPE: usize = 16;
+    pub const SHARE_ACTION: usize = 18;
+    pub const SHARE_STATUS: usize = 20;
     // NVOS32 (RM_VID_HEAP_CONTROL)
     pub const VID_ROOT: usize = 0;
     pub const VID_PARENT: usize = 4;

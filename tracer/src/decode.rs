@@ -278,6 +278,15 @@ pub fn decode_ioctl(layout: &Layout, raw: &RawIoctl) -> Option<Event> {
             src_object: p.u32(o::DUP_OBJECT_SRC)?,
             status: status_or_errno(raw, p.u32(o::DUP_STATUS)?),
         }),
+        escape::RM_SHARE => Some(Event::Share {
+            fd: raw.fd,
+            client: p.u32(o::SHARE_CLIENT)?,
+            object: p.u32(o::SHARE_OBJECT)?,
+            share_type: p.u16(o::SHARE_TYPE)?,
+            target: p.u32(o::SHARE_TARGET)?,
+            action: p.u8(o::SHARE_ACTION)?,
+            status: status_or_errno(raw, p.u32(o::SHARE_STATUS)?),
+        }),
         escape::RM_CONTROL => decode_control(layout, raw, &p),
         escape::REGISTER_FD => {
             if raw.ret != 0 {

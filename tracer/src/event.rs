@@ -181,6 +181,17 @@ pub enum Event {
         src_object: u32,
         status: u32,
     },
+    /// RM_SHARE: `object` of `client` shared as the policy says (RS_SHARE_TYPE_* `share_type`,
+    /// `target` a client for type CLIENT, `action` RS_SHARE_ACTION_* bits: REVOKE 1, REQUIRE 2).
+    Share {
+        fd: i32,
+        client: u32,
+        object: u32,
+        share_type: u16,
+        target: u32,
+        action: u8,
+        status: u32,
+    },
     /// RM_CONTROL EXPORT_OBJECT_TO_FD: the object is dup'ed into a client the kernel keeps for
     /// the nvidiactl file behind `to_fd`; its memory lives until that file's last close.
     ExportObject {
@@ -442,7 +453,8 @@ impl Event {
             | Event::ExportObjects { fd, client, status: 0, .. }
             | Event::ImportObjects { fd, client, status: 0, .. }
             | Event::FabricAttach { fd, client, status: 0, .. }
-            | Event::FabricDetach { fd, client, status: 0, .. } => Some((fd, client)),
+            | Event::FabricDetach { fd, client, status: 0, .. }
+            | Event::Share { fd, client, status: 0, .. } => Some((fd, client)),
             Event::Alloc(ref a) if a.succeeded() && a.base.is_none() => Some((a.fd, a.client)),
             _ => None,
         }

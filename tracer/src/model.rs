@@ -217,8 +217,9 @@ pub struct Model {
     /// Handles of batched exports and imports past the first 16 of each, which the kernel side
     /// does not copy: what they carry is not followed.
     pub handles_not_followed: u64,
-    /// Calls the trace says succeeded on an RM client of another file: RM refuses them, so
-    /// they are ignored (a fd re-pointed behind the kernel side's back, or a crafted trace).
+    /// Calls the trace says succeeded on an RM client of another file, or taking a reference on
+    /// another process's memory not shared with it: RM refuses them, so they are ignored (params
+    /// or a fd changed by another thread while the call ran, lost records, a crafted trace).
     pub foreign_client_calls: u64,
     pub first_ts: Option<u64>,
     pub last_ts: u64,
@@ -398,6 +399,21 @@ impl Model {
                 return;
             }
         }
+        // A reference taken on memory of another process's client, which RM allows only when
+        // it was shared (the snapshot's own records, with no fd, excepted).
+        let taken = match &r.event {
+            Event::DupObject { fd, client, src_client, src_object, status: 0, .. } if *fd >= 0 && src_client != client => {
+                Some((self.clients.get(client).and_then(|c| c.pid), (*src_client, *src_object)))
+            }
+            Event::UvmMap { fd, client, memory, status: 0, .. } if *fd >= 0 => Some((Some(pid), (*client, *memory))),
+            _ => None,
+        };
+        if let Some((taker, source)) = taken {
+            if !self.may_take(taker, source) {
+                add(&mut self.foreign_client_calls, 1);
+                return;
+            }
+        }
         match &r.event {
             Event::Process { ppid, seen, command } => self.on_process(pid, ts, *ppid, *seen, command),
             Event::Exec { command } => self.on_exec(pid, ts, command),
@@ -424,7 +440,9 @@ impl Model {
             // the caller's own bytes (another user's handles, made-up offsets), so none is kept.
             | Event::FabricAttach { status, .. }
             | Event::FabricDetach { status, .. }
+            | Event::Share { status, .. }
                 if *status != 0 => {}
+            Event::Share { client, object, share_type, action, .. } => self.on_share(*client, *object, *share_type, *action),
             Event::Object { fd, client, parent, object, class, gpu, .. } => {
                 self.on_object(pid, ts, *fd, (*client, *parent, *object), *class, *gpu)
             }

@@ -691,7 +691,7 @@ impl Report {
                 ),
                 (
                     l.foreign_client_calls,
-                    "calls on another file's RM client ignored (RM refuses those: params or a fd changed by another thread while the call ran, records lost before, or an edited trace)",
+                    "calls RM refuses ignored (on another file's client, or taking another process's memory it did not share: params or a fd changed by another thread while the call ran, records lost before, or an edited trace)",
                 ),
             ];
             let rare: String = rare.iter().filter(|(n, _)| *n > 0).map(|(n, what)| format!(", {n} {what}")).collect();
@@ -774,7 +774,7 @@ mod tests {
         assert!(text(Loss::default()).contains("Lost events: 0."));
         let some = text(Loss { lost_records: 3, foreign_client_calls: 2, torn_tail: true, ..Loss::default() });
         assert!(some.contains("INCOMPLETE: 3 records lost in the kernel"), "{some}");
-        assert!(some.contains(", torn last line, 2 calls on another file's RM client ignored (RM refuses those"), "{some}");
+        assert!(some.contains(", torn last line, 2 calls RM refuses ignored (on another file's client"), "{some}");
         assert!(!some.contains("handles not followed") && !some.contains("device fds not followed"), "{some}");
     }
 

@@ -557,3 +557,19 @@ fn register_fd_names_the_control_fd_it_joins() {
     raw.ret = -22;
     assert_eq!(decode_ioctl(&l, &raw), None, "refused (EINVAL): nothing joined");
 }
+
+/// RM_SHARE (NVOS57, 24 bytes): the object, its policy (type u16@16, action u8@18, target@8)
+/// and RM's status; refused by ioctl() itself, a generic failure.
+#[test]
+fn rm_share_is_decoded_with_its_policy() {
+    let l = layout(580, 95, 5);
+    let params = Buf::new(24).u32(0, 0xc1d0_0001).u32(4, 0xa).u32(8, 0xc1d0_0002).u32(16, 0x0001_0003);
+    let mut raw = rm(escape::RM_SHARE, params, vec![]);
+    let share = Event::Share { fd: 7, client: 0xc1d0_0001, object: 0xa, share_type: 3, target: 0xc1d0_0002, action: 1, status: 0 };
+    assert_eq!(decode_ioctl(&l, &raw), Some(share));
+    raw.ret = -14;
+    assert!(matches!(decode_ioctl(&l, &raw), Some(Event::Share { status, .. }) if status == status::GENERIC_FAILURE));
+    assert!(
+        tracer_common::rm_command_traced(rm_cmd(escape::RM_SHARE, 24)) && !tracer_common::rm_command_traced(rm_cmd(escape::RM_SHARE, 28))
+    );
+}

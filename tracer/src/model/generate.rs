@@ -1,5 +1,6 @@
-//! Any bytes as a sequence of records that exercise the model: allocations, frees, dups, exports
-//! and imports through files, sticky fabric objects, closes,
+//! Any bytes as a sequence of records that exercise the model: allocations, frees, dups (within a
+//! process, or across processes with and without a share), exports and imports through files,
+//! sticky fabric objects, closes,
 //! forks and exits over a few pids, fds, files, clients and handles, so that they collide the
 //! way real ones do. The input of the model's fuzz target and of its property tests, which hold
 //! the model to [`Model::check_books`](super::Model::check_books).
@@ -72,7 +73,7 @@ pub fn records(data: &[u8]) -> Vec<Record> {
         let subdevice = |b: &mut Bytes| if b.one_in(2) { b.pick(2) } else { 0x100 + b.pick(8) };
         // Mostly forward in time; sometimes backwards, as a damaged or hostile trace may be.
         ts = if op & 0x80 != 0 && op & 0x40 != 0 { ts.saturating_sub(u64::from(b.u8())) } else { ts + u64::from(b.u8()) };
-        let event = match op % 30 {
+        let event = match op % 31 {
             0 => Event::Process {
                 ppid: 1 + b.pick(4),
                 seen: if b.one_in(2) { Seen::Forked } else { Seen::Running },
@@ -118,7 +119,7 @@ pub fn records(data: &[u8]) -> Vec<Record> {
                 Event::Free { fd, via: Via::RmFree, client, parent: 0, object, status: 0 }
             }
             12 => {
-                // Within the client, or from another one (RM lets a dup name any client as its source).
+                // Within the client, or from another one: of the same process, or shared, or refused.
                 let src_client = if b.one_in(2) { client } else { CLIENTS[b.pick(16) as usize] };
                 let src_object = 0x100 + b.pick(8);
                 Event::DupObject {
@@ -204,6 +205,12 @@ pub fn records(data: &[u8]) -> Vec<Record> {
                 let detached = b.pick(offsets.len() as u8 + 1) as u16;
                 let (fabric, subdevice) = (0x100 + b.pick(2), subdevice(&mut b));
                 Event::FabricDetach { fd, client, fabric, subdevice, offsets, detached, more: 0, status: 0 }
+            }
+            29 => {
+                // Shared beyond its process (ALL, a client, the process's own), or no longer.
+                let object = handle(&mut b, client);
+                let (share_type, action) = ([1, 3, 4][b.pick(3) as usize], [0, 0, 1, 2][b.pick(4) as usize]);
+                Event::Share { fd, client, object, share_type, target: 0, action, status: 0 }
             }
             17 => Event::UvmUnmap { fd, base: u64::from(b.pick(4)) << 21, length: u64::from(b.pick(3)) << 20, status: 0 },
             _ => Event::Lost { records: b.size() },

@@ -27,14 +27,19 @@ pub(super) const HANDLE_POINT: u64 = 1 << 32;
 #[derive(Clone, Debug, Default)]
 pub(super) struct Client {
     pub(super) file: Option<FileId>,
+    /// The process that made it (RM's ProcID, what the default share policy compares); None
+    /// for a client made before tracing, whose shares were not seen either.
+    pub(super) pid: Option<u32>,
+    /// Its handles shared beyond that process (RM_SHARE), the client's own for all of them.
+    pub(super) shared: HashSet<u32>,
     pub(super) objects: HashMap<u32, Object>,
     /// Parent handle to child handles, so freeing a subtree never scans the whole client.
     pub(super) children: HashMap<u32, HashSet<u32>>,
 }
 
 impl Client {
-    pub(super) fn new(file: Option<FileId>) -> Self {
-        Client { file, ..Default::default() }
+    pub(super) fn new(file: Option<FileId>, pid: Option<u32>) -> Self {
+        Client { file, pid, ..Default::default() }
     }
 
     fn insert(&mut self, handle: u32, object: Object) {
@@ -47,11 +52,13 @@ impl Client {
         self.children.entry(parent).or_default().insert(handle);
     }
 
-    /// Removes `handle` and everything below it; returns them with the handle itself first.
+    /// Removes `handle` and everything below it (and their shares); returns them with the
+    /// handle itself first.
     fn remove_subtree(&mut self, handle: u32) -> Vec<(u32, Object)> {
         let mut removed = Vec::new();
         let mut stack = vec![handle];
         while let Some(h) = stack.pop() {
+            self.shared.remove(&h);
             if let Some(kids) = self.children.remove(&h) {
                 stack.extend(kids);
             }
@@ -83,7 +90,8 @@ impl Model {
             // RM never hands out a live handle twice: an old client by that handle was freed in
             // a way the trace missed (lost records, a reused pid).
             self.free_client(client, ts, FreedBy::Unseen);
-            self.clients.insert(client, Client::new(file));
+            // pid 0: a snapshot's client whose maker was not known.
+            self.clients.insert(client, Client::new(file, (pid != 0).then_some(pid)));
         } else {
             let gpu = gpu.or_else(|| self.gpu_of(client, parent));
             self.insert_object(client, pid, fd, ts, object, Object { parent, alloc: None, gpu, class });
@@ -129,6 +137,33 @@ impl Model {
             }
             None => false,
         }
+    }
+
+    /// RM_SHARE: a handle (or the client itself, for all of its handles) shared beyond the
+    /// process that made the client, or that no longer is (REVOKE). Any share that allows
+    /// (ALL, a user's, a client, a GPU's) counts; one that only requires narrows nothing here.
+    pub(super) fn on_share(&mut self, client: u32, object: u32, share_type: u16, action: u8) {
+        const PID: u16 = 4;
+        const REVOKE: u8 = 1;
+        const REQUIRE: u8 = 2;
+        let Some(c) = self.clients.get_mut(&client) else { return };
+        if action & REVOKE != 0 {
+            c.shared.remove(&object);
+        } else if action & REQUIRE == 0 && share_type != PID && share_type != 0 {
+            c.shared.insert(object);
+        }
+    }
+
+    /// Whether RM lets `taker` (the process of the destination client, or the caller of a UVM
+    /// mapping) take a reference on `object` of `client` (RM_DUP_OBJECT's source, UVM's mapped
+    /// memory): the default share policy is the same process's (RS_SHARE_TYPE_PID, sharing.c;
+    /// checked against ProcID, client_resource.c), anything else needs RM_SHARE. Taken on the
+    /// trace's word where the client was made before tracing (its shares were not seen), or the
+    /// taker is not known.
+    pub(super) fn may_take(&self, taker: Option<u32>, (client, object): (u32, u32)) -> bool {
+        let Some(c) = self.clients.get(&client) else { return true };
+        let (Some(owner), Some(taker)) = (c.pid, taker) else { return true };
+        owner == taker || c.shared.contains(&object) || c.shared.contains(&client)
     }
 
     /// The GPU of the object `handle` of `client`: the device it is, or is under.
@@ -264,7 +299,7 @@ impl Model {
     fn client_mut(&mut self, client: u32, pid: u32, fd: i32, ts: u64) -> &mut Client {
         if !self.clients.contains_key(&client) {
             let file = self.file_of(pid, fd, ts).map(|f| self.acting(f));
-            self.clients.insert(client, Client::new(file));
+            self.clients.insert(client, Client::new(file, None));
         }
         self.clients.get_mut(&client).expect("inserted above")
     }

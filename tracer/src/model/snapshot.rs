@@ -34,6 +34,7 @@ impl Model {
         s.attachments();
         s.exports();
         s.registrations();
+        s.shares();
         s.requests();
         s.marks_and_sample();
         s.finish();
@@ -149,6 +150,13 @@ impl<'a> Snapshot<'a> {
         fd
     }
 
+    /// The process that made a client (0 where that is not known) and an fd of it on the
+    /// client's file (lent where needed): who writes the client and what it shared.
+    fn maker_of(&mut self, c: &super::handles::Client) -> (u32, i32) {
+        let pid = c.pid.unwrap_or(0);
+        (pid, c.file.map_or(-1, |file| self.fd_for(pid, file)))
+    }
+
     /// Who can name `file`: a process holding it, else the first written (lent an fd).
     fn someone_with(&mut self, file: FileId) -> Option<(u32, i32)> {
         if let Some(&h) = self.holder.get(&file) {
@@ -158,21 +166,16 @@ impl<'a> Snapshot<'a> {
         Some((pid, self.fd_for(pid, file)))
     }
 
-    /// Every client, then its non-memory objects parents first (stopping at memory handles,
-    /// whose subtrees follow their memory).
+    /// Every client, made by the process that made it (pid 0 where that is not known) through
+    /// its file, then its non-memory objects parents first (stopping at memory handles, whose
+    /// subtrees follow their memory), then what it shared.
     fn clients(&mut self) {
         let model = self.model;
         let mut handles: Vec<u32> = model.clients.keys().copied().collect();
         handles.sort_unstable();
         for client in handles {
             let c = &model.clients[&client];
-            let (pid, fd) = match c.file {
-                Some(file) => match self.someone_with(file) {
-                    Some(h) => h,
-                    None => continue,
-                },
-                None => (0, -1),
-            };
+            let (pid, fd) = self.maker_of(c);
             let event = Event::Object { fd, client, parent: client, object: client, class: class::ROOT_CLIENT, status: 0, gpu: None };
             self.push(self.at, pid, event);
             for handle in tree_order(c, false) {
@@ -386,7 +389,14 @@ impl<'a> Snapshot<'a> {
         for (&(file, base), ids) in &model.uvm_maps {
             for id in ids {
                 let Some(&(client, memory)) = self.made.get(id) else { continue };
-                let Some((pid, fd)) = self.someone_with(file) else { continue };
+                // Mapped by the process that made the client, as RM's share policy lets it.
+                let maker = model.clients.get(&client).and_then(|c| c.pid);
+                let Some((pid, fd)) = (match maker {
+                    Some(pid) => Some((pid, self.fd_for(pid, file))),
+                    None => self.someone_with(file),
+                }) else {
+                    continue;
+                };
                 let event = Event::UvmMap { fd, base, length: 0, offset: 0, client, memory, status: 0 };
                 self.push(self.at, pid, event);
             }
@@ -403,6 +413,24 @@ impl<'a> Snapshot<'a> {
             let Some((pid, to_fd)) = self.someone_with(file) else { continue };
             let objects = vec![object];
             self.push(self.at, pid, Event::ExportObjects { fd: -1, client, objects, index, more: 0, to_fd, status: 0 });
+        }
+    }
+
+    /// What each client shared beyond its process, once every handle is there (a handle made
+    /// anew drops its old shares).
+    fn shares(&mut self) {
+        let model = self.model;
+        let mut clients: Vec<u32> = model.clients.keys().copied().collect();
+        clients.sort_unstable();
+        for client in clients {
+            let c = &model.clients[&client];
+            let (pid, fd) = self.maker_of(c);
+            let mut shared: Vec<u32> = c.shared.iter().copied().collect();
+            shared.sort_unstable();
+            for object in shared {
+                // RS_SHARE_TYPE_ALL: what the model keeps of any share that allows.
+                self.push(self.at, pid, Event::Share { fd, client, object, share_type: 1, target: 0, action: 0, status: 0 });
+            }
         }
     }
 

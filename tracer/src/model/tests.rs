@@ -796,6 +796,55 @@ fn a_client_is_reached_only_through_its_own_file() {
     assert_eq!(Model::from_records(&other).foreign_client_calls, 6);
 }
 
+/// RM lets another process take a reference on memory (RM_DUP_OBJECT from its client, a UVM
+/// mapping of it) only when it was shared (RM_SHARE); the default policy is the same
+/// process's. A forged dup cannot keep another user's memory alive in the books; a shared one
+/// (legacy CUDA IPC) does, and the snapshot keeps the share. A client made before tracing is
+/// taken on the trace's word (its shares were not seen).
+#[test]
+fn another_process_takes_memory_only_when_it_was_shared() {
+    const OTHER: u32 = 0xc1d0_0002;
+    let mut t = setup(10, false);
+    t.push(alloc(5, 10, 3, DEVICE, 0xa, GIB, 0));
+    t.push(process(6, 20, 1, Seen::Launched));
+    t.push(open(6, 20, 3, 2, Device::Ctl, false));
+    t.push(rec(7, 20, Event::Object { fd: 3, client: OTHER, parent: OTHER, object: OTHER, class: 0x41, status: 0, gpu: None }));
+    let dup = |ts, object| {
+        rec(ts, 20, Event::DupObject { fd: 3, client: OTHER, parent: OTHER, object, src_client: CLIENT, src_object: 0xa, status: 0 })
+    };
+    let share = |ts, action| rec(ts, 10, Event::Share { fd: 3, client: CLIENT, object: 0xa, share_type: 1, target: 0, action, status: 0 });
+    let mut forged = t.clone();
+    forged.push(dup(8, 0xb));
+    forged.push(open(8, 20, 4, 3, Device::Uvm, false));
+    forged.push(rec(8, 20, Event::UvmMap { fd: 4, base: 0, length: GIB, offset: 0, client: CLIENT, memory: 0xa, status: 0 }));
+    forged.push(free(9, 10, 0xa));
+    let m = Model::from_records(&forged);
+    assert_eq!(freed(&m, 0xa), Some((9, FreedBy::Explicit)), "not shared: neither reference was taken");
+    assert_eq!(m.foreign_client_calls, 2);
+    // Shared with everyone: pid 20's dup holds it past its owner's free.
+    t.push(share(8, 0));
+    let cut = t.len();
+    t.push(dup(9, 0xb));
+    t.push(free(10, 10, 0xa));
+    let m = Model::from_records(&t);
+    assert_eq!((freed(&m, 0xa), m.foreign_client_calls), (None, 0), "shared: held by pid 20's handle");
+    let snapshot = Model::from_records(&t[..cut]).snapshot();
+    let replay = Model::from_records(snapshot.iter().chain(&t[cut..]));
+    assert_eq!((replay.live(Memory::Video), replay.foreign_client_calls), (GIB, 0), "the snapshot keeps the share");
+    // Revoked before the dup: refused again.
+    let mut revoked = t[..cut].to_vec();
+    revoked.push(share(9, 1));
+    revoked.push(dup(9, 0xb));
+    assert_eq!(Model::from_records(&revoked).foreign_client_calls, 1);
+    // A client met only through its calls (made before tracing): its shares are unknown.
+    let mut early = vec![process(1, 10, 1, Seen::Running), open(2, 10, 3, 1, Device::Ctl, false), alloc(5, 10, 3, CLIENT, 0xa, GIB, 0)];
+    early.extend(t[5..8].iter().cloned());
+    early.push(dup(9, 0xb));
+    early.push(free(10, 10, 0xa));
+    let m = Model::from_records(&early);
+    assert_eq!((freed(&m, 0xa), m.foreign_client_calls), (None, 0), "taken on the trace's word");
+}
+
 /// Pinned host memory (RM_ALLOC_MEMORY, on a device file) of a process met after it registered
 /// its device file: the client first met through the device file is reached through the
 /// nvidiactl file too, and the other way round, each inferring the registration.
