@@ -93,7 +93,8 @@ pub mod stat {
     /// Opens of an NVIDIA path whose file is not NVIDIA's device (its major differs): not followed.
     pub const IMPOSTORS: u32 = 3;
     /// Opens, closes, dups and ioctls in threads with a file table of their own (unshare
-    /// CLONE_FILES): their fd numbers are not their process's, so they are not followed.
+    /// CLONE_FILES), and close_range(CLOSE_RANGE_UNSHARE) on a shared one: their fd numbers are
+    /// not their process's, so they are not followed.
     pub const OWN_FILE_TABLE: u32 = 4;
     pub const COUNT: u32 = 5;
 }
@@ -134,7 +135,9 @@ pub struct KernelOffsets {
     /// `task_struct.group_leader`: a thread's table is its process's when it is the leader's;
     /// 0 when unknown (every thread is taken to share it).
     pub task_group_leader: u32,
-    pub _pad: u32,
+    /// `files_struct.count` plus one (it is the struct's first member): how many tasks share a
+    /// file table; 0 when unknown.
+    pub files_count_plus_one: u32,
 }
 
 #[repr(C)]

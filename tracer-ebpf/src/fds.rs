@@ -240,6 +240,10 @@ pub fn dup_exit(ctx: TracePointContext) -> u32 {
     0
 }
 
+/// close_range's flag: the caller's table is copied first when shared, and the closes happen in
+/// the copy.
+const CLOSE_RANGE_UNSHARE: u64 = 2;
+
 /// The range may be huge (3..~0), so userspace, which mirrors FDS, does the forgetting.
 #[tracepoint]
 pub fn close_range_enter(ctx: TracePointContext) -> u32 {
@@ -247,6 +251,11 @@ pub fn close_range_enter(ctx: TracePointContext) -> u32 {
         return 0;
     }
     let (first, last, flags) = (sys_arg(&ctx, 0), sys_arg(&ctx, 1), sys_arg(&ctx, 2));
+    // Closed in a table of the caller's own, made for the call: the process keeps its files.
+    if flags & CLOSE_RANGE_UNSHARE != 0 && file_table_shared() {
+        bump(stat::OWN_FILE_TABLE);
+        return 0;
+    }
     send_fd_record(kind::CLOSE_RANGE, first as i64, last as u32 as i64, flags as i64);
     0
 }

@@ -272,6 +272,23 @@ fn own_file_table() -> bool {
     own
 }
 
+/// Whether the current task's file table is shared with other tasks (threads, or processes
+/// made with CLONE_FILES): close_range's CLOSE_RANGE_UNSHARE then closes in a copy of its own.
+/// False when it cannot be told.
+#[inline(always)]
+fn file_table_shared() -> bool {
+    let Some(o) = OFFSETS.get(0) else { return false };
+    if o.files_count_plus_one == 0 || o.task_files == 0 {
+        return false;
+    }
+    let files = read_pointer(unsafe { bpf_get_current_task() } + o.task_files as u64);
+    if files == 0 {
+        return false;
+    }
+    let count = unsafe { bpf_probe_read_kernel((files + o.files_count_plus_one as u64 - 1) as *const u32) }.unwrap_or(0);
+    count > 1
+}
+
 /// What NVIDIA device `file` is by its device number alone (nvidiactl, a GPU, or UVM), where
 /// the driver's majors are known: for a fd once answered not NVIDIA whose number may since have
 /// been reused, unseen, for NVIDIA's file.

@@ -88,7 +88,7 @@ pub fn kernel_offsets(data: &[u8]) -> Result<KernelOffsets, String> {
         file_inode: get("file", "f_inode").unwrap_or(0),
         inode_rdev: get("inode", "i_rdev").unwrap_or(0),
         task_group_leader: get("task_struct", "group_leader").unwrap_or(0),
-        _pad: 0,
+        files_count_plus_one: get("files_struct", "count").map_or(0, |at| at + 1),
     })
 }
 
@@ -151,5 +151,6 @@ mod tests {
         assert!(o.task_exit_code > 0 && o.task_exit_code < 16384 && o.task_exit_code != o.task_files, "{o:?}");
         assert!(o.file_inode > 0 && o.file_inode < 256 && o.inode_rdev > 0 && o.inode_rdev < 1024, "{o:?}");
         assert!(o.task_group_leader > 0 && o.task_group_leader < 16384 && o.task_group_leader != o.task_files, "{o:?}");
+        assert!(o.files_count_plus_one > 0 && o.files_count_plus_one < 64 && o.files_count_plus_one != o.files_fdt + 1, "{o:?}");
     }
 }

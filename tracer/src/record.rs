@@ -220,7 +220,7 @@ impl Session {
             }
             if filter.own_file_table > 0 {
                 eprintln!(
-                    "gputrace: warning: {} opens, closes, dups or ioctls of NVIDIA files came from threads with a file table of their own (unshare(CLONE_FILES)): their fd numbers are not their process's, and they were not followed",
+                    "gputrace: warning: {} opens, closes, dups or ioctls of NVIDIA files came from threads with a file table of their own (unshare(CLONE_FILES), close_range(CLOSE_RANGE_UNSHARE)): their fd numbers are not their process's, and they were not followed",
                     filter.own_file_table
                 );
             }

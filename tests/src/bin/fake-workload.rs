@@ -250,8 +250,9 @@ fn io_uring_once(ring: &mut io_uring::IoUring, entry: io_uring::squeue::Entry) -
 }
 
 /// A thread with a file table of its own (unshare(CLONE_FILES)) closes its copy of the UVM fd
-/// and opens /proc/version under the same number, then sends a UVM command on it; the process's
-/// own fd stays open, and a UVM command goes on it before and after.
+/// and opens /proc/version under the same number, then sends a UVM command on it; another thread
+/// closes it with close_range(CLOSE_RANGE_UNSHARE), which closes in a copy of its own table;
+/// the process's own fd stays open, and a UVM command goes on it before and after.
 fn own_table() -> Result<(), String> {
     let uvm = File::options().read(true).write(true).open("/dev/nvidia-uvm").map_err(|e| format!("/dev/nvidia-uvm: {e}"))?;
     let fd = uvm.as_raw_fd();
@@ -270,6 +271,14 @@ fn own_table() -> Result<(), String> {
         Ok(())
     });
     thread.join().map_err(|_| "the thread panicked")??;
+    let unsharing = std::thread::spawn(move || {
+        // SAFETY: closes fd in a copy of this thread's table; nothing else is touched.
+        unsafe { libc::syscall(libc::SYS_close_range, fd as libc::c_uint, fd as libc::c_uint, libc::CLOSE_RANGE_UNSHARE) }
+    });
+    let closed = unsharing.join().map_err(|_| "the close_range thread panicked")?;
+    if closed != 0 {
+        return Err(format!("close_range(CLOSE_RANGE_UNSHARE) gave {closed}: {}", std::io::Error::last_os_error()));
+    }
     uvm_free(fd);
     // Held to the end: the process's exit closes it.
     std::mem::forget(uvm);

@@ -346,9 +346,6 @@ impl Model {
         });
         self.process(pid, ts).usage.add(a.memory, a.bytes);
         self.handle_refs.insert(id, 1);
-        if a.base.is_none() {
-            self.object_refs.insert(id, 1);
-        }
         // A sticky fabric object dups the memory it is made over until it goes itself. RM takes
         // only memory the fabric can map there (never another holder), so a trace that says
         // otherwise cannot make chains of holds.
@@ -363,7 +360,9 @@ impl Model {
                     self.release(old, ts, FreedBy::Unseen);
                 }
             }
+            // An RM handle (a UVM range with no file only in a crafted trace lands here too).
             _ => {
+                self.object_refs.insert(id, 1);
                 let object = Object { parent: a.parent, alloc: Some(id), gpu, class: a.class };
                 self.insert_object(a.client, pid, a.fd, ts, a.object, object);
             }

@@ -845,6 +845,23 @@ fn another_process_takes_memory_only_when_it_was_shared() {
     assert_eq!((freed(&m, 0xa), m.foreign_client_calls), (None, 0), "taken on the trace's word");
 }
 
+/// A UVM range with no file (fd -1: only a crafted trace has one) is kept as a handle, and the
+/// books still balance, its handle counted as one.
+#[test]
+fn a_uvm_range_without_a_file_keeps_the_books() {
+    let mut range = uvm_range(5, 0, GIB);
+    if let Event::Alloc(a) = &mut range.event {
+        a.fd = -1;
+    }
+    let mut t = setup(10, false);
+    t.push(range);
+    assert_eq!(Model::from_records(&t).check_books(), Ok(()));
+    t.push(rec(6, 10, Event::Free { fd: 3, via: Via::RmFree, client: 0, parent: 0, object: 0, status: 0 }));
+    let m = Model::from_records(&t);
+    assert_eq!(m.check_books(), Ok(()));
+    assert!(m.allocations.iter().all(|a| a.released.is_none()), "freed by its handle, never released while held");
+}
+
 /// Pinned host memory (RM_ALLOC_MEMORY, on a device file) of a process met after it registered
 /// its device file: the client first met through the device file is reached through the
 /// nvidiactl file too, and the other way round, each inferring the registration.
