@@ -191,15 +191,18 @@ impl Session {
                 *write_error = Some(e.to_string());
             }
         }
-        let loss =
-            Loss { undecodable: self.model.undecodable + self.decode_errors, write_error: write_error.clone(), ..Loss::of(&self.model) };
+        let loss = Loss {
+            undecodable: self.model.undecodable + self.decode_errors,
+            write_error: write_error.clone(),
+            own_file_table: counters.own_file_table,
+            ..Loss::of(&self.model)
+        };
         let mut summary = Report::new(header, &self.model, writer.path().display().to_string(), writer.records, loss, opts.idle_ns);
         let filter = FdFilter {
             questions: counters.questions,
             pending_dropped: self.pipeline.files.pending_dropped,
             map_inserts_failed: counters.insert_failed,
             impostors: counters.impostors + self.pipeline.files.impostors,
-            own_file_table: counters.own_file_table,
         };
         if opts.json {
             summary.fd_filter = Some(filter);
@@ -216,12 +219,6 @@ impl Session {
                 eprintln!(
                     "gputrace: warning: {} files at NVIDIA's paths were not NVIDIA's devices (another device number: a file mounted there in a namespace, or a followed fd reused for another file by a close no tracepoint sees, as io_uring's) and were not followed",
                     filter.impostors
-                );
-            }
-            if filter.own_file_table > 0 {
-                eprintln!(
-                    "gputrace: warning: {} opens, closes, dups or ioctls of NVIDIA files came from threads with a file table of their own (unshare(CLONE_FILES), close_range(CLOSE_RANGE_UNSHARE)): their fd numbers are not their process's, and they were not followed",
-                    filter.own_file_table
                 );
             }
             if filter.questions > 0 {
@@ -460,6 +457,9 @@ impl Session {
                 _ = tick.tick() => {
                     // The kernel wakes this loop only once a batch of escapes has built up.
                     self.drain(ring.get_mut(), probe)?;
+                    if let Sink::Watch(w) = &mut self.sink {
+                        w.kernel_counters(probe.counters());
+                    }
                     self.tick();
                     self.check_lost(probe);
                     self.read_majors_again(probe)?;

@@ -214,6 +214,10 @@ pub struct Loss {
     /// Calls on another file's RM client, ignored (RM refuses them).
     #[serde(skip_serializing_if = "is_zero")]
     pub foreign_client_calls: u64,
+    /// Opens, closes, dups and ioctls of NVIDIA files in threads with a file table of their own,
+    /// which the kernel side does not follow (counted since recording or watching began).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub own_file_table: u64,
     /// Why the recorder stopped writing the trace (a full disk), when it did.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub write_error: Option<String>,
@@ -250,9 +254,6 @@ pub struct FdFilter {
     pub map_inserts_failed: u64,
     /// Files at NVIDIA's paths that were not NVIDIA's devices (their device number), not followed.
     pub impostors: u64,
-    /// Opens, closes, dups and ioctls of NVIDIA files in threads with a file table of their own
-    /// (unshare(CLONE_FILES)): not followed.
-    pub own_file_table: u64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -690,6 +691,10 @@ impl Report {
                     "exported or imported handles not followed (past the first 16 of a batch: their memory's lifetime is not known)",
                 ),
                 (
+                    l.own_file_table,
+                    "fd events in threads with a file table of their own not followed (unshare(CLONE_FILES), close_range(CLOSE_RANGE_UNSHARE): their fd numbers are not their process's)",
+                ),
+                (
                     l.foreign_client_calls,
                     "calls RM refuses ignored (on another file's client, or taking another process's memory it did not share: params or a fd changed by another thread while the call ran, records lost before, or an edited trace)",
                 ),
@@ -776,6 +781,11 @@ mod tests {
         assert!(some.contains("INCOMPLETE: 3 records lost in the kernel"), "{some}");
         assert!(some.contains(", torn last line, 2 calls RM refuses ignored (on another file's client"), "{some}");
         assert!(!some.contains("handles not followed") && !some.contains("device fds not followed"), "{some}");
+        let own = text(Loss { own_file_table: 4, ..Loss::default() });
+        assert!(
+            own.contains("INCOMPLETE") && own.contains(", 4 fd events in threads with a file table of their own not followed"),
+            "{own}"
+        );
     }
 
     /// A process that allocated, then did nothing for longer than the threshold, is a suspect;

@@ -92,6 +92,7 @@ pub fn run(opts: Options) -> Result<()> {
         writing: Vec::new(),
         listen: opts.listen,
         diagnoses: Arc::default(),
+        own_file_table: 0,
     };
     crate::record::watch(record, watcher)
 }
@@ -132,9 +133,17 @@ pub struct Watcher {
     pub listen: Option<SocketAddr>,
     /// The verdicts of the dumps written, by category (for /metrics).
     diagnoses: Arc<Mutex<BTreeMap<String, u64>>>,
+    /// fd events the kernel side counted and did not follow since watching began (threads with
+    /// a file table of their own): every report says so.
+    own_file_table: u64,
 }
 
 impl Watcher {
+    /// What the kernel side counted, read each tick.
+    pub fn kernel_counters(&mut self, counters: crate::probe::Counters) {
+        self.own_file_table = counters.own_file_table;
+    }
+
     pub fn push(&mut self, record: &crate::event::Record, live: &Model) {
         self.flight.push(record, live);
     }
@@ -229,7 +238,7 @@ impl Watcher {
     }
 
     fn report(&self, model: &Model) -> Report {
-        let loss = Loss { lost_records: self.flight.counters.lost, ..Loss::default() };
+        let loss = Loss { lost_records: self.flight.counters.lost, own_file_table: self.own_file_table, ..Loss::default() };
         Report::new(&self.header, model, "live".into(), self.flight.counters.records, loss, self.idle_ns)
     }
 
@@ -243,6 +252,7 @@ impl Watcher {
             idle_ns: self.idle_ns,
             number: self.flight.counters.dumps,
             diagnoses: self.diagnoses.clone(),
+            own_file_table: self.own_file_table,
         }
     }
 }
@@ -256,6 +266,7 @@ struct DumpJob {
     idle_ns: u64,
     number: u64,
     diagnoses: Arc<Mutex<BTreeMap<String, u64>>>,
+    own_file_table: u64,
 }
 
 impl DumpJob {
@@ -288,7 +299,7 @@ impl DumpJob {
         }
         writer.flush()?;
         std::fs::rename(&partial, &path).with_context(|| format!("cannot rename {} to {}", partial.display(), path.display()))?;
-        let loss = Loss::of(&model);
+        let loss = Loss { own_file_table: self.own_file_table, ..Loss::of(&model) };
         let report = Report::new(&header, &model, path.display().to_string(), writer.records, loss, self.idle_ns);
         if let Ok(mut d) = self.diagnoses.lock() {
             *d.entry(report.diagnosis.category.name().to_string()).or_default() += 1;
@@ -393,6 +404,7 @@ mod tests {
             writing: Vec::new(),
             listen: None,
             diagnoses: Arc::default(),
+            own_file_table: 0,
         }
     }
 
@@ -428,6 +440,18 @@ mod tests {
             body.contains("gputrace_live_bytes{service=\"vllm … … --api-key … --max-model-len 8192\",memory=\"video\"} 2147483648"),
             "{body}"
         );
+    }
+
+    /// What the kernel side did not follow is in the live report's losses (and so in every
+    /// dump's), not only in `record`'s closing lines.
+    #[test]
+    fn the_kernel_sides_own_table_count_reaches_the_report() {
+        let mut w = watcher();
+        assert_eq!(w.report(&model()).loss.own_file_table, 0);
+        w.kernel_counters(crate::probe::Counters { own_file_table: 3, ..Default::default() });
+        let report = w.report(&model());
+        assert_eq!(report.loss.own_file_table, 3);
+        assert!(report.text().contains("3 fd events in threads with a file table of their own not followed"));
     }
 
     #[test]
