@@ -168,6 +168,17 @@ def v_fd_filter(run):
     return [(q, impostors == 0, f"{impostors} refused")]
 
 
+def v_refused(run):
+    """The model refuses calls RM would refuse (another file's client, another process's memory
+    not shared); on a real CUDA stack none should be, and none should go unfollowed."""
+    q = f"{run.api}: no call refused as one RM would refuse, no fd event left unfollowed"
+    loss = (run.report or {}).get("loss")
+    if loss is None:
+        return [(q, None, "no loss in the report (record --json did not finish)")]
+    refused, own = loss.get("foreign_client_calls", 0), loss.get("own_file_table", 0)
+    return [(q, refused == 0 and own == 0, f"{refused} refused, {own} in threads with a file table of their own")]
+
+
 def v_decoded(run):
     undecodable = [r for r in run.records if r.get("ev") == "undecodable"]
     lost = sum(r.get("records", 0) for r in run.records if r.get("ev") == "lost")
@@ -374,7 +385,7 @@ def verdicts_for(run, safe=True):
     if run.header is None:
         return [(f"{run.api} recorded", None, run.why or "no trace")]
     out = []
-    checks = [v_fd_filter, v_decoded]
+    checks = [v_fd_filter, v_refused, v_decoded]
     if run.notes.get("ran"):
         checks += SPECIFIC.get(run.api, [])
     else:
@@ -629,6 +640,10 @@ def self_test():
     expect("impostors", v_fd_filter(synth("cudaMalloc", report={"fd_filter": {"impostors": 2}})), False)
     expect("no impostor", v_fd_filter(synth("cudaMalloc")), True)
     expect("no fd_filter", v_fd_filter(synth("cudaMalloc", report={})), None)
+    expect("refused", v_refused(synth("cudaMalloc", report={"loss": {"foreign_client_calls": 3}})), False)
+    expect("own table", v_refused(synth("cudaMalloc", report={"loss": {"own_file_table": 1}})), False)
+    expect("none refused", v_refused(synth("cudaMalloc", report={"loss": {"lost_records": 0}})), True)
+    expect("no loss", v_refused(synth("cudaMalloc", report={})), None)
     expect("overhead", v_overhead({"notes": {"us_per_alloc_free": 120.0}}, {"notes": {"us_per_alloc_free": 100.0}}), None)
     checks += 1
     if "ratio 1.20" not in v_overhead({"notes": {"us_per_alloc_free": 120.0}}, {"notes": {"us_per_alloc_free": 100.0}})[0][2]:

@@ -247,12 +247,16 @@ const CLOSE_RANGE_UNSHARE: u64 = 2;
 /// The range may be huge (3..~0), so userspace, which mirrors FDS, does the forgetting.
 #[tracepoint]
 pub fn close_range_enter(ctx: TracePointContext) -> u32 {
-    if !is_traced((bpf_get_current_pid_tgid() >> 32) as u32) || own_file_table() {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    if !is_traced((pid_tgid >> 32) as u32) || own_file_table() {
         return 0;
     }
     let (first, last, flags) = (sys_arg(&ctx, 0), sys_arg(&ctx, 1), sys_arg(&ctx, 2));
-    // Closed in a table of the caller's own, made for the call: the process keeps its files.
-    if flags & CLOSE_RANGE_UNSHARE != 0 && file_table_shared() {
+    // A thread other than the leader closing in a table of its own, made for the call: the
+    // process (whose table is the leader's here) keeps its files. The leader's copy becomes
+    // the process's table, so its closes count.
+    let leader = pid_tgid as u32 == (pid_tgid >> 32) as u32;
+    if flags & CLOSE_RANGE_UNSHARE != 0 && !leader && file_table_shared() {
         bump(stat::OWN_FILE_TABLE);
         return 0;
     }

@@ -192,6 +192,12 @@ pub enum Event {
         action: u8,
         status: u32,
     },
+    /// The process that made `client` (RM's ProcID; 0: not known), where a snapshot wrote the
+    /// client through another process that holds its file. Never from the kernel side.
+    ClientMaker {
+        client: u32,
+        maker: u32,
+    },
     /// RM_CONTROL EXPORT_OBJECT_TO_FD: the object is dup'ed into a client the kernel keeps for
     /// the nvidiactl file behind `to_fd`; its memory lives until that file's last close.
     ExportObject {

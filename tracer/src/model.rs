@@ -399,17 +399,12 @@ impl Model {
                 return;
             }
         }
-        // A reference taken on memory of another process's client, which RM allows only when
-        // it was shared (the snapshot's own records, with no fd, excepted).
-        let taken = match &r.event {
-            Event::DupObject { fd, client, src_client, src_object, status: 0, .. } if *fd >= 0 && src_client != client => {
-                Some((self.clients.get(client).and_then(|c| c.pid), (*src_client, *src_object)))
-            }
-            Event::UvmMap { fd, client, memory, status: 0, .. } if *fd >= 0 => Some((Some(pid), (*client, *memory))),
-            _ => None,
-        };
-        if let Some((taker, source)) = taken {
-            if !self.may_take(taker, source) {
+        // A dup of memory of another process's client, which RM allows only when it was shared
+        // (the snapshot's own records, with no fd, excepted). The taker is the destination
+        // client's maker, or the caller where that is not known (a client first met now).
+        if let Event::DupObject { fd, client, src_client, src_object, status: 0, .. } = &r.event {
+            let taker = self.clients.get(client).and_then(|c| c.pid).unwrap_or(pid);
+            if *fd >= 0 && src_client != client && !self.may_take(taker, (*src_client, *src_object)) {
                 add(&mut self.foreign_client_calls, 1);
                 return;
             }
@@ -443,6 +438,11 @@ impl Model {
             | Event::Share { status, .. }
                 if *status != 0 => {}
             Event::Share { client, object, share_type, action, .. } => self.on_share(*client, *object, *share_type, *action),
+            Event::ClientMaker { client, maker } => {
+                if let Some(c) = self.clients.get_mut(client) {
+                    c.pid = (*maker != 0).then_some(*maker);
+                }
+            }
             Event::Object { fd, client, parent, object, class, gpu, .. } => {
                 self.on_object(pid, ts, *fd, (*client, *parent, *object), *class, *gpu)
             }

@@ -30,8 +30,10 @@ pub(super) struct Client {
     /// The process that made it (RM's ProcID, what the default share policy compares); None
     /// for a client made before tracing, whose shares were not seen either.
     pub(super) pid: Option<u32>,
-    /// Its handles shared beyond that process (RM_SHARE), the client's own for all of them.
-    pub(super) shared: HashSet<u32>,
+    /// Its handles shared beyond that process (RM_SHARE), by share type (a revoke takes back
+    /// one type only); a share of a handle covers what is below it (RM walks up to the first
+    /// list it finds), of the client all of it.
+    pub(super) shared: HashSet<(u32, u16)>,
     pub(super) objects: HashMap<u32, Object>,
     /// Parent handle to child handles, so freeing a subtree never scans the whole client.
     pub(super) children: HashMap<u32, HashSet<u32>>,
@@ -58,7 +60,7 @@ impl Client {
         let mut removed = Vec::new();
         let mut stack = vec![handle];
         while let Some(h) = stack.pop() {
-            self.shared.remove(&h);
+            self.shared.retain(|&(shared, _)| shared != h);
             if let Some(kids) = self.children.remove(&h) {
                 stack.extend(kids);
             }
@@ -148,22 +150,36 @@ impl Model {
         const REQUIRE: u8 = 2;
         let Some(c) = self.clients.get_mut(&client) else { return };
         if action & REVOKE != 0 {
-            c.shared.remove(&object);
+            c.shared.remove(&(object, share_type));
         } else if action & REQUIRE == 0 && share_type != PID && share_type != 0 {
-            c.shared.insert(object);
+            c.shared.insert((object, share_type));
         }
     }
 
-    /// Whether RM lets `taker` (the process of the destination client, or the caller of a UVM
-    /// mapping) take a reference on `object` of `client` (RM_DUP_OBJECT's source, UVM's mapped
-    /// memory): the default share policy is the same process's (RS_SHARE_TYPE_PID, sharing.c;
-    /// checked against ProcID, client_resource.c), anything else needs RM_SHARE. Taken on the
-    /// trace's word where the client was made before tracing (its shares were not seen), or the
-    /// taker is not known.
-    pub(super) fn may_take(&self, taker: Option<u32>, (client, object): (u32, u32)) -> bool {
+    /// Whether RM lets `taker` (the process of the destination client) dup `object` of `client`:
+    /// the default share policy is the same process's (RS_SHARE_TYPE_PID, sharing.c; checked
+    /// against ProcID, client_resource.c), anything else needs RM_SHARE (current libcuda's way;
+    /// the NV0000 share controls are for branches before R450). Taken on the trace's word where
+    /// the source client was made before tracing (its shares were not seen).
+    pub(super) fn may_take(&self, taker: u32, (client, object): (u32, u32)) -> bool {
         let Some(c) = self.clients.get(&client) else { return true };
-        let (Some(owner), Some(taker)) = (c.pid, taker) else { return true };
-        owner == taker || c.shared.contains(&object) || c.shared.contains(&client)
+        let Some(owner) = c.pid else { return true };
+        if owner == taker {
+            return true;
+        }
+        // The object, its parents up the tree (bounded: a crafted trace may loop), the client.
+        let shared = |h: u32| c.shared.iter().any(|&(s, _)| s == h);
+        let mut handle = object;
+        for _ in 0..64 {
+            if shared(handle) {
+                return true;
+            }
+            match c.objects.get(&handle) {
+                Some(o) if o.parent != handle => handle = o.parent,
+                _ => break,
+            }
+        }
+        shared(client)
     }
 
     /// The GPU of the object `handle` of `client`: the device it is, or is under.

@@ -150,11 +150,13 @@ impl<'a> Snapshot<'a> {
         fd
     }
 
-    /// The process that made a client (0 where that is not known) and an fd of it on the
-    /// client's file (lent where needed): who writes the client and what it shared.
-    fn maker_of(&mut self, c: &super::handles::Client) -> (u32, i32) {
-        let pid = c.pid.unwrap_or(0);
-        (pid, c.file.map_or(-1, |file| self.fd_for(pid, file)))
+    /// Who writes a client and what it shared: a process holding the client's file (lent an
+    /// fd where none does), or nobody (pid 0, no fd) for a client of no known file.
+    fn writer_of(&mut self, c: &super::handles::Client) -> Option<(u32, i32)> {
+        match c.file {
+            Some(file) => self.someone_with(file),
+            None => Some((0, -1)),
+        }
     }
 
     /// Who can name `file`: a process holding it, else the first written (lent an fd).
@@ -166,18 +168,21 @@ impl<'a> Snapshot<'a> {
         Some((pid, self.fd_for(pid, file)))
     }
 
-    /// Every client, made by the process that made it (pid 0 where that is not known) through
-    /// its file, then its non-memory objects parents first (stopping at memory handles, whose
-    /// subtrees follow their memory), then what it shared.
+    /// Every client, through a process holding its file and then named as its maker's (RM's
+    /// ProcID: which dups its share policy lets through), then its non-memory objects parents
+    /// first (stopping at memory handles, whose subtrees follow their memory).
     fn clients(&mut self) {
         let model = self.model;
         let mut handles: Vec<u32> = model.clients.keys().copied().collect();
         handles.sort_unstable();
         for client in handles {
             let c = &model.clients[&client];
-            let (pid, fd) = self.maker_of(c);
+            let Some((pid, fd)) = self.writer_of(c) else { continue };
             let event = Event::Object { fd, client, parent: client, object: client, class: class::ROOT_CLIENT, status: 0, gpu: None };
             self.push(self.at, pid, event);
+            if c.pid != Some(pid) {
+                self.push(self.at, pid, Event::ClientMaker { client, maker: c.pid.unwrap_or(0) });
+            }
             for handle in tree_order(c, false) {
                 let o = &c.objects[&handle];
                 let event = Event::Object { fd, client, parent: o.parent, object: handle, class: o.class, status: 0, gpu: o.gpu };
@@ -389,14 +394,7 @@ impl<'a> Snapshot<'a> {
         for (&(file, base), ids) in &model.uvm_maps {
             for id in ids {
                 let Some(&(client, memory)) = self.made.get(id) else { continue };
-                // Mapped by the process that made the client, as RM's share policy lets it.
-                let maker = model.clients.get(&client).and_then(|c| c.pid);
-                let Some((pid, fd)) = (match maker {
-                    Some(pid) => Some((pid, self.fd_for(pid, file))),
-                    None => self.someone_with(file),
-                }) else {
-                    continue;
-                };
+                let Some((pid, fd)) = self.someone_with(file) else { continue };
                 let event = Event::UvmMap { fd, base, length: 0, offset: 0, client, memory, status: 0 };
                 self.push(self.at, pid, event);
             }
@@ -424,12 +422,11 @@ impl<'a> Snapshot<'a> {
         clients.sort_unstable();
         for client in clients {
             let c = &model.clients[&client];
-            let (pid, fd) = self.maker_of(c);
-            let mut shared: Vec<u32> = c.shared.iter().copied().collect();
+            let Some((pid, fd)) = self.writer_of(c) else { continue };
+            let mut shared: Vec<(u32, u16)> = c.shared.iter().copied().collect();
             shared.sort_unstable();
-            for object in shared {
-                // RS_SHARE_TYPE_ALL: what the model keeps of any share that allows.
-                self.push(self.at, pid, Event::Share { fd, client, object, share_type: 1, target: 0, action: 0, status: 0 });
+            for (object, share_type) in shared {
+                self.push(self.at, pid, Event::Share { fd, client, object, share_type, target: 0, action: 0, status: 0 });
             }
         }
     }

@@ -796,9 +796,8 @@ fn a_client_is_reached_only_through_its_own_file() {
     assert_eq!(Model::from_records(&other).foreign_client_calls, 6);
 }
 
-/// RM lets another process take a reference on memory (RM_DUP_OBJECT from its client, a UVM
-/// mapping of it) only when it was shared (RM_SHARE); the default policy is the same
-/// process's. A forged dup cannot keep another user's memory alive in the books; a shared one
+/// RM lets another process dup memory from its client only when it was shared (RM_SHARE, on
+/// the object or one of its parents); the default policy is the same process's. A forged dup cannot keep another user's memory alive in the books; a shared one
 /// (legacy CUDA IPC) does, and the snapshot keeps the share. A client made before tracing is
 /// taken on the trace's word (its shares were not seen).
 #[test]
@@ -815,12 +814,19 @@ fn another_process_takes_memory_only_when_it_was_shared() {
     let share = |ts, action| rec(ts, 10, Event::Share { fd: 3, client: CLIENT, object: 0xa, share_type: 1, target: 0, action, status: 0 });
     let mut forged = t.clone();
     forged.push(dup(8, 0xb));
-    forged.push(open(8, 20, 4, 3, Device::Uvm, false));
-    forged.push(rec(8, 20, Event::UvmMap { fd: 4, base: 0, length: GIB, offset: 0, client: CLIENT, memory: 0xa, status: 0 }));
     forged.push(free(9, 10, 0xa));
     let m = Model::from_records(&forged);
-    assert_eq!(freed(&m, 0xa), Some((9, FreedBy::Explicit)), "not shared: neither reference was taken");
-    assert_eq!(m.foreign_client_calls, 2);
+    assert_eq!(freed(&m, 0xa), Some((9, FreedBy::Explicit)), "not shared: no reference was taken");
+    assert_eq!(m.foreign_client_calls, 1);
+    // Shared through its parent device: the dup goes through.
+    let mut parent = t.clone();
+    parent.push(rec(8, 10, Event::Share { fd: 3, client: CLIENT, object: DEVICE, share_type: 1, target: 0, action: 0, status: 0 }));
+    parent.push(dup(9, 0xb));
+    assert_eq!(Model::from_records(&parent).foreign_client_calls, 0, "a share of a parent covers what is below it");
+    // A destination client first met through the dup itself is the caller's.
+    let mut unseen = t[..5].to_vec();
+    unseen.extend([process(6, 20, 1, Seen::Launched), open(6, 20, 3, 2, Device::Ctl, false), dup(8, 0xb)]);
+    assert_eq!(Model::from_records(&unseen).foreign_client_calls, 1, "the taker is the caller");
     // Shared with everyone: pid 20's dup holds it past its owner's free.
     t.push(share(8, 0));
     let cut = t.len();
@@ -831,7 +837,11 @@ fn another_process_takes_memory_only_when_it_was_shared() {
     let snapshot = Model::from_records(&t[..cut]).snapshot();
     let replay = Model::from_records(snapshot.iter().chain(&t[cut..]));
     assert_eq!((replay.live(Memory::Video), replay.foreign_client_calls), (GIB, 0), "the snapshot keeps the share");
-    // Revoked before the dup: refused again.
+    // Revoked before the dup: refused again; revoking another type leaves the share.
+    let mut revoked = t[..cut].to_vec();
+    revoked.push(rec(9, 10, Event::Share { fd: 3, client: CLIENT, object: 0xa, share_type: 3, target: 0, action: 1, status: 0 }));
+    revoked.push(dup(9, 0xb));
+    assert_eq!(Model::from_records(&revoked).foreign_client_calls, 0, "a CLIENT share revoked, the ALL share stays");
     let mut revoked = t[..cut].to_vec();
     revoked.push(share(9, 1));
     revoked.push(dup(9, 0xb));
@@ -895,7 +905,11 @@ fn a_registration_before_tracing_is_inferred_both_ways() {
 /// What a snapshot must give back: the live allocations (time, pid, kind, size, GPU, class, when
 /// released while held) and every process's fd table. Files are held to it through what their release frees: a
 /// damaged trace can leave a descriptor on a file already released, which no snapshot can say.
-type LiveState = (Vec<(u64, u32, Memory, u64, Option<u32>, u32, Option<u64>)>, Vec<(u32, Vec<(i32, FileId, bool)>)>);
+type LiveState = (
+    Vec<(u64, u32, Memory, u64, Option<u32>, u32, Option<u64>)>,
+    Vec<(u32, Vec<(i32, FileId, bool)>)>,
+    Vec<(u32, Option<u32>, Vec<(u32, u16)>)>,
+);
 
 fn live_state(m: &Model) -> LiveState {
     // Files the model named itself (fds met without their open) are compared by the order they
@@ -918,7 +932,18 @@ fn live_state(m: &Model) -> LiveState {
             (p.pid, fds)
         })
         .collect();
-    (allocations, processes)
+    // Each client's maker and shares: which dups RM's share policy lets through later.
+    let mut clients: Vec<_> = m
+        .clients
+        .iter()
+        .map(|(&h, c)| {
+            let mut shared: Vec<(u32, u16)> = c.shared.iter().copied().collect();
+            shared.sort_unstable();
+            (h, c.pid, shared)
+        })
+        .collect();
+    clients.sort_unstable();
+    (allocations, processes, clients)
 }
 
 proptest::proptest! {
