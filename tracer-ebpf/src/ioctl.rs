@@ -45,19 +45,23 @@ pub fn ioctl_enter(ctx: TracePointContext) -> u32 {
     if matches!(known, Some(device::CONN)) || (known == Some(device::NOT_NVIDIA) && !reused_for_nvidia(&key)) {
         return 0;
     }
-    if own_file_table() {
-        return 0;
-    }
+    // A thread with a file table of its own is checked only once the call would be recorded:
+    // other processes' NVIDIA calls (an untraced fd) never pay for it.
     let (state, flags) = match known {
-        Some(device::PENDING) => (device::PENDING, ioctl_flag::PENDING),
+        Some(device::PENDING) => {
+            if own_file_table() {
+                return 0;
+            }
+            (device::PENDING, ioctl_flag::PENDING)
+        }
         Some(device::UVM) => {
-            if !uvm_command_traced(cmd) || repointed(&key, device::UVM) {
+            if !uvm_command_traced(cmd) || own_file_table() || repointed(&key, device::UVM) {
                 return 0;
             }
             (device::UVM, 0)
         }
         Some(state) if state != device::NOT_NVIDIA => {
-            if !rm_command_traced(cmd) || repointed(&key, state) {
+            if !rm_command_traced(cmd) || own_file_table() || repointed(&key, state) {
                 return 0;
             }
             (state, 0)
@@ -65,15 +69,11 @@ pub fn ioctl_enter(ctx: TracePointContext) -> u32 {
         // Never seen (inherited, dup'ed before tracing, received over a socket), or once not
         // NVIDIA and now NVIDIA's device: ask once.
         _ => {
-            if !is_traced(tgid) {
+            if !is_traced(tgid) || own_file_table() {
                 return 0;
             }
-            let asked = if known.is_none() {
-                FDS.insert(&key, &device::PENDING, BPF_NOEXIST as u64)
-            } else {
-                FDS.insert(&key, &device::PENDING, BPF_EXIST as u64)
-            };
-            if asked.is_err() {
+            let flag = if known.is_none() { BPF_NOEXIST } else { BPF_EXIST };
+            if FDS.insert(&key, &device::PENDING, flag as u64).is_err() {
                 return 0;
             }
             bump(stat::QUESTIONS);

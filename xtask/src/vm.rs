@@ -27,6 +27,20 @@ struct Guest {
     suite: Option<&'static str>,
 }
 
+/// Debian 12's amd64 6.1.
+const X86: Guest = Guest {
+    name: "x86",
+    rust_target: "x86_64-unknown-linux-gnu",
+    linker: "cc",
+    debian_arch: "amd64",
+    kernel_package: "linux-image-amd64",
+    qemu: "qemu-system-x86_64",
+    qemu_args: &["-M", "q35", "-cpu", "max"],
+    console: "ttyS0",
+    host_packages: &["qemu-system-x86", "cpio"],
+    suite: None,
+};
+
 const GUESTS: [Guest; 3] = [
     Guest {
         name: "arm64",
@@ -40,32 +54,10 @@ const GUESTS: [Guest; 3] = [
         host_packages: &["qemu-system-arm", "gcc-aarch64-linux-gnu", "cpio"],
         suite: None,
     },
-    Guest {
-        name: "x86",
-        rust_target: "x86_64-unknown-linux-gnu",
-        linker: "cc",
-        debian_arch: "amd64",
-        kernel_package: "linux-image-amd64",
-        qemu: "qemu-system-x86_64",
-        qemu_args: &["-M", "q35", "-cpu", "max"],
-        console: "ttyS0",
-        host_packages: &["qemu-system-x86", "cpio"],
-        suite: None,
-    },
+    X86,
     // Debian 11's 5.10: the oldest kernel the programs are held to (BPF ring buffer 5.8,
     // close_range 5.9), as long-term distributions still run it.
-    Guest {
-        name: "x86-5.10",
-        rust_target: "x86_64-unknown-linux-gnu",
-        linker: "cc",
-        debian_arch: "amd64",
-        kernel_package: "linux-image-amd64",
-        qemu: "qemu-system-x86_64",
-        qemu_args: &["-M", "q35", "-cpu", "max"],
-        console: "ttyS0",
-        host_packages: &["qemu-system-x86", "cpio"],
-        suite: Some("bullseye"),
-    },
+    Guest { name: "x86-5.10", suite: Some("bullseye"), ..X86 },
 ];
 
 /// The scenario recorded in the guest, and the verdict it must get. Without NVML in the guest
