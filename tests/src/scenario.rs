@@ -289,14 +289,21 @@ pub const DOCTOR_SETUPS: [&str; 3] = ["clean", "orphaned-engine", "forked-child"
 /// How NVML answers there: a discrete GPU, unified memory (no device totals), or no NVML at all.
 pub const NVML_MODES: [&str; 3] = ["discrete", "unified", "none"];
 
-/// Sets up `setup` inside the fake GPU's namespace, beside a benign holder (a stand-in for
-/// nvidia-persistenced), then runs `gputrace doctor --json`. DIR gets doctor.json, its exit
+/// Sets up `setup` inside the fake GPU's namespace, beside a benign holder (a root-owned copy
+/// of sleep named nvidia-persistenced), then runs `gputrace doctor --json`. DIR gets doctor.json, its exit
 /// status in doctor.rc, and the pids that matter in pids.json.
 pub fn doctor_inside(setup: &str, nvml: &str, dir: &Path, gputrace: &Path) -> Result<()> {
     let t = Tools::new(dir, gputrace, nvml)?;
     let port = 8000 + (std::process::id() % 1000) as u16;
+    // A daemon is known by its program, not its argv[0]: a root-owned program of that name, in a
+    // directory only root writes.
+    let daemons = dir.join("sbin");
+    std::fs::create_dir_all(&daemons)?;
+    std::fs::set_permissions(&daemons, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
+    std::fs::copy("/usr/bin/sleep", daemons.join("nvidia-persistenced")).context("copying sleep as nvidia-persistenced")?;
     let benign = Command::new("bash")
-        .args(["-c", "exec 3<>/dev/nvidiactl; exec -a nvidia-persistenced sleep 600"])
+        .args(["-c", "exec 3<>/dev/nvidiactl; exec \"$0\" 600"])
+        .arg(daemons.join("nvidia-persistenced"))
         .stdout(Stdio::null())
         .spawn()
         .context("starting the benign holder")?;

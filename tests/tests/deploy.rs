@@ -3,8 +3,15 @@
 use std::process::Command;
 
 /// Each capability `gputrace watch` keeps once attached, by the name systemd gives it.
-const KEPT: [(u32, &str); 6] =
-    [(2, "CAP_DAC_READ_SEARCH"), (5, "CAP_KILL"), (19, "CAP_SYS_PTRACE"), (21, "CAP_SYS_ADMIN"), (38, "CAP_PERFMON"), (39, "CAP_BPF")];
+const KEPT: [(u32, &str); 7] = [
+    (2, "CAP_DAC_READ_SEARCH"),
+    (5, "CAP_KILL"),
+    (10, "CAP_NET_BIND_SERVICE"),
+    (19, "CAP_SYS_PTRACE"),
+    (21, "CAP_SYS_ADMIN"),
+    (38, "CAP_PERFMON"),
+    (39, "CAP_BPF"),
+];
 
 fn unit() -> String {
     std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/gputrace-watch.service")).unwrap()
@@ -35,8 +42,11 @@ fn the_unit_grants_what_gputrace_keeps_and_no_more() {
     let unit = unit();
     let set: Vec<&str> =
         unit.lines().find_map(|l| l.strip_prefix("CapabilityBoundingSet=")).expect("a bounding set").split_whitespace().collect();
-    // On kernels with CAP_BPF (highest capability 40) and before it (37).
-    let kept = gputrace::privileges::kept(40, false) | gputrace::privileges::kept(37, false);
+    // On kernels with CAP_BPF (highest capability 40) and before it (37); the unit listens on
+    // port 931, below 1024, so no ordinary user can take it first.
+    assert!(unit.contains("--listen 127.0.0.1:931"));
+    let needs = gputrace::privileges::Needs { bind_low_port: true, ..Default::default() };
+    let kept = gputrace::privileges::kept(40, needs) | gputrace::privileges::kept(37, needs);
     for (cap, name) in KEPT {
         assert!(kept & 1 << cap != 0, "{name} is kept by gputrace");
         assert!(set.contains(&name), "the unit withholds {name}, which gputrace uses");

@@ -23,6 +23,7 @@ const INSIDE: &str = r#"
 set -e
 dpkg -i /check/gputrace.deb
 echo "== status: $(dpkg-query -W -f='${Status} ${Version}' gputrace)"
+dpkg --verify gputrace && [ -s /var/lib/dpkg/info/gputrace.md5sums ] && echo "== verifies against its md5sums"
 echo "== version: $(/usr/bin/gputrace --version)"
 echo "== help:"; /usr/bin/gputrace --help
 echo "== dir modes: $(stat -c %a /usr/share/doc/gputrace/examples/kubernetes /usr/share/bash-completion/completions | sort -u | tr '\n' ' ')"
@@ -42,11 +43,11 @@ $exec_start 2>/check/watch.log &
 watch=$!
 healthy=
 for i in $(seq 1 100); do
-    if healthy=$(curl -sf http://127.0.0.1:9431/healthz); then break; fi
+    if healthy=$(curl -sf http://127.0.0.1:931/healthz); then break; fi
     sleep 0.1
 done
 echo "== healthz: $healthy"
-curl -sf http://127.0.0.1:9431/metrics | grep -m1 '^gputrace_' | sed 's/^/== metric: /'
+curl -sf http://127.0.0.1:931/metrics | grep -m1 '^gputrace_' | sed 's/^/== metric: /'
 kill -TERM $watch; wait $watch || echo "== watch exited $?"
 echo "== dump dir: $(stat -c '%a %U' /var/lib/gputrace/dumps)"
 dpkg -r gputrace
@@ -123,6 +124,7 @@ exit $status"#,
     assert_eq!(line("bash script"), expected.trim(), "{all}");
     assert_eq!(text.matches("== completes --dump-dir:").count(), 2, "zsh and fish scripts name watch's options:\n{all}");
     assert!(text.contains("== unit verifies"), "{all}");
+    assert!(text.contains("== verifies against its md5sums"), "dpkg --verify can check every file:\n{all}");
     // The installed binary loaded its embedded eBPF programs and served its endpoint.
     assert!(line("healthz").starts_with("ok"), "the unit's command line serves /healthz:\n{all}");
     assert!(line("metric").starts_with("gputrace_"), "{all}");

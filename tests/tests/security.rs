@@ -7,12 +7,11 @@ mod common;
 use std::io::{Read, Write};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Output};
 use std::time::{Duration, Instant};
 
-use common::{as_root, gputrace_bin};
+use common::{as_root, gputrace_bin, start};
 
 const NOBODY: &str = "65534";
 
@@ -138,25 +137,6 @@ fn the_command_is_really_the_users() {
     assert!(!groups.contains(&"0"), "none of root's: {groups:?}");
     assert_eq!(std::fs::read_to_string(dir.join("env")).unwrap().trim(), "/home/gpuuser gpuuser gpuuser");
     std::fs::remove_dir_all(&dir).ok();
-}
-
-/// Starts `gputrace ARGS` and returns once it says it is tracing (its stop signals are handled
-/// from then on).
-fn start(args: &[&str], sudo_nobody: bool) -> Child {
-    let mut cmd = Command::new(gputrace_bin());
-    cmd.args(args).stderr(Stdio::piped()).process_group(0);
-    if sudo_nobody {
-        cmd.env("SUDO_UID", NOBODY).env("SUDO_GID", NOBODY).env("SUDO_USER", "nobody");
-    }
-    let mut child = cmd.spawn().unwrap();
-    let mut seen = Vec::new();
-    let mut byte = [0u8];
-    let err = child.stderr.as_mut().unwrap();
-    while !String::from_utf8_lossy(&seen).contains("gputrace: tracing") {
-        assert_eq!(err.read(&mut byte).unwrap(), 1, "the recorder exited: {}", String::from_utf8_lossy(&seen));
-        seen.push(byte[0]);
-    }
-    child
 }
 
 /// A recorder started by `sudo` as nobody, tracing `sleep`; returns it and the command's pid.
@@ -459,7 +439,8 @@ fn escape_sequences_in_a_trace_never_reach_the_terminal() {
     assert!(out.status.success(), "{}", stderr(&out));
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(!out.stdout.contains(&0x1b) && !text.contains('\u{9b}') && !text.contains('\u{7}'), "control characters printed: {text:?}");
-    assert!(text.contains("^[]0;owned^G^[[2J"), "shown as text instead: {text}");
+    // A command line is written with escapes (one line whatever it holds).
+    assert!(text.contains("\\x1b]0;owned\\x07\\x1b[2J"), "shown as text instead: {text}");
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -37,7 +37,7 @@ fn run(op: &str) {
                 }
             });
             let started = Instant::now();
-            flight.trigger(Trigger::Manual, last);
+            flight.trigger(Trigger::Manual, None, last);
             let dump = flight.take_dump(None).unwrap();
             let mut sink = std::io::sink();
             let mut n = 0u64;

@@ -28,6 +28,8 @@ pub struct Holder {
     pub uid: Option<u32>,
     pub user: Option<String>,
     pub command: Vec<String>,
+    /// The program it runs, from /proc/PID/exe: what a process cannot lie about.
+    pub exe: Option<procfs::Executable>,
     /// "ctl", "gpu", "uvm".
     pub devices: Vec<String>,
     pub cgroup: Option<String>,
@@ -151,22 +153,22 @@ pub fn assess(o: &Observed, idle_minutes: u64) -> Doctor {
     let nvml_bytes = |pid: u32| -> Option<u64> {
         o.nvml_ok().then(|| o.usage.iter().filter(|u| u.pid == pid).filter_map(|u| u.used_bytes).fold(0, u64::saturating_add))
     };
-    // Memory NVML counts for pids that are gone: kept alive by whoever holds their files. Tied
-    // to the holder whose process group or session that pid led (a forked child of it), else to
-    // the one non-benign holder NVML knows nothing of.
+    // Memory NVML counts for pids that are gone: kept alive by whoever holds their open files.
+    // Without a recording, the one sign that a holder shares them is that it inherited them: it
+    // was forked in the family that pid led (its process group or session) and holds a GPU's
+    // device file. Anyone else merely holding a device file proves nothing; such memory is
+    // unattributed rather than charged to an innocent holder.
     let mut dead: BTreeMap<u32, u64> = BTreeMap::new();
     for u in o.usage.iter().filter(|u| !o.alive.contains(&u.pid)) {
         *dead.entry(u.pid).or_default() += u.used_bytes.unwrap_or(0);
     }
-    let benign = |h: &Holder| crate::analysis::benign(&h.command);
-    let unknown_to_nvml: Vec<u32> =
-        o.holders.iter().filter(|h| benign(h).is_none() && nvml_bytes(h.pid) == Some(0)).map(|h| h.pid).collect();
+    let benign = |h: &Holder| crate::analysis::benign(h.exe.as_ref());
     let mut kept: BTreeMap<u32, Vec<KeptFor>> = BTreeMap::new();
     let mut unattributed = Vec::new();
     for (&pid, &b) in &dead {
-        let led = o.holders.iter().find(|h| h.pgrp == pid || h.session == pid).map(|h| h.pid);
-        match led.or_else(|| (unknown_to_nvml.len() == 1).then(|| unknown_to_nvml[0])) {
-            Some(holder) => kept.entry(holder).or_default().push(KeptFor { pid, bytes: b }),
+        let heir = o.holders.iter().find(|h| (h.pgrp == pid || h.session == pid) && h.devices.iter().any(|d| d == "gpu"));
+        match heir {
+            Some(holder) => kept.entry(holder.pid).or_default().push(KeptFor { pid, bytes: b }),
             None => unattributed.push(KeptFor { pid, bytes: b }),
         }
     }
@@ -214,15 +216,19 @@ pub fn assess(o: &Observed, idle_minutes: u64) -> Doctor {
         })
         .collect();
 
-    // A second copy of a server (the same command line) that does not listen, while the first
-    // does: it could not take the port, and holds the GPU for nothing.
-    let listening: Vec<(u32, Vec<String>, Vec<u16>)> = holders
-        .iter()
-        .filter(|a| !a.holder.listening.is_empty())
-        .map(|a| (a.holder.pid, a.holder.command.clone(), a.holder.listening.clone()))
-        .collect();
+    // A second copy of a server that does not listen, while the first does: it could not take
+    // the port, and holds the GPU for nothing. A copy is the same program (the same file), the
+    // same command line and the same owner: anyone can start a process whose command line
+    // matches root's, and that makes root's server no copy of theirs.
+    let listening: Vec<Holder> = holders.iter().map(|a| &a.holder).filter(|h| !h.listening.is_empty()).cloned().collect();
+    let same_program = |a: &Holder, b: &Holder| {
+        let identity = |h: &Holder| h.exe.as_ref().map(|e| (e.dev, e.ino));
+        identity(a).is_some() && identity(a) == identity(b) && a.uid.is_some() && a.uid == b.uid && a.command == b.command
+    };
     for a in holders.iter_mut().filter(|a| a.verdict != Verdict::Benign && a.holder.listening.is_empty()) {
-        if let Some((pid, _, ports)) = listening.iter().find(|(pid, command, _)| *pid != a.holder.pid && *command == a.holder.command) {
+        if let Some((pid, ports)) =
+            listening.iter().find(|h| h.pid != a.holder.pid && same_program(h, &a.holder)).map(|h| (h.pid, &h.listening))
+        {
             let ports: Vec<String> = ports.iter().map(|p| format!(":{p}")).collect();
             a.reasons.push(format!("a second copy of pid {pid}, which serves the same command line on {}", ports.join(", ")));
             a.verdict = Verdict::Stale;
@@ -362,6 +368,7 @@ pub fn observe() -> Observed {
                 uid,
                 user: uid.and_then(crate::user::name_of),
                 command: h.command,
+                exe: h.exe,
                 devices: h.devices,
                 container: cgroup.as_deref().and_then(procfs::container_of),
                 cgroup,
@@ -387,13 +394,18 @@ mod tests {
 
     const GIB: u64 = 1 << 30;
 
+    /// A process running the program its argv[0] names, a system one, as uid 1000.
     fn holder(pid: u32, ppid: u32, pgrp: u32, command: &str) -> Holder {
+        let program = command.split(' ').next().unwrap_or_default().rsplit('/').next().unwrap_or_default();
+        let ino = program.bytes().fold(7u64, |h, b| h.wrapping_mul(31).wrapping_add(u64::from(b)));
         Holder {
             pid,
             ppid,
             pgrp,
             session: pgrp,
             state: 'S',
+            uid: Some(1000),
+            exe: Some(procfs::Executable { path: format!("/usr/bin/{program}"), dev: 1, ino, system: true }),
             command: command.split(' ').map(String::from).collect(),
             devices: vec!["ctl".into(), "gpu".into(), "uvm".into()],
             age_seconds: 3600,
@@ -491,6 +503,58 @@ mod tests {
         assert!(of(900).reasons[0].starts_with("stopped"));
         assert_eq!(of(500).verdict, Verdict::Active);
         assert_eq!(d.recommendation.unwrap().kill, 700, "the biggest stale holder");
+    }
+
+    /// Another user starts a copy of root's job's command line that listens: root's job is no
+    /// "second copy" of theirs (another owner, another program), and nothing is to be killed.
+    #[test]
+    fn a_copy_is_the_same_program_of_the_same_owner() {
+        let mut roots = holder(500, 1, 500, "python3 train.py --port 8000");
+        roots.uid = Some(0);
+        let mut theirs = holder(700, 1, 700, "python3 train.py --port 8000");
+        theirs.listening = vec![8000];
+        theirs.exe.as_mut().unwrap().ino = 99;
+        let o = observed(vec![roots.clone(), theirs.clone()], &[(500, 40 * GIB), (700, GIB)]);
+        let d = assess(&o, 10);
+        assert!(d.recommendation.is_none(), "{:?}", d.recommendation);
+        // The same owner but another program (a copied binary of the same name) is no copy either;
+        // the same program and owner is.
+        theirs.uid = Some(0);
+        assert!(assess(&observed(vec![roots.clone(), theirs.clone()], &[]), 10).recommendation.is_none());
+        theirs.exe = roots.exe.clone();
+        assert_eq!(assess(&observed(vec![roots, theirs], &[]), 10).recommendation.map(|r| r.kill), Some(500));
+    }
+
+    /// 70 GiB NVML still counts for a gone pid: never charged to a holder that merely holds
+    /// /dev/nvidiactl (a root exporter), nor saved from suspicion by `exec -a
+    /// nvidia-persistenced`. Unattributed, and the one who hides is stopped and stale.
+    #[test]
+    fn a_dead_pids_memory_goes_only_to_who_inherited_its_files() {
+        let mut exporter = holder(300, 1, 300, "/usr/bin/node_exporter");
+        exporter.devices = vec!["ctl".into()];
+        exporter.uid = Some(0);
+        let mut hidden = holder(812, 1, 812, "nvidia-persistenced");
+        hidden.exe = Some(procfs::Executable { path: "/usr/bin/sleep".into(), dev: 1, ino: 5, system: true });
+        hidden.state = 'T';
+        let o = observed(vec![exporter, hidden], &[(800, 70 * GIB)]);
+        let d = assess(&o, 10);
+        let of = |pid: u32| d.holders.iter().find(|a| a.holder.pid == pid).unwrap();
+        assert!(of(300).kept_for.is_empty() && of(812).kept_for.is_empty());
+        assert_eq!(d.unattributed, vec![KeptFor { pid: 800, bytes: 70 * GIB }]);
+        assert_eq!(of(812).verdict, Verdict::Stale, "argv[0] makes no daemon");
+        assert_eq!(of(300).verdict, Verdict::Active);
+        assert_eq!(d.recommendation.map(|r| r.kill), Some(812));
+    }
+
+    /// A command line with a newline cannot forge a line of doctor's output.
+    #[test]
+    fn a_newline_in_a_command_line_forges_nothing() {
+        let mut forger = holder(812, 1, 812, "sleep");
+        forger.command = vec!["sleep".into(), "600\n\nRECOMMENDED: kill 1  (`init`: stale)".into()];
+        let d = assess(&observed(vec![forger], &[]), 10);
+        let text = d.text();
+        assert!(!text.lines().any(|l| l.starts_with("RECOMMENDED: kill 1")), "{text}");
+        assert!(text.contains("600\\n\\nRECOMMENDED"), "{text}");
     }
 
     /// On unified memory NVML has per-process figures but no totals: the host's memory stands in.

@@ -377,6 +377,9 @@ pub struct Place {
     /// Its pid in its own pid namespace, where that is not the host's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ns_pid: Option<u32>,
+    /// The user it runs as (its real uid): whose dumps its failures spend.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uid: Option<u32>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]

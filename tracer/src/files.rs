@@ -102,6 +102,7 @@ pub fn nvidia_holders(majors: Option<Majors>) -> Vec<crate::trace::HolderAtStart
                 ppid: procfs::parent(pid).unwrap_or(0),
                 command: procfs::command(pid).unwrap_or_default(),
                 devices,
+                exe: procfs::executable(pid),
             })
         })
         .collect();

@@ -25,8 +25,29 @@ pub struct Config {
     pub max_bytes: usize,
     /// How long after a trigger a dump waits, so the aftermath is in it.
     pub aftermath_ns: u64,
-    /// The least time between two dumps of one kind of trigger; triggers in between are counted.
+    /// The least time between two dumps of one kind of trigger for one service; triggers in
+    /// between are counted. One user's services have [`DUMPS_PER_USER`] in such a time.
     pub min_interval_ns: u64,
+}
+
+/// The dumps of one kind of trigger that one user's services may have in `min_interval_ns`:
+/// several services of one user each get theirs, and no user can spend everyone's.
+pub const DUMPS_PER_USER: usize = 3;
+
+/// Whom a trigger's dump is counted against: its service (by its root's pid) and the user it
+/// runs as, together. One party's failures never hold back another's dumps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Party {
+    pub service: u32,
+    pub uid: Option<u32>,
+}
+
+impl Party {
+    /// The party of `pid` in the live model.
+    pub fn of(live: &Model, pid: u32) -> Party {
+        let uid = live.processes.get(&pid).and_then(|p| p.place.as_ref()?.uid);
+        Party { service: crate::analysis::service_root(live, pid), uid }
+    }
 }
 
 /// Why a dump was written.
@@ -145,8 +166,11 @@ pub struct Flight {
     pending: Option<Pending>,
     /// Running processes that opened an NVIDIA file or allocated (compaction keeps no history).
     gpu_users: HashSet<u32>,
-    /// When each kind of trigger last started a dump.
-    last_trigger: HashMap<&'static str, u64>,
+    /// When each kind of trigger last started a dump, per service and user (a process another
+    /// user runs below a service is a party of its own).
+    last_trigger: HashMap<(&'static str, Party), u64>,
+    /// When each kind of trigger started a dump for each user's services, the last few.
+    user_dumps: HashMap<(&'static str, Option<u32>), VecDeque<u64>>,
     last_compaction: u64,
     records_at_compaction: u64,
     pub counters: Counters,
@@ -168,6 +192,7 @@ impl Flight {
             window_start: 0,
             pending: None,
             last_trigger: HashMap::new(),
+            user_dumps: HashMap::new(),
             gpu_users: HashSet::new(),
             last_compaction: 0,
             records_at_compaction: 0,
@@ -209,27 +234,35 @@ impl Flight {
             _ => self.gpu_users.contains(&record.pid),
         };
         if let Some(trigger) = Trigger::of(record, live, used_gpu) {
-            self.trigger(trigger, record.ts);
+            self.trigger(trigger, Some(Party::of(live, record.pid)), record.ts);
         }
         self.evict(record.ts);
     }
 
-    /// A trigger at `ts`: a dump starts waiting for its aftermath, or the one waiting counts it,
-    /// or it is too soon after the last and is counted only (unless someone asked for it).
-    pub fn trigger(&mut self, trigger: Trigger, ts: u64) {
+    /// A trigger at `ts`, charged to `party` (None: someone asked): a dump starts waiting for its
+    /// aftermath, or the one waiting counts it, or it is too soon after the last of its service
+    /// or its user has had their share, and it is counted only.
+    pub fn trigger(&mut self, trigger: Trigger, party: Option<Party>, ts: u64) {
         self.counters.triggers += 1;
         if let Some(p) = &mut self.pending {
             p.joined += 1;
             return;
         }
         // Each kind on its own: a dump of memory left behind never holds back the failure's.
-        let last = self.last_trigger.get(trigger.name()).copied();
-        let asked = trigger == Trigger::Manual;
-        if !asked && last.is_some_and(|last| ts < last.saturating_add(self.config.min_interval_ns)) {
-            self.counters.suppressed += 1;
-            return;
+        if let Some(party) = party {
+            let kind = trigger.name();
+            let interval = self.config.min_interval_ns;
+            let recent = |t: &u64| ts < t.saturating_add(interval);
+            let service_due = !self.last_trigger.get(&(kind, party)).is_some_and(recent);
+            let user = self.user_dumps.entry((kind, party.uid)).or_default();
+            user.retain(recent);
+            if !service_due || user.len() >= DUMPS_PER_USER {
+                self.counters.suppressed += 1;
+                return;
+            }
+            user.push_back(ts);
+            self.last_trigger.insert((kind, party), ts);
         }
-        self.last_trigger.insert(trigger.name(), ts);
         self.close_segment();
         let segments = self.segments.iter().map(|s| s.bytes.clone()).collect();
         // The state at the window's start: the base, as the window's first record found it.

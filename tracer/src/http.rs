@@ -1,22 +1,35 @@
 //! The HTTP side of `gputrace watch` (`--listen`, loopback by default): `/healthz`, `/metrics`
 //! (Prometheus's text format) and `/report` (the live state as the report's JSON). It runs as
-//! root on a shared host, so every connection is bounded: at most [`MAX_CONNECTIONS`] at once, a
-//! request head of [`MAX_HEAD`] bytes read within [`READ_TIMEOUT`], GET only. `/report` holds
-//! command lines and request lines: only root and the user who started the watch get it (the
-//! peer's uid from the kernel's socket table).
+//! root on a shared host, so every connection is bounded and none can keep the others out:
+//! - at most [`MAX_CONNECTIONS`] at once; a newcomer past that evicts the connection that has
+//!   waited longest without sending a whole request head (a slow sender never holds a place
+//!   against a scraper), and is answered 503 only when every place holds a complete request;
+//! - a request head of at most [`MAX_HEAD`] bytes, whole within [`HEAD_TIMEOUT`]; GET or HEAD;
+//! - `/report` holds command lines and request lines: only root and the user who started the
+//!   watch get it. The peer's uid is the kernel's answer for that one connection (sock_diag
+//!   over netlink, by its addresses and ports), asked off the event loop.
+//!
+//! The port never stops a watch: taken by someone else, it is said once and asked for again
+//! every [`RETRY_BIND`] while tracing and dumps go on ([`Endpoint`]).
 
-use std::net::SocketAddr;
-use std::sync::Arc;
-use std::time::Duration;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use anyhow::{Context as _, Result};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::AbortHandle;
 
 pub const MAX_CONNECTIONS: usize = 16;
 pub const MAX_HEAD: usize = 8 * 1024;
-pub const READ_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a connection has to send its whole request head.
+pub const HEAD_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long the answer may take to write.
+pub const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often a port that could not be had is asked for again.
+pub const RETRY_BIND: Duration = Duration::from_secs(10);
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Route {
@@ -28,7 +41,7 @@ pub enum Route {
 /// A request the event loop answers (it owns the model).
 pub struct Request {
     pub route: Route,
-    /// Who is on the other end, when the kernel's socket table says.
+    /// Who is on the other end, when the kernel says (asked for /report only).
     pub peer_uid: Option<u32>,
     pub reply: oneshot::Sender<Response>,
 }
@@ -45,60 +58,152 @@ impl Response {
     }
 }
 
+/// A request line's method and route.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Asked {
+    pub route: Route,
+    /// HEAD: the answer's head only.
+    pub head_only: bool,
+}
+
+/// One place among the [`MAX_CONNECTIONS`].
+struct Place {
+    id: u64,
+    since: Instant,
+    /// Its request head came whole: it waits for its answer, never evicted.
+    headed: Arc<AtomicBool>,
+    task: AbortHandle,
+}
+
+#[derive(Default)]
+struct Places {
+    held: Vec<Place>,
+    next: u64,
+}
+
+/// Gives a place back when its connection's task ends, however it ends.
+struct Leave(Arc<Mutex<Places>>, u64);
+
+impl Drop for Leave {
+    fn drop(&mut self) {
+        let mut places = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        places.held.retain(|p| p.id != self.1);
+    }
+}
+
 pub struct Server {
     listener: TcpListener,
     local: SocketAddr,
-    permits: Arc<Semaphore>,
+    places: Arc<Mutex<Places>>,
 }
 
 impl Server {
-    pub async fn bind(addr: SocketAddr) -> Result<Server> {
-        let listener = TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr} (--listen)"))?;
+    pub fn bind(addr: SocketAddr) -> std::io::Result<Server> {
+        let std_listener = std::net::TcpListener::bind(addr)?;
+        std_listener.set_nonblocking(true)?;
+        let listener = TcpListener::from_std(std_listener)?;
         let local = listener.local_addr()?;
-        Ok(Server { listener, local, permits: Arc::new(Semaphore::new(MAX_CONNECTIONS)) })
+        Ok(Server { listener, local, places: Arc::default() })
     }
 
     pub fn local_addr(&self) -> SocketAddr {
         self.local
     }
 
-    /// Takes the next connection and serves it on its own task; past the connection bound it is
-    /// answered 503 at once.
+    /// Takes the next connection and serves it on its own task. At the bound, the connection
+    /// that has waited longest without a whole request head makes way; with none such, the
+    /// newcomer is answered 503 at once.
     pub async fn accept(&self, to_loop: &mpsc::Sender<Request>) {
         let Ok((stream, peer)) = self.listener.accept().await else { return };
-        let Ok(permit) = self.permits.clone().try_acquire_owned() else {
-            let _ = stream.try_write(&head(503, "text/plain", 0));
-            return;
-        };
-        let (local, to_loop) = (self.local, to_loop.clone());
-        tokio::spawn(serve(stream, local, peer, to_loop, permit));
+        let mut places = self.places.lock().unwrap_or_else(|e| e.into_inner());
+        if places.held.len() >= MAX_CONNECTIONS {
+            let slowest = places.held.iter().enumerate().filter(|(_, p)| !p.headed.load(Ordering::Acquire)).min_by_key(|(_, p)| p.since);
+            match slowest.map(|(i, _)| i) {
+                Some(i) => places.held.swap_remove(i).task.abort(),
+                None => {
+                    let _ = stream.try_write(&head(503, "text/plain", 0));
+                    return;
+                }
+            }
+        }
+        let id = places.next;
+        places.next += 1;
+        let headed = Arc::new(AtomicBool::new(false));
+        let leave = Leave(self.places.clone(), id);
+        let task = tokio::spawn(serve(stream, peer, to_loop.clone(), headed.clone(), leave));
+        places.held.push(Place { id, since: Instant::now(), headed, task: task.abort_handle() });
     }
 }
 
-async fn serve(mut stream: TcpStream, local: SocketAddr, peer: SocketAddr, to_loop: mpsc::Sender<Request>, _permit: OwnedSemaphorePermit) {
-    let response = match tokio::time::timeout(READ_TIMEOUT, read_head(&mut stream)).await {
-        Err(_) => Response::text(408, "the request head took too long\n"),
-        Ok(Err(response)) => response,
-        Ok(Ok(route)) => {
+/// The `--listen` endpoint of a watch, bound when it can be: tracing and dumps never wait on it.
+pub struct Endpoint {
+    addr: Option<SocketAddr>,
+    pub server: Option<Server>,
+    tried: Option<Instant>,
+}
+
+impl Endpoint {
+    pub fn new(addr: Option<SocketAddr>) -> Endpoint {
+        Endpoint { addr, server: None, tried: None }
+    }
+
+    /// Binds now if not bound and a try is due (at once, then every [`RETRY_BIND`]); a failure
+    /// is said the first time, a success always.
+    pub fn bind_when_due(&mut self) {
+        let Some(addr) = self.addr.filter(|_| self.server.is_none()) else { return };
+        if self.tried.is_some_and(|t| t.elapsed() < RETRY_BIND) {
+            return;
+        }
+        let first = self.tried.is_none();
+        self.tried = Some(Instant::now());
+        match Server::bind(addr) {
+            Ok(server) => {
+                eprintln!("gputrace: serving /metrics, /report and /healthz on http://{}", server.local_addr());
+                self.server = Some(server);
+            }
+            Err(e) if first => eprintln!(
+                "gputrace: warning: cannot listen on {addr} (--listen): {e}; tracing and dumps go on, and the port is asked for again every {} s",
+                RETRY_BIND.as_secs()
+            ),
+            Err(_) => {}
+        }
+    }
+}
+
+async fn serve(mut stream: TcpStream, peer: SocketAddr, to_loop: mpsc::Sender<Request>, headed: Arc<AtomicBool>, _leave: Leave) {
+    let (response, head_only) = match tokio::time::timeout(HEAD_TIMEOUT, read_head(&mut stream)).await {
+        Err(_) => (Response::text(408, "the request head took too long\n"), false),
+        Ok(Err(response)) => (response, false),
+        Ok(Ok(asked)) => {
+            headed.store(true, Ordering::Release);
+            // The connection's own local address: a listener on 0.0.0.0 or [::] has no other.
+            let peer_uid = match (asked.route, stream.local_addr()) {
+                (Route::Report, Ok(local)) => {
+                    let lookup = tokio::task::spawn_blocking(move || tcp_owner(peer, local));
+                    tokio::time::timeout(Duration::from_secs(2), lookup).await.ok().and_then(Result::ok).flatten()
+                }
+                _ => None,
+            };
             let (reply, answer) = oneshot::channel();
-            let peer_uid = crate::procfs::tcp_peer_uid(local, peer);
-            if to_loop.send(Request { route, peer_uid, reply }).await.is_err() {
+            if to_loop.send(Request { route: asked.route, peer_uid, reply }).await.is_err() {
                 return;
             }
             match tokio::time::timeout(Duration::from_secs(30), answer).await {
-                Ok(Ok(response)) => response,
-                _ => Response::text(503, "gputrace is stopping\n"),
+                Ok(Ok(response)) => (response, asked.head_only),
+                _ => (Response::text(503, "gputrace is stopping\n"), false),
             }
         }
     };
     let mut bytes = head(response.status, response.content_type, response.body.len());
-    bytes.extend_from_slice(response.body.as_bytes());
-    let _ = tokio::time::timeout(READ_TIMEOUT, stream.write_all(&bytes)).await;
+    if !head_only {
+        bytes.extend_from_slice(response.body.as_bytes());
+    }
+    let _ = tokio::time::timeout(WRITE_TIMEOUT, stream.write_all(&bytes)).await;
     let _ = stream.shutdown().await;
 }
 
 /// Reads up to the blank line ending the head (at most MAX_HEAD bytes) and routes its request line.
-async fn read_head(stream: &mut TcpStream) -> Result<Route, Response> {
+async fn read_head(stream: &mut TcpStream) -> Result<Asked, Response> {
     let mut buf = vec![0u8; MAX_HEAD];
     let mut filled = 0;
     loop {
@@ -118,7 +223,7 @@ async fn read_head(stream: &mut TcpStream) -> Result<Route, Response> {
 }
 
 /// The route of a request head: GET (or HEAD) of a known path; query strings are ignored.
-pub fn route(head: &[u8]) -> Result<Route, Response> {
+pub fn route(head: &[u8]) -> Result<Asked, Response> {
     let line = head.split(|&b| b == b'\n').next().unwrap_or_default();
     let line = String::from_utf8_lossy(line);
     let mut words = line.split_whitespace();
@@ -126,12 +231,13 @@ pub fn route(head: &[u8]) -> Result<Route, Response> {
     if method != "GET" && method != "HEAD" {
         return Err(Response::text(405, "only GET is served\n"));
     }
-    match target.split('?').next().unwrap_or("") {
-        "/healthz" => Ok(Route::Health),
-        "/metrics" => Ok(Route::Metrics),
-        "/report" => Ok(Route::Report),
-        _ => Err(Response::text(404, "served: /healthz, /metrics, /report\n")),
-    }
+    let route = match target.split('?').next().unwrap_or("") {
+        "/healthz" => Route::Health,
+        "/metrics" => Route::Metrics,
+        "/report" => Route::Report,
+        _ => return Err(Response::text(404, "served: /healthz, /metrics, /report\n")),
+    };
+    Ok(Asked { route, head_only: method == "HEAD" })
 }
 
 fn head(status: u16, content_type: &str, length: usize) -> Vec<u8> {
@@ -149,16 +255,134 @@ fn head(status: u16, content_type: &str, length: usize) -> Vec<u8> {
         .into_bytes()
 }
 
+/// An address as the kernel keys a socket: an IPv4-mapped IPv6 address is the IPv4 socket's.
+fn plain_ip(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+        v4 => v4,
+    }
+}
+
+/// The sock_diag request for the one TCP socket bound at `src` and connected to `dst`
+/// (struct nlmsghdr, then struct inet_diag_req_v2): not a dump, so the kernel looks that socket
+/// up and answers it alone, whatever else the host holds.
+pub fn sock_diag_request(src: SocketAddr, dst: SocketAddr) -> Vec<u8> {
+    const SOCK_DIAG_BY_FAMILY: u16 = 20;
+    let (src_ip, dst_ip) = (plain_ip(src.ip()), plain_ip(dst.ip()));
+    let family = if src_ip.is_ipv4() { libc::AF_INET } else { libc::AF_INET6 } as u8;
+    let octets = |ip: IpAddr| -> [u8; 16] {
+        let mut out = [0u8; 16];
+        match ip {
+            IpAddr::V4(v4) => out[..4].copy_from_slice(&v4.octets()),
+            IpAddr::V6(v6) => out = v6.octets(),
+        }
+        out
+    };
+    let mut msg = Vec::with_capacity(72);
+    msg.extend_from_slice(&72u32.to_ne_bytes());
+    msg.extend_from_slice(&SOCK_DIAG_BY_FAMILY.to_ne_bytes());
+    msg.extend_from_slice(&(libc::NLM_F_REQUEST as u16).to_ne_bytes());
+    msg.extend_from_slice(&1u32.to_ne_bytes());
+    msg.extend_from_slice(&0u32.to_ne_bytes());
+    msg.extend_from_slice(&[family, libc::IPPROTO_TCP as u8, 0, 0]);
+    msg.extend_from_slice(&u32::MAX.to_ne_bytes());
+    msg.extend_from_slice(&src.port().to_be_bytes());
+    msg.extend_from_slice(&dst.port().to_be_bytes());
+    msg.extend_from_slice(&octets(src_ip));
+    msg.extend_from_slice(&octets(dst_ip));
+    msg.extend_from_slice(&0u32.to_ne_bytes());
+    // INET_DIAG_NOCOOKIE: any socket with these addresses.
+    msg.extend_from_slice(&[0xff; 8]);
+    msg
+}
+
+/// The uid in a sock_diag answer (struct nlmsghdr, then struct inet_diag_msg), None for an
+/// error or anything shorter than that.
+pub fn sock_diag_uid(answer: &[u8]) -> Option<u32> {
+    const NLMSG_ERROR: u16 = 2;
+    const HEADER: usize = 16;
+    let kind = u16::from_ne_bytes(answer.get(4..6)?.try_into().ok()?);
+    if kind == NLMSG_ERROR {
+        return None;
+    }
+    // inet_diag_msg: family, state, timer, retrans (4), the socket id (48), expires, rqueue,
+    // wqueue (12), then uid.
+    let at = HEADER + 4 + 48 + 12;
+    Some(u32::from_ne_bytes(answer.get(at..at + 4)?.try_into().ok()?))
+}
+
+/// The uid owning the TCP socket at `peer` connected to `local`: who is talking on a loopback
+/// connection, from the kernel, one socket asked about (bounded whatever the host's table holds).
+pub fn tcp_owner(peer: SocketAddr, local: SocketAddr) -> Option<u32> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    // SAFETY: socket(2); the fd is owned from here on.
+    let fd = unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, libc::NETLINK_SOCK_DIAG) };
+    if fd < 0 {
+        return None;
+    }
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let timeout = libc::timeval { tv_sec: 1, tv_usec: 0 };
+    let request = sock_diag_request(peer, local);
+    let mut answer = [0u8; 512];
+    // SAFETY: setsockopt, send and recv on the fd owned here, with buffers of the sizes given.
+    let got = unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVTIMEO,
+            (&timeout as *const libc::timeval).cast(),
+            std::mem::size_of::<libc::timeval>() as u32,
+        );
+        if libc::send(fd.as_raw_fd(), request.as_ptr().cast(), request.len(), 0) < 0 {
+            return None;
+        }
+        libc::recv(fd.as_raw_fd(), answer.as_mut_ptr().cast(), answer.len(), 0)
+    };
+    sock_diag_uid(answer.get(..usize::try_from(got).ok()?)?)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn only_get_of_known_paths() {
-        assert_eq!(route(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").ok(), Some(Route::Metrics));
-        assert_eq!(route(b"GET /report?x=1 HTTP/1.0\r\n\r\n").ok(), Some(Route::Report));
+    fn only_get_and_head_of_known_paths() {
+        let asked = |h: &[u8]| route(h).ok();
+        assert_eq!(asked(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"), Some(Asked { route: Route::Metrics, head_only: false }));
+        assert_eq!(asked(b"GET /report?x=1 HTTP/1.0\r\n\r\n"), Some(Asked { route: Route::Report, head_only: false }));
+        assert_eq!(asked(b"HEAD /healthz HTTP/1.1\r\n\r\n"), Some(Asked { route: Route::Health, head_only: true }));
         assert_eq!(route(b"POST /metrics HTTP/1.1\r\n\r\n").err().map(|r| r.status), Some(405));
         assert_eq!(route(b"GET /../../etc/passwd HTTP/1.1\r\n\r\n").err().map(|r| r.status), Some(404));
         assert_eq!(route(b"\xff\xfe garbage").err().map(|r| r.status), Some(405));
+    }
+
+    #[test]
+    fn the_kernel_names_who_holds_the_other_end_of_a_loopback_connection() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (server, _) = listener.accept().unwrap();
+        // SAFETY: getuid has no preconditions.
+        let me = unsafe { libc::getuid() };
+        let (peer, local) = (server.peer_addr().unwrap(), server.local_addr().unwrap());
+        assert_eq!(tcp_owner(peer, local), Some(me));
+        assert_eq!(client.local_addr().unwrap(), peer);
+        assert_eq!(tcp_owner("127.0.0.1:1".parse().unwrap(), local), None, "no such socket");
+        // A dual-stack listener sees IPv4 peers as mapped addresses: asked as the IPv4 socket.
+        let mapped: SocketAddr = format!("[::ffff:127.0.0.1]:{}", peer.port()).parse().unwrap();
+        let local6: SocketAddr = format!("[::ffff:127.0.0.1]:{}", local.port()).parse().unwrap();
+        assert_eq!(tcp_owner(mapped, local6), Some(me));
+    }
+
+    #[test]
+    fn a_sock_diag_answer_too_short_or_an_error_names_nobody() {
+        assert_eq!(sock_diag_uid(&[]), None);
+        let mut error = vec![0u8; 100];
+        error[4..6].copy_from_slice(&2u16.to_ne_bytes());
+        assert_eq!(sock_diag_uid(&error), None);
+        let mut answer = vec![0u8; 16 + 72];
+        answer[4..6].copy_from_slice(&20u16.to_ne_bytes());
+        answer[80..84].copy_from_slice(&1234u32.to_ne_bytes());
+        assert_eq!(sock_diag_uid(&answer), Some(1234));
+        assert_eq!(sock_diag_uid(&answer[..83]), None);
     }
 }

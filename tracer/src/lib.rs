@@ -7,6 +7,7 @@ pub mod analysis;
 pub mod btf;
 pub mod decode;
 pub mod devices;
+pub mod dir;
 pub mod doctor;
 pub mod event;
 pub mod export;

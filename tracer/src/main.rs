@@ -100,7 +100,7 @@ enum Command {
         #[arg(long)]
         kernel_log: bool,
     },
-    /// Ask the running `gputrace watch` for a dump now (as SIGUSR1 does).
+    /// Ask the running `gputrace watch` for a dump now, through its socket (SIGUSR1 does it too).
     Dump {
         /// The watch's pid [default: every watch running here]
         #[arg(long)]
@@ -319,7 +319,7 @@ fn main() -> ExitCode {
             };
             gputrace::watch::run(opts).map(|()| ExitCode::SUCCESS)
         }
-        Command::Dump { pid } => gputrace::watch::ask(pid).map(|done| {
+        Command::Dump { pid } => gputrace::mark::ask_dump(pid).map(|done| {
             eprintln!("gputrace: {done}");
             ExitCode::SUCCESS
         }),

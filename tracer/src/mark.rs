@@ -1,8 +1,13 @@
-//! Explicit phase marks. A running `gputrace record` listens on a Unix socket,
-//! /run/gputrace/<recorder pid>.sock, for one line: `MARK <phase> <pid>\n`, phase one of load,
-//! prefill, decode, idle. It answers `OK\n` and records the mark for that process's service, or
-//! `ERR <why>\n`. An application can speak it with no gputrace library (`socat - UNIX:...`);
-//! `gputrace mark PHASE [--pid PID]` does it for wrapper scripts.
+//! Explicit phase marks, and dumps asked of a watch. A running `gputrace record` (or `watch`)
+//! listens on a Unix socket, /run/gputrace/<recorder pid>.sock, for one line:
+//! - `MARK <phase> <pid>\n`, phase one of load, prefill, decode, idle: it answers `OK\n` and
+//!   records the mark for that process's service, or `ERR <why>\n`. An application can speak it
+//!   with no gputrace library (`socat - UNIX:...`); `gputrace mark PHASE [--pid PID]` does it for
+//!   wrapper scripts.
+//! - `DUMP\n`, to a watch, from root or the user who started it: `OK <what happens>\n`, or
+//!   `ERR <why>\n`. `gputrace dump` asks this way: a socket in a directory only root writes
+//!   names the watch for as long as it runs (a pid checked and then signalled could belong to
+//!   another process by the time the signal goes).
 //!
 //! A mark changes a verdict, so who may send one is checked: the directory belongs to root and
 //! only root writes in it (nobody plants or removes a socket), and each connection's peer
@@ -38,16 +43,33 @@ pub fn socket_path(recorder: u32) -> PathBuf {
     Path::new(SOCKET_DIR).join(format!("{recorder}.sock"))
 }
 
-/// A request line, checked: the phase and the process it is for.
-pub fn parse(line: &str) -> Result<(Phase, u32), String> {
+/// What a connection asks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Asked {
+    Mark { phase: Phase, pid: u32 },
+    Dump,
+}
+
+/// A request line, checked.
+pub fn parse(line: &str) -> Result<Asked, String> {
     let mut words = line.split_whitespace();
-    if words.next() != Some("MARK") {
-        return Err("expected `MARK <phase> <pid>`".into());
+    match words.next() {
+        Some("DUMP") if words.next().is_none() => return Ok(Asked::Dump),
+        Some("MARK") => {}
+        _ => return Err("expected `MARK <phase> <pid>` or `DUMP`".into()),
     }
     let phase = words.next().ok_or("no phase")?;
     let phase = Phase::parse(phase).ok_or_else(|| format!("{phase:?} is not a phase: load, prefill, decode or idle"))?;
     let pid = words.next().and_then(|p| p.parse().ok()).ok_or("no pid")?;
-    Ok((phase, pid))
+    Ok(Asked::Mark { phase, pid })
+}
+
+/// Who may ask a watch for a dump: root or the user who started it (as for SIGUSR1).
+pub fn may_dump(peer_uid: u32, invoking_uid: Option<u32>) -> Result<(), String> {
+    if peer_uid == 0 || Some(peer_uid) == invoking_uid {
+        return Ok(());
+    }
+    Err(format!("uid {peer_uid} may not ask for a dump: only root or the user who started the watch may"))
 }
 
 /// Who may mark `pid`: root, the user who started the recording, or the process's owner.
@@ -58,10 +80,9 @@ pub fn may_mark(peer_uid: u32, invoking_uid: Option<u32>, owner_of_pid: Option<u
     Err(format!("uid {peer_uid} may not mark pid {pid}: only root, the user who started this recording, or the process's owner may"))
 }
 
-/// What the recorder is asked: a checked mark, and where its answer goes.
+/// What the recorder is asked (checked for who asks), and where its answer goes.
 pub struct MarkRequest {
-    pub phase: Phase,
-    pub pid: u32,
+    pub asked: Asked,
     pub reply: oneshot::Sender<String>,
 }
 
@@ -199,65 +220,131 @@ async fn serve(stream: tokio::net::UnixStream, invoking_uid: Option<u32>, to_rec
 
 async fn answer(line: &[u8], peer: Option<u32>, invoking_uid: Option<u32>, to_recorder: &mpsc::Sender<MarkRequest>) -> String {
     let Some(peer) = peer else { return "ERR cannot tell who is connecting (no SO_PEERCRED)".into() };
-    let (phase, pid) = match parse(&String::from_utf8_lossy(line)) {
-        Ok(mark) => mark,
+    let asked = match parse(&String::from_utf8_lossy(line)) {
+        Ok(asked) => asked,
         Err(why) => return format!("ERR {why}"),
     };
-    if let Err(why) = may_mark(peer, invoking_uid, procfs::owner(pid), pid) {
+    let allowed = match asked {
+        Asked::Mark { pid, .. } => may_mark(peer, invoking_uid, procfs::owner(pid), pid),
+        Asked::Dump => may_dump(peer, invoking_uid),
+    };
+    if let Err(why) = allowed {
         return format!("ERR {why}");
     }
     let (reply, answer) = oneshot::channel();
-    if to_recorder.send(MarkRequest { phase, pid, reply }).await.is_err() {
+    if to_recorder.send(MarkRequest { asked, reply }).await.is_err() {
         return "ERR the recording is ending".into();
     }
     answer.await.unwrap_or_else(|_| "ERR the recording is ending".into())
 }
 
+/// The live recorders' sockets: all of them, or the one of `recorder`.
+fn sockets(recorder: Option<u32>) -> Vec<PathBuf> {
+    if let Some(pid) = recorder {
+        return vec![socket_path(pid)];
+    }
+    std::fs::read_dir(SOCKET_DIR)
+        .map(|d| d.filter_map(|e| Some(e.ok()?.path())).filter(|p| p.extension().is_some_and(|x| x == "sock")).take(4096).collect())
+        .unwrap_or_default()
+}
+
+/// What came of one exchange with a recorder's socket.
+enum Exchange {
+    Answer(String),
+    /// A recorder that died left it (or there is none at that path).
+    Stale,
+    Failed(String),
+}
+
+/// One line to the recorder behind `socket`, one line back. The socket must be root's (the
+/// directory only root writes; checked again here: the peer's credentials).
+fn exchange(socket: &Path, line: &str) -> Exchange {
+    let recorder = socket.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    let mut stream = match UnixStream::connect(socket) {
+        Ok(stream) => stream,
+        Err(e) if matches!(e.kind(), std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::NotFound) => return Exchange::Stale,
+        Err(e) => return Exchange::Failed(format!("cannot reach the recording of pid {recorder}: {e}")),
+    };
+    if peer_of(&stream).is_some_and(|uid| uid != 0) {
+        return Exchange::Failed(format!("the socket of pid {recorder} is not root's: not asked"));
+    }
+    let mut reply = String::new();
+    let asked = stream
+        .set_read_timeout(Some(DEADLINE + Duration::from_secs(1)))
+        .and_then(|()| writeln!(stream, "{line}"))
+        .and_then(|()| BufReader::new((&stream).take(MAX_LINE * 4)).read_line(&mut reply));
+    match asked {
+        Ok(_) => Exchange::Answer(reply.trim().to_string()),
+        Err(e) => Exchange::Failed(format!("the recording of pid {recorder} did not answer: {e}")),
+    }
+}
+
+fn peer_of(stream: &UnixStream) -> Option<u32> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: getsockopt(SO_PEERCRED) fills a ucred of the size given.
+    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    let rc = unsafe {
+        libc::getsockopt(stream.as_raw_fd(), libc::SOL_SOCKET, libc::SO_PEERCRED, (&mut cred as *mut libc::ucred).cast(), &mut len)
+    };
+    (rc == 0).then_some(cred.uid)
+}
+
+fn leftovers(stale: usize) -> String {
+    if stale > 0 {
+        format!("; {stale} socket(s) of recorders that died are left there, and the next recording removes them")
+    } else {
+        String::new()
+    }
+}
+
 /// `gputrace mark`: sends the mark to every running recorder; done when one of them traces `pid`.
 pub fn send(phase: Phase, pid: u32) -> Result<String> {
-    let sockets: Vec<PathBuf> = std::fs::read_dir(SOCKET_DIR)
-        .map(|d| d.filter_map(|e| Some(e.ok()?.path())).filter(|p| p.extension().is_some_and(|x| x == "sock")).collect())
-        .unwrap_or_default();
     let mut refusals = Vec::new();
     let mut stale = 0;
-    for socket in &sockets {
-        let recorder = socket.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
-        let mut stream = match UnixStream::connect(socket) {
-            Ok(stream) => stream,
-            Err(e) if matches!(e.kind(), std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::NotFound) => {
-                stale += 1;
-                continue;
+    // One recorder that fails to answer (gone mid-way, a broken pipe) is one refusal, not the
+    // end: the next may trace the pid.
+    for socket in sockets(None) {
+        match exchange(&socket, &format!("MARK {} {pid}", phase.name())) {
+            Exchange::Answer(ok) if ok == "OK" => return Ok(format!("marked pid {pid}'s service as {}", phase.name())),
+            Exchange::Answer(other) => {
+                refusals.push(format!("the recording of {} refused: {}", recorder_of(&socket), other.trim_start_matches("ERR ")))
             }
-            Err(e) => {
-                refusals.push(format!("cannot reach the recording of pid {recorder}: {e}"));
-                continue;
-            }
-        };
-        // One recorder that fails to answer (gone mid-way, a broken pipe) is one refusal, not the
-        // end: the next may trace the pid.
-        let mut reply = String::new();
-        let asked = stream
-            .set_read_timeout(Some(DEADLINE + Duration::from_secs(1)))
-            .and_then(|()| writeln!(stream, "MARK {} {pid}", phase.name()))
-            .and_then(|()| BufReader::new((&stream).take(MAX_LINE * 4)).read_line(&mut reply));
-        if let Err(e) = asked {
-            refusals.push(format!("the recording of pid {recorder} did not answer: {e}"));
-            continue;
-        }
-        match reply.trim() {
-            "OK" => return Ok(format!("marked pid {pid}'s service as {}", phase.name())),
-            other => refusals.push(format!("the recording of pid {recorder} refused: {}", other.trim_start_matches("ERR "))),
+            Exchange::Stale => stale += 1,
+            Exchange::Failed(why) => refusals.push(why),
         }
     }
     if !refusals.is_empty() {
         bail!("{}", refusals.join("; "));
     }
-    let leftovers = if stale > 0 {
-        format!("; {stale} socket(s) of recorders that died are left there, and the next recording removes them")
-    } else {
-        String::new()
-    };
-    bail!("no gputrace record is running (no live socket in {SOCKET_DIR}{leftovers}): start one with `sudo gputrace record`")
+    bail!("no gputrace record is running (no live socket in {SOCKET_DIR}{}): start one with `sudo gputrace record`", leftovers(stale))
+}
+
+fn recorder_of(socket: &Path) -> String {
+    format!("pid {}", socket.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default())
+}
+
+/// `gputrace dump`: asks every running watch (or the one of `watch`) for a dump now, through its
+/// socket; recordings that are not watches say so and are passed over.
+pub fn ask_dump(watch: Option<u32>) -> Result<String> {
+    let (mut asked, mut refusals, mut stale) = (Vec::new(), Vec::new(), 0);
+    for socket in sockets(watch) {
+        match exchange(&socket, "DUMP") {
+            Exchange::Answer(ok) if ok.starts_with("OK") => {
+                asked.push(format!("{}: {}", recorder_of(&socket), ok.trim_start_matches("OK").trim()))
+            }
+            Exchange::Answer(not) if not.contains("not a watch") && watch.is_none() => {}
+            Exchange::Answer(other) => refusals.push(format!("{} refused: {}", recorder_of(&socket), other.trim_start_matches("ERR "))),
+            Exchange::Stale if watch.is_some() => refusals.push(format!("no gputrace watch runs as {}", recorder_of(&socket))),
+            Exchange::Stale => stale += 1,
+            Exchange::Failed(why) => refusals.push(why),
+        }
+    }
+    match (asked.is_empty(), refusals.is_empty()) {
+        (false, _) => Ok(format!("asked gputrace watch ({}); it logs where the dump goes", asked.join("; "))),
+        (true, false) => bail!("{}", refusals.join("; ")),
+        (true, true) => bail!("no `gputrace watch` is running here{}: start one with `sudo gputrace watch`", leftovers(stale)),
+    }
 }
 
 #[cfg(test)]
@@ -266,10 +353,12 @@ mod tests {
 
     #[test]
     fn the_protocol_line() {
-        assert_eq!(parse("MARK prefill 42\n"), Ok((Phase::Prefill, 42)));
+        assert_eq!(parse("MARK prefill 42\n"), Ok(Asked::Mark { phase: Phase::Prefill, pid: 42 }));
         assert!(parse("MARK warmup 42").unwrap_err().contains("not a phase"));
         assert!(parse("MARK load").is_err());
         assert!(parse("HELLO").is_err());
+        assert_eq!(parse("DUMP\n"), Ok(Asked::Dump));
+        assert!(parse("DUMP now").is_err());
     }
 
     #[test]
@@ -280,5 +369,10 @@ mod tests {
         let e = may_mark(3000, Some(1000), Some(2000), 7).unwrap_err();
         assert!(e.contains("uid 3000 may not mark pid 7"), "{e}");
         assert!(may_mark(3000, None, None, 7).is_err(), "a gone process's mark is root's or the recorder's user's");
+        assert!(may_dump(0, Some(1000)).is_ok() && may_dump(1000, Some(1000)).is_ok());
+        assert!(
+            may_dump(2000, Some(1000)).unwrap_err().contains("uid 2000 may not ask for a dump"),
+            "owning a traced process is not enough"
+        );
     }
 }

@@ -177,13 +177,14 @@ impl Process {
     }
 }
 
-/// A command as ps shows it: the program's name, then its arguments.
+/// A command as ps shows it: the program's name, then its arguments, on one line whatever they
+/// hold (see [`crate::units::one_line`]).
 pub fn display_command(argv: &[String]) -> String {
     match argv.split_first() {
         None => "?".into(),
         Some((program, args)) => {
             let name = program.rsplit('/').next().unwrap_or(program);
-            std::iter::once(name).chain(args.iter().map(String::as_str)).collect::<Vec<_>>().join(" ")
+            crate::units::one_line(&std::iter::once(name).chain(args.iter().map(String::as_str)).collect::<Vec<_>>().join(" "))
         }
     }
 }

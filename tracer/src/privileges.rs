@@ -8,8 +8,9 @@
 //! files with kcmp (CAP_SYS_PTRACE, CAP_DAC_READ_SEARCH), and passing a stop signal on to a
 //! command that runs as another user (CAP_KILL); for `watch` under sudo, creating each dump as the
 //! invoking user (CAP_SETUID, CAP_SETGID, used only for the filesystem identity of the thread
-//! that opens it). Everything else goes: setuid, setgid, chown,
-//! file ownership overrides, modules, raw I/O, the network, mounts.
+//! that opens it); for `watch` listening on a port below 1024 (one no ordinary user can take
+//! first), binding it again if it was not free (CAP_NET_BIND_SERVICE). Everything else goes:
+//! setuid, setgid, chown, file ownership overrides, modules, raw I/O, the network, mounts.
 
 use std::io;
 
@@ -17,6 +18,7 @@ const CAP_DAC_READ_SEARCH: u32 = 2;
 const CAP_KILL: u32 = 5;
 const CAP_SETGID: u32 = 6;
 const CAP_SETUID: u32 = 7;
+const CAP_NET_BIND_SERVICE: u32 = 10;
 const CAP_SYS_PTRACE: u32 = 19;
 const CAP_SYS_ADMIN: u32 = 21;
 const CAP_PERFMON: u32 = 38;
@@ -38,13 +40,24 @@ struct Data {
     inheritable: u32,
 }
 
+/// What recording goes on doing beyond tracing, and so which capabilities it keeps.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Needs {
+    /// `watch` under sudo goes on creating dump files as the invoking user, which takes
+    /// setfsuid/setgroups on the writing thread.
+    pub open_as_user: bool,
+    /// `watch --listen` on a port below 1024, bound again if it was taken at start.
+    pub bind_low_port: bool,
+}
+
 /// The capabilities kept, as a 64-bit set, for a kernel whose highest capability is `last_cap`.
-/// `open_as_user`: `watch` under sudo goes on creating dump files as the invoking user, which
-/// takes setfsuid/setgroups on the writing thread.
-pub fn kept(last_cap: u32, open_as_user: bool) -> u64 {
+pub fn kept(last_cap: u32, needs: Needs) -> u64 {
     let mut keep = [CAP_DAC_READ_SEARCH, CAP_KILL, CAP_SYS_PTRACE, CAP_PERFMON, CAP_BPF].iter().fold(0u64, |set, &c| set | 1 << c);
-    if open_as_user {
+    if needs.open_as_user {
         keep |= 1 << CAP_SETUID | 1 << CAP_SETGID;
+    }
+    if needs.bind_low_port {
+        keep |= 1 << CAP_NET_BIND_SERVICE;
     }
     if last_cap < CAP_BPF {
         keep |= 1 << CAP_SYS_ADMIN;
@@ -73,8 +86,8 @@ fn prctl(option: libc::c_int, arg: libc::c_ulong) -> io::Result<()> {
 /// Drops every other capability from the calling thread's effective, permitted, inheritable and
 /// bounding sets, and locks uid 0 out of regaining them. Call it while the recorder has one
 /// thread: capabilities are per thread, and threads started later inherit them.
-pub fn keep_only_what_recording_needs(open_as_user: bool) -> io::Result<()> {
-    let keep = kept(last_cap(), open_as_user);
+pub fn keep_only_what_recording_needs(needs: Needs) -> io::Result<()> {
+    let keep = kept(last_cap(), needs);
     // These need CAP_SETPCAP, which goes last.
     prctl(PR_SET_SECUREBITS, SECUREBITS)?;
     for cap in (0..=last_cap()).filter(|&c| keep & 1 << c == 0) {
@@ -106,7 +119,7 @@ mod tests {
 
     #[test]
     fn what_is_kept() {
-        let modern = kept(40, false);
+        let modern = kept(40, Needs::default());
         for cap in [CAP_BPF, CAP_PERFMON, CAP_SYS_PTRACE, CAP_DAC_READ_SEARCH, CAP_KILL] {
             assert!(modern & 1 << cap != 0, "{cap} kept");
         }
@@ -114,7 +127,11 @@ mod tests {
         for cap in [CAP_SYS_ADMIN, CAP_SETUID, CAP_SYS_MODULE] {
             assert!(modern & 1 << cap == 0, "{cap} dropped");
         }
-        assert!(kept(37, false) & 1 << CAP_SYS_ADMIN != 0, "before CAP_BPF existed, BPF needs CAP_SYS_ADMIN");
-        assert!(kept(40, true) & (1 << CAP_SETUID | 1 << CAP_SETGID) != 0, "a watch under sudo writes dumps as the user");
+        assert!(modern & 1 << CAP_NET_BIND_SERVICE == 0);
+        assert!(kept(37, Needs::default()) & 1 << CAP_SYS_ADMIN != 0, "before CAP_BPF existed, BPF needs CAP_SYS_ADMIN");
+        let sudo = Needs { open_as_user: true, ..Needs::default() };
+        assert!(kept(40, sudo) & (1 << CAP_SETUID | 1 << CAP_SETGID) != 0, "a watch under sudo writes dumps as the user");
+        let low = Needs { bind_low_port: true, ..Needs::default() };
+        assert!(kept(40, low) & 1 << CAP_NET_BIND_SERVICE != 0, "a watch on port 931 binds it again when it was taken");
     }
 }

@@ -126,7 +126,8 @@ pub fn place(pid: u32) -> Option<crate::event::Place> {
     let status = read_bounded(&format!("/proc/{pid}/status"), 64 * 1024).unwrap_or_default();
     let pod = pod_of(&cgroup);
     let (namespace, pod_name) = pod.as_deref().and_then(|uid| pod_names_in(std::path::Path::new(POD_LOGS), uid)).unzip();
-    Some(crate::event::Place { container: container_of(&cgroup), pod, namespace, pod_name, ns_pid: ns_pid(&status), cgroup })
+    let uid = uid_in(&status);
+    Some(crate::event::Place { container: container_of(&cgroup), pod, namespace, pod_name, ns_pid: ns_pid(&status), cgroup, uid })
 }
 
 /// TCP ports the process listens on (IPv4 and IPv6), from the socket inodes its fds hold and
@@ -193,17 +194,191 @@ pub fn parent(pid: u32) -> Option<u32> {
     stat(pid).map(|s| s.ppid)
 }
 
+/// What a command line that could not be read in time is shown as.
+pub const UNREADABLE: &str = "unknown (unreadable)";
+
 /// Its argv, at most [`MAX_COMMAND`] bytes of it; None when gone or empty (a kernel thread).
+/// Read within [`mm::DEADLINE`]: past it (the process holds its own memory lock, see [`mm`]),
+/// the command is [`UNREADABLE`].
 pub fn command(pid: u32) -> Option<Vec<String>> {
-    let mut raw = Vec::new();
-    std::fs::File::open(format!("/proc/{pid}/cmdline")).ok()?.take(MAX_COMMAND).read_to_end(&mut raw).ok()?;
+    let raw = match mm::read(pid, "cmdline", MAX_COMMAND) {
+        mm::Read::Done(raw) => raw?,
+        mm::Read::Late => return Some(vec![UNREADABLE.to_string()]),
+    };
     let args: Vec<String> = raw.split(|&b| b == 0).filter(|a| !a.is_empty()).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
     (!args.is_empty()).then_some(args)
 }
 
+/// Reads of /proc files that take the target's memory-map lock (cmdline, environ, maps). Any
+/// user can make such a read block in the kernel for as long as they like: a process whose own
+/// lock is held in a page fault that a FUSE server of theirs never answers, with a writer queued
+/// behind it. So each read runs on a worker thread and is waited for [`DEADLINE`] at most; past
+/// it the caller goes on without it. A worker stuck in such a read stays stuck until the kernel
+/// lets it go; while one is stuck on some uid's process, reads of that uid's processes are not
+/// tried (one frozen process costs one deadline, not one per fork of it), and at most
+/// [`WORKERS`] exist at once (past that, every read is late until one comes back).
+pub mod mm {
+    use std::collections::HashMap;
+    use std::io::Read as _;
+    use std::os::unix::fs::MetadataExt;
+    use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    pub const DEADLINE: Duration = Duration::from_millis(250);
+    pub const WORKERS: usize = 8;
+
+    pub enum Read {
+        /// The bytes (at most the limit), or None: the process or the file is gone.
+        Done(Option<Vec<u8>>),
+        /// Not read within the deadline, or not tried (its owner's reads are stuck).
+        Late,
+    }
+
+    struct Job {
+        path: String,
+        limit: u64,
+        uid: u32,
+        state: Arc<Mutex<State>>,
+        reply: SyncSender<Option<Vec<u8>>>,
+    }
+
+    #[derive(Default)]
+    struct State {
+        finished: bool,
+        abandoned: bool,
+    }
+
+    #[derive(Default)]
+    struct Pool {
+        idle: Vec<SyncSender<Job>>,
+        workers: usize,
+        /// Reads abandoned and still blocked, by the uid owning the process read.
+        stuck: HashMap<u32, usize>,
+    }
+
+    static POOL: Mutex<Option<Pool>> = Mutex::new(None);
+
+    fn pool<T>(f: impl FnOnce(&mut Pool) -> T) -> T {
+        let mut guard = POOL.lock().unwrap_or_else(|e| e.into_inner());
+        f(guard.get_or_insert_with(Pool::default))
+    }
+
+    fn work(jobs: Receiver<Job>, me: SyncSender<Job>) {
+        for job in jobs {
+            let read = (|| {
+                let mut raw = Vec::new();
+                std::fs::File::open(&job.path).ok()?.take(job.limit).read_to_end(&mut raw).ok()?;
+                Some(raw)
+            })();
+            let _ = job.reply.try_send(read);
+            pool(|p| {
+                let mut state = job.state.lock().unwrap_or_else(|e| e.into_inner());
+                state.finished = true;
+                if state.abandoned {
+                    if let Some(n) = p.stuck.get_mut(&job.uid) {
+                        *n = n.saturating_sub(1);
+                        if *n == 0 {
+                            p.stuck.remove(&job.uid);
+                        }
+                    }
+                }
+                p.idle.push(me.clone());
+            });
+        }
+    }
+
+    /// /proc/PID/FILE, at most `limit` bytes, within [`DEADLINE`].
+    pub fn read(pid: u32, file: &str, limit: u64) -> Read {
+        // The owner from the directory's inode: no lock of the target's taken.
+        let Ok(uid) = std::fs::metadata(format!("/proc/{pid}")).map(|m| m.uid()) else { return Read::Done(None) };
+        let worker = pool(|p| {
+            if p.stuck.contains_key(&uid) {
+                return None;
+            }
+            if let Some(w) = p.idle.pop() {
+                return Some(w);
+            }
+            if p.workers >= WORKERS {
+                return None;
+            }
+            let (tx, rx) = sync_channel::<Job>(1);
+            let me = tx.clone();
+            std::thread::Builder::new().name("gputrace-proc".into()).spawn(move || work(rx, me)).ok()?;
+            p.workers += 1;
+            Some(tx)
+        });
+        let Some(worker) = worker else { return Read::Late };
+        let (reply, answer) = sync_channel(1);
+        let state = Arc::new(Mutex::new(State::default()));
+        let job = Job { path: format!("/proc/{pid}/{file}"), limit, uid, state: state.clone(), reply };
+        if worker.send(job).is_err() {
+            return Read::Late;
+        }
+        if let Ok(read) = answer.recv_timeout(DEADLINE) {
+            return Read::Done(read);
+        }
+        // Decided under the pool's lock, as the worker's end is: a read that ended just now is
+        // taken, one still blocked counts against its owner until it ends.
+        pool(|p| {
+            let mut s = state.lock().unwrap_or_else(|e| e.into_inner());
+            if s.finished {
+                return Read::Done(answer.try_recv().ok().flatten());
+            }
+            s.abandoned = true;
+            *p.stuck.entry(uid).or_default() += 1;
+            Read::Late
+        })
+    }
+}
+
+/// The program a process runs, from /proc/PID/exe (its argv[0] is whatever the process says):
+/// what decides that a holder is a daemon that holds the GPU by design.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Executable {
+    /// Its path as the process sees it (inside its container), " (deleted)" if replaced since.
+    pub path: String,
+    /// The file's identity: two processes run the same program when these match.
+    pub dev: u64,
+    pub ino: u64,
+    /// Owned by root, writable by no one else, in a directory likewise: no ordinary user could
+    /// have put it there or changed it.
+    pub system: bool,
+}
+
+impl Executable {
+    /// The program's file name.
+    pub fn name(&self) -> &str {
+        let path = self.path.strip_suffix(" (deleted)").unwrap_or(&self.path);
+        path.rsplit('/').next().unwrap_or(path)
+    }
+}
+
+/// Root's, and no one else may write it.
+fn root_only(meta: &std::fs::Metadata) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    meta.uid() == 0 && meta.mode() & 0o022 == 0
+}
+
+/// What /proc/PID/exe names; None when gone (or a kernel thread).
+pub fn executable(pid: u32) -> Option<Executable> {
+    use std::os::unix::fs::MetadataExt;
+    let path = std::fs::read_link(format!("/proc/{pid}/exe")).ok()?.to_string_lossy().into_owned();
+    // The link leads to the file itself, whatever its path has become.
+    let meta = std::fs::metadata(format!("/proc/{pid}/exe")).ok()?;
+    // Its directory, as the process sees it (through its root: a container's own /usr/bin).
+    let dir = std::path::Path::new(&path).parent().map(|d| format!("/proc/{pid}/root{}", d.display()));
+    let dir_ok = !path.ends_with(" (deleted)") && dir.and_then(|d| std::fs::metadata(d).ok()).is_some_and(|m| root_only(&m));
+    Some(Executable { system: root_only(&meta) && dir_ok, dev: meta.dev(), ino: meta.ino(), path })
+}
+
 /// The real uid that owns a process, from /proc/PID/status.
 pub fn owner(pid: u32) -> Option<u32> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    uid_in(&read_bounded(&format!("/proc/{pid}/status"), 64 * 1024)?)
+}
+
+/// The real uid of a /proc/PID/status text.
+fn uid_in(status: &str) -> Option<u32> {
     status.lines().find_map(|l| l.strip_prefix("Uid:"))?.split_whitespace().next()?.parse().ok()
 }
 
@@ -228,28 +403,6 @@ pub fn resident_bytes(pid: u32) -> Option<u64> {
     let status = read_bounded(&format!("/proc/{pid}/status"), 64 * 1024)?;
     let kib: u64 = status.lines().find_map(|l| l.strip_prefix("VmRSS:")?.split_whitespace().next()?.parse().ok())?;
     Some(kib.saturating_mul(1024))
-}
-
-/// The uid owning the TCP socket at `peer` connected to `local`, from /proc/net/tcp and tcp6: who
-/// is talking on a loopback connection.
-pub fn tcp_peer_uid(local: std::net::SocketAddr, peer: std::net::SocketAddr) -> Option<u32> {
-    ["/proc/net/tcp", "/proc/net/tcp6"].iter().find_map(|path| parse_tcp_owner(&read_bounded(path, 16 << 20)?, peer, local))
-}
-
-/// The uid column of the line whose local address is `local` and remote address `remote`.
-fn parse_tcp_owner(text: &str, local: std::net::SocketAddr, remote: std::net::SocketAddr) -> Option<u32> {
-    let key = |a: std::net::SocketAddr| match a.ip() {
-        std::net::IpAddr::V4(ip) => format!("{:08X}:{:04X}", u32::from_ne_bytes(ip.octets()), a.port()),
-        std::net::IpAddr::V6(ip) => {
-            let words: String = ip.octets().chunks(4).map(|w| format!("{:08X}", u32::from_ne_bytes([w[0], w[1], w[2], w[3]]))).collect();
-            format!("{words}:{:04X}", a.port())
-        }
-    };
-    let (local, remote) = (key(local), key(remote));
-    text.lines().skip(1).find_map(|line| {
-        let f: Vec<&str> = line.split_whitespace().collect();
-        (f.get(1) == Some(&local.as_str()) && f.get(2) == Some(&remote.as_str())).then(|| f.get(7)?.parse().ok()).flatten()
-    })
 }
 
 /// The path an open fd refers to, None when the process or fd is gone.
@@ -375,19 +528,6 @@ mod tests {
     }
 
     #[test]
-    fn who_is_on_the_other_end_of_a_loopback_connection() {
-        let text = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
-   0: 0100007F:24B8 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1 1 0 100 0 0 10 0
-   1: 0100007F:D431 0100007F:24B8 01 00000000:00000000 00:00000000 00000000   113        0 2 1 0 20 4 30 10 -1
-   2: 0100007F:24B8 0100007F:D431 01 00000000:00000000 00:00000000 00000000     0        0 3 1 0 20 4 30 10 -1";
-        let server: std::net::SocketAddr = "127.0.0.1:9400".parse().unwrap();
-        let client: std::net::SocketAddr = "127.0.0.1:54321".parse().unwrap();
-        assert_eq!(parse_tcp_owner(text, client, server), Some(113), "the client's socket is prometheus's (uid 113)");
-        assert_eq!(parse_tcp_owner(text, server, client), Some(0));
-        assert_eq!(parse_tcp_owner(text, "127.0.0.1:1".parse().unwrap(), server), None);
-    }
-
-    #[test]
     fn stat_fields_after_the_last_parenthesis() {
         let line = "42 (a) b (c)) S 7 40 39 0 -1 4194560 10 0 0 0 250 50 0 0 20 0 3 0 12345 0 0";
         let s = parse_stat(line).unwrap();
@@ -424,5 +564,8 @@ mod tests {
         // SAFETY: getuid has no preconditions.
         assert_eq!(owner(me), Some(unsafe { libc::getuid() }));
         assert!(!open_fds(me).is_empty());
+        let exe = executable(me).expect("its program");
+        assert_eq!(exe, executable(me).unwrap());
+        assert!(!exe.name().is_empty() && exe.ino != 0);
     }
 }

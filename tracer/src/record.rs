@@ -18,7 +18,7 @@ use crate::devices::Majors;
 use crate::event::{Event, Record, Sample};
 use crate::files::{KernelUpdate, ProcResolver};
 use crate::gpus::Sampler;
-use crate::mark::{MarkRequest, MarkServer, MAX_CONNECTIONS};
+use crate::mark::{Asked, MarkRequest, MarkServer, MAX_CONNECTIONS};
 use crate::model::Model;
 use crate::pipeline::Pipeline;
 use crate::probe::{self, Probe};
@@ -359,7 +359,7 @@ impl Session {
         } else if opts.command.is_empty() {
             format!("pid {}", join(&opts.pids))
         } else {
-            format!("`{}`", opts.command.join(" "))
+            format!("`{}`", crate::units::one_line(&opts.command.join(" ")))
         };
         match &self.sink {
             Sink::Trace { writer, .. } => eprintln!("gputrace: tracing {what}, writing {} (Ctrl-C to stop)", writer.path().display()),
@@ -371,8 +371,11 @@ impl Session {
         };
 
         // Launched, so nothing below needs to change identity or own files any more.
-        let open_as_user = matches!(self.sink, Sink::Watch(_)) && self.user.is_some();
-        if let Err(e) = crate::privileges::keep_only_what_recording_needs(open_as_user) {
+        let needs = crate::privileges::Needs {
+            open_as_user: matches!(self.sink, Sink::Watch(_)) && self.user.is_some(),
+            bind_low_port: matches!(&self.sink, Sink::Watch(w) if w.listen.is_some_and(|a| (1..1024).contains(&a.port()))),
+        };
+        if let Err(e) = crate::privileges::keep_only_what_recording_needs(needs) {
             eprintln!("gputrace: warning: could not drop the capabilities recording no longer needs: {e}");
         }
         Ok(child)
@@ -397,28 +400,24 @@ impl Session {
         // Listening before the command starts: a mark it sends at once is not refused.
         let invoking_uid = Some(self.user.as_ref().map_or(0, |u| u.uid));
         let marks = MarkServer::open(std::process::id(), invoking_uid);
-        let mut child = self.begin(probe, opts)?;
-        let (mark_tx, mut mark_rx) = tokio::sync::mpsc::channel::<MarkRequest>(MAX_CONNECTIONS);
-        // A watch serves /metrics, /report and /healthz where asked.
-        let (http_tx, mut http_rx) = tokio::sync::mpsc::channel::<crate::http::Request>(crate::http::MAX_CONNECTIONS);
-        let http = match &self.sink {
-            Sink::Watch(w) => match w.listen {
-                Some(addr) => {
-                    let server = crate::http::Server::bind(addr).await?;
-                    eprintln!("gputrace: serving /metrics, /report and /healthz on http://{}", server.local_addr());
-                    Some(server)
-                }
-                None => None,
-            },
-            Sink::Trace { .. } => None,
-        };
-        // A watch dumps on SIGUSR1 (`gputrace dump`); elsewhere it keeps its default meaning.
+        // A watch dumps on SIGUSR1, from before it says it is tracing (the signal's default would
+        // end it); elsewhere SIGUSR1 keeps its default meaning.
         let mut dump_asks = match self.sink {
             Sink::Watch(_) => {
                 Some(tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined1()).context("listening for SIGUSR1")?)
             }
             Sink::Trace { .. } => None,
         };
+        // A watch serves /metrics, /report and /healthz where asked, from before it says it is
+        // tracing; a port someone else holds is asked for again on the tick.
+        let (http_tx, mut http_rx) = tokio::sync::mpsc::channel::<crate::http::Request>(crate::http::MAX_CONNECTIONS);
+        let mut http = crate::http::Endpoint::new(match &self.sink {
+            Sink::Watch(w) => w.listen,
+            Sink::Trace { .. } => None,
+        });
+        http.bind_when_due();
+        let mut child = self.begin(probe, opts)?;
+        let (mark_tx, mut mark_rx) = tokio::sync::mpsc::channel::<MarkRequest>(MAX_CONNECTIONS);
         let mut tick = tokio::time::interval(Duration::from_millis(100));
         // NVML and /proc/meminfo on a thread of their own: a slow NVML call never holds up events.
         let (sample_tx, mut sample_rx) = tokio::sync::mpsc::channel::<Sample>(4);
@@ -463,6 +462,7 @@ impl Session {
                     self.tick();
                     self.check_lost(probe);
                     self.read_majors_again(probe)?;
+                    http.bind_when_due();
                     if !attached.is_empty() {
                         attached.retain(|&pid| procfs::running(pid));
                         if attached.is_empty() {
@@ -489,10 +489,15 @@ impl Session {
                 // what the last wake-up brought (escapes wait for a batch or the tick).
                 Some(request) = mark_rx.recv() => {
                     self.drain(ring.get_mut(), probe)?;
-                    let _ = request.reply.send(self.mark(request.phase, request.pid));
+                    let answer = match (request.asked, &mut self.sink) {
+                        (Asked::Mark { phase, pid }, _) => self.mark(phase, pid),
+                        (Asked::Dump, Sink::Watch(w)) => format!("OK {}", w.ask()),
+                        (Asked::Dump, Sink::Trace { .. }) => "ERR this is a recording, not a watch: it writes its trace as it goes".into(),
+                    };
+                    let _ = request.reply.send(answer);
                 }
                 Some(sample) = sample_rx.recv() => self.emit_now(0, Event::Sample(sample)),
-                _ = async { http.as_ref().unwrap().accept(&http_tx).await }, if http.is_some() => {}
+                _ = async { http.server.as_ref().unwrap().accept(&http_tx).await }, if http.server.is_some() => {}
                 Some(request) = http_rx.recv() => {
                     self.drain(ring.get_mut(), probe)?;
                     if let Sink::Watch(w) = &self.sink {
@@ -586,7 +591,7 @@ impl Session {
         top.sort_by_key(|p| std::cmp::Reverse(p.usage.physical_live()));
         for p in top.iter().take(3) {
             let name = p.command.first().map(|c| c.rsplit('/').next().unwrap_or(c)).unwrap_or("?");
-            line += &format!(" · {} {}: {}", p.pid, name, bytes(p.usage.physical_live()));
+            line += &format!(" · {} {}: {}", p.pid, crate::units::one_line(name), bytes(p.usage.physical_live()));
         }
         if self.model.lost_records > 0 {
             line += &format!(" · LOST {}", self.model.lost_records);

@@ -465,7 +465,7 @@ fn suspects(header: &Header, model: &Model, services: &Services, idle_ns: u64) -
     }
     // Without NVML: who had the device files open before recording, outside the traced ones.
     if header.nvml != "ok" {
-        let outside = |h: &&crate::trace::HolderAtStart| services.of(h.pid).is_none() && crate::analysis::benign(&h.command).is_none();
+        let outside = |h: &&crate::trace::HolderAtStart| services.of(h.pid).is_none() && crate::analysis::benign(h.exe.as_ref()).is_none();
         for h in header.holders_at_start.iter().filter(outside) {
             out.push(SuspectContext {
                 pid: h.pid,
@@ -844,6 +844,7 @@ mod tests {
             namespace: Some("llm".into()),
             pod_name: Some("vllm-0".into()),
             ns_pid: Some(1),
+            uid: None,
         };
         let mut records: Vec<Record> = user(4000, 10).into_iter().chain(user(5000, 20)).collect();
         records.insert(1, rec(4000, Event::Place(inside)));

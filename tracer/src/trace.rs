@@ -2,6 +2,7 @@
 //! [`Record`]. Append-only and flushed often, so a recorder killed with SIGKILL leaves a file that
 //! reads up to its last flush. The format is documented in docs/trace-format.md.
 
+use std::ffi::OsStr;
 use std::fs::File;
 use std::io::{self, BufRead, BufReader, BufWriter, Write};
 use std::path::{Path, PathBuf};
@@ -9,8 +10,9 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+use crate::dir::Dir;
 use crate::event::Record;
-use crate::user::{create_private, User};
+use crate::user::{as_user, create_private, User};
 
 pub const FORMAT: &str = "gputrace-trace";
 pub const VERSION: u32 = 1;
@@ -50,6 +52,9 @@ pub struct HolderAtStart {
     pub command: Vec<String>,
     /// The device files it has open: "ctl", "gpu", "uvm".
     pub devices: Vec<String>,
+    /// The program it runs (what says it is a daemon holding the GPU by design, not argv[0]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exe: Option<crate::procfs::Executable>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -134,7 +139,18 @@ impl Writer {
     /// through a symbolic link, never over someone else's file.
     pub fn create(path: &Path, header: &Header, user: Option<&User>) -> Result<Writer, TraceError> {
         let file = create_private(path, user).map_err(|cause| TraceError::Open { path: path.into(), cause })?;
-        let mut w = Writer { out: BufWriter::with_capacity(1 << 16, file), path: path.into(), records: 0 };
+        Writer::start(file, path.into(), header)
+    }
+
+    /// The same, as `name` in a directory held open (a watch's dumps).
+    pub fn create_in(dir: &Dir, name: &OsStr, header: &Header, user: Option<&User>) -> Result<Writer, TraceError> {
+        let path = dir.path().join(name);
+        let file = as_user(user, || dir.create_private(name)).map_err(|cause| TraceError::Open { path: path.clone(), cause })?;
+        Writer::start(file, path, header)
+    }
+
+    fn start(file: File, path: PathBuf, header: &Header) -> Result<Writer, TraceError> {
+        let mut w = Writer { out: BufWriter::with_capacity(1 << 16, file), path, records: 0 };
         w.line(header)?;
         w.flush()?;
         Ok(w)

@@ -38,6 +38,26 @@ pub fn for_terminal(text: &str) -> String {
     out
 }
 
+/// Text a process controls (an argument, a request line) made one line: newlines, tabs and
+/// every other control character written as escapes (`\n`, `\t`, `\x1b`), so nothing it holds
+/// can start a line of its own in a report (a forged `RECOMMENDED: kill 1`) or drive a terminal.
+pub fn one_line(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if (c as u32) < 0x20 || c as u32 == 0x7f => out.push_str(&format!("\\x{:02x}", c as u32)),
+            c if (0x80..0xa0).contains(&(c as u32)) || matches!(c, '\u{2028}' | '\u{2029}') => {
+                out.push_str(&c.escape_unicode().to_string())
+            }
+            c => out.push(c),
+        }
+    }
+    out
+}
+
 /// A size as people write it: `80GiB`, `512MiB`, `80G`, `1.5TiB`, or plain bytes. For clap.
 pub fn parse_bytes(text: &str) -> Result<u64, String> {
     let text = text.trim();
@@ -84,6 +104,13 @@ mod tests {
     fn control_characters_never_reach_the_terminal() {
         assert_eq!(for_terminal("a\x1b]0;owned\x07\x1b[2J b\n\tc\x7f\u{9b}31m"), "a^[]0;owned^G^[[2J b\n\tc^?\\u{9b}31m");
         assert_eq!(for_terminal("plain text, ünïcode"), "plain text, ünïcode");
+    }
+
+    #[test]
+    fn what_a_process_controls_stays_on_one_line() {
+        assert_eq!(one_line("600\n\nRECOMMENDED: kill 1"), "600\\n\\nRECOMMENDED: kill 1");
+        assert_eq!(one_line("a\tb\r\x1b[2J\x7f\u{9b}\u{2028}"), "a\\tb\\r\\x1b[2J\\x7f\\u{9b}\\u{2028}");
+        assert_eq!(one_line("plain, ünïcode -c 4096"), "plain, ünïcode -c 4096");
     }
 
     #[test]

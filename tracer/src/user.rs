@@ -9,10 +9,12 @@
 use std::ffi::{CStr, CString};
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, Result};
+
+use crate::dir::{clear_nonblock, Dir};
 
 /// The person who ran `sudo gputrace ...`: their ids, groups and home, from SUDO_* and the
 /// password database.
@@ -175,25 +177,30 @@ fn group_list(name: &str, gid: u32) -> Vec<u32> {
 ///   check and a write (fs.protected_hardlinks may be 0) can never get that file truncated;
 /// - a character device the writer may open (/dev/null) is written as is;
 /// - anything else (a symbolic link, a FIFO, a directory, someone else's file) is refused.
+///
+/// The directory is opened once, as the user would open it, and the rest is relative to it.
 pub fn create_private(path: &Path, user: Option<&User>) -> io::Result<File> {
-    as_user(user, path, open_private)
+    let name = path.file_name().ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, format!("{} names no file", path.display())))?;
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    as_user(user, || Dir::open(parent)?.create_private(name))
 }
 
-/// `open(path)` with `user`'s rights: on a thread of its own that becomes the user for
-/// filesystem access; as gputrace itself with no user.
-fn as_user(user: Option<&User>, path: &Path, open: fn(&Path) -> io::Result<File>) -> io::Result<File> {
+/// `work` with `user`'s rights: on a thread of its own that becomes the user for filesystem
+/// access; as gputrace itself with no user.
+pub(crate) fn as_user<T: Send>(user: Option<&User>, work: impl FnOnce() -> io::Result<T> + Send) -> io::Result<T> {
     match user {
-        None => open(path),
-        Some(user) => {
-            let user = user.clone();
-            let path = path.to_path_buf();
-            std::thread::spawn(move || {
+        None => work(),
+        Some(user) => std::thread::scope(|s| {
+            s.spawn(|| {
                 user.become_on_this_thread()?;
-                open(&path)
+                work()
             })
             .join()
             .unwrap_or_else(|_| Err(io::Error::other("the thread opening the file panicked")))
-        }
+        }),
     }
 }
 
@@ -201,7 +208,7 @@ fn as_user(user: Option<&User>, path: &Path, open: fn(&Path) -> io::Result<File>
 /// regular file (a FIFO planted at the name never hangs the reader, a device is never opened
 /// for its side effects).
 pub fn open_for_reading(path: &Path, user: Option<&User>) -> io::Result<File> {
-    as_user(user, path, |path| {
+    as_user(user, || {
         let file = OpenOptions::new().read(true).custom_flags(libc::O_CLOEXEC | libc::O_NONBLOCK | libc::O_NOCTTY).open(path)?;
         if !file.metadata()?.file_type().is_file() {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "not a regular file"));
@@ -211,69 +218,10 @@ pub fn open_for_reading(path: &Path, user: Option<&User>) -> io::Result<File> {
     })
 }
 
-fn create_new(path: &Path) -> io::Result<File> {
-    OpenOptions::new().write(true).create_new(true).mode(0o600).custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC).open(path)
-}
-
-fn open_private(path: &Path) -> io::Result<File> {
-    let refuse = |why: String| io::Error::new(io::ErrorKind::PermissionDenied, why);
-    match create_new(path) {
-        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-        done => return done,
-    }
-    let meta = std::fs::symlink_metadata(path)?;
-    let kind = meta.file_type();
-    if kind.is_symlink() {
-        return Err(refuse(format!("{} is a symbolic link: gputrace does not write through links; give the real path", path.display())));
-    }
-    if kind.is_char_device() {
-        // O_NONBLOCK: a FIFO swapped in after the check must not hang the recorder; it is refused.
-        let file = OpenOptions::new().write(true).custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK).open(path)?;
-        if !file.metadata()?.file_type().is_char_device() {
-            return Err(refuse(format!("{} changed while it was opened: choose another name", path.display())));
-        }
-        clear_nonblock(&file)?;
-        return Ok(file);
-    }
-    if !kind.is_file() {
-        return Err(refuse(format!("{} exists and is not a regular file: choose another name", path.display())));
-    }
-    // SAFETY: setfsuid with an invalid id changes nothing and returns the current fsuid.
-    let me = unsafe { libc::syscall(libc::SYS_setfsuid, u32::MAX) } as u32;
-    if meta.uid() != me {
-        return Err(refuse(format!(
-            "{} exists and belongs to uid {}, not to you (uid {me}): gputrace will not replace it; choose another name",
-            path.display(),
-            meta.uid()
-        )));
-    }
-    // A new file beside it, renamed over the name: whatever the name points at by then (a link
-    // planted in a shared directory), only the name changes, never that file.
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let fresh = path.with_file_name(format!(".{name}.gputrace-{}", std::process::id()));
-    let file = create_new(&fresh).map_err(|e| io::Error::new(e.kind(), format!("cannot create {}: {e}", fresh.display())))?;
-    if let Err(e) = std::fs::rename(&fresh, path) {
-        let _ = std::fs::remove_file(&fresh);
-        return Err(io::Error::new(e.kind(), format!("cannot replace {}: {e}", path.display())));
-    }
-    Ok(file)
-}
-
-fn clear_nonblock(file: &File) -> io::Result<()> {
-    use std::os::fd::AsRawFd;
-    // SAFETY: fcntl on a descriptor this File owns.
-    unsafe {
-        let flags = libc::fcntl(file.as_raw_fd(), libc::F_GETFL);
-        if flags < 0 || libc::fcntl(file.as_raw_fd(), libc::F_SETFL, flags & !libc::O_NONBLOCK) < 0 {
-            return Err(io::Error::last_os_error());
-        }
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::MetadataExt;
 
     fn env<'a>(pairs: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
         move |k| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())

@@ -5,13 +5,13 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
-use std::os::unix::fs::{DirBuilderExt, MetadataExt};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use anyhow::{bail, Context as _, Result};
+use anyhow::{Context as _, Result};
 
+use crate::dir::Dir;
 use crate::flight::{Config, Dump, Flight, Trigger};
 use crate::http::{Response, Route};
 use crate::model::{display_command, Model};
@@ -19,7 +19,7 @@ use crate::record::clocks;
 use crate::report::{Loss, Report};
 use crate::trace::{Header, Writer};
 use crate::units::bytes;
-use crate::user::{create_private, User};
+use crate::user::{as_user, User};
 
 pub struct Options {
     pub dump_dir: PathBuf,
@@ -45,7 +45,8 @@ pub struct Options {
 /// Watches until SIGTERM or SIGINT; a dump waiting for its aftermath is written first.
 pub fn run(opts: Options) -> Result<()> {
     let user = User::invoking()?;
-    prepare_dir(&opts.dump_dir, user.as_ref())?;
+    // Held open from here on: every dump is written, renamed and rotated relative to it.
+    let dir = Arc::new(Dir::for_dumps(&opts.dump_dir, user.as_ref()).map_err(anyhow::Error::msg)?);
     let config = Config {
         window_ns: opts.window.as_nanos().min(u128::from(u64::MAX)) as u64,
         max_bytes: usize::try_from(opts.window_bytes).unwrap_or(usize::MAX),
@@ -84,7 +85,7 @@ pub fn run(opts: Options) -> Result<()> {
     );
     let watcher = |header: Header| Watcher {
         flight: Flight::new(config),
-        dir: opts.dump_dir.clone(),
+        dir: dir.clone(),
         budget: opts.budget,
         header,
         user: user.clone(),
@@ -97,33 +98,10 @@ pub fn run(opts: Options) -> Result<()> {
     crate::record::watch(record, watcher)
 }
 
-/// The dump directory, created private to the invoking user when missing; an existing one must
-/// be theirs (or root's) and writable by nobody else, or anyone could swap dumps there.
-fn prepare_dir(dir: &Path, user: Option<&User>) -> Result<()> {
-    if !dir.exists() {
-        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-        if let Some(u) = user {
-            std::os::unix::fs::chown(dir, Some(u.uid), Some(u.gid))
-                .with_context(|| format!("cannot give {} to uid {}", dir.display(), u.uid))?;
-        }
-    }
-    let meta = std::fs::symlink_metadata(dir).with_context(|| format!("cannot read {}", dir.display()))?;
-    let owner_ok = meta.uid() == 0 || user.is_some_and(|u| u.uid == meta.uid());
-    if !meta.is_dir() || !owner_ok || meta.mode() & 0o022 != 0 {
-        bail!(
-            "{} is not a directory that only you may write (owner uid {}, mode {:o}): give --dump-dir a private directory",
-            dir.display(),
-            meta.uid(),
-            meta.mode() & 0o7777
-        );
-    }
-    Ok(())
-}
-
 /// What `record`'s event loop hands records to when watching.
 pub struct Watcher {
     flight: Flight,
-    dir: PathBuf,
+    dir: Arc<Dir>,
     budget: u64,
     header: Header,
     user: Option<User>,
@@ -148,16 +126,18 @@ impl Watcher {
         self.flight.push(record, live);
     }
 
-    /// SIGUSR1 or `gputrace dump`.
-    pub fn ask(&mut self) {
+    /// SIGUSR1 or `gputrace dump`: what happens, said on stderr and returned for the asker.
+    pub fn ask(&mut self) -> String {
         let (_, now) = clocks();
         let already = self.flight.waiting().is_some();
-        self.flight.trigger(Trigger::Manual, now);
-        match (already, self.flight.waiting()) {
-            (true, _) => eprintln!("gputrace: a dump is already on its way; it holds this moment too"),
-            (false, Some((_, until))) => eprintln!("gputrace: dump asked for; written in {:.1} s", until.saturating_sub(now) as f64 / 1e9),
-            (false, None) => eprintln!("gputrace: no dump: the last was less than --min-interval ago"),
-        }
+        self.flight.trigger(Trigger::Manual, None, now);
+        // Asking is never held back by --min-interval: it starts a dump or joins the one waiting.
+        let what = match self.flight.waiting() {
+            Some((_, until)) if !already => format!("dump asked for; written in {:.1} s", until.saturating_sub(now) as f64 / 1e9),
+            _ => "a dump is already on its way; it holds this moment too".to_string(),
+        };
+        eprintln!("gputrace: {what}");
+        what
     }
 
     /// A few times a second: a dump whose aftermath is over is written (on a thread of its own),
@@ -260,7 +240,7 @@ impl Watcher {
 struct DumpJob {
     dump: Dump,
     header: Header,
-    dir: PathBuf,
+    dir: Arc<Dir>,
     budget: u64,
     user: Option<User>,
     idle_ns: u64,
@@ -289,65 +269,64 @@ impl DumpJob {
         header.holders_at_start.clear();
         let wall = header.wall_clock_start_ns + d.trigger_ts.saturating_sub(header.monotonic_start_ns);
         let name = format!("gputrace-dump-{}-{}-{}", stamp(wall), self.number, d.trigger.name());
-        let path = self.dir.join(format!("{name}.trace"));
-        let partial = self.dir.join(format!(".{name}.trace.partial"));
-        let mut writer = Writer::create(&partial, &header, self.user.as_ref())?;
+        let (trace, partial) = (format!("{name}.trace"), format!(".{name}.trace.partial"));
+        let path = self.dir.display(&trace);
+        let mut writer = Writer::create_in(&self.dir, partial.as_ref(), &header, self.user.as_ref())?;
         let mut model = Model::new();
         for record in d.records() {
             model.apply(&record);
             writer.write(&record)?;
         }
         writer.flush()?;
-        std::fs::rename(&partial, &path).with_context(|| format!("cannot rename {} to {}", partial.display(), path.display()))?;
+        self.dir
+            .rename(partial.as_ref(), trace.as_ref())
+            .with_context(|| format!("cannot rename {} to {}", writer.path().display(), path.display()))?;
         let loss = Loss { own_file_table: self.own_file_table, ..Loss::of(&model) };
         let report = Report::new(&header, &model, path.display().to_string(), writer.records, loss, self.idle_ns);
         if let Ok(mut d) = self.diagnoses.lock() {
             *d.entry(report.diagnosis.category.name().to_string()).or_default() += 1;
         }
         let text = report.text();
-        let report_path = self.dir.join(format!("{name}.report.txt"));
-        let mut file =
-            create_private(&report_path, self.user.as_ref()).with_context(|| format!("cannot write {}", report_path.display()))?;
-        std::io::Write::write_all(&mut file, text.as_bytes()).with_context(|| format!("cannot write {}", report_path.display()))?;
+        let report_name = format!("{name}.report.txt");
+        let mut file = as_user(self.user.as_ref(), || self.dir.create_private(report_name.as_ref()))
+            .with_context(|| format!("cannot write {}", self.dir.display(&report_name).display()))?;
+        std::io::Write::write_all(&mut file, text.as_bytes())
+            .with_context(|| format!("cannot write {}", self.dir.display(&report_name).display()))?;
         let verdict = text.lines().find(|l| l.starts_with("VERDICT")).unwrap_or("no failure diagnosed");
         let joined = if d.joined > 0 { format!(", {} more triggers in it", d.joined) } else { String::new() };
         eprintln!(
             "{}",
             crate::units::for_terminal(&format!("gputrace: dump {} ({}{joined}): {verdict}", path.display(), d.trigger.name()))
         );
-        rotate(&self.dir, self.budget, &path);
+        rotate(&self.dir, self.budget, &trace);
         Ok(())
     }
 }
 
 /// Oldest dumps (trace and report) go until the directory's dumps fit the budget; the newest
-/// always stays.
-fn rotate(dir: &Path, budget: u64, newest: &Path) {
-    let Ok(entries) = std::fs::read_dir(dir) else { return };
-    let mut dumps: Vec<(i64, PathBuf, u64)> = Vec::new();
-    for entry in entries.flatten() {
-        let path = entry.path();
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let Some(stem) = name.strip_suffix(".trace") else { continue };
-        if !stem.starts_with("gputrace-dump-") || path == newest {
-            continue;
-        }
-        let report = dir.join(format!("{stem}.report.txt"));
-        let size = |p: &Path| std::fs::symlink_metadata(p).map(|m| m.len()).unwrap_or(0);
-        let mtime = std::fs::symlink_metadata(&path).map(|m| m.mtime()).unwrap_or(0);
-        dumps.push((mtime, path.clone(), size(&path) + size(&report)));
-    }
-    let newest_size = std::fs::symlink_metadata(newest).map(|m| m.len()).unwrap_or(0);
-    let mut total: u64 = dumps.iter().map(|d| d.2).sum::<u64>() + newest_size;
+/// always stays. Only names gputrace gives its dumps, only regular files, all relative to the
+/// directory held open.
+fn rotate(dir: &Dir, budget: u64, newest: &str) {
+    let entries = dir.entries(1 << 16);
+    let size = |name: &str| entries.iter().find(|e| e.name == name).map_or(0, |e| e.len);
+    let mut dumps: Vec<(i64, String, u64)> = entries
+        .iter()
+        .filter_map(|e| {
+            let name = e.name.to_str()?;
+            let stem = name.strip_suffix(".trace").filter(|s| s.starts_with("gputrace-dump-") && name != newest)?;
+            Some((e.mtime, stem.to_string(), e.len + size(&format!("{stem}.report.txt"))))
+        })
+        .collect();
+    let mut total: u64 = dumps.iter().map(|d| d.2).sum::<u64>() + size(newest);
     dumps.sort();
-    for (_, path, size) in dumps {
+    for (_, stem, bytes_of) in dumps {
         if total <= budget {
             break;
         }
-        let _ = std::fs::remove_file(&path);
-        let _ = std::fs::remove_file(path.with_extension("report.txt"));
-        total = total.saturating_sub(size);
-        eprintln!("gputrace: removed {} to keep dumps within {}", path.display(), bytes(budget));
+        let _ = dir.remove(format!("{stem}.trace").as_ref());
+        let _ = dir.remove(format!("{stem}.report.txt").as_ref());
+        total = total.saturating_sub(bytes_of);
+        eprintln!("gputrace: removed {} to keep dumps within {}", dir.display(&format!("{stem}.trace")).display(), bytes(budget));
     }
 }
 
@@ -360,43 +339,17 @@ fn stamp(wall_ns: u64) -> String {
     format!("{:04}{:02}{:02}-{:02}{:02}{:02}", tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec)
 }
 
-/// `gputrace dump`: asks every running watch (or the one given) for a dump now, by SIGUSR1.
-pub fn ask(pid: Option<u32>) -> Result<String> {
-    // Only a watch is signalled: SIGUSR1 ends most other programs.
-    let is_watch = |p: u32| {
-        let argv = crate::procfs::command(p).unwrap_or_default();
-        argv.first().is_some_and(|a| a.ends_with("gputrace")) && argv.get(1).is_some_and(|a| a == "watch")
-    };
-    let watches: Vec<u32> = match pid {
-        Some(pid) if is_watch(pid) => vec![pid],
-        Some(pid) => bail!("pid {pid} is not a `gputrace watch`"),
-        None => crate::procfs::all_pids().into_iter().filter(|&p| is_watch(p)).collect(),
-    };
-    if watches.is_empty() {
-        bail!("no `gputrace watch` is running here: start one with `sudo gputrace watch`");
-    }
-    let mut asked = Vec::new();
-    for pid in watches {
-        // SAFETY: kill(2) with SIGUSR1; the kernel checks who may signal whom.
-        if unsafe { libc::kill(pid as libc::pid_t, libc::SIGUSR1) } != 0 {
-            let e = std::io::Error::last_os_error();
-            bail!("cannot ask pid {pid} for a dump: {e} (only root or the user who started the watch may)");
-        }
-        asked.push(pid.to_string());
-    }
-    Ok(format!("asked gputrace watch (pid {}) for a dump; it logs where it goes", asked.join(", ")))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::event::{Alloc, Device, Event, Record, Seen};
+    use std::path::Path;
 
     fn watcher() -> Watcher {
         let config = Config { window_ns: 1 << 40, max_bytes: 1 << 20, aftermath_ns: 0, min_interval_ns: 0 };
         Watcher {
             flight: Flight::new(config),
-            dir: PathBuf::from("/nonexistent"),
+            dir: Arc::new(Dir::open(Path::new("/")).unwrap()),
             budget: 0,
             header: Header::default(),
             user: None,

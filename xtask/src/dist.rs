@@ -199,6 +199,11 @@ fn deb(arch: &Arch, files: &[Placed], binary: &Path, stage: &Path, out: &Path) -
         depends(binary)?
     );
     std::fs::write(control_dir.join("control"), control).map_err(|e| e.to_string())?;
+    // Each file's MD5, as dpkg --verify and debsums check an installed package against.
+    let mut names: Vec<&str> = files.iter().map(|f| f.deb.as_str()).collect();
+    names.sort_unstable();
+    let sums = output(Command::new("md5sum").current_dir(&root_dir).arg("--").args(&names)).ok_or("md5sum failed (coreutils)")?;
+    std::fs::write(control_dir.join("md5sums"), sums + "\n").map_err(|e| e.to_string())?;
     for (name, text) in [("postinst", POSTINST), ("prerm", PRERM), ("postrm", POSTRM)] {
         let path = control_dir.join(name);
         std::fs::write(&path, text).map_err(|e| e.to_string())?;

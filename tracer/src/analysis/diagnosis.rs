@@ -290,7 +290,7 @@ impl<'a> Diagnoser<'a> {
         // each is a suspect of unknown size (benign holders aside).
         if self.header.nvml != "ok" {
             let outside = |h: &&crate::trace::HolderAtStart| {
-                !service.pids.contains(&h.pid) && self.services.of(h.pid).is_none() && super::benign(&h.command).is_none()
+                !service.pids.contains(&h.pid) && self.services.of(h.pid).is_none() && super::benign(h.exe.as_ref()).is_none()
             };
             for h in self.header.holders_at_start.iter().filter(outside) {
                 holders.push(Holder { pid: h.pid, command: display_command(&h.command), bytes: None, source: "proc", nvml_pid: None });

@@ -72,6 +72,25 @@ fn is_gputrace(p: &crate::model::Process) -> bool {
     p.command.first().is_some_and(|program| program.rsplit('/').next() == Some("gputrace"))
 }
 
+/// The process a service is named after: climbing from `pid` through the parents it was forked
+/// from (a process met running, or launched, starts a service of its own).
+pub fn service_root(model: &Model, pid: u32) -> u32 {
+    let mut root = pid;
+    let mut hops = 0;
+    while let (Some(me), Some(parent)) =
+        (model.processes.get(&root), model.processes.get(&model.processes.get(&root).map_or(0, |p| p.ppid)))
+    {
+        // `gputrace record -- CMD` is a wrapper, as sudo is: a watch sees it as CMD's parent, and
+        // the service is still CMD's.
+        if me.seen != Seen::Forked || hops > 64 || is_gputrace(parent) {
+            break;
+        }
+        root = parent.pid;
+        hops += 1;
+    }
+    root
+}
+
 impl<'m> Services<'m> {
     /// Groups processes into services and finds when each became ready:
     /// - a server that listens only after it allocated (vLLM, SGLang, TGI) is ready when it listens;
@@ -80,18 +99,7 @@ impl<'m> Services<'m> {
     pub fn new(model: &'m Model) -> Services<'m> {
         let mut roots: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
         for p in model.processes.values() {
-            let mut root = p.pid;
-            let mut hops = 0;
-            while let Some(parent) = model.processes.get(&model.processes[&root].ppid) {
-                // `gputrace record -- CMD` is a wrapper, as sudo is: a watch sees it as CMD's
-                // parent, and the service is still CMD's.
-                if model.processes[&root].seen != Seen::Forked || hops > 64 || is_gputrace(parent) {
-                    break;
-                }
-                root = parent.pid;
-                hops += 1;
-            }
-            roots.entry(root).or_default().push(p.pid);
+            roots.entry(service_root(model, p.pid)).or_default().push(p.pid);
         }
         let mut list: Vec<Service> = Vec::new();
         let mut service_of = BTreeMap::new();
@@ -241,10 +249,12 @@ const BENIGN: [(&str, &str); 10] = [
     ("gputrace", "this tool"),
 ];
 
-/// Why a holder of the device files is benign, when it is (by its program's name, argv[0]).
-pub fn benign(command: &[String]) -> Option<&'static str> {
-    let program = command.first().map(|p| p.rsplit('/').next().unwrap_or(p))?;
-    BENIGN.iter().find(|(name, _)| program == *name).map(|(_, why)| *why)
+/// Why a holder of the device files is benign, when it is: by the program it runs
+/// (/proc/PID/exe), a system one (root's, where only root writes), never by argv[0], which any
+/// process sets (`exec -a nvidia-persistenced`).
+pub fn benign(exe: Option<&crate::procfs::Executable>) -> Option<&'static str> {
+    let exe = exe.filter(|e| e.system)?;
+    BENIGN.iter().find(|(name, _)| exe.name() == *name).map(|(_, why)| *why)
 }
 
 /// The MPS server (nvidia-cuda-mps-server), traced or holding the device files when recording

@@ -17,7 +17,7 @@ fn header(capacity: u64, prior: &[(u32, u64)]) -> Header {
             .collect(),
         holders_at_start: prior
             .iter()
-            .map(|&(pid, _)| HolderAtStart { pid, ppid: 1, command: vec!["old-server".into()], devices: vec!["ctl".into()] })
+            .map(|&(pid, _)| HolderAtStart { pid, ppid: 1, command: vec!["old-server".into()], devices: vec!["ctl".into()], exe: None })
             .collect(),
         nvml: "ok".into(),
         ..Header::default()
@@ -288,13 +288,28 @@ fn without_nvml_a_holder_from_before_is_the_suspect() {
     let model = Model::from_records(&t.0);
     let mut h = header(24 * GIB, &[(4242, 14 * GIB)]);
     (h.gpus, h.prior_use, h.nvml) = (vec![], vec![], "NVML unavailable (no library)".into());
-    let persistenced = HolderAtStart { pid: 90, ppid: 1, command: vec!["nvidia-persistenced".into()], devices: vec!["ctl".into()] };
-    h.holders_at_start.push(persistenced);
+    let program = |path: &str, system| Some(crate::procfs::Executable { path: path.into(), dev: 1, ino: 2, system });
+    let persistenced = HolderAtStart {
+        pid: 90,
+        ppid: 1,
+        command: vec!["nvidia-persistenced".into()],
+        devices: vec!["ctl".into()],
+        exe: program("/usr/bin/nvidia-persistenced", true),
+    };
+    h.holders_at_start.push(persistenced.clone());
     let d = Diagnoser::new(&h, &model, 0).diagnose().remove(0);
     assert_eq!(d.category, Category::HeldByOtherProcess, "{}", d.evidence.text);
     assert_eq!(d.fix.fields["kill"], 4242, "the orphan, never the benign daemon");
     assert!(d.fix.text.contains("how much it holds is unknown"), "{}", d.fix.text);
     assert_eq!(d.evidence.fields["holders_outside"].as_array().unwrap().len(), 1);
+    // Named so by argv[0] only (`exec -a`), or a copy of the daemon in a user's directory: not
+    // benign, a suspect like any other.
+    for exe in [program("/usr/bin/sleep", true), program("/home/mallory/nvidia-persistenced", false), None] {
+        h.holders_at_start.retain(|x| x.pid != 90);
+        h.holders_at_start.push(HolderAtStart { exe, ..persistenced.clone() });
+        let d = Diagnoser::new(&h, &model, 0).diagnose().remove(0);
+        assert_eq!(d.evidence.fields["holders_outside"].as_array().unwrap().len(), 2, "{}", d.evidence.text);
+    }
 }
 
 #[test]

@@ -65,24 +65,49 @@ fn a_dump_carries_what_was_held_before_its_window() {
     assert_eq!(flight.counters.dumps, 1);
 }
 
-/// Triggers while a dump waits join it; one of the same kind soon after it is counted, not
-/// dumped; asking always works, and another kind has its own interval.
+const ROOTS: Option<Party> = Some(Party { service: 4, uid: Some(0) });
+
+/// Triggers while a dump waits join it; one of the same kind for the same service soon after it
+/// is counted, not dumped; asking always works, and another kind has its own interval.
 #[test]
 fn dumps_are_rate_limited() {
     let mut flight = Flight::new(config());
-    flight.trigger(Trigger::OomKill { pid: 4 }, S);
-    flight.trigger(Trigger::Manual, 2 * S);
+    flight.trigger(Trigger::OomKill { pid: 4 }, ROOTS, S);
+    flight.trigger(Trigger::Manual, None, 2 * S);
     let dump = flight.take_dump(Some(3 * S)).expect("due");
     assert_eq!((dump.trigger, dump.joined), (Trigger::OomKill { pid: 4 }, 1));
-    flight.trigger(Trigger::OomKill { pid: 5 }, 30 * S);
+    flight.trigger(Trigger::OomKill { pid: 5 }, ROOTS, 30 * S);
     assert!(flight.waiting().is_none());
     assert_eq!(flight.counters.suppressed, 1);
-    flight.trigger(Trigger::Manual, 31 * S);
+    flight.trigger(Trigger::Manual, None, 31 * S);
     assert!(flight.take_dump(Some(33 * S)).is_some(), "someone asked: the least interval does not hold it back");
-    flight.trigger(Trigger::FailedAllocation { pid: 5, bytes: GIB }, 40 * S);
+    flight.trigger(Trigger::FailedAllocation { pid: 5, bytes: GIB }, ROOTS, 40 * S);
     assert!(flight.take_dump(Some(42 * S)).is_some(), "a failure is not held back by an OOM kill's dump");
-    flight.trigger(Trigger::OomKill { pid: 6 }, 62 * S);
+    flight.trigger(Trigger::OomKill { pid: 6 }, ROOTS, 62 * S);
     assert!(flight.waiting().is_some(), "past the least interval");
+}
+
+/// One user's failure never spends another's dump: root's server fails 5 s after another
+/// user's and gets its own dump; a user with many services gets a few dumps an interval, not
+/// every one.
+#[test]
+fn one_party_never_spends_anothers_dumps() {
+    let mut flight = Flight::new(config());
+    let mallory = |service| Some(Party { service, uid: Some(1001) });
+    flight.trigger(Trigger::FailedAllocation { pid: 70, bytes: GIB }, mallory(70), S);
+    assert!(flight.take_dump(Some(3 * S)).is_some());
+    flight.trigger(Trigger::FailedAllocation { pid: 4, bytes: GIB }, ROOTS, 6 * S);
+    assert!(flight.take_dump(Some(8 * S)).is_some(), "root's failure is dumped");
+    for (i, service) in (71..80).enumerate() {
+        flight.trigger(Trigger::FailedAllocation { pid: service, bytes: GIB }, mallory(service), (10 + 3 * i as u64) * S);
+        let _ = flight.take_dump(Some((12 + 3 * i as u64) * S));
+    }
+    assert_eq!(flight.counters.dumps, 2 + (DUMPS_PER_USER as u64 - 1), "the user's share, the first already spent");
+    flight.trigger(Trigger::FailedAllocation { pid: 5, bytes: GIB }, Some(Party { service: 5, uid: Some(0) }), 45 * S);
+    assert!(flight.take_dump(Some(47 * S)).is_some(), "another of root's services still gets its dump");
+    // Another user's process below root's service (started through it) is a party of its own.
+    flight.trigger(Trigger::FailedAllocation { pid: 90, bytes: GIB }, Some(Party { service: 5, uid: Some(1002) }), 50 * S);
+    assert!(flight.waiting().is_some());
 }
 
 /// Hours of pid churn (a server restarted, workers by the thousand): the window stays under its
