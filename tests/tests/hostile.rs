@@ -505,15 +505,14 @@ fn who_asks_for_the_report_is_known_whatever_the_hosts_socket_table_holds() {
             })
         })
         .collect();
-    let (mut answered, mut slowest, mut healthz_slowest) = (0, Duration::ZERO, Duration::ZERO);
-    let mut otherwise = Vec::new();
-    for _ in 0..30 {
-        match get(port, "/report", Duration::from_secs(5)) {
-            Some((status, took)) if status.contains("200") => {
-                answered += 1;
-                slowest = slowest.max(took);
-            }
-            other => otherwise.push(other),
+    // With the kernel's TIME_WAIT table full, a connection now and then fails before any HTTP
+    // (the kernel's doing, not gputrace's): asked again, up to 90 tries for 30 answers.
+    let (mut answers, mut tries, mut slowest, mut healthz_slowest) = (Vec::new(), 0, Duration::ZERO, Duration::ZERO);
+    while answers.len() < 30 && tries < 90 {
+        tries += 1;
+        if let Some((status, took)) = get(port, "/report", Duration::from_secs(5)) {
+            answers.push(status);
+            slowest = slowest.max(took);
         }
         if let Some((_, took)) = get(port, "/healthz", Duration::from_secs(5)) {
             healthz_slowest = healthz_slowest.max(took);
@@ -523,11 +522,12 @@ fn who_asks_for_the_report_is_known_whatever_the_hosts_socket_table_holds() {
     for l in loops {
         let _ = l.join();
     }
-    eprintln!("root's /report: {answered} of 30 answered 200, the slowest in {slowest:?}; /healthz at worst {healthz_slowest:?}");
-    // With the kernel's TIME_WAIT table full, a connection now and then fails before HTTP (the
-    // kernel's doing); none may be refused.
-    assert!(otherwise.iter().all(|o| o.is_none()), "root was refused: {otherwise:?}");
-    assert!(answered >= 27, "root is answered: {otherwise:?}");
+    let answered = answers.iter().filter(|s| s.contains("200")).count();
+    eprintln!(
+        "root's /report: {answered} of {} answers 200 ({tries} tries), the slowest in {slowest:?}; /healthz at worst {healthz_slowest:?}",
+        answers.len()
+    );
+    assert_eq!((answers.len(), answered), (30, 30), "root is answered, never refused: {answers:?}");
     assert!(slowest < Duration::from_secs(1) && healthz_slowest < Duration::from_secs(1), "{slowest:?} {healthz_slowest:?}");
 
     // Nobody is refused (curl as uid 65534); HEAD answers the head alone.

@@ -147,6 +147,11 @@ impl Endpoint {
         Endpoint { addr, server: None, tried: None }
     }
 
+    /// The port asked for, bound or not.
+    pub fn port(&self) -> Option<u16> {
+        self.addr.map(|a| a.port())
+    }
+
     /// Binds now if not bound and a try is due (at once, then every [`RETRY_BIND`]); a failure
     /// is said the first time, a success always.
     pub fn bind_when_due(&mut self) {

@@ -25,6 +25,7 @@ pub mod procfs;
 pub mod record;
 pub mod redact;
 pub mod report;
+pub mod session;
 pub mod signals;
 pub mod trace;
 pub mod tracefs;

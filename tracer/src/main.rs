@@ -35,26 +35,17 @@ enum Command {
         /// Where to write the trace [default: gputrace-YYYYmmdd-HHMMSS.trace]
         #[arg(short, long)]
         output: Option<PathBuf>,
-        /// Trace a running process and its children (repeatable; combines with a command)
-        #[arg(long = "pid", value_name = "PID")]
-        pids: Vec<u32>,
         /// Trace every process on the host
         #[arg(long)]
         all: bool,
-        /// Decode with this driver's layouts instead of the running driver's (e.g. 535.104.05)
-        #[arg(long, value_name = "VERSION")]
-        driver_version: Option<String>,
         /// Keep each ioctl's raw params bytes in the trace, for debugging the decoder
         #[arg(long)]
         raw: bool,
-        /// Print the eBPF programs' own diagnostics (a kernel map full, a file it could not name)
-        #[arg(long)]
-        kernel_log: bool,
         /// Print the report as JSON on stdout
         #[arg(long)]
         json: bool,
         #[command(flatten)]
-        judging: Judging,
+        tracing: Tracing,
         /// The command to run and trace, after `--`
         #[arg(last = true, value_name = "CMD")]
         command: Vec<String>,
@@ -80,25 +71,15 @@ enum Command {
         /// The least time between two dumps; triggers in between are counted, not dumped
         #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = gputrace::units::parse_duration)]
         min_interval: std::time::Duration,
-        /// Decode with this driver's layouts instead of the running driver's (e.g. 535.104.05)
-        #[arg(long, value_name = "VERSION")]
-        driver_version: Option<String>,
         #[command(flatten)]
-        judging: Judging,
+        tracing: Tracing,
         /// Where to serve /metrics, /report and /healthz, or `off`
         #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:9431", value_parser = listen_address)]
         listen: Listen,
-        /// Watch only this process and its children (repeatable) [default: every process]; the
-        /// watch ends, its dumps written, when the given processes are gone, even if children run on
-        #[arg(long = "pid", value_name = "PID")]
-        pids: Vec<u32>,
         /// Watch only the processes under this cgroup v2 directory (a container's, a pod's),
         /// those there now and those that join it
         #[arg(long, value_name = "DIR")]
         cgroup: Option<PathBuf>,
-        /// Print the eBPF programs' own diagnostics (a kernel map full, a file it could not name)
-        #[arg(long)]
-        kernel_log: bool,
     },
     /// Ask the running `gputrace watch` for a dump now, through its socket (SIGUSR1 does it too).
     Dump {
@@ -142,6 +123,39 @@ enum Command {
         #[command(subcommand)]
         what: Generate,
     },
+}
+
+/// What to trace and how to decode it: the same for `record` and `watch`.
+#[derive(Args)]
+struct Tracing {
+    /// Trace this running process and its children (repeatable; `record` combines it with a
+    /// command). With no command, tracing ends once the given processes are gone, even if
+    /// children run on; `watch` without it traces every process
+    #[arg(long = "pid", value_name = "PID")]
+    pids: Vec<u32>,
+    /// Decode with this driver's layouts instead of the running driver's (e.g. 535.104.05)
+    #[arg(long, value_name = "VERSION")]
+    driver_version: Option<String>,
+    /// Print the eBPF programs' own diagnostics (a kernel map full, a file it could not name)
+    #[arg(long)]
+    kernel_log: bool,
+    #[command(flatten)]
+    judging: Judging,
+}
+
+impl Tracing {
+    /// The session's options; what only one command sets is left to it.
+    fn session(self) -> gputrace::session::Options {
+        gputrace::session::Options {
+            pids: self.pids,
+            driver_version: self.driver_version,
+            kernel_log: self.kernel_log,
+            redact: self.judging.redact,
+            capacity: self.judging.capacity,
+            invocation: std::env::args().collect(),
+            ..Default::default()
+        }
+    }
 }
 
 /// How a recording is judged: the same for every command that makes a report.
@@ -269,53 +283,25 @@ fn main() -> ExitCode {
             }
             .map(|()| ExitCode::from(findings.exit_code()))
         }
-        Command::Record { output, pids, all, driver_version, raw, kernel_log, json, judging, command } => {
-            let opts = gputrace::record::Options {
-                output,
-                pids,
-                all,
-                driver_version,
-                raw,
-                json,
-                idle_ns: judging.idle_ns(),
-                command,
-                invocation: std::env::args().collect(),
-                redact: judging.redact,
-                capacity: judging.capacity,
-                cgroup: None,
-                kernel_log,
-            };
+        Command::Record { output, all, raw, json, tracing, command } => {
+            let idle_ns = tracing.judging.idle_ns();
+            let session = gputrace::session::Options { all, raw, command, ..tracing.session() };
+            let opts = gputrace::record::Options { session, output, json, idle_ns };
             gputrace::record::run(opts).map(|outcome| ExitCode::from(outcome.exit_code.clamp(0, 255) as u8))
         }
-        Command::Watch {
-            dump_dir,
-            window,
-            window_bytes,
-            budget,
-            aftermath,
-            min_interval,
-            driver_version,
-            judging,
-            listen,
-            pids,
-            cgroup,
-            kernel_log,
-        } => {
+        Command::Watch { dump_dir, window, window_bytes, budget, aftermath, min_interval, tracing, listen, cgroup } => {
+            let idle_ns = tracing.judging.idle_ns();
+            let session = gputrace::session::Options { cgroup, ..tracing.session() };
             let opts = gputrace::watch::Options {
+                session,
                 dump_dir,
                 window,
                 window_bytes,
                 budget,
                 aftermath,
                 min_interval,
-                driver_version,
-                idle_ns: judging.idle_ns(),
-                redact: judging.redact,
-                capacity: judging.capacity,
+                idle_ns,
                 listen: listen.0,
-                pids,
-                cgroup,
-                kernel_log,
             };
             gputrace::watch::run(opts).map(|()| ExitCode::SUCCESS)
         }

@@ -10,40 +10,37 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context as _, Result};
+use tokio::signal::unix::{signal, Signal, SignalKind};
+use tokio::sync::mpsc;
 
 use crate::dir::Dir;
 use crate::flight::{Config, Dump, Flight, Trigger};
-use crate::http::{Response, Route};
+use crate::http::{Endpoint, Response, Route};
 use crate::model::{display_command, Model};
-use crate::record::clocks;
+use crate::privileges::Needs;
+use crate::probe::Counters;
 use crate::report::{Loss, Report};
+use crate::session::{clocks, End, Sink};
 use crate::trace::{Header, Writer};
 use crate::units::bytes;
 use crate::user::{as_user, User};
 
 pub struct Options {
+    /// What to trace: every process, those of `--pid` or of a cgroup.
+    pub session: crate::session::Options,
     pub dump_dir: PathBuf,
     pub window: Duration,
     pub window_bytes: u64,
     pub budget: u64,
     pub aftermath: Duration,
     pub min_interval: Duration,
-    pub driver_version: Option<String>,
     pub idle_ns: u64,
-    pub redact: bool,
-    pub capacity: Option<u64>,
     /// Where /metrics, /report and /healthz are served; None: nowhere.
     pub listen: Option<SocketAddr>,
-    /// Only these processes and their children; empty: every process.
-    pub pids: Vec<u32>,
-    /// Only the processes under this cgroup v2 directory.
-    pub cgroup: Option<PathBuf>,
-    /// The eBPF programs' own diagnostics on stderr.
-    pub kernel_log: bool,
 }
 
 /// Watches until SIGTERM or SIGINT; a dump waiting for its aftermath is written first.
-pub fn run(opts: Options) -> Result<()> {
+pub fn run(mut opts: Options) -> Result<()> {
     let user = User::invoking()?;
     // Held open from here on: every dump is written, renamed and rotated relative to it.
     let dir = Arc::new(Dir::for_dumps(&opts.dump_dir, user.as_ref()).map_err(anyhow::Error::msg)?);
@@ -53,28 +50,14 @@ pub fn run(opts: Options) -> Result<()> {
         aftermath_ns: opts.aftermath.as_nanos().min(u128::from(u64::MAX)) as u64,
         min_interval_ns: opts.min_interval.as_nanos().min(u128::from(u64::MAX)) as u64,
     };
-    crate::record::check_running(&opts.pids)?;
-    let record = crate::record::Options {
-        output: None,
-        pids: opts.pids.clone(),
-        all: opts.pids.is_empty() && opts.cgroup.is_none(),
-        driver_version: opts.driver_version.clone(),
-        raw: false,
-        json: false,
-        idle_ns: opts.idle_ns,
-        command: Vec::new(),
-        invocation: std::env::args().collect(),
-        redact: opts.redact,
-        capacity: opts.capacity,
-        cgroup: opts.cgroup.clone(),
-        kernel_log: opts.kernel_log,
-    };
-    let what = if let Some(cgroup) = &opts.cgroup {
+    let s = &mut opts.session;
+    s.all = s.pids.is_empty() && s.cgroup.is_none();
+    let what = if let Some(cgroup) = &s.cgroup {
         format!("the processes of cgroup {}", cgroup.display())
-    } else if opts.pids.is_empty() {
+    } else if s.pids.is_empty() {
         "every process".to_string()
     } else {
-        format!("pid {} and its children", opts.pids.iter().map(u32::to_string).collect::<Vec<_>>().join(", "))
+        format!("pid {} and its children", s.pids.iter().map(u32::to_string).collect::<Vec<_>>().join(", "))
     };
     eprintln!(
         "gputrace: watching {what}; dumps go to {} (window {}s or {}, budget {})",
@@ -83,22 +66,29 @@ pub fn run(opts: Options) -> Result<()> {
         bytes(opts.window_bytes),
         bytes(opts.budget)
     );
-    let watcher = |header: Header| Watcher {
-        flight: Flight::new(config),
-        dir: dir.clone(),
-        budget: opts.budget,
-        header,
-        user: user.clone(),
-        idle_ns: opts.idle_ns,
-        writing: Vec::new(),
-        listen: opts.listen,
-        diagnoses: Arc::default(),
-        own_file_table: 0,
-    };
-    crate::record::watch(record, watcher)
+    let (http_tx, http_rx) = tokio::sync::mpsc::channel(crate::http::MAX_CONNECTIONS);
+    crate::session::run(&opts.session, |header, _| {
+        Ok(Watcher {
+            flight: Flight::new(config),
+            dir: dir.clone(),
+            budget: opts.budget,
+            header: header.clone(),
+            user: user.clone(),
+            idle_ns: opts.idle_ns,
+            writing: Vec::new(),
+            http: Endpoint::new(opts.listen),
+            http_tx,
+            http_rx,
+            dump_asks: None,
+            diagnoses: Arc::default(),
+            own_file_table: 0,
+        })
+    })?;
+    Ok(())
 }
 
-/// What `record`'s event loop hands records to when watching.
+/// The flight recorder a watch's session hands its records to, the dumps it writes, and what it
+/// answers: HTTP (`--listen`), SIGUSR1 and `DUMP` on the recorder's socket.
 pub struct Watcher {
     flight: Flight,
     dir: Arc<Dir>,
@@ -108,7 +98,11 @@ pub struct Watcher {
     idle_ns: u64,
     /// Dumps being written off the event loop.
     writing: Vec<std::thread::JoinHandle<()>>,
-    pub listen: Option<SocketAddr>,
+    http: Endpoint,
+    http_tx: mpsc::Sender<crate::http::Request>,
+    http_rx: mpsc::Receiver<crate::http::Request>,
+    /// SIGUSR1, from the start of the session (its default would end the watch).
+    dump_asks: Option<Signal>,
     /// The verdicts of the dumps written, by category (for /metrics).
     diagnoses: Arc<Mutex<BTreeMap<String, u64>>>,
     /// fd events the kernel side counted and did not follow since watching began (threads with
@@ -116,18 +110,89 @@ pub struct Watcher {
     own_file_table: u64,
 }
 
-impl Watcher {
-    /// What the kernel side counted, read each tick.
-    pub fn kernel_counters(&mut self, counters: crate::probe::Counters) {
-        self.own_file_table = counters.own_file_table;
+/// What a watch is asked besides the kernel's events.
+pub enum Ask {
+    Http(crate::http::Request),
+    /// SIGUSR1.
+    Dump,
+    /// A connection taken and handed to its own task: nothing to answer here.
+    Accepted,
+}
+
+impl Sink for Watcher {
+    type Ask = Ask;
+
+    fn start(&mut self) -> Result<()> {
+        self.dump_asks = Some(signal(SignalKind::user_defined1()).context("listening for SIGUSR1")?);
+        self.http.bind_when_due();
+        Ok(())
     }
 
-    pub fn push(&mut self, record: &crate::event::Record, live: &Model) {
+    fn destination(&self) -> String {
+        " (`gputrace dump` or SIGUSR1 for a dump now)".into()
+    }
+
+    /// Under sudo, dumps are created as the user; a port below 1024 is bound again if it was
+    /// taken at start.
+    fn needs(&self, sudo: bool) -> Needs {
+        Needs { open_as_user: sudo, bind_low_port: self.http.port().is_some_and(|p| (1..1024).contains(&p)) }
+    }
+
+    fn push(&mut self, record: &crate::event::Record, live: &Model) {
         self.flight.push(record, live);
     }
 
+    /// A dump whose aftermath is over is written (on a thread of its own), the models are
+    /// compacted when due (the live one is replaced), and a port not had yet is asked for.
+    fn tick(&mut self, live: &mut Model, counters: &Counters) {
+        self.own_file_table = counters.own_file_table;
+        let (_, now) = clocks();
+        if let Some(dump) = self.flight.take_dump(Some(now)) {
+            let job = self.job(dump);
+            match std::thread::Builder::new().name("gputrace-dump".into()).spawn(move || job.run()) {
+                Ok(handle) => self.writing.push(handle),
+                Err(e) => eprintln!("gputrace: error: cannot start writing a dump: {e}"),
+            }
+        }
+        self.writing.retain(|h| !h.is_finished());
+        self.flight.compact(now, live);
+        self.http.bind_when_due();
+    }
+
+    async fn ask(&mut self) -> Ask {
+        let (server, tx) = (self.http.server.as_ref(), &self.http_tx);
+        tokio::select! {
+            _ = async { server.unwrap().accept(tx).await }, if server.is_some() => Ask::Accepted,
+            Some(request) = self.http_rx.recv() => Ask::Http(request),
+            Some(()) = async { self.dump_asks.as_mut().unwrap().recv().await }, if self.dump_asks.is_some() => Ask::Dump,
+        }
+    }
+
+    fn answer(&mut self, ask: Ask, model: &Model) {
+        match ask {
+            Ask::Http(request) => {
+                let _ = request.reply.send(self.respond(request.route, request.peer_uid, model));
+            }
+            Ask::Dump => {
+                self.dump_now();
+            }
+            Ask::Accepted => {}
+        }
+    }
+
+    fn dump(&mut self) -> Result<String, String> {
+        Ok(self.dump_now())
+    }
+
+    fn close(&mut self, _: &End) -> Result<()> {
+        self.finish();
+        Ok(())
+    }
+}
+
+impl Watcher {
     /// SIGUSR1 or `gputrace dump`: what happens, said on stderr and returned for the asker.
-    pub fn ask(&mut self) -> String {
+    fn dump_now(&mut self) -> String {
         let (_, now) = clocks();
         let already = self.flight.waiting().is_some();
         self.flight.trigger(Trigger::Manual, None, now);
@@ -140,24 +205,9 @@ impl Watcher {
         what
     }
 
-    /// A few times a second: a dump whose aftermath is over is written (on a thread of its own),
-    /// and the models are compacted when due (the live one is replaced).
-    pub fn tick(&mut self, live: &mut Model) {
-        let (_, now) = clocks();
-        if let Some(dump) = self.flight.take_dump(Some(now)) {
-            let job = self.job(dump);
-            match std::thread::Builder::new().name("gputrace-dump".into()).spawn(move || job.run()) {
-                Ok(handle) => self.writing.push(handle),
-                Err(e) => eprintln!("gputrace: error: cannot start writing a dump: {e}"),
-            }
-        }
-        self.writing.retain(|h| !h.is_finished());
-        self.flight.compact(now, live);
-    }
-
     /// Stopping: the dump waiting for its aftermath is written with what was seen, and every
     /// dump being written is finished.
-    pub fn finish(&mut self) {
+    fn finish(&mut self) {
         if let Some(dump) = self.flight.take_dump(None) {
             self.job(dump).run();
         }
@@ -346,6 +396,7 @@ mod tests {
     use std::path::Path;
 
     fn watcher() -> Watcher {
+        let (http_tx, http_rx) = mpsc::channel(1);
         let config = Config { window_ns: 1 << 40, max_bytes: 1 << 20, aftermath_ns: 0, min_interval_ns: 0 };
         Watcher {
             flight: Flight::new(config),
@@ -355,7 +406,10 @@ mod tests {
             user: None,
             idle_ns: u64::MAX,
             writing: Vec::new(),
-            listen: None,
+            http: Endpoint::new(None),
+            http_tx,
+            http_rx,
+            dump_asks: None,
             diagnoses: Arc::default(),
             own_file_table: 0,
         }
@@ -401,7 +455,7 @@ mod tests {
     fn the_kernel_sides_own_table_count_reaches_the_report() {
         let mut w = watcher();
         assert_eq!(w.report(&model()).loss.own_file_table, 0);
-        w.kernel_counters(crate::probe::Counters { own_file_table: 3, ..Default::default() });
+        w.own_file_table = 3;
         let report = w.report(&model());
         assert_eq!(report.loss.own_file_table, 3);
         assert!(report.text().contains("3 fd events in threads with a file table of their own not followed"));
