@@ -40,6 +40,14 @@ pub struct Caller {
     pub uid: u32,
 }
 
+/// How a filesystem answers READ.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reads {
+    AtOnce,
+    After(std::time::Duration),
+    Never,
+}
+
 /// What an ioctl handler answers: the return value and the bytes the kernel copies back out.
 pub struct IoctlReply {
     pub result: i32,
@@ -53,10 +61,10 @@ pub trait Files {
     fn open(&mut self, caller: Caller, inode: u64) -> u64;
     fn ioctl(&mut self, caller: Caller, fh: u64, cmd: u32, arg: u64, input: &[u8], out_size: u32) -> IoctlReply;
     fn release(&mut self, caller: Caller, fh: u64);
-    /// Whether READ is answered (with no bytes). A hostile user's filesystem leaves it
-    /// unanswered, so whoever faults on a mapping of it waits for good.
-    fn answers_reads(&self) -> bool {
-        true
+    /// How READ is answered (with no bytes): at once, after a while, or never. A hostile user's
+    /// filesystem answers late or not at all, so whoever faults on a mapping of it waits.
+    fn reads(&self) -> Reads {
+        Reads::AtOnce
     }
 }
 
@@ -183,8 +191,17 @@ impl Session {
                     self.reply(unique, 0, &[]);
                 }
                 FUSE_FLUSH | FUSE_RELEASEDIR | FUSE_ACCESS => self.reply(unique, 0, &[]),
-                FUSE_READ if files.answers_reads() => self.reply(unique, 0, &[]),
-                FUSE_READ => {}
+                FUSE_READ => match files.reads() {
+                    Reads::AtOnce => self.reply(unique, 0, &[]),
+                    // Whole pages of zeros: a short read would shrink the file (FUSE takes it for
+                    // the end), and the next fault past it would fail at once instead of waiting.
+                    Reads::After(delay) => {
+                        std::thread::sleep(delay);
+                        let size = (le32(body, 16) as usize).min(128 << 10);
+                        self.reply(unique, 0, &vec![0u8; size]);
+                    }
+                    Reads::Never => {}
+                },
                 FUSE_WRITE => {
                     let size = le32(body, 16);
                     let mut out = vec![0u8; 8];

@@ -213,6 +213,51 @@ fn dumps_go_only_where_nobody_else_can_swap_them() {
     std::fs::remove_dir_all(&base).ok();
 }
 
+/// Under sudo, a watch writes its dumps as the user: created, renamed into place and rotated in
+/// the user's own directory, though the watch, once tracing, keeps no right of root's to it.
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn under_sudo_dumps_are_written_renamed_and_rotated_as_the_user() {
+    let _root = as_root();
+    let base = scratch("sudo-dumps");
+    let home = base.join("home");
+    std::fs::create_dir(&home).unwrap();
+    std::os::unix::fs::chown(&home, Some(65534), Some(65534)).unwrap();
+    std::fs::set_permissions(&home, PermissionsExt::from_mode(0o700)).unwrap();
+    let dumps = home.join("dumps");
+    let mut sleeper = Guard(Some(Command::new("sleep").arg("600").spawn().unwrap()));
+    let pid = sleeper.0.as_ref().unwrap().id().to_string();
+    let args = ["watch", "--dump-dir", dumps.to_str().unwrap(), "--listen", "off", "--aftermath", "0s", "--budget", "1", "--pid", &pid];
+    let watch = Guard(Some(start(&args, true)));
+    let watch_pid = watch.0.as_ref().unwrap().id() as i32;
+    let listed = || -> Vec<String> {
+        let mut names: Vec<String> =
+            std::fs::read_dir(&dumps).unwrap().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+        names.sort();
+        names
+    };
+    for asked in 1..=2 {
+        // SAFETY: kill(2) on the watch this test started.
+        unsafe { libc::kill(watch_pid, libc::SIGUSR1) };
+        let until = Instant::now() + Duration::from_secs(20);
+        while !listed().iter().any(|n| n.contains(&format!("-{asked}-manual.report.txt"))) && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    let names = listed();
+    // The budget (1 byte) keeps only the newest: the first dump was removed, as the user.
+    assert_eq!(names.len(), 2, "the newest dump and its report, nothing partial left: {names:?}");
+    assert!(names.iter().all(|n| n.contains("-2-manual.")), "{names:?}");
+    for name in &names {
+        let meta = std::fs::metadata(dumps.join(name)).unwrap();
+        assert_eq!((meta.uid(), meta.mode() & 0o777), (65534, 0o600), "{name}");
+    }
+    drop(watch);
+    let _ = sleeper.0.as_mut().map(Child::kill);
+    std::fs::remove_dir_all(&base).ok();
+}
+
 /// A process nobody froze: every read of its command line blocks in the kernel (see
 /// `hostile-user freeze`). Killing its group ends the filesystem and lets every blocked read go.
 struct Frozen {
@@ -226,6 +271,20 @@ impl Frozen {
     /// alone (hosts usually give it to everyone, 0666): the same device, open to all, is
     /// bind-mounted over it in a mount namespace of the test's, the host's left as it is.
     fn start(name: &str) -> Frozen {
+        let frozen = Frozen::run(name, &[]);
+        let pid = frozen.pid;
+        assert!(read_within(&format!("/proc/{pid}/cmdline"), Duration::from_secs(1)).is_none(), "its command line is frozen");
+        frozen
+    }
+
+    /// As [`Frozen::start`], its memory-map lock held `ms` at a time (see `hostile-user freeze
+    /// --stretches`): every read of its command line slow, none late, and a process sharing its
+    /// memory started a hundred times a second.
+    fn in_stretches(name: &str, ms: u32) -> Frozen {
+        Frozen::run(name, &["--stretches", &ms.to_string()])
+    }
+
+    fn run(name: &str, extra: &[&str]) -> Frozen {
         use std::io::BufRead;
         let dir = scratch(name);
         let mnt = dir.join("mnt");
@@ -235,9 +294,10 @@ impl Frozen {
         std::fs::create_dir(&devs).unwrap();
         let script = r#"mount -t tmpfs none "$D/devs" && mknod "$D/devs/fuse" c 10 229 && chmod 666 "$D/devs/fuse" \
             && mount --bind "$D/devs/fuse" /dev/fuse \
-            && exec setpriv --reuid=65534 --regid=65534 --clear-groups -- unshare -Urm "$H" freeze "$D/mnt""#;
+            && exec setpriv --reuid=65534 --regid=65534 --clear-groups -- unshare -Urm "$H" freeze "$D/mnt" "$@""#;
         let mut group = Command::new("unshare")
-            .args(["-m", "--propagation", "private", "sh", "-c", script])
+            .args(["-m", "--propagation", "private", "sh", "-c", script, "sh"])
+            .args(extra)
             .env("D", &dir)
             .env("H", env!("CARGO_BIN_EXE_hostile-user"))
             .stdin(Stdio::piped())
@@ -248,9 +308,7 @@ impl Frozen {
         let mut line = String::new();
         std::io::BufReader::new(group.stdout.take().unwrap()).read_line(&mut line).unwrap();
         let pid = line.trim().strip_prefix("frozen ").and_then(|p| p.parse().ok()).unwrap_or_else(|| panic!("the freezer said {line:?}"));
-        let frozen = Frozen { group, pid, dir };
-        assert!(read_within(&format!("/proc/{pid}/cmdline"), Duration::from_secs(1)).is_none(), "its command line is frozen");
-        frozen
+        Frozen { group, pid, dir }
     }
 
     /// A process sharing the frozen one's memory appears, as a fork of it does to a tracer.
@@ -377,6 +435,40 @@ fn a_process_whose_command_line_cannot_be_read_freezes_nothing() {
     }
 }
 
+/// Item 3, in stretches (as the review of the first fix did it): a process whose memory-map
+/// lock is held 30 ms at a time, starting a process that shares its memory a hundred times a
+/// second. No read of its command line is late, but each is slow, and each fork asks for one:
+/// the per-user budget of waiting keeps the watch answering, and stopping on SIGTERM at once.
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn a_process_slow_to_read_at_every_fork_cannot_stall_the_watch() {
+    let _root = as_root();
+    let (watch, port, dumps) = serving_watch("stretches", "127.0.0.1");
+    let frozen = Frozen::in_stretches("stretches-freeze", 30);
+    let began = Instant::now();
+    let mut slowest = Duration::ZERO;
+    let mut answered = 0;
+    while began.elapsed() < Duration::from_secs(10) {
+        if let Some((status, took)) = get(port, "/healthz", Duration::from_secs(20)) {
+            answered += u32::from(status.contains("200"));
+            slowest = slowest.max(took);
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    let watch = watch.take();
+    let stopping = Instant::now();
+    // SAFETY: kill(2) on the watch this test started.
+    unsafe { libc::kill(watch.id() as i32, libc::SIGTERM) };
+    let out = watch.wait_with_output().unwrap();
+    let stopped = stopping.elapsed();
+    drop(frozen);
+    eprintln!("under a 10 s attack: {answered} /healthz answered, the slowest in {slowest:?}; SIGTERM to exit {stopped:?}");
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(slowest < Duration::from_secs(1) && answered >= 20, "{answered} answered, the slowest {slowest:?}");
+    assert!(stopped < Duration::from_secs(5), "{stopped:?}");
+    std::fs::remove_dir_all(dumps.parent().unwrap()).ok();
+}
+
 /// Opens a TCP connection (the port refusing is retried until `limit`): for a watch that
 /// serves a moment after it says it is tracing.
 fn connect(port: u16, limit: Duration) -> std::net::TcpStream {
@@ -454,6 +546,27 @@ fn slow_senders_never_keep_a_scraper_out() {
         eprintln!("{clients} slow senders: {served} of 30 scrapes served, the slowest in {slowest:?}");
         assert!(served >= 29, "{clients} slow senders: {served} of 30 scrapes served");
     }
+    // Connections opened as fast as twelve threads can, by nobody: the places they take are
+    // theirs to lose, never a scraper's.
+    let flood = Guard(Some(
+        Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--", env!("CARGO_BIN_EXE_hostile-user"), "flood"])
+            .args([port.to_string(), "12".into()])
+            .spawn()
+            .unwrap(),
+    ));
+    std::thread::sleep(Duration::from_secs(1));
+    let (mut served, mut slowest) = (0, Duration::ZERO);
+    for _ in 0..30 {
+        if let Some((status, took)) = get(port, "/metrics", Duration::from_secs(5)) {
+            served += u32::from(status.contains("200"));
+            slowest = slowest.max(took);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    drop(flood);
+    eprintln!("a connection flood: {served} of 30 scrapes served, the slowest in {slowest:?}");
+    assert!(served >= 29, "a connection flood: {served} of 30 scrapes served");
     drop(watch);
     std::fs::remove_dir_all(dumps.parent().unwrap()).ok();
 }

@@ -155,10 +155,12 @@ impl Dir {
             }
         }
         let st = fstat(dir.fd.as_raw_fd()).map_err(|e| format!("cannot read {}: {e}", here.display()))?;
-        let owner_ok = trusted.contains(&st.st_uid);
-        if !owner_ok || st.st_mode & 0o022 != 0 {
+        // Dumps are written as whoever asked for the watch: under sudo the directory must be
+        // theirs (root keeps no right to write elsewhere once tracing runs), else root's.
+        let owner = user.map_or(0, |u| u.uid);
+        if st.st_uid != owner || st.st_mode & 0o022 != 0 {
             return Err(format!(
-                "{} is not a directory that only you may write (owner uid {}, mode {:o}): give --dump-dir a private directory",
+                "{} is not a directory that only you (uid {owner}) may write (owner uid {}, mode {:o}): give --dump-dir a private directory of yours",
                 path.display(),
                 st.st_uid,
                 st.st_mode & 0o7777

@@ -162,7 +162,8 @@ pub fn assess(o: &Observed, idle_minutes: u64) -> Doctor {
     for u in o.usage.iter().filter(|u| !o.alive.contains(&u.pid)) {
         *dead.entry(u.pid).or_default() += u.used_bytes.unwrap_or(0);
     }
-    let benign = |h: &Holder| crate::analysis::benign(h.exe.as_ref());
+    // A daemon stopped or dead holds the GPU for no one: no longer benign, whatever it runs.
+    let benign = |h: &Holder| crate::analysis::benign(h.exe.as_ref()).filter(|_| !matches!(h.state, 'T' | 't' | 'Z'));
     let mut kept: BTreeMap<u32, Vec<KeptFor>> = BTreeMap::new();
     let mut unattributed = Vec::new();
     for (&pid, &b) in &dead {
@@ -223,7 +224,9 @@ pub fn assess(o: &Observed, idle_minutes: u64) -> Doctor {
     let listening: Vec<Holder> = holders.iter().map(|a| &a.holder).filter(|h| !h.listening.is_empty()).cloned().collect();
     let same_program = |a: &Holder, b: &Holder| {
         let identity = |h: &Holder| h.exe.as_ref().map(|e| (e.dev, e.ino));
-        identity(a).is_some() && identity(a) == identity(b) && a.uid.is_some() && a.uid == b.uid && a.command == b.command
+        // Two command lines that could not be read are not known to be the same.
+        let readable = |h: &Holder| h.command.first().is_some_and(|c| c != procfs::UNREADABLE);
+        identity(a).is_some() && identity(a) == identity(b) && a.uid.is_some() && a.uid == b.uid && a.command == b.command && readable(a)
     };
     for a in holders.iter_mut().filter(|a| a.verdict != Verdict::Benign && a.holder.listening.is_empty()) {
         if let Some((pid, ports)) =
@@ -544,6 +547,22 @@ mod tests {
         assert_eq!(of(812).verdict, Verdict::Stale, "argv[0] makes no daemon");
         assert_eq!(of(300).verdict, Verdict::Active);
         assert_eq!(d.recommendation.map(|r| r.kill), Some(812));
+    }
+
+    /// A daemon's program stopped (or dead) holds the GPU for no one; two command lines that
+    /// could not be read are no proof of a copy.
+    #[test]
+    fn a_stopped_daemon_and_unreadable_copies() {
+        let mut smi = holder(600, 1, 600, "nvidia-smi -l 1");
+        smi.state = 'T';
+        let d = assess(&observed(vec![smi], &[]), 10);
+        assert_eq!(d.holders[0].verdict, Verdict::Stale, "{:?}", d.holders[0].reasons);
+        let mut first = holder(500, 1, 500, "x");
+        first.command = vec![procfs::UNREADABLE.into()];
+        first.listening = vec![8000];
+        let mut second = first.clone();
+        (second.pid, second.pgrp, second.session, second.listening) = (501, 501, 501, vec![]);
+        assert!(assess(&observed(vec![first, second], &[]), 10).recommendation.is_none());
     }
 
     /// A command line with a newline cannot forge a line of doctor's output.

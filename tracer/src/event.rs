@@ -320,6 +320,16 @@ pub enum Event {
     Listen {
         fd: i32,
     },
+    /// What a process met running had when tracing began (`record --pid`, `--all`, a watch's
+    /// start, a process joining a watched cgroup): the TCP ports it listened on (a server that
+    /// already serves: ready, never loading) and the GPUs whose device files it held (the GPU of
+    /// handles it made before tracing, where the host tells it).
+    Attached {
+        #[serde(default)]
+        listening: Vec<u16>,
+        #[serde(default)]
+        gpus: Vec<u32>,
+    },
     /// A connection accepted on `fd`: its reads and writes are followed. `conn` names it across
     /// the fds that refer to it (a server may read through a dup of the accepted fd).
     Accept {

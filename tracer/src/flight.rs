@@ -43,10 +43,13 @@ pub struct Party {
 }
 
 impl Party {
-    /// The party of `pid` in the live model.
+    /// The party of `pid` in the live model. A process whose user is not known is a party of
+    /// its own (its own service, no user's share): unknown users are never one shared bucket.
     pub fn of(live: &Model, pid: u32) -> Party {
-        let uid = live.processes.get(&pid).and_then(|p| p.place.as_ref()?.uid);
-        Party { service: crate::analysis::service_root(live, pid), uid }
+        match live.processes.get(&pid).and_then(|p| p.place.as_ref()?.uid) {
+            Some(uid) => Party { service: crate::analysis::service_root(live, pid), uid: Some(uid) },
+            None => Party { service: pid, uid: None },
+        }
     }
 }
 
@@ -170,7 +173,7 @@ pub struct Flight {
     /// user runs below a service is a party of its own).
     last_trigger: HashMap<(&'static str, Party), u64>,
     /// When each kind of trigger started a dump for each user's services, the last few.
-    user_dumps: HashMap<(&'static str, Option<u32>), VecDeque<u64>>,
+    user_dumps: HashMap<(&'static str, u32), VecDeque<u64>>,
     last_compaction: u64,
     records_at_compaction: u64,
     pub counters: Counters,
@@ -253,14 +256,22 @@ impl Flight {
             let kind = trigger.name();
             let interval = self.config.min_interval_ns;
             let recent = |t: &u64| ts < t.saturating_add(interval);
-            let service_due = !self.last_trigger.get(&(kind, party)).is_some_and(recent);
-            let user = self.user_dumps.entry((kind, party.uid)).or_default();
-            user.retain(recent);
-            if !service_due || user.len() >= DUMPS_PER_USER {
+            if self.last_trigger.get(&(kind, party)).is_some_and(recent) {
                 self.counters.suppressed += 1;
                 return;
             }
-            user.push_back(ts);
+            if let Some(uid) = party.uid {
+                let times = self.user_dumps.entry((kind, uid)).or_default();
+                times.retain(recent);
+                if times.len() >= DUMPS_PER_USER {
+                    self.counters.suppressed += 1;
+                    return;
+                }
+                times.push_back(ts);
+            }
+            // Parties whose interval is over are forgotten: the books hold the last interval's.
+            self.last_trigger.retain(|_, t| recent(t));
+            self.user_dumps.retain(|_, times| times.back().is_some_and(recent));
             self.last_trigger.insert((kind, party), ts);
         }
         self.close_segment();

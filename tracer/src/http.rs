@@ -1,9 +1,11 @@
 //! The HTTP side of `gputrace watch` (`--listen`, loopback by default): `/healthz`, `/metrics`
 //! (Prometheus's text format) and `/report` (the live state as the report's JSON). It runs as
 //! root on a shared host, so every connection is bounded and none can keep the others out:
-//! - at most [`MAX_CONNECTIONS`] at once; a newcomer past that evicts the connection that has
-//!   waited longest without sending a whole request head (a slow sender never holds a place
-//!   against a scraper), and is answered 503 only when every place holds a complete request;
+//! - at most [`MAX_CONNECTIONS`] at once. Past that, who holds the places is asked of the kernel:
+//!   a user (root aside) who holds [`MAX_PER_USER`] already is answered 503, and anyone else
+//!   evicts the connection that has waited longest without sending a whole request head, taken
+//!   from the user who holds the most (a flood of connections, slow or fast, never holds a place
+//!   against a scraper); 503 only when every place holds a complete request;
 //! - a request head of at most [`MAX_HEAD`] bytes, whole within [`HEAD_TIMEOUT`]; GET or HEAD;
 //! - `/report` holds command lines and request lines: only root and the user who started the
 //!   watch get it. The peer's uid is the kernel's answer for that one connection (sock_diag
@@ -23,6 +25,8 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::AbortHandle;
 
 pub const MAX_CONNECTIONS: usize = 16;
+/// The places one user other than root may hold once they are all taken.
+pub const MAX_PER_USER: usize = 4;
 pub const MAX_HEAD: usize = 8 * 1024;
 /// How long a connection has to send its whole request head.
 pub const HEAD_TIMEOUT: Duration = Duration::from_secs(2);
@@ -70,6 +74,10 @@ pub struct Asked {
 struct Place {
     id: u64,
     since: Instant,
+    /// Its addresses, and who holds it once asked (only when the places are all taken).
+    peer: SocketAddr,
+    local: Option<SocketAddr>,
+    uid: Option<Option<u32>>,
     /// Its request head came whole: it waits for its answer, never evicted.
     headed: Arc<AtomicBool>,
     task: AbortHandle,
@@ -115,10 +123,22 @@ impl Server {
     /// newcomer is answered 503 at once.
     pub async fn accept(&self, to_loop: &mpsc::Sender<Request>) {
         let Ok((stream, peer)) = self.listener.accept().await else { return };
+        let local = stream.local_addr().ok();
         let mut places = self.places.lock().unwrap_or_else(|e| e.into_inner());
+        let mut uid = None;
         if places.held.len() >= MAX_CONNECTIONS {
-            let slowest = places.held.iter().enumerate().filter(|(_, p)| !p.headed.load(Ordering::Acquire)).min_by_key(|(_, p)| p.since);
-            match slowest.map(|(i, _)| i) {
+            // One netlink question per connection, and only while every place is taken.
+            let owner = |peer: SocketAddr, local: Option<SocketAddr>| local.and_then(|l| tcp_owner(peer, l));
+            for p in places.held.iter_mut().filter(|p| p.uid.is_none()) {
+                p.uid = Some(owner(p.peer, p.local));
+            }
+            let newcomer = owner(peer, local);
+            uid = Some(newcomer);
+            let held_by = |u: Option<u32>| places.held.iter().filter(|p| p.uid == Some(u) && u.is_some()).count();
+            let capped = newcomer.is_some_and(|u| u != 0) && held_by(newcomer) >= MAX_PER_USER;
+            let evictable = places.held.iter().enumerate().filter(|(_, p)| !p.headed.load(Ordering::Acquire));
+            let victim = evictable.max_by_key(|(_, p)| (held_by(p.uid.flatten()), std::cmp::Reverse(p.since))).map(|(i, _)| i);
+            match victim.filter(|_| !capped) {
                 Some(i) => places.held.swap_remove(i).task.abort(),
                 None => {
                     let _ = stream.try_write(&head(503, "text/plain", 0));
@@ -131,7 +151,7 @@ impl Server {
         let headed = Arc::new(AtomicBool::new(false));
         let leave = Leave(self.places.clone(), id);
         let task = tokio::spawn(serve(stream, peer, to_loop.clone(), headed.clone(), leave));
-        places.held.push(Place { id, since: Instant::now(), headed, task: task.abort_handle() });
+        places.held.push(Place { id, since: Instant::now(), peer, local, uid, headed, task: task.abort_handle() });
     }
 }
 

@@ -158,6 +158,8 @@ pub struct Process {
     /// TCP ports it bound, and when it first listened.
     pub bound: Vec<(u64, u16)>,
     pub listened: Option<u64>,
+    /// Met running when tracing began: what it had then (see [`Event::Attached`]).
+    pub attached: Option<Attached>,
     /// When the kernel's OOM killer chose it.
     pub oom_killed: Option<u64>,
     /// Its cgroup, container, pod and namespaced pid, where the recorder could read them.
@@ -165,6 +167,16 @@ pub struct Process {
     pub usage: Usage,
     #[serde(skip)]
     fds: HashMap<i32, FdRef>,
+}
+
+/// A process met running: what it had when tracing began.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Attached {
+    pub ts: u64,
+    /// TCP ports it listened on: a server already serving.
+    pub listening: Vec<u16>,
+    /// GPUs whose device files it held.
+    pub gpus: Vec<u32>,
 }
 
 impl Process {
@@ -381,6 +393,7 @@ impl Model {
             exit_code: None,
             bound: Vec::new(),
             listened: None,
+            attached: None,
             oom_killed: None,
             place: None,
             usage: Usage::default(),
@@ -483,6 +496,13 @@ impl Model {
             Event::Bind { port, .. } => self.process(pid, ts).bound.push((ts, *port)),
             Event::Listen { .. } => {
                 self.process(pid, ts).listened.get_or_insert(ts);
+            }
+            Event::Attached { listening, gpus } => {
+                let p = self.process(pid, ts);
+                if !listening.is_empty() {
+                    p.listened.get_or_insert(ts);
+                }
+                p.attached = Some(Attached { ts, listening: listening.clone(), gpus: gpus.clone() });
             }
             Event::Accept { conn, .. } => {
                 self.connections.insert(*conn, (pid, None));

@@ -216,17 +216,22 @@ pub fn command(pid: u32) -> Option<Vec<String>> {
 /// it the caller goes on without it. A worker stuck in such a read stays stuck until the kernel
 /// lets it go; while one is stuck on some uid's process, reads of that uid's processes are not
 /// tried (one frozen process costs one deadline, not one per fork of it), and at most
-/// [`WORKERS`] exist at once (past that, every read is late until one comes back).
+/// [`WORKERS`] exist at once (past that, every read is late until one comes back). Reads that
+/// are slow without ever being late (a lock held in stretches just under the deadline, a
+/// process forking at every stretch) are bounded too: each uid's processes may cost the caller
+/// [`BUDGET`] of waiting in any [`BUDGET_WINDOW`], past which they are late at once.
 pub mod mm {
     use std::collections::HashMap;
     use std::io::Read as _;
     use std::os::unix::fs::MetadataExt;
     use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
     use std::sync::{Arc, Mutex};
-    use std::time::Duration;
+    use std::time::{Duration, Instant};
 
     pub const DEADLINE: Duration = Duration::from_millis(250);
     pub const WORKERS: usize = 8;
+    pub const BUDGET: Duration = Duration::from_millis(100);
+    pub const BUDGET_WINDOW: Duration = Duration::from_secs(1);
 
     pub enum Read {
         /// The bytes (at most the limit), or None: the process or the file is gone.
@@ -255,6 +260,26 @@ pub mod mm {
         workers: usize,
         /// Reads abandoned and still blocked, by the uid owning the process read.
         stuck: HashMap<u32, usize>,
+        /// The waiting each uid's processes cost in the current window: (its start, the total).
+        spent: HashMap<u32, (Instant, Duration)>,
+    }
+
+    impl Pool {
+        /// Whether `uid`'s processes have had their share of waiting in this window.
+        fn spent_up(&mut self, uid: u32, now: Instant) -> bool {
+            self.spent.get(&uid).is_some_and(|(start, spent)| now.duration_since(*start) < BUDGET_WINDOW && *spent >= BUDGET)
+        }
+
+        fn charge(&mut self, uid: u32, now: Instant, waited: Duration) {
+            if self.spent.len() > 4096 {
+                self.spent.retain(|_, (start, _)| now.duration_since(*start) < BUDGET_WINDOW);
+            }
+            let (start, spent) = self.spent.entry(uid).or_insert((now, Duration::ZERO));
+            if now.duration_since(*start) >= BUDGET_WINDOW {
+                (*start, *spent) = (now, Duration::ZERO);
+            }
+            *spent += waited;
+        }
     }
 
     static POOL: Mutex<Option<Pool>> = Mutex::new(None);
@@ -292,8 +317,9 @@ pub mod mm {
     pub fn read(pid: u32, file: &str, limit: u64) -> Read {
         // The owner from the directory's inode: no lock of the target's taken.
         let Ok(uid) = std::fs::metadata(format!("/proc/{pid}")).map(|m| m.uid()) else { return Read::Done(None) };
+        let began = Instant::now();
         let worker = pool(|p| {
-            if p.stuck.contains_key(&uid) {
+            if p.stuck.contains_key(&uid) || p.spent_up(uid, began) {
                 return None;
             }
             if let Some(w) = p.idle.pop() {
@@ -315,7 +341,9 @@ pub mod mm {
         if worker.send(job).is_err() {
             return Read::Late;
         }
-        if let Ok(read) = answer.recv_timeout(DEADLINE) {
+        let answered = answer.recv_timeout(DEADLINE);
+        pool(|p| p.charge(uid, began, began.elapsed()));
+        if let Ok(read) = answered {
             return Read::Done(read);
         }
         // Decided under the pool's lock, as the worker's end is: a read that ended just now is
@@ -355,21 +383,31 @@ impl Executable {
 }
 
 /// Root's, and no one else may write it.
-fn root_only(meta: &std::fs::Metadata) -> bool {
-    use std::os::unix::fs::MetadataExt;
-    meta.uid() == 0 && meta.mode() & 0o022 == 0
+fn root_only(stx: &libc::statx) -> bool {
+    stx.stx_uid == 0 && u32::from(stx.stx_mode) & 0o022 == 0
+}
+
+/// A file's attributes as the kernel has them cached: a plain stat of a file on FUSE asks its
+/// server, which may never answer.
+fn cached_stat(path: &str) -> Option<libc::statx> {
+    let path = std::ffi::CString::new(path).ok()?;
+    // SAFETY: statx writes into the zeroed struct it is given; the path is NUL-terminated.
+    let mut stx: libc::statx = unsafe { std::mem::zeroed() };
+    let mask = libc::STATX_TYPE | libc::STATX_MODE | libc::STATX_UID | libc::STATX_INO;
+    let rc = unsafe { libc::statx(libc::AT_FDCWD, path.as_ptr(), libc::AT_STATX_DONT_SYNC, mask, &mut stx) };
+    (rc == 0).then_some(stx)
 }
 
 /// What /proc/PID/exe names; None when gone (or a kernel thread).
 pub fn executable(pid: u32) -> Option<Executable> {
-    use std::os::unix::fs::MetadataExt;
     let path = std::fs::read_link(format!("/proc/{pid}/exe")).ok()?.to_string_lossy().into_owned();
     // The link leads to the file itself, whatever its path has become.
-    let meta = std::fs::metadata(format!("/proc/{pid}/exe")).ok()?;
+    let file = cached_stat(&format!("/proc/{pid}/exe"))?;
     // Its directory, as the process sees it (through its root: a container's own /usr/bin).
     let dir = std::path::Path::new(&path).parent().map(|d| format!("/proc/{pid}/root{}", d.display()));
-    let dir_ok = !path.ends_with(" (deleted)") && dir.and_then(|d| std::fs::metadata(d).ok()).is_some_and(|m| root_only(&m));
-    Some(Executable { system: root_only(&meta) && dir_ok, dev: meta.dev(), ino: meta.ino(), path })
+    let dir_ok = !path.ends_with(" (deleted)") && dir.and_then(|d| cached_stat(&d)).is_some_and(|d| root_only(&d));
+    let dev = libc::makedev(file.stx_dev_major, file.stx_dev_minor);
+    Some(Executable { system: root_only(&file) && dir_ok, dev, ino: file.stx_ino, path })
 }
 
 /// The real uid that owns a process, from /proc/PID/status.
@@ -413,14 +451,10 @@ pub fn fd_path(pid: u32, fd: i32) -> Option<PathBuf> {
 /// The device number (major, minor) of the character device behind a fd ((0, 0) for any other
 /// file: a block device's number is another namespace); None when the fd is gone.
 pub fn fd_device_number(pid: u32, fd: i32) -> Option<(u32, u32)> {
-    let path = std::ffi::CString::new(format!("/proc/{pid}/fd/{fd}")).ok()?;
-    // SAFETY: statx writes into the zeroed struct it is given; the path is NUL-terminated.
-    let mut stx: libc::statx = unsafe { std::mem::zeroed() };
-    // Attributes as cached: a plain stat would ask a FUSE file's server, which may never answer
-    // and would stall the event loop. A device number never changes while the file is open.
-    let rc = unsafe { libc::statx(libc::AT_FDCWD, path.as_ptr(), libc::AT_STATX_DONT_SYNC, libc::STATX_TYPE, &mut stx) };
+    // Attributes as cached (a device number never changes while the file is open).
+    let stx = cached_stat(&format!("/proc/{pid}/fd/{fd}"))?;
     let character = u32::from(stx.stx_mode) & libc::S_IFMT == libc::S_IFCHR;
-    (rc == 0).then_some(if character { (stx.stx_rdev_major, stx.stx_rdev_minor) } else { (0, 0) })
+    Some(if character { (stx.stx_rdev_major, stx.stx_rdev_minor) } else { (0, 0) })
 }
 
 /// The fds a process has open now.

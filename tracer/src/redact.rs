@@ -64,7 +64,9 @@ pub fn command(argv: &[String]) -> Vec<String> {
     for (i, arg) in argv.iter().enumerate() {
         let previous = after.take();
         let word = if i == 0 {
-            arg.clone()
+            // A program may rewrite its own title (setproctitle) into one argument: its first
+            // word is the program, the rest values.
+            arg.split_whitespace().next().unwrap_or_default().to_string()
         } else if previous.is_some_and(holds_secret) {
             HIDDEN.to_string()
         } else if let Some((first, _)) = arg.split_once(char::is_whitespace) {

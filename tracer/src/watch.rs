@@ -246,11 +246,10 @@ impl Watcher {
                 // Anyone on the host may scrape: labels carry program and flag names, no values.
                 let redacted: HashMap<String, String> =
                     model.processes.values().map(|p| (p.command_line(), display_command(&crate::redact::command(&p.command)))).collect();
+                // A label not found is hidden whole, never shown as it came.
                 for p in &mut report.processes {
-                    for field in [&mut p.command, &mut p.service] {
-                        if let Some(r) = redacted.get(field.as_str()) {
-                            field.clone_from(r);
-                        }
+                    for field in [&mut p.command, &mut p.service].into_iter().filter(|f| !f.is_empty()) {
+                        *field = redacted.get(field.as_str()).cloned().unwrap_or_else(|| crate::redact::HIDDEN.to_string());
                     }
                 }
                 let diagnoses = self.diagnoses.lock().map(|d| d.clone()).unwrap_or_default();
@@ -328,9 +327,12 @@ impl DumpJob {
             writer.write(&record)?;
         }
         writer.flush()?;
-        self.dir
-            .rename(partial.as_ref(), trace.as_ref())
-            .with_context(|| format!("cannot rename {} to {}", writer.path().display(), path.display()))?;
+        // As the writer: under sudo the directory is the user's, and root keeps no right to it.
+        let renamed = as_user(self.user.as_ref(), || self.dir.rename(partial.as_ref(), trace.as_ref()));
+        if let Err(e) = renamed {
+            let _ = as_user(self.user.as_ref(), || self.dir.remove(partial.as_ref()));
+            return Err(e).with_context(|| format!("cannot rename {} to {}", writer.path().display(), path.display()));
+        }
         let loss = Loss { own_file_table: self.own_file_table, ..Loss::of(&model) };
         let report = Report::new(&header, &model, path.display().to_string(), writer.records, loss, self.idle_ns);
         if let Ok(mut d) = self.diagnoses.lock() {
@@ -348,7 +350,7 @@ impl DumpJob {
             "{}",
             crate::units::for_terminal(&format!("gputrace: dump {} ({}{joined}): {verdict}", path.display(), d.trigger.name()))
         );
-        rotate(&self.dir, self.budget, &trace);
+        rotate(&self.dir, self.budget, &trace, self.user.as_ref());
         Ok(())
     }
 }
@@ -356,7 +358,7 @@ impl DumpJob {
 /// Oldest dumps (trace and report) go until the directory's dumps fit the budget; the newest
 /// always stays. Only names gputrace gives its dumps, only regular files, all relative to the
 /// directory held open.
-fn rotate(dir: &Dir, budget: u64, newest: &str) {
+fn rotate(dir: &Dir, budget: u64, newest: &str, user: Option<&User>) {
     let entries = dir.entries(1 << 16);
     let size = |name: &str| entries.iter().find(|e| e.name == name).map_or(0, |e| e.len);
     let mut dumps: Vec<(i64, String, u64)> = entries
@@ -373,8 +375,10 @@ fn rotate(dir: &Dir, budget: u64, newest: &str) {
         if total <= budget {
             break;
         }
-        let _ = dir.remove(format!("{stem}.trace").as_ref());
-        let _ = dir.remove(format!("{stem}.report.txt").as_ref());
+        let _ = as_user(user, || {
+            let _ = dir.remove(format!("{stem}.report.txt").as_ref());
+            dir.remove(format!("{stem}.trace").as_ref())
+        });
         total = total.saturating_sub(bytes_of);
         eprintln!("gputrace: removed {} to keep dumps within {}", dir.display(&format!("{stem}.trace")).display(), bytes(budget));
     }

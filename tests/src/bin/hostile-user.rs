@@ -12,6 +12,9 @@
 //! with CLONE_VM: no lock needed), as a fork of it would appear to a tracer. Killing the parent
 //! closes the filesystem, which lets every blocked read go.
 //!
+//! `hostile-user flood PORT SECONDS`: twelve threads open connections to 127.0.0.1:PORT as fast
+//! as they can for SECONDS, each keeping its last ten open and sending nothing.
+//!
 //! `hostile-user hold ADDR`: listens on ADDR (before a root daemon that wants it), until killed.
 //! With HOSTILE_HOLD=ADDR in its environment it does so whatever its arguments: a copy of
 //! someone else's command line (`exec -a sleep hostile-user 600`) that listens.
@@ -20,11 +23,14 @@ use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::time::Duration;
 
-use fakegpu::fuse::{Caller, Files, IoctlReply, Session};
+use fakegpu::fuse::{Caller, Files, IoctlReply, Reads, Session};
 
-struct Unanswered;
+/// A filesystem of one large file whose reads are answered as `reads` says.
+struct Hostile {
+    reads: Reads,
+}
 
-impl Files for Unanswered {
+impl Files for Hostile {
     fn names(&self) -> &[(&'static str, u64)] {
         &[("page", 2)]
     }
@@ -35,8 +41,8 @@ impl Files for Unanswered {
         IoctlReply { result: -libc::ENOTTY, out: Vec::new() }
     }
     fn release(&mut self, _: Caller, _: u64) {}
-    fn answers_reads(&self) -> bool {
-        false
+    fn reads(&self) -> Reads {
+        self.reads
     }
 }
 
@@ -65,7 +71,11 @@ fn fail(what: &str) -> ! {
     std::process::exit(2)
 }
 
-fn freeze(dir: &Path) -> ! {
+/// With `stretches`, the lock is held in stretches of that long instead of for good (each read
+/// answered after it, a new page faulted at once), and the child starts a process sharing its
+/// memory a hundred times a second: no single read of its command line is ever late, each is
+/// slow.
+fn freeze(dir: &Path, stretches: Option<Duration>) -> ! {
     let session = Session::mount(dir).unwrap_or_else(|e| {
         eprintln!("hostile-user: {e:#}");
         std::process::exit(2)
@@ -90,7 +100,8 @@ fn freeze(dir: &Path) -> ! {
             println!("frozen {child}");
             let _ = std::io::stdout().flush();
         });
-        let _ = session.serve(&mut Unanswered);
+        let reads = stretches.map_or(Reads::Never, Reads::After);
+        let _ = session.serve(&mut Hostile { reads });
         std::process::exit(0);
     }
     // The child: no handle on the filesystem's connection, so the parent's death ends it.
@@ -99,7 +110,7 @@ fn freeze(dir: &Path) -> ! {
     std::mem::forget(holder);
     let page = std::fs::File::open(dir.join("page")).unwrap_or_else(|_| fail("opening the FUSE file"));
     // SAFETY: a shared read-only mapping of an open file; never touched directly.
-    let at = unsafe { libc::mmap(std::ptr::null_mut(), 4096, libc::PROT_READ, libc::MAP_SHARED, page.as_raw_fd(), 0) };
+    let at = unsafe { libc::mmap(std::ptr::null_mut(), MAPPED, libc::PROT_READ, libc::MAP_SHARED, page.as_raw_fd(), 0) };
     if at == libc::MAP_FAILED {
         fail("mapping the FUSE file");
     }
@@ -112,6 +123,9 @@ fn freeze(dir: &Path) -> ! {
     // SAFETY: waitpid(2) on the child just made.
     unsafe { libc::waitpid(rehearsal, std::ptr::null_mut(), 0) };
     let address = at as u64;
+    if stretches.is_some() {
+        in_stretches(address, &mut stack);
+    }
     std::thread::spawn(move || {
         let mem = std::fs::File::open("/proc/self/mem").unwrap_or_else(|_| fail("opening /proc/self/mem"));
         let mut byte = [0u8; 1];
@@ -139,6 +153,62 @@ fn freeze(dir: &Path) -> ! {
     }
 }
 
+/// How much of the FUSE file is mapped, and how far apart the pages faulted are (each beyond
+/// any readahead of the one before).
+const MAPPED: usize = 8 << 30;
+const STRIDE: u64 = 2 << 20;
+
+fn in_stretches(address: u64, stack: &mut [u8]) -> ! {
+    // No readahead: every page is a read of its own, answered only after its stretch.
+    // SAFETY: advice on a mapping this process owns.
+    unsafe { libc::madvise(address as *mut libc::c_void, MAPPED, libc::MADV_RANDOM) };
+    std::thread::spawn(move || {
+        let mem = std::fs::File::open("/proc/self/mem").unwrap_or_else(|_| fail("opening /proc/self/mem"));
+        let mut byte = [0u8; 1];
+        // A fresh page each time: each read waits `stretch` for the filesystem, holding the lock.
+        for page in (0..MAPPED as u64 / STRIDE).cycle() {
+            std::os::unix::fs::FileExt::read_at(&mem, &mut byte, address + page * STRIDE).ok();
+        }
+    });
+    std::thread::spawn(|| loop {
+        // Writers queued behind each stretch: readers after them wait for the whole stretch.
+        // SAFETY: an anonymous mapping, unmapped at once.
+        unsafe {
+            let m = libc::mmap(std::ptr::null_mut(), 4096, libc::PROT_READ, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0);
+            libc::munmap(m, 4096);
+        }
+    });
+    loop {
+        // A process sharing this memory, gone at once: a fork event whose command is slow to read.
+        clone_vm(stack, std::ptr::null_mut());
+        // SAFETY: reaping this process's own children without waiting; a plain sleep.
+        unsafe { while libc::waitpid(-1, std::ptr::null_mut(), libc::WNOHANG | libc::__WALL) > 0 {} }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn flood(port: u16, seconds: u64) {
+    let until = std::time::Instant::now() + Duration::from_secs(seconds);
+    let threads: Vec<_> = (0..12)
+        .map(|_| {
+            std::thread::spawn(move || {
+                let mut open = std::collections::VecDeque::new();
+                while std::time::Instant::now() < until {
+                    if let Ok(s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+                        open.push_back(s);
+                        if open.len() > 10 {
+                            open.pop_front();
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        let _ = t.join();
+    }
+}
+
 fn hold(addr: &str) -> ! {
     let listener = std::net::TcpListener::bind(addr).unwrap_or_else(|e| {
         eprintln!("hostile-user: cannot listen on {addr}: {e}");
@@ -157,10 +227,14 @@ fn main() {
     }
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.as_slice() {
-        [what, dir] if what == "freeze" => freeze(Path::new(dir)),
+        [what, dir] if what == "freeze" => freeze(Path::new(dir), None),
+        [what, dir, flag, ms] if what == "freeze" && flag == "--stretches" => {
+            freeze(Path::new(dir), Some(Duration::from_millis(ms.parse().unwrap_or(30))))
+        }
         [what, addr] if what == "hold" => hold(addr),
+        [what, port, seconds] if what == "flood" => flood(port.parse().unwrap_or(0), seconds.parse().unwrap_or(10)),
         _ => {
-            eprintln!("usage: hostile-user freeze DIR   (as an unprivileged user, inside `unshare -Urm`)");
+            eprintln!("usage: hostile-user freeze DIR [--stretches MS]   (as an unprivileged user, inside `unshare -Urm`)");
             eprintln!("       hostile-user hold ADDR");
             std::process::exit(2)
         }

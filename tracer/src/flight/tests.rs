@@ -110,6 +110,30 @@ fn one_party_never_spends_anothers_dumps() {
     assert!(flight.waiting().is_some());
 }
 
+/// A process forked from another user's runs as that user until a Place says otherwise: a
+/// failure of a workload nobody started from their shell (forked under a shared parent, no
+/// Place of its own) is nobody's, not root's.
+#[test]
+fn a_fork_is_its_parents_user() {
+    let place = |uid| Event::Place(crate::event::Place { cgroup: "/".into(), uid: Some(uid), ..Default::default() });
+    let process = |ppid, seen| Event::Process { ppid, seen, command: vec!["p".into()] };
+    let records = [
+        rec(1, 1, process(0, Seen::Running)),
+        rec(1, 1, place(0)),
+        rec(2, 10, process(1, Seen::Forked)),
+        rec(2, 10, place(65534)),
+        rec(3, 11, process(10, Seen::Forked)),
+        rec(4, 12, process(1, Seen::Forked)),
+    ];
+    let live = Model::from_records(&records);
+    assert_eq!(Party::of(&live, 11).uid, Some(65534), "nobody's workload");
+    assert_eq!(Party::of(&live, 12).uid, Some(0), "root's");
+    assert_ne!(Party::of(&live, 11), Party::of(&live, 12));
+    // Unknown users share nothing.
+    let unknown = Model::from_records(&[rec(1, 20, process(0, Seen::Running)), rec(1, 21, process(0, Seen::Running))]);
+    assert_ne!(Party::of(&unknown, 20), Party::of(&unknown, 21));
+}
+
 /// Hours of pid churn (a server restarted, workers by the thousand): the window stays under its
 /// cap, and the models stay the size of what is live.
 #[test]

@@ -20,11 +20,15 @@ pub(super) struct FdRef {
 impl Model {
     pub(super) fn on_process(&mut self, pid: u32, ts: u64, ppid: u32, seen: Seen, command: &[String]) {
         // A damaged trace may name a process its own parent: it copies nothing from itself.
-        let inherited = self.processes.get(&ppid).filter(|_| ppid != pid).map(|p| p.fds.clone());
+        let parent = self.processes.get(&ppid).filter(|_| ppid != pid);
+        let inherited = parent.map(|p| p.fds.clone());
+        // A fork runs where its parent runs, as the same user, until a Place says otherwise.
+        let place = parent.and_then(|p| p.place.clone()).filter(|_| seen == Seen::Forked);
         let p = self.process(pid, ts);
         // A pid handed out again: a new process, whatever the old one left in the books.
         if p.exited.is_some() {
             (p.exited, p.exit_code, p.oom_killed, p.listened) = (None, None, None, None);
+            (p.place, p.attached) = (None, None);
             p.bound.clear();
             p.first_ts = ts;
         }
@@ -33,6 +37,9 @@ impl Model {
         p.command = command.to_vec();
         if seen != Seen::Forked {
             return;
+        }
+        if place.is_some() {
+            p.place = place;
         }
         // A fork over a pid still holding files: its old descriptors went unseen.
         let stale: Vec<i32> = self.process(pid, ts).fds.keys().copied().collect();
