@@ -52,6 +52,9 @@ struct Tools {
     dir: PathBuf,
     /// How NVML answers the recorder: "none" takes the fake NVML away from it.
     nvml: String,
+    /// The watch started after the server warmed up (GPUTRACE_ATTACH=late with
+    /// GPUTRACE_WATCH_DUMPS), to stop when the scenario is over.
+    late_watch: std::cell::RefCell<Option<Child>>,
 }
 
 impl Tools {
@@ -64,6 +67,7 @@ impl Tools {
             load: here.join("fake-load"),
             dir: dir.to_path_buf(),
             nvml: nvml.to_string(),
+            late_watch: std::cell::RefCell::new(None),
         })
     }
 
@@ -74,15 +78,53 @@ impl Tools {
         c
     }
 
-    /// `gputrace record --json -o DIR/run.trace -- COMMAND`, summary to DIR/record.json.
+    /// `gputrace record --json -o DIR/run.trace -- COMMAND`, summary to DIR/record.json; with
+    /// GPUTRACE_ATTACH=all, every process on the host traced too (`--all`), those already
+    /// running met as a watch meets them.
     fn record(&self, command: &Command) -> Result<Child> {
         let mut c = Command::new(&self.gputrace);
-        c.args(["record", "--json", "-o"]).arg(self.dir.join("run.trace")).arg("--").arg(command.get_program()).args(command.get_args());
+        c.args(["record", "--json", "-o"]).arg(self.dir.join("run.trace"));
+        if std::env::var("GPUTRACE_ATTACH").is_ok_and(|v| v == "all") {
+            c.arg("--all");
+        }
+        c.arg("--").arg(command.get_program()).args(command.get_args());
         c.stdout(std::fs::File::create(self.dir.join("record.json"))?).stderr(log(&self.dir, "server.log"));
         if self.nvml == "none" {
             c.env_remove("LD_LIBRARY_PATH");
         }
         c.spawn().context("starting gputrace record")
+    }
+
+    /// `gputrace record --json -o DIR/run.trace --pid PID`, attached to a server already running:
+    /// returns once it says it is tracing.
+    fn record_pid(&self, pid: u32) -> Result<Child> {
+        let log_path = self.dir.join("record.log");
+        let mut c = Command::new(&self.gputrace);
+        c.args(["record", "--json", "-o"]).arg(self.dir.join("run.trace")).args(["--pid", &pid.to_string()]);
+        c.stdout(std::fs::File::create(self.dir.join("record.json"))?).stderr(log(&self.dir, "record.log"));
+        if self.nvml == "none" {
+            c.env_remove("LD_LIBRARY_PATH");
+        }
+        let child = c.spawn().context("starting gputrace record --pid")?;
+        started(child, &log_path, "gputrace: tracing", "gputrace record --pid")
+    }
+
+    /// The server started untraced and warmed up with `warmup`, then a recording attached to it
+    /// (GPUTRACE_ATTACH=late), or a watch started (with GPUTRACE_WATCH_DUMPS too: then the server
+    /// is what is waited for); or, as usual, the server started under the recording.
+    fn serve(&self, server: &str, port: u16, extra: &[&str], warmup: &[&str]) -> Result<Child> {
+        if std::env::var("GPUTRACE_ATTACH").is_ok_and(|v| v == "late") {
+            let running = self.server_cmd(server, port, extra).spawn().context("starting the server")?;
+            self.load(server, port, warmup)?;
+            if let Some(dumps) = std::env::var_os("GPUTRACE_WATCH_DUMPS") {
+                *self.late_watch.borrow_mut() = Some(watch(self, Path::new(&dumps))?);
+                return Ok(running);
+            }
+            return self.record_pid(running.id());
+        }
+        let recording = self.record(&self.server_cmd(server, port, extra))?;
+        self.load(server, port, warmup)?;
+        Ok(recording)
     }
 
     fn load(&self, server: &str, port: u16, args: &[&str]) -> Result<()> {
@@ -144,11 +186,16 @@ fn watch(t: &Tools, dumps: &Path) -> Result<Child> {
     let mut c = Command::new(&t.gputrace);
     c.args(["watch", "--window", "200ms", "--aftermath", "1s", "--min-interval", "1h", "--listen", &watch_address().to_string()]);
     c.arg("--dump-dir").arg(dumps);
-    let mut child = c.stdout(Stdio::null()).stderr(log(&t.dir, "watch.log")).spawn().context("starting gputrace watch")?;
+    let child = c.stdout(Stdio::null()).stderr(log(&t.dir, "watch.log")).spawn().context("starting gputrace watch")?;
+    started(child, &log_path, "gputrace: tracing every process", "gputrace watch")
+}
+
+/// Waits (30 s at most) until `child`'s log says `line`: the tracer is attached.
+fn started(mut child: Child, log_path: &Path, line: &str, what: &str) -> Result<Child> {
     let start = Instant::now();
-    while !std::fs::read_to_string(&log_path).unwrap_or_default().contains("gputrace: tracing every process") {
+    while !std::fs::read_to_string(log_path).unwrap_or_default().contains(line) {
         if child.try_wait()?.is_some() || start.elapsed() > Duration::from_secs(30) {
-            bail!("gputrace watch did not start; see {}", log_path.display());
+            bail!("{what} did not start; see {}", log_path.display());
         }
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -159,12 +206,13 @@ fn watch(t: &Tools, dumps: &Path) -> Result<Child> {
 /// With GPUTRACE_WATCH_DUMPS set, `gputrace watch` runs beside the recording.
 pub fn inside(name: &str, server: &str, nvml: &str, dir: &Path, gputrace: &Path) -> Result<()> {
     let t = Tools::new(dir, gputrace, nvml)?;
-    let watching = match std::env::var_os("GPUTRACE_WATCH_DUMPS") {
+    let late = std::env::var("GPUTRACE_ATTACH").is_ok_and(|v| v == "late");
+    let watching = match std::env::var_os("GPUTRACE_WATCH_DUMPS").filter(|_| !late) {
         Some(dumps) => Some(watch(&t, Path::new(&dumps))?),
         None => None,
     };
     let result = scenario_inside(&t, name, server);
-    if let Some(mut w) = watching {
+    if let Some(mut w) = watching.or_else(|| t.late_watch.borrow_mut().take()) {
         // After the aftermath of a failure, what the watch serves, then a dump asked for (that
         // SIGTERM, right after, must finish).
         std::thread::sleep(Duration::from_millis(1500));
@@ -238,15 +286,15 @@ fn scenario_inside(t: &Tools, name: &str, server: &str) -> Result<()> {
             wait_for(t.record(&t.server_cmd(server, port, &["--model-gib", model, split[0], split[1]]))?, limit)
         }
         "long-request" => {
-            let rec = t.record(&t.server_cmd(server, port, &[]))?;
-            let prompts = if llama { "1024,2048,16000" } else { "1024,2048,40000" };
-            t.load(server, port, &["--sequential", prompts])?;
+            // Short prompts served (before a recording attached late), then a long one.
+            let rec = t.serve(server, port, &[], &["--sequential", "1024,2048"])?;
+            t.load(server, port, &["--sequential", if llama { "16000" } else { "40000" }])?;
             wait_for(rec, limit)
         }
         "concurrent-load" => {
-            let rec = t.record(&t.server_cmd(server, port, &["--parallel", "8"]))?;
             let (one, wave) = if llama { ("3000", "8x3000") } else { ("2048", "24x2048") };
-            t.load(server, port, &["--sequential", one, "--concurrent", wave])?;
+            let rec = t.serve(server, port, &["--parallel", "8"], &["--sequential", one])?;
+            t.load(server, port, &["--concurrent", wave])?;
             wait_for(rec, limit)
         }
         "held-by-other-process" => {

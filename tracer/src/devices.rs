@@ -101,9 +101,68 @@ impl Majors {
     }
 }
 
+/// Which GPU (NVML's index) each /dev/nvidiaN is: what a process met running holds tells the
+/// GPU of the handles it made before tracing.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GpuIndexes {
+    /// The host has one GPU: every device file is it.
+    pub only: Option<u32>,
+    /// Minor number to index, where the driver lists its GPUs (/proc/driver/nvidia/gpus/BUS/
+    /// information names each one's minor; NVML counts GPUs in PCI bus order). Elsewhere (the
+    /// fake GPU) a minor is its index.
+    pub by_minor: std::collections::BTreeMap<u32, u32>,
+}
+
+impl GpuIndexes {
+    /// This host's, given how many GPUs NVML counted (0: NVML could not tell).
+    pub fn of_host(nvml_gpus: usize) -> GpuIndexes {
+        let dir = std::path::Path::new("/proc/driver/nvidia/gpus");
+        let mut buses: Vec<(String, u32)> = std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .filter_map(Result::ok)
+            .take(256)
+            .filter_map(|e| {
+                let info = crate::procfs::read_bounded(&e.path().join("information").to_string_lossy(), 16 * 1024)?;
+                Some((e.file_name().to_string_lossy().into_owned(), GpuIndexes::minor_in(&info)?))
+            })
+            .collect();
+        buses.sort();
+        GpuIndexes::from_parts(nvml_gpus, &buses)
+    }
+
+    /// From NVML's count and the driver's (bus id, minor) list.
+    pub fn from_parts(nvml_gpus: usize, buses: &[(String, u32)]) -> GpuIndexes {
+        let by_minor = buses.iter().enumerate().map(|(index, (_, minor))| (*minor, index as u32)).collect();
+        let only = (nvml_gpus == 1 || (nvml_gpus == 0 && buses.len() == 1)).then_some(0);
+        GpuIndexes { only, by_minor }
+    }
+
+    /// "Device Minor: 3" in a GPU's information file.
+    fn minor_in(info: &str) -> Option<u32> {
+        info.lines().find_map(|l| l.strip_prefix("Device Minor:")?.trim().parse().ok())
+    }
+
+    /// The GPU a /dev/nvidiaN file is.
+    pub fn of_minor(&self, minor: u32) -> u32 {
+        self.only.or_else(|| self.by_minor.get(&minor).copied()).unwrap_or(minor)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn which_gpu_each_device_file_is() {
+        let info = "Model: \t\t NVIDIA H200\nIRQ:   \t\t 190\nDevice Minor: \t 3\n";
+        assert_eq!(GpuIndexes::minor_in(info), Some(3));
+        let buses = [("0000:19:00.0".to_string(), 1), ("0000:3b:00.0".to_string(), 0), ("0000:9a:00.0".to_string(), 2)];
+        let several = GpuIndexes::from_parts(3, &buses);
+        assert_eq!((several.of_minor(1), several.of_minor(0), several.of_minor(2)), (0, 1, 2), "NVML counts in bus order");
+        assert_eq!(GpuIndexes::from_parts(1, &[]).of_minor(5), 0, "one GPU: every file is it");
+        assert_eq!(GpuIndexes::from_parts(0, &[]).of_minor(2), 2, "no driver listing (the fake GPU): the minor");
+    }
 
     #[test]
     fn majors_from_proc_devices() {

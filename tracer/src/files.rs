@@ -39,6 +39,15 @@ pub trait Resolver {
     fn fd_device_number(&self, _pid: u32, _fd: i32) -> Option<(u32, u32)> {
         None
     }
+    /// The identity of a process's network namespace (so a host of processes reads each
+    /// namespace's socket table once).
+    fn net_namespace(&self, _pid: u32) -> Option<u64> {
+        None
+    }
+    /// The TCP sockets listening in a process's network namespace, by inode, with their ports.
+    fn listening_sockets(&self, _pid: u32) -> HashMap<u64, u16> {
+        HashMap::new()
+    }
 }
 
 /// Whether a fd at `device`'s path is that device: by its device number where the driver is
@@ -65,6 +74,11 @@ pub enum KernelUpdate {
     Traced {
         pid: u32,
     },
+}
+
+/// The minor of a GPU's device file by its path: 3 for /dev/nvidia3.
+pub fn gpu_minor_of_path(path: &str) -> Option<u32> {
+    path.strip_prefix("/dev/nvidia")?.parse().ok()
 }
 
 /// The NVIDIA device a path names: /dev/nvidiactl, /dev/nvidia-uvm, /dev/nvidia<N>.
@@ -151,6 +165,10 @@ pub struct FileTable<R: Resolver> {
     majors: Option<Majors>,
     /// Where each live process was last seen to run.
     places: HashMap<u32, crate::event::Place>,
+    /// Which GPU each /dev/nvidiaN is.
+    gpu_indexes: crate::devices::GpuIndexes,
+    /// The listening sockets of each network namespace met while attaching (read once each).
+    listening: HashMap<u64, HashMap<u64, u16>>,
 }
 
 const CLOSE_RANGE_CLOEXEC: u32 = 4;
@@ -191,7 +209,19 @@ impl<R: Resolver> FileTable<R> {
             impostors: 0,
             majors: None,
             places: HashMap::new(),
+            gpu_indexes: crate::devices::GpuIndexes::default(),
+            listening: HashMap::new(),
         }
+    }
+
+    /// Which GPU each /dev/nvidiaN file is, for the processes met running.
+    pub fn set_gpu_indexes(&mut self, indexes: crate::devices::GpuIndexes) {
+        self.gpu_indexes = indexes;
+    }
+
+    /// Attaching is over: the sockets tables read for it are stale from now on.
+    pub fn attached(&mut self) {
+        self.listening.clear();
     }
 
     /// NVIDIA's device numbers, as read at start or since (a module loaded later).
@@ -463,20 +493,50 @@ impl<R: Resolver> FileTable<R> {
         Some(Some(device))
     }
 
-    /// A process already running when tracing began: its command and the NVIDIA fds it holds.
+    /// A process already running when tracing began: its command, the NVIDIA fds it holds, and
+    /// what it had then ([`Event::Attached`]: the ports it listened on, the GPUs it held).
     pub fn scan(&mut self, pid: u32, updates: &mut Vec<KernelUpdate>) -> Vec<Event> {
         let command = self.resolver.command(pid).unwrap_or_default();
         let ppid = self.resolver.parent(pid).unwrap_or(0);
         let mut events = vec![Event::Process { ppid, seen: Seen::Running, command }];
         events.extend(self.place_if_new(pid, None).map(Event::Place));
+        let (mut gpus, mut sockets) = (Vec::new(), Vec::new());
         for fd in self.resolver.open_fds(pid) {
+            let path = self.resolver.fd_path(pid, fd).map(|p| p.to_string_lossy().into_owned()).unwrap_or_default();
+            if let Some(inode) = path.strip_prefix("socket:[").and_then(|p| p.strip_suffix(']')?.parse::<u64>().ok()) {
+                sockets.push(inode);
+                continue;
+            }
             let Some(Some(device)) = self.nvidia_fd(pid, fd) else {
                 continue;
             };
+            if let Some(minor) = gpu_minor_of_path(&path).filter(|_| device == Device::Gpu) {
+                gpus.push(self.gpu_indexes.of_minor(minor));
+            }
             events.push(self.found(pid, fd, device, 0));
             updates.push(KernelUpdate::SetFd { pid, fd, state: kernel_state(device) });
         }
+        let listening = if sockets.is_empty() { Vec::new() } else { self.listening_on(pid, &sockets) };
+        gpus.sort_unstable();
+        gpus.dedup();
+        if !listening.is_empty() || !gpus.is_empty() {
+            events.push(Event::Attached { listening, gpus });
+        }
         events
+    }
+
+    /// The ports of `sockets` (inodes) that listen, from the process's namespace's table.
+    fn listening_on(&mut self, pid: u32, sockets: &[u64]) -> Vec<u16> {
+        let Some(namespace) = self.resolver.net_namespace(pid) else { return Vec::new() };
+        if !self.listening.contains_key(&namespace) {
+            let table = self.resolver.listening_sockets(pid);
+            self.listening.insert(namespace, table);
+        }
+        let table = &self.listening[&namespace];
+        let mut ports: Vec<u16> = sockets.iter().filter_map(|inode| table.get(inode).copied()).collect();
+        ports.sort_unstable();
+        ports.dedup();
+        ports
     }
 }
 
@@ -507,6 +567,12 @@ impl Resolver for ProcResolver {
     }
     fn fd_device_number(&self, pid: u32, fd: i32) -> Option<(u32, u32)> {
         procfs::fd_device_number(pid, fd)
+    }
+    fn net_namespace(&self, pid: u32) -> Option<u64> {
+        procfs::net_namespace(pid)
+    }
+    fn listening_sockets(&self, pid: u32) -> HashMap<u64, u16> {
+        procfs::listening_sockets(pid)
     }
 }
 

@@ -119,6 +119,28 @@ pub struct Dump {
 }
 
 impl Dump {
+    /// The processes there when watching began that the dump still holds: those its snapshot
+    /// holds that had not exited at the window's start, and those its window meets running (the
+    /// watch started within it).
+    pub fn alive_at_start(&self) -> HashSet<u32> {
+        let mut alive = HashSet::new();
+        for r in &self.snapshot {
+            match r.event {
+                Event::Process { .. } => {
+                    alive.insert(r.pid);
+                }
+                Event::Exit { .. } => {
+                    alive.remove(&r.pid);
+                }
+                _ => {}
+            }
+        }
+        let met =
+            self.segments.iter().flat_map(decode).filter(|r| matches!(r.event, Event::Process { seen: crate::event::Seen::Running, .. }));
+        alive.extend(met.map(|r| r.pid));
+        alive
+    }
+
     /// Every record of the dump, the snapshot first.
     pub fn records(&self) -> impl Iterator<Item = Record> + '_ {
         self.snapshot.iter().cloned().chain(self.segments.iter().flat_map(decode))

@@ -382,6 +382,16 @@ impl Model {
         self.processes.values().filter(|p| p.exited.is_none() && p.fds.values().any(|f| f.file == file)).map(|p| p.pid).collect()
     }
 
+    /// The GPU memory is on: its device's (`gpu`), or, under a device made before tracing (which
+    /// names none), the one GPU its process held when it was met running. The trace keeps what
+    /// it saw; this is the analyses' reading of it.
+    pub fn gpu_for(&self, pid: u32, gpu: Option<u32>) -> Option<u32> {
+        gpu.or_else(|| match self.processes.get(&pid)?.attached.as_ref()?.gpus.as_slice() {
+            [only] => Some(*only),
+            _ => None,
+        })
+    }
+
     fn process(&mut self, pid: u32, ts: u64) -> &mut Process {
         self.processes.entry(pid).or_insert_with(|| Process {
             pid,

@@ -140,24 +140,37 @@ pub fn listening_ports(pid: u32) -> Vec<u16> {
     if inodes.is_empty() {
         return Vec::new();
     }
-    let mut ports: Vec<u16> = ["tcp", "tcp6"]
-        .iter()
-        .filter_map(|table| read_bounded(&format!("/proc/{pid}/net/{table}"), 8 << 20))
-        .flat_map(|text| parse_listening(&text, &inodes))
-        .collect();
+    let table = listening_sockets(pid);
+    let mut ports: Vec<u16> = inodes.iter().filter_map(|i| table.get(i).copied()).collect();
     ports.sort();
     ports.dedup();
     ports
 }
 
-/// The local ports of /proc/net/tcp lines in state LISTEN (0A) whose inode is one of `inodes`.
-fn parse_listening(text: &str, inodes: &[u64]) -> Vec<u16> {
+/// The identity of a process's network namespace: its inode.
+pub fn net_namespace(pid: u32) -> Option<u64> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(format!("/proc/{pid}/ns/net")).ok().map(|m| m.ino())
+}
+
+/// Every TCP socket listening in the process's network namespace (IPv4 and IPv6), by inode,
+/// with its port; each table read to 8 MiB at most.
+pub fn listening_sockets(pid: u32) -> std::collections::HashMap<u64, u16> {
+    ["tcp", "tcp6"]
+        .iter()
+        .filter_map(|table| read_bounded(&format!("/proc/{pid}/net/{table}"), 8 << 20))
+        .flat_map(|t| parse_listening(&t))
+        .collect()
+}
+
+/// The inodes and local ports of /proc/net/tcp lines in state LISTEN (0A).
+fn parse_listening(text: &str) -> Vec<(u64, u16)> {
     text.lines()
         .skip(1)
         .filter_map(|line| {
             let f: Vec<&str> = line.split_whitespace().collect();
             let (local, state, inode) = (f.get(1)?, f.get(3)?, f.get(9)?.parse::<u64>().ok()?);
-            (*state == "0A" && inodes.contains(&inode)).then(|| u16::from_str_radix(local.rsplit(':').next()?, 16).ok()).flatten()
+            (*state == "0A").then(|| Some((inode, u16::from_str_radix(local.rsplit(':').next()?, 16).ok()?))).flatten()
         })
         .collect()
 }
@@ -576,7 +589,7 @@ mod tests {
    0: 0100007F:1F40 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 555 1 0 100 0 0 10 0
    1: 0100007F:1F41 0100007F:9C40 01 00000000:00000000 00:00000000 00000000     0        0 556 1 0 100 0 0 10 0
    2: 00000000:0016 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 999 1 0 100 0 0 10 0";
-        assert_eq!(parse_listening(tcp, &[555, 556]), vec![8000], "listening, and its own socket only");
+        assert_eq!(parse_listening(tcp), vec![(555, 8000), (999, 22)], "listening sockets only");
         let docker = "/system.slice/docker-4f2a9c1e0b7d3a5f6e8c9b0a1d2e3f4a5b6c7d8e9f0a1b2c3d4e5f6a7b8c9d0e.scope";
         assert_eq!(container_of(docker).as_deref(), Some("4f2a9c1e0b7d"));
         assert_eq!(container_of("/user.slice/user-1000.slice/session-3.scope"), None);

@@ -346,14 +346,14 @@ fn process_report(p: &Process, model: &Model, services: &Services, nvml_peak_byt
 fn gpu_reports(header: &Header, model: &Model) -> Vec<GpuReport> {
     let start = model.time_zero(header.monotonic_start_ns);
     let mut keys: Vec<Option<u32>> = header.gpus.iter().map(|g| Some(g.index)).collect();
-    keys.extend(model.allocations.iter().filter(|a| a.memory == Memory::Video).map(|a| a.gpu));
-    keys.extend(model.failures.iter().filter(|f| f.memory == Memory::Video).map(|f| f.gpu));
+    keys.extend(model.allocations.iter().filter(|a| a.memory == Memory::Video).map(|a| model.gpu_for(a.pid, a.gpu)));
+    keys.extend(model.failures.iter().filter(|f| f.memory == Memory::Video).map(|f| model.gpu_for(f.pid, f.gpu)));
     keys.sort_by_key(|k| (k.is_none(), *k));
     keys.dedup();
     keys.into_iter()
         .map(|gpu| {
             let card = gpu.and_then(|g| header.gpus.iter().find(|c| c.index == g));
-            let video = || model.allocations.iter().filter(move |a| a.gpu == gpu && a.memory == Memory::Video);
+            let video = || model.allocations.iter().filter(move |a| model.gpu_for(a.pid, a.gpu) == gpu && a.memory == Memory::Video);
             let mut changes: Vec<(u64, i128)> = video()
                 .flat_map(|a| [Some((a.ts, i128::from(a.bytes))), a.freed.map(|(t, _)| (t, -i128::from(a.bytes)))].into_iter().flatten())
                 .collect();
@@ -383,7 +383,11 @@ fn gpu_reports(header: &Header, model: &Model) -> Vec<GpuReport> {
                 peak_bytes: clamp(peak),
                 peak_ts,
                 live_bytes: clamp(live),
-                failed_allocations: model.failures.iter().filter(|f| f.gpu == gpu && f.memory == Memory::Video).count() as u64,
+                failed_allocations: model
+                    .failures
+                    .iter()
+                    .filter(|f| model.gpu_for(f.pid, f.gpu) == gpu && f.memory == Memory::Video)
+                    .count() as u64,
                 pids,
             }
         })

@@ -168,6 +168,7 @@ pub fn run<S: Sink>(opts: &Options, sink: impl FnOnce(&Header, Option<&User>) ->
         user,
     };
     session.pipeline.files.set_majors(majors);
+    session.pipeline.files.set_gpu_indexes(crate::devices::GpuIndexes::of_host(header.gpus.len()));
     let exit_code = runtime.block_on(session.trace(&mut probe, opts))?;
     let end = End {
         header: &header,
@@ -283,8 +284,10 @@ impl<S: Sink> Session<S> {
                 probe.trace_pid(pid)?;
             }
             let events = self.pipeline.files.scan(pid, &mut self.updates);
-            // With --all, only the processes that hold NVIDIA files are worth a record now.
-            if opts.all && events.len() == 1 {
+            // With --all, only the processes that hold NVIDIA files or serve are worth a record
+            // now (a server's API process may hold none; its engine does).
+            let worth = events.iter().any(|e| matches!(e, Event::FdFound { .. } | Event::Attached { .. }));
+            if opts.all && !worth {
                 self.updates.clear();
                 continue;
             }
@@ -293,6 +296,7 @@ impl<S: Sink> Session<S> {
             }
             self.apply_updates(probe)?;
         }
+        self.pipeline.files.attached();
 
         let what = if opts.all {
             "every process".to_string()

@@ -309,13 +309,16 @@ impl DumpJob {
         let d = &self.dump;
         let mut header = self.header.clone();
         // The dump starts at its window: what came before is in its first records (the
-        // snapshot), not in the holders and NVML figures of when watching began.
+        // snapshot). Of the holders and NVML figures of when watching began, only those of
+        // processes still there stand: what they held before tracing is theirs still (a server
+        // the watch met loaded and serving), and no record says otherwise.
         if d.window_start > header.monotonic_start_ns {
             header.wall_clock_start_ns += d.window_start - header.monotonic_start_ns;
             header.monotonic_start_ns = d.window_start;
         }
-        header.prior_use.clear();
-        header.holders_at_start.clear();
+        let alive = d.alive_at_start();
+        header.prior_use.retain(|p| alive.contains(&p.pid));
+        header.holders_at_start.retain(|h| alive.contains(&h.pid));
         let wall = header.wall_clock_start_ns + d.trigger_ts.saturating_sub(header.monotonic_start_ns);
         let name = format!("gputrace-dump-{}-{}-{}", stamp(wall), self.number, d.trigger.name());
         let (trace, partial) = (format!("{name}.trace"), format!(".{name}.trace.partial"));

@@ -220,16 +220,18 @@ impl<'a> Diagnoser<'a> {
             .allocations
             .iter()
             .filter(|a| a.memory == Memory::Video && a.ts <= ts && a.freed.is_none_or(|(f, _)| f > ts))
-            .filter(|a| self.counts_on(a.gpu, gpu) && keep(a.pid))
+            .filter(|a| self.counts_on(self.model.gpu_for(a.pid, a.gpu), gpu) && keep(a.pid))
             .map(|a| a.bytes)
             .fold(0, u64::saturating_add)
     }
 
-    /// The GPUs `service` allocated on, or asked to.
+    /// The GPUs `service` allocated on, or asked to, or held memory on when tracing began.
     fn gpus_of(&self, service: &Service) -> Vec<u32> {
-        let allocated = self.model.allocations.iter().filter(|a| service.pids.contains(&a.pid)).filter_map(|a| a.gpu);
-        let failed = self.model.failures.iter().filter(|f| service.pids.contains(&f.pid)).filter_map(|f| f.gpu);
-        let mut gpus: Vec<u32> = allocated.chain(failed).collect();
+        let allocated =
+            self.model.allocations.iter().filter(|a| service.pids.contains(&a.pid)).filter_map(|a| self.model.gpu_for(a.pid, a.gpu));
+        let failed = self.model.failures.iter().filter(|f| service.pids.contains(&f.pid)).filter_map(|f| self.model.gpu_for(f.pid, f.gpu));
+        let before = self.header.prior_use.iter().filter(|p| service.pids.contains(&p.pid) && p.used_bytes.unwrap_or(0) > 0).map(|p| p.gpu);
+        let mut gpus: Vec<u32> = allocated.chain(failed).chain(before).collect();
         gpus.sort();
         gpus.dedup();
         gpus
@@ -246,10 +248,27 @@ impl<'a> Diagnoser<'a> {
             [only] => Some(*only),
             several => several.iter().copied().min_by_key(|&g| {
                 let held = self.held_outside(service, failure.ts, Some(g)).0;
-                let own = self.live_at(failure.ts, Some(g), |pid| service.pids.contains(&pid));
+                let own = self.live_at(failure.ts, Some(g), |pid| service.pids.contains(&pid)).saturating_add(self.before_tracing(
+                    service,
+                    failure.ts,
+                    Some(g),
+                ));
                 self.capacity(Some(g)).map_or(u64::MAX, |c| c.saturating_sub(held.saturating_add(own)))
             }),
         }
+    }
+
+    /// What NVML said the service's processes held on `gpu` when tracing began (a recording
+    /// attached to a server that had loaded): still theirs at `ts` while they run, since no free
+    /// of it can be told from the trace.
+    fn before_tracing(&self, service: &Service, ts: u64, gpu: Option<u32>) -> u64 {
+        let running = |pid: u32| self.model.processes.get(&pid).is_none_or(|p| p.exited.is_none_or(|e| e > ts));
+        self.header
+            .prior_use
+            .iter()
+            .filter(|p| service.pids.contains(&p.pid) && gpu.is_none_or(|g| p.gpu == g) && running(p.pid))
+            .map(|p| p.used_bytes.unwrap_or(0))
+            .fold(0, u64::saturating_add)
     }
 
     /// Memory held outside `service` at `ts` on `gpu`: other traced services, and what NVML said
@@ -287,10 +306,12 @@ impl<'a> Diagnoser<'a> {
             holders.push(Holder { pid, command, bytes: prior.used_bytes, source: "nvml", nvml_pid: Some(prior.pid) });
         }
         // Without NVML, who had the device files open before recording is all there is to know:
-        // each is a suspect of unknown size (benign holders aside).
+        // each is a suspect of unknown size (benign holders aside), traced since or not (under
+        // --all or a watch everyone is: what it held before is still unknown).
         if self.header.nvml != "ok" {
+            let listed: Vec<u32> = holders.iter().map(|h| h.pid).collect();
             let outside = |h: &&crate::trace::HolderAtStart| {
-                !service.pids.contains(&h.pid) && self.services.of(h.pid).is_none() && super::benign(h.exe.as_ref()).is_none()
+                !service.pids.contains(&h.pid) && !listed.contains(&h.pid) && super::benign(h.exe.as_ref()).is_none()
             };
             for h in self.header.holders_at_start.iter().filter(outside) {
                 holders.push(Holder { pid: h.pid, command: display_command(&h.command), bytes: None, source: "proc", nvml_pid: None });
@@ -305,7 +326,13 @@ impl<'a> Diagnoser<'a> {
             .failures
             .iter()
             .filter(|f| status::is_out_of_memory(f.status) && f.memory != Memory::Virtual)
-            .map(|f| Failure { ts: f.ts, pid: f.pid, symptom: Symptom::FailedAllocation, bytes: Some(f.bytes), gpu: f.gpu })
+            .map(|f| Failure {
+                ts: f.ts,
+                pid: f.pid,
+                symptom: Symptom::FailedAllocation,
+                bytes: Some(f.bytes),
+                gpu: self.model.gpu_for(f.pid, f.gpu),
+            })
             .collect();
         for p in self.model.processes.values() {
             if let Some(ts) = p.oom_killed {
@@ -381,7 +408,7 @@ impl<'a> Diagnoser<'a> {
         let service_gpus = self.gpus_of(service);
         let gpu = self.gpu_of(failure, service, &service_gpus);
         let (outside, holders) = self.held_outside(service, ts, gpu);
-        let own = self.live_at(ts, gpu, |pid| service.pids.contains(&pid));
+        let own = self.live_at(ts, gpu, |pid| service.pids.contains(&pid)).saturating_add(self.before_tracing(service, ts, gpu));
         // On unified memory the GPU's memory is the host's: its size and what is available.
         let host = self.unified(gpu).then(|| self.model.sample_at(ts).and_then(|s| s.host.clone())).flatten();
         let capacity = self.capacity(gpu).or(host.as_ref().map(|h| h.total_bytes));
@@ -486,6 +513,15 @@ impl<'a> Diagnoser<'a> {
             return Err(format!(
                 "nothing the driver saw points at memory ({} held by the service, {free} free): its own log says why it exited",
                 bytes(e.service_bytes)
+            ));
+        } else if case.evidence.phase == Phase::Load && room_unseen(case) {
+            let e = &case.evidence;
+            return Err(format!(
+                "loading failed with {} free by the trace's account (the card's {} less {} held by this service and {} outside it): memory the trace cannot see was in use; `gputrace doctor` shows who holds the GPU",
+                bytes(e.free_bytes.unwrap_or(0)),
+                bytes(e.capacity_bytes.unwrap_or(0)),
+                bytes(e.service_bytes),
+                bytes(e.held_outside_bytes)
             ));
         } else if case.evidence.phase == Phase::Load {
             Category::DoesNotFitAtLoad
@@ -613,26 +649,32 @@ impl<'a> Diagnoser<'a> {
         let culprit = one_much_larger(&case.in_flight).or_else(|| case.in_flight.first().copied());
         let failed_in = culprit.map(|r| r.bytes_in).unwrap_or(0);
         let served_before = |r: &&Request| case.service.pids.contains(&r.pid) && r.first_data_at.is_some_and(|d| d < case.failure.ts);
-        let served = self.model.requests.iter().filter(served_before).map(|r| r.bytes_in).max().unwrap_or(0);
+        let served = self.model.requests.iter().filter(served_before).map(|r| r.bytes_in).max();
         let (setting, how) = match case.family.context() {
             Some((setting, names)) => {
                 let how = match flag(case.engine, names) {
-                    Some(now) => {
+                    Some(now) if served.is_some() => {
+                        let served = served.unwrap_or(0);
                         let suggested = (now.parse::<f64>().unwrap_or(0.0) * served as f64 / failed_in.max(1) as f64) as u64;
                         format!("{} (now {now}; about {suggested} keeps the longest prompt that was served)", setting.name())
                     }
+                    Some(now) => format!("{} (now {now})", setting.name()),
                     None => setting.name().to_string(),
                 };
                 (setting.name(), how)
             }
             None => ("", "the server's setting for it".to_string()),
         };
+        // Attached to a server already serving, the prompts it served before are not in the trace.
+        let against = match served {
+            Some(served) => format!("while prompts up to {} were served", bytes(served)),
+            None => "alone, the first request seen since tracing began (the server was serving already)".to_string(),
+        };
         let text = format!(
-            "One request of {} received failed while prompts up to {} were served: lower the maximum context ({how}) so requests that long are refused cleanly instead of failing the server.",
-            bytes(failed_in),
-            bytes(served)
+            "One request of {} received failed {against}: lower the maximum context ({how}) so requests that long are refused cleanly instead of failing the server.",
+            bytes(failed_in)
         );
-        Said::new(Fields { failed_request_bytes: failed_in, largest_served_request_bytes: served, flag: setting }, text)
+        Said::new(Fields { failed_request_bytes: failed_in, largest_served_request_bytes: served.unwrap_or(0), flag: setting }, text)
     }
 
     /// A concurrency cap computed from what one request costs: what a prefill allocated while it
@@ -697,6 +739,14 @@ fn memory_was_short(e: &Evidence) -> bool {
         (Some(c), Some(free)) => e.service_bytes > 0 && free < c / 10,
         _ => e.service_bytes > 0,
     }
+}
+
+/// Whether a failed allocation asked for no more than the trace's account says was free: then
+/// it did not fail for want of room the service could see (something unseen held it), and
+/// "does not fit" would be a guess.
+fn room_unseen(case: &Case) -> bool {
+    let e = &case.evidence;
+    case.failure.symptom == Symptom::FailedAllocation && e.free_bytes.zip(case.failure.bytes).is_some_and(|(free, asked)| asked <= free)
 }
 
 /// The fraction the engine reserves: its flag's value, or its default.

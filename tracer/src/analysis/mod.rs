@@ -72,17 +72,58 @@ fn is_gputrace(p: &crate::model::Process) -> bool {
     p.command.first().is_some_and(|program| program.rsplit('/').next() == Some("gputrace"))
 }
 
-/// The process a service is named after: climbing from `pid` through the parents it was forked
-/// from (a process met running, or launched, starts a service of its own).
+/// Programs that start services without being part of one: shells, the ways in (sudo, su, sshd,
+/// login), terminal multiplexers, init and service managers, container runtimes' shims.
+const NOT_A_SERVICE: [&str; 26] = [
+    "sh",
+    "bash",
+    "dash",
+    "zsh",
+    "fish",
+    "ksh",
+    "tcsh",
+    "csh",
+    "sudo",
+    "su",
+    "doas",
+    "sshd",
+    "login",
+    "tmux",
+    "tmux: server",
+    "screen",
+    "SCREEN",
+    "init",
+    "systemd",
+    "containerd-shim",
+    "containerd-shim-runc-v2",
+    "conmon",
+    "runc",
+    "crun",
+    "tini",
+    "dumb-init",
+];
+
+/// Whether a process is one that starts services rather than one of them (by its program's
+/// name, a login shell's `-bash` too).
+fn starts_services(p: &crate::model::Process) -> bool {
+    p.pid == 1
+        || p.command.first().is_some_and(|program| {
+            let name = program.rsplit('/').next().unwrap_or(program).trim_start_matches('-');
+            NOT_A_SERVICE.contains(&name)
+        })
+}
+
+/// The process a service is named after: what the person started. Climbing from `pid` through
+/// its parents (forked ones, and those met running with it), up to but not into a shell, sudo,
+/// a multiplexer, init or a container's shim; a launched command (`record -- CMD`) is its own
+/// root, and `gputrace record -- CMD` is a wrapper as sudo is (a watch sees it as CMD's parent).
 pub fn service_root(model: &Model, pid: u32) -> u32 {
     let mut root = pid;
     let mut hops = 0;
     while let (Some(me), Some(parent)) =
         (model.processes.get(&root), model.processes.get(&model.processes.get(&root).map_or(0, |p| p.ppid)))
     {
-        // `gputrace record -- CMD` is a wrapper, as sudo is: a watch sees it as CMD's parent, and
-        // the service is still CMD's.
-        if me.seen != Seen::Forked || hops > 64 || is_gputrace(parent) {
+        if me.seen == Seen::Launched || hops > 64 || starts_services(parent) || is_gputrace(parent) {
             break;
         }
         root = parent.pid;
@@ -132,13 +173,17 @@ impl<'m> Services<'m> {
             }
         }
         for (i, s) in list.iter_mut().enumerate() {
+            // Met already listening when tracing began: serving from then on, never loading.
+            let attached = |p: &u32| model.processes[p].attached.as_ref().filter(|a| !a.listening.is_empty()).map(|a| a.ts);
+            let serving = s.pids.iter().filter_map(attached).min();
             let listened = s.pids.iter().filter_map(|p| model.processes[p].listened).min();
             let served = requests[i].iter().filter_map(|r| Some((r.headers_at?, r.status?)));
             let first_ok = served.filter(|(_, status)| (200..300).contains(status)).map(|(t, _)| t).min();
-            s.ready_at = match (listened, first_alloc[i]) {
-                (Some(l), Some(a)) if l > a => Some(l),
-                (Some(_), _) => first_ok,
-                (None, _) => None,
+            s.ready_at = match (serving, listened, first_alloc[i]) {
+                (Some(t), _, _) => Some(t),
+                (None, Some(l), Some(a)) if l > a => Some(l),
+                (None, Some(_), _) => first_ok,
+                (None, None, _) => None,
             };
         }
         let timelines = list.iter().zip(&requests).zip(marks).map(|((s, r), m)| timeline(s, r, m)).collect();

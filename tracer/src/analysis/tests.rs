@@ -511,3 +511,32 @@ fn mps_is_named_in_the_report() {
     let report = crate::report::Report::new(&header(80 * GIB, &[]), &model, String::new(), 0, crate::report::Loss::default(), 0);
     assert!(report.text().contains("MPS is in use (nvidia-cuda-mps-server, pid 950)"), "{}", report.text());
 }
+
+/// Met running by a watch: the server is what the person started (the python server below the
+/// login shell and the script, its engine with it), it was already listening, so it is ready
+/// (serving, never loading) from then on; and the engine's memory made on a device it set up
+/// before tracing is on the one GPU it held.
+#[test]
+fn a_server_met_serving_is_ready_named_below_its_shell_and_on_its_gpu() {
+    let rec = |ts: u64, pid: u32, event| Record { ts, pid, tid: pid, event, raw: None };
+    let process = |ppid, seen, command: &str| Event::Process { ppid, seen, command: command.split(' ').map(String::from).collect() };
+    let records = vec![
+        rec(1, 10, process(1, Seen::Running, "-bash")),
+        rec(1, 11, process(10, Seen::Running, "bash run.sh")),
+        rec(1, API, process(11, Seen::Running, "python3 -m vllm.entrypoints.openai.api_server")),
+        rec(1, API, Event::Attached { listening: vec![8000], gpus: vec![] }),
+        rec(1, ENGINE, process(API, Seen::Running, "python3 -m vllm.v1.engine.core")),
+        rec(1, ENGINE, Event::FdFound { fd: 3, file: 1, device: Device::Ctl }),
+        rec(1, ENGINE, Event::Attached { listening: vec![], gpus: vec![2] }),
+        // A client made before tracing: its device's GPU is not in the trace.
+        rec(5 * MS, ENGINE, Event::Alloc(Alloc::video(7, 8, 9, GIB))),
+    ];
+    let model = Model::from_records(&records);
+    let services = Services::new(&model);
+    let service = services.of(ENGINE).expect("the engine's service");
+    assert_eq!(service.root, API, "below the script and the shell, with its engine");
+    assert_eq!(service.ready_at, Some(1), "listening when met: serving from then on");
+    assert_ne!(services.phase_of(ENGINE, 5 * MS), Phase::Load);
+    assert_eq!(model.allocations[0].gpu, None, "the trace names no GPU for it");
+    assert_eq!(model.gpu_for(ENGINE, model.allocations[0].gpu), Some(2), "the one GPU the engine held");
+}

@@ -111,10 +111,9 @@ fn chart(header: &Header, model: &Model, services: &Services, report: &Report) -
         Some(d) => format!("{what}: {}", d.category.name()),
         None => what,
     };
-    let failures = model
-        .failures
-        .iter()
-        .map(|f| (f.gpu, json!({"t": at(f.ts), "label": label(format!("failed: {} (pid {})", bytes(f.bytes), f.pid), f.ts)})));
+    let failures = model.failures.iter().map(|f| {
+        (model.gpu_for(f.pid, f.gpu), json!({"t": at(f.ts), "label": label(format!("failed: {} (pid {})", bytes(f.bytes), f.pid), f.ts)}))
+    });
     let kills = model.processes.values().filter_map(|p| {
         let ts = p.oom_killed?;
         Some((None, json!({"t": at(ts), "label": label(format!("OOM kill: pid {}", p.pid), ts)})))

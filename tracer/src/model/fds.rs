@@ -28,13 +28,16 @@ impl Model {
         // A pid handed out again: a new process, whatever the old one left in the books.
         if p.exited.is_some() {
             (p.exited, p.exit_code, p.oom_killed, p.listened) = (None, None, None, None);
-            (p.place, p.attached) = (None, None);
+            p.place = None;
             p.bound.clear();
             p.first_ts = ts;
         }
         p.ppid = ppid;
         p.seen = seen;
         p.command = command.to_vec();
+        // What it had when met running comes after this (see Event::Attached); a new process
+        // had nothing.
+        p.attached = None;
         if seen != Seen::Forked {
             return;
         }

@@ -79,6 +79,8 @@ pub fn records(data: &[u8]) -> Vec<Record> {
                 seen: if b.one_in(2) { Seen::Forked } else { Seen::Running },
                 command: vec![format!("p{pid}")],
             },
+            // A process met running: what it listened on and the GPUs it held then.
+            1 if b.one_in(3) => Event::Attached { listening: if b.one_in(2) { vec![8000] } else { vec![] }, gpus: vec![b.pick(3)] },
             1 => Event::Exec { command: vec![format!("e{pid}")] },
             2 => Event::Exit { code: Some(i32::from(b.u8())) },
             3 => Event::Open {

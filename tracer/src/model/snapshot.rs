@@ -104,6 +104,9 @@ impl<'a> Snapshot<'a> {
             if let Some(ts) = p.listened {
                 self.push(ts, p.pid, Event::Listen { fd: -1 });
             }
+            if let Some(a) = &p.attached {
+                self.push(a.ts, p.pid, Event::Attached { listening: a.listening.clone(), gpus: a.gpus.clone() });
+            }
             if let Some(ts) = p.oom_killed {
                 self.push(ts, p.pid, Event::OomKill);
             }

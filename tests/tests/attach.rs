@@ -1,0 +1,153 @@
+//! Attached late, still right (root): `gputrace record --pid` and a watch, started after the fake
+//! server loaded and served, give the verdict a recording from the start gives for the same run: the
+//! category, the GPU, the service, the setting to change and, for concurrency, the cap. Before,
+//! a server whose listen predated tracing was taken to be still loading ("does not fit at
+//! load"), and what it had loaded sat on a `?` GPU row, outside "held by this service".
+
+mod common;
+
+use std::process::Command;
+
+use serde_json::Value;
+
+use common::{as_root, gputrace_bin};
+
+/// How gputrace met the server.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Met {
+    /// `record -- SERVER`: from its first instruction.
+    AtStart,
+    /// `record --pid SERVER` once it had loaded and served.
+    Attached,
+    /// A watch started once it had loaded and served: the failure's dump.
+    Watched,
+}
+
+/// The report of one scenario: the closing report of the recording, or of the failure's dump.
+fn report(name: &str, server: &str, met: Met) -> Value {
+    let dir = std::env::temp_dir().join(format!("gputrace-attach-{server}-{name}-{met:?}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_fakegpu"));
+    cmd.args(["scenario", name, "--server", server, "--nvml", "discrete", "--dir"]).arg(&dir).arg("--gputrace").arg(gputrace_bin());
+    if met != Met::AtStart {
+        cmd.env("GPUTRACE_ATTACH", "late");
+    }
+    if met == Met::Watched {
+        cmd.env("GPUTRACE_WATCH_DUMPS", dir.join("dumps"));
+    }
+    let out = cmd.output().unwrap();
+    let logs = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap_or_default();
+    let what = format!("{server} {name} {met:?}");
+    assert!(out.status.success(), "{what}: {}\n{}\n{}", String::from_utf8_lossy(&out.stderr), logs("server.log"), logs("record.log"));
+    let summary: Value = if met == Met::Watched {
+        let dumps = std::fs::read_dir(dir.join("dumps")).unwrap().flatten().map(|e| e.path());
+        let dump = dumps
+            .into_iter()
+            .find(|p| p.to_string_lossy().ends_with("-failed-allocation.trace"))
+            .unwrap_or_else(|| panic!("{what}: no dump\n{}", logs("watch.log")));
+        let out = Command::new(gputrace_bin()).args(["report", "--json"]).arg(&dump).output().unwrap();
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{what}: {e}"))
+    } else {
+        serde_json::from_str(&logs("record.json")).unwrap_or_else(|e| panic!("{what}: {e}\n{}", logs("record.log")))
+    };
+    std::fs::remove_dir_all(&dir).ok();
+    summary
+}
+
+/// The service's command line without its run's own port and paths.
+fn service(d: &Value) -> String {
+    let words: Vec<&str> = d["service"].as_str().unwrap_or_default().split(' ').collect();
+    words.iter().take(3).copied().collect::<Vec<_>>().join(" ")
+}
+
+/// The recording from the start's verdict, and the verdicts of a recording and a watch that met
+/// the server late, each the same.
+fn same_verdict(name: &str, server: &str) -> (Value, Vec<Value>) {
+    let _root = as_root();
+    let start = report(name, server, Met::AtStart);
+    let s = &start["diagnosis"];
+    let mut late = Vec::new();
+    for met in [Met::Attached, Met::Watched] {
+        let seen = report(name, server, met);
+        let l = &seen["diagnosis"];
+        eprintln!("{server} {name}\n  from the start: {}\n  {met:?}: {}", s["fix"]["text"], l["fix"]["text"]);
+        assert_eq!(l["category"], s["category"], "{server} {name} {met:?}: {l:#}");
+        assert_eq!(l["category"], name);
+        assert_eq!((l["gpu"].clone(), service(l)), (s["gpu"].clone(), service(s)), "{server} {name} {met:?}");
+        // The setting to change (its value is the cap, compared below).
+        let setting = |d: &Value| d["fix"]["fields"]["flag"].as_str().unwrap_or_default().split(' ').next().unwrap_or_default().to_string();
+        assert_eq!(setting(l), setting(s), "{server} {name} {met:?}: the setting to change");
+        // Every GPU row names its GPU: the handles made before tracing are on the one GPU.
+        for gpu in seen["gpus"].as_array().unwrap() {
+            assert!(gpu["gpu"].is_u64(), "{server} {name} {met:?}: a GPU row with no GPU: {gpu:#}");
+        }
+        late.push(seen);
+    }
+    (start, late)
+}
+
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn a_long_request_after_attaching_to_vllm() {
+    same_verdict("long-request", "vllm");
+}
+
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn a_long_request_after_attaching_to_llama() {
+    same_verdict("long-request", "llama");
+}
+
+/// The cap counts what the server had before tracing as held by it: equal to the recording
+/// from the start's for vLLM. llama's cached compute buffer from the one request served before
+/// attaching counts as held, not as room for requests, and no request alone is measured: the
+/// cap may be one higher than the recording from the start's (see the closing note of issue 24).
+fn concurrency(server: &str, slack: u64) {
+    let (start, late) = same_verdict("concurrent-load", server);
+    let cap = |r: &Value| r["diagnosis"]["fix"]["fields"]["max_concurrency"].as_u64().unwrap();
+    for seen in &late {
+        let (s, l) = (cap(&start), cap(seen));
+        assert!(l >= s && l <= s + slack, "{server}: cap {l} met late, {s} from the start");
+    }
+}
+
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn concurrent_load_after_attaching_to_vllm() {
+    concurrency("vllm", 0);
+}
+
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn concurrent_load_after_attaching_to_llama() {
+    concurrency("llama", 1);
+}
+
+/// Without NVML, `record --all` (as a watch) started after an orphaned holder took the GPU:
+/// that holder, traced since like everyone, is still the suspect of unknown size, never "does
+/// not fit at load" (with a card the failed allocation fitted in by the trace's account).
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn without_nvml_a_holder_met_running_under_all_is_the_suspect() {
+    let _root = as_root();
+    for server in ["vllm", "llama"] {
+        let dir = std::env::temp_dir().join(format!("gputrace-attach-all-{server}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let out = Command::new(env!("CARGO_BIN_EXE_fakegpu"))
+            .args(["scenario", "held-by-other-process", "--server", server, "--nvml", "none", "--dir"])
+            .arg(&dir)
+            .arg("--gputrace")
+            .arg(gputrace_bin())
+            .env("GPUTRACE_ATTACH", "all")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{server}: {}", String::from_utf8_lossy(&out.stderr));
+        let summary: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("record.json")).unwrap()).unwrap();
+        let d = &summary["diagnosis"];
+        assert_eq!(d["category"], "held-by-other-process", "{server}: {d:#}");
+        let culprit = if server == "vllm" { "--role engine" } else { "--helper" };
+        assert!(d["fix"]["text"].as_str().unwrap().contains(culprit), "{server}: the orphan is the one to stop: {d:#}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}
