@@ -71,8 +71,18 @@ impl Tools {
         })
     }
 
+    /// The fake server; with GPUTRACE_SCRIPT set, started by a shell script (`bash run.sh`) that
+    /// stays its parent, as a server started from a wrapper script is.
     fn server_cmd(&self, server: &str, port: u16, extra: &[&str]) -> Command {
-        let mut c = Command::new(&self.server);
+        let mut c = if std::env::var_os("GPUTRACE_SCRIPT").is_some() {
+            let script = self.dir.join("run.sh");
+            let _ = std::fs::write(&script, "#!/bin/sh\n# not exec'd: the shell stays the server's parent\n\"$@\"\n");
+            let mut c = Command::new("bash");
+            c.arg(script).arg(&self.server);
+            c
+        } else {
+            Command::new(&self.server)
+        };
         c.args(["--server", server, "--port", &port.to_string(), "--truth"]).arg(self.dir.join("workload.jsonl")).args(extra);
         c.stdout(Stdio::null()).stderr(log(&self.dir, "server.log"));
         c
@@ -116,8 +126,7 @@ impl Tools {
         if std::env::var("GPUTRACE_ATTACH").is_ok_and(|v| v == "late") {
             let running = self.server_cmd(server, port, extra).spawn().context("starting the server")?;
             self.load(server, port, warmup)?;
-            if let Some(dumps) = std::env::var_os("GPUTRACE_WATCH_DUMPS") {
-                *self.late_watch.borrow_mut() = Some(watch(self, Path::new(&dumps))?);
+            if self.watch_late()? {
                 return Ok(running);
             }
             return self.record_pid(running.id());
@@ -125,6 +134,19 @@ impl Tools {
         let recording = self.record(&self.server_cmd(server, port, extra))?;
         self.load(server, port, warmup)?;
         Ok(recording)
+    }
+
+    /// With GPUTRACE_ATTACH=late and GPUTRACE_WATCH_DUMPS, starts the watch now (what ran before
+    /// is met running), stopped when the scenario is over; says whether it did.
+    fn watch_late(&self) -> Result<bool> {
+        let late = std::env::var("GPUTRACE_ATTACH").is_ok_and(|v| v == "late");
+        match std::env::var_os("GPUTRACE_WATCH_DUMPS").filter(|_| late) {
+            Some(dumps) => {
+                *self.late_watch.borrow_mut() = Some(watch(self, Path::new(&dumps))?);
+                Ok(true)
+            }
+            None => Ok(false),
+        }
     }
 
     fn load(&self, server: &str, port: u16, args: &[&str]) -> Result<()> {
@@ -306,6 +328,8 @@ fn scenario_inside(t: &Tools, name: &str, server: &str) -> Result<()> {
             old.kill()?;
             old.wait()?;
             std::thread::sleep(Duration::from_millis(100));
+            // A watch started late meets the orphan running (a recording with `--all` does so anyway).
+            t.watch_late()?;
             wait_for(t.record(&t.server_cmd(server, port, &[]))?, limit)
         }
         "host-oom" => {

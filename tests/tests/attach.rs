@@ -24,15 +24,25 @@ enum Met {
 }
 
 /// The report of one scenario: the closing report of the recording, or of the failure's dump.
-fn report(name: &str, server: &str, met: Met) -> Value {
+fn report(name: &str, server: &str, met: Met, env: &[(&str, &str)]) -> Value {
     let dir = std::env::temp_dir().join(format!("gputrace-attach-{server}-{name}-{met:?}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_fakegpu"));
     cmd.args(["scenario", name, "--server", server, "--nvml", "discrete", "--dir"]).arg(&dir).arg("--gputrace").arg(gputrace_bin());
-    if met != Met::AtStart {
-        cmd.env("GPUTRACE_ATTACH", "late");
+    // A held-by-other failure happens at load: the recording attached late is one of every
+    // process (`--all`), started after the holder, as a watch is.
+    match met {
+        Met::AtStart => {}
+        Met::Attached if name == "held-by-other-process" => {
+            cmd.env("GPUTRACE_ATTACH", "all");
+        }
+        _ => {
+            cmd.env("GPUTRACE_ATTACH", "late");
+        }
     }
+    // The caller's last (a watch from the start: GPUTRACE_ATTACH empty).
+    cmd.envs(env.iter().copied());
     if met == Met::Watched {
         cmd.env("GPUTRACE_WATCH_DUMPS", dir.join("dumps"));
     }
@@ -44,7 +54,7 @@ fn report(name: &str, server: &str, met: Met) -> Value {
         let dumps = std::fs::read_dir(dir.join("dumps")).unwrap().flatten().map(|e| e.path());
         let dump = dumps
             .into_iter()
-            .find(|p| p.to_string_lossy().ends_with("-failed-allocation.trace"))
+            .find(|p| ["-failed-allocation.trace", "-failed-exit.trace"].iter().any(|end| p.to_string_lossy().ends_with(end)))
             .unwrap_or_else(|| panic!("{what}: no dump\n{}", logs("watch.log")));
         let out = Command::new(gputrace_bin()).args(["report", "--json"]).arg(&dump).output().unwrap();
         serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{what}: {e}"))
@@ -65,11 +75,11 @@ fn service(d: &Value) -> String {
 /// the server late, each the same.
 fn same_verdict(name: &str, server: &str) -> (Value, Vec<Value>) {
     let _root = as_root();
-    let start = report(name, server, Met::AtStart);
+    let start = report(name, server, Met::AtStart, &[]);
     let s = &start["diagnosis"];
     let mut late = Vec::new();
     for met in [Met::Attached, Met::Watched] {
-        let seen = report(name, server, met);
+        let seen = report(name, server, met, &[]);
         let l = &seen["diagnosis"];
         eprintln!("{server} {name}\n  from the start: {}\n  {met:?}: {}", s["fix"]["text"], l["fix"]["text"]);
         assert_eq!(l["category"], s["category"], "{server} {name} {met:?}: {l:#}");
@@ -81,6 +91,12 @@ fn same_verdict(name: &str, server: &str) -> (Value, Vec<Value>) {
         // Every GPU row names its GPU: the handles made before tracing are on the one GPU.
         for gpu in seen["gpus"].as_array().unwrap() {
             assert!(gpu["gpu"].is_u64(), "{server} {name} {met:?}: a GPU row with no GPU: {gpu:#}");
+        }
+        // What the server loaded before tracing (NVML's figure when met), carried into the
+        // closing report and into the dump's snapshot alike.
+        if name != "held-by-other-process" {
+            let before = seen["gpus"][0]["held_before_bytes"].as_u64().unwrap_or_default();
+            assert!(before >= 1 << 30, "{server} {name} {met:?}: the weights loaded before tracing: {before} bytes");
         }
         late.push(seen);
     }
@@ -124,6 +140,37 @@ fn concurrent_load_after_attaching_to_llama() {
     concurrency("llama", 1);
 }
 
+/// The culprit named in the fix: the orphan to stop.
+fn culprit(server: &str) -> &'static str {
+    if server == "vllm" {
+        "--role engine"
+    } else {
+        "--helper"
+    }
+}
+
+/// The orphan of a killed server, there before the recording (`--all`) or the watch: the same
+/// holder named, with NVML's figure for it, as when the recording started before it.
+fn held_by_other(server: &str) {
+    let (start, late) = same_verdict("held-by-other-process", server);
+    for seen in late.iter().chain([&start]) {
+        let text = seen["diagnosis"]["fix"]["text"].as_str().unwrap_or_default();
+        assert!(text.contains(culprit(server)), "{server}: the orphan is the one to stop: {text}");
+    }
+}
+
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn held_by_an_orphan_met_running_under_vllm() {
+    held_by_other("vllm");
+}
+
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn held_by_an_orphan_met_running_under_llama() {
+    held_by_other("llama");
+}
+
 /// Without NVML, `record --all` (as a watch) started after an orphaned holder took the GPU:
 /// that holder, traced since like everyone, is still the suspect of unknown size, never "does
 /// not fit at load" (with a card the failed allocation fitted in by the trace's account).
@@ -146,8 +193,22 @@ fn without_nvml_a_holder_met_running_under_all_is_the_suspect() {
         let summary: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("record.json")).unwrap()).unwrap();
         let d = &summary["diagnosis"];
         assert_eq!(d["category"], "held-by-other-process", "{server}: {d:#}");
-        let culprit = if server == "vllm" { "--role engine" } else { "--helper" };
-        assert!(d["fix"]["text"].as_str().unwrap().contains(culprit), "{server}: the orphan is the one to stop: {d:#}");
+        assert!(d["fix"]["text"].as_str().unwrap().contains(culprit(server)), "{server}: the orphan is the one to stop: {d:#}");
         std::fs::remove_dir_all(&dir).ok();
+    }
+}
+
+/// A server started from a wrapper script (`bash run.sh`, the shell staying its parent) under a
+/// watch is named by its own command line, not the shell's: what the person started.
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn a_server_started_from_a_script_under_a_watch_is_named_by_its_command() {
+    let _root = as_root();
+    for server in ["vllm", "llama"] {
+        let dumped = report("does-not-fit-at-load", server, Met::Watched, &[("GPUTRACE_SCRIPT", "1"), ("GPUTRACE_ATTACH", "")]);
+        let d = &dumped["diagnosis"];
+        assert_eq!(d["category"], "does-not-fit-at-load", "{server}: {d:#}");
+        let name = d["service"].as_str().unwrap_or_default();
+        assert!(name.starts_with("fake-server --server"), "{server}: the service is the server, not its script: {name:?}");
     }
 }

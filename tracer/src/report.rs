@@ -549,7 +549,7 @@ impl Report {
             let _ = writeln!(out, "VERDICT: none. {}", d.evidence.text);
         } else {
             let _ = writeln!(out, "VERDICT: {} ({}){service}{when}", d.category.name(), d.symptom.name());
-            let _ = writeln!(out, "  {}", d.evidence.text);
+            let _ = writeln!(out, "  {}{}", d.evidence.text, d.repeats());
             let _ = writeln!(out, "FIX: {}", d.fix.text);
         }
         for note in &self.notes {
@@ -558,10 +558,11 @@ impl Report {
         for later in self.diagnoses.iter().skip(1) {
             let _ = writeln!(
                 out,
-                "then{}: {} — {}",
+                "then{}: {} — {}{}",
                 later.ts.map(|t| format!(" at {:.2} s", t as f64 / 1e9)).unwrap_or_default(),
                 later.category.name(),
-                later.evidence.text
+                later.evidence.text,
+                later.repeats()
             );
         }
         if self.failures_not_diagnosed > 0 {

@@ -100,6 +100,55 @@ pub struct Diagnosis {
     pub gpu: Option<u32>,
     pub evidence: Said,
     pub fix: Said,
+    /// The same failure again right after (a framework's retries: PyTorch frees its cache and
+    /// asks once more), folded into this one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub repeated: Option<Repeated>,
+}
+
+/// How many more times a failure came, the same in every figure, and when the last did.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Repeated {
+    pub times: u64,
+    /// Nanoseconds since the trace start.
+    pub last_ts: Option<u64>,
+}
+
+impl Diagnosis {
+    /// Said after the evidence when the failure repeated as it was (" The same failure 3 more
+    /// time(s), the last at 1.20 s (retries)."), or nothing.
+    pub fn repeats(&self) -> String {
+        self.repeated
+            .as_ref()
+            .map(|r| {
+                let until = r.last_ts.map(|t| format!(", the last at {:.2} s", t as f64 / 1e9)).unwrap_or_default();
+                format!(" The same failure {} more time(s){until} (retries).", r.times)
+            })
+            .unwrap_or_default()
+    }
+
+    /// The same failure: one process, one GPU, the same figures and the same fix.
+    fn same_as(&self, other: &Diagnosis) -> bool {
+        (self.category, self.symptom, self.pid, self.gpu) == (other.category, other.symptom, other.pid, other.gpu)
+            && self.evidence.text == other.evidence.text
+            && self.fix.text == other.fix.text
+    }
+}
+
+/// Folds each run of consecutive identical failures into its first.
+fn fold_repeats(diagnoses: impl Iterator<Item = Diagnosis>) -> Vec<Diagnosis> {
+    let mut out: Vec<Diagnosis> = Vec::new();
+    for d in diagnoses {
+        match out.last_mut() {
+            Some(last) if last.same_as(&d) => {
+                let r = last.repeated.get_or_insert(Repeated { times: 0, last_ts: None });
+                r.times += 1;
+                r.last_ts = d.ts;
+            }
+            _ => out.push(d),
+        }
+    }
+    out
 }
 
 /// Who held memory outside the failing service.
@@ -389,9 +438,10 @@ impl<'a> Diagnoser<'a> {
                 gpu: None,
                 evidence: Said { fields, text },
                 fix: Said { fields: json!({}), text: "Nothing to change.".into() },
+                repeated: None,
             }];
         }
-        failures.iter().take(MAX_DIAGNOSED).map(|f| self.diagnose_one(f)).collect()
+        fold_repeats(failures.iter().take(MAX_DIAGNOSED).map(|f| self.diagnose_one(f)))
     }
 
     /// Failures past [`MAX_DIAGNOSED`], not diagnosed one by one.
@@ -492,6 +542,7 @@ impl<'a> Diagnoser<'a> {
             gpu: case.evidence.gpu,
             evidence: Said::new(&case.evidence, text),
             fix,
+            repeated: None,
         }
     }
 
@@ -572,6 +623,7 @@ impl<'a> Diagnoser<'a> {
                 fields: json!({}),
                 text: "Record again with nothing lost (a larger ring buffer, fewer traced processes) to decide.".into(),
             },
+            repeated: None,
         }
     }
 

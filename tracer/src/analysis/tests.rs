@@ -457,14 +457,36 @@ fn a_holder_that_came_after_the_start_is_seen_in_the_samples() {
 #[test]
 fn failures_past_the_first_hundred_are_counted() {
     let mut t = Trace::vllm(16 * GIB);
+    // Each asks for a quarter GiB more: no two are the same failure.
     for i in 0..150 {
-        t.alloc(10 * MS + i, ENGINE, 70 * GIB, 0x51);
+        t.alloc(10 * MS + i, ENGINE, 70 * GIB + i * (GIB / 4), 0x51);
     }
     t.0.sort_by_key(|r| r.ts);
     let model = Model::from_records(&t.0);
     let report = crate::report::Report::new(&header(80 * GIB, &[]), &model, String::new(), 0, crate::report::Loss::default(), 0);
     assert_eq!((report.diagnoses.len(), report.failures_not_diagnosed), (100, 50));
     assert!(report.text().contains("and 50 more failures"), "{}", report.text());
+}
+
+/// PyTorch retries a failed allocation after emptying its cache: the same failure four times is
+/// one diagnosis with a count and the last time, said once in the report.
+#[test]
+fn a_framework_s_retries_fold_into_one_failure() {
+    let mut t = Trace::vllm(16 * GIB);
+    t.request(8, 300 * MS, 160_000, None);
+    for i in 0..4 {
+        t.alloc(310 * MS + i * MS, ENGINE, 70 * GIB, 0x51);
+    }
+    // A different one after: its own line.
+    t.alloc(400 * MS, ENGINE, 75 * GIB, 0x51);
+    t.0.sort_by_key(|r| r.ts);
+    let model = Model::from_records(&t.0);
+    let report = crate::report::Report::new(&header(80 * GIB, &[]), &model, String::new(), 0, crate::report::Loss::default(), 0);
+    let folded: Vec<_> = report.diagnoses.iter().map(|d| d.repeated.as_ref().map(|r| (r.times, r.last_ts))).collect();
+    assert_eq!(folded, [Some((3, Some(313 * MS))), None]);
+    let text = report.text();
+    assert_eq!(text.matches("The same failure 3 more time(s), the last at 0.31 s").count(), 1, "{text}");
+    assert_eq!(text.matches("then at").count(), 1, "{text}");
 }
 
 /// Memory held outside by the MPS server is its other clients': the fix says to stop them (or

@@ -293,7 +293,7 @@ fn verdict_and_tables(report: &Report) -> (String, String) {
             "<div class=\"verdict\"><h1>{} <small>({})</small></h1><p>{}</p><p class=\"fix\"><b>Fix:</b> {}</p></div>",
             escape(category),
             escape(symptom),
-            escape(&d.evidence.text),
+            escape(&format!("{}{}", d.evidence.text, d.repeats())),
             escape(&d.fix.text)
         )
     };
