@@ -110,6 +110,9 @@ pub struct Disagreement {
 /// sample taken while recording (not only the last: a process that frees before it exits hides
 /// its gap from the end): for each process, the sample where they differ most, when that is by
 /// 256 MiB and 10% or more.
+/// How long before its exit a process counts as exiting, for NVML comparisons.
+const EXITING_NS: u64 = 1_000_000_000;
+
 fn disagreements(header: &Header, model: &Model) -> Vec<Disagreement> {
     if header.nvml != "ok" {
         return Vec::new();
@@ -130,6 +133,9 @@ fn disagreements(header: &Header, model: &Model) -> Vec<Disagreement> {
     let mut live: HashMap<u32, i128> = HashMap::new();
     let mut applied = 0;
     let mut worst: BTreeMap<u32, (u64, u64, u64)> = BTreeMap::new();
+    // Which way each pid's gap went at the previous sample (true: NVML above the trace). A gap
+    // is judged only when it held over two samples: NVML lags the frees a process makes.
+    let mut was_above: HashMap<u32, bool> = HashMap::new();
     for (ts, sample) in samples {
         while let Some(&(_, pid, delta)) = changes.get(applied).filter(|c| c.0 <= *ts) {
             let bytes = live.entry(pid).or_default();
@@ -148,11 +154,18 @@ fn disagreements(header: &Header, model: &Model) -> Vec<Disagreement> {
         let mut pids: Vec<u32> = nvml_of.keys().chain(live.keys()).copied().filter(|pid| model.processes.contains_key(pid)).collect();
         pids.sort_unstable();
         pids.dedup();
+        let mut above_now = HashMap::new();
         for pid in pids {
             let nvml = nvml_of.get(&pid).copied().unwrap_or(0);
             let traced = u64::try_from(live.get(&pid).copied().unwrap_or(0).max(0)).unwrap_or(u64::MAX);
             let gap = nvml.abs_diff(traced);
-            if gap < 256 << 20 || gap < nvml.max(traced) / 10 {
+            // A process in its last second is tearing down: its frees are traced before NVML sees them.
+            let exiting = model.processes[&pid].exited.is_some_and(|exit| (*ts).saturating_add(EXITING_NS) >= exit);
+            if gap < 256 << 20 || gap < nvml.max(traced) / 10 || exiting {
+                continue;
+            }
+            above_now.insert(pid, nvml > traced);
+            if was_above.get(&pid) != Some(&(nvml > traced)) {
                 continue;
             }
             let entry = worst.entry(pid).or_insert((*ts, nvml, traced));
@@ -160,6 +173,7 @@ fn disagreements(header: &Header, model: &Model) -> Vec<Disagreement> {
                 *entry = (*ts, nvml, traced);
             }
         }
+        was_above = above_now;
     }
     let mut out = Vec::new();
     for (pid, (ts, nvml, traced)) in worst {
@@ -192,7 +206,49 @@ fn notes(header: &Header, model: &Model) -> Vec<String> {
             "MPS is in use (nvidia-cuda-mps-server, pid {pid}): it makes every client's allocations, so GPU memory shows as the server's, not the clients'; trace the clients' requests and the server together to tell them apart."
         ));
     }
+    notes.extend(unaccounted(model));
     notes
+}
+
+/// Memory used on a GPU that no process's NVML figure includes, beyond what was so at the first
+/// sample, when it held over two samples: managed memory touched on the GPU is in the device's
+/// used memory and in no process's figure (seen on the real driver). The widest per GPU.
+fn unaccounted(model: &Model) -> Vec<String> {
+    let start = model.first_ts.unwrap_or(0);
+    let mut samples: Vec<&(u64, crate::event::Sample)> = model.samples.iter().filter(|(_, s)| !s.gpus.is_empty()).collect();
+    samples.sort_by_key(|(ts, _)| *ts);
+    // Per GPU: the figure at its first sample, at the previous one, and the widest that held.
+    let mut first: BTreeMap<u32, u64> = BTreeMap::new();
+    let mut previous: BTreeMap<u32, u64> = BTreeMap::new();
+    let mut widest: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
+    for (ts, sample) in samples {
+        let mut now = BTreeMap::new();
+        for g in &sample.gpus {
+            let on_it = sample.processes.iter().filter(|p| p.gpu == g.gpu);
+            // A process NVML gives no figure for: nothing can be told of this GPU at this sample.
+            let Some(counted) = on_it.map(|p| p.used_bytes).try_fold(0u64, |sum, b| Some(sum.saturating_add(b?))) else {
+                continue;
+            };
+            let beyond =
+                g.used_bytes.saturating_sub(counted).saturating_sub(*first.entry(g.gpu).or_insert(g.used_bytes.saturating_sub(counted)));
+            now.insert(g.gpu, beyond);
+            let held = beyond.min(previous.get(&g.gpu).copied().unwrap_or(0));
+            if held >= 256 << 20 && widest.get(&g.gpu).is_none_or(|w| held > w.1) {
+                widest.insert(g.gpu, (*ts, held));
+            }
+        }
+        previous = now;
+    }
+    widest
+        .into_iter()
+        .map(|(gpu, (ts, b))| {
+            format!(
+                "{} used on GPU {gpu} that no process's NVML figure includes (at {:.1} s, beyond what was so when sampling began): managed memory (cudaMallocManaged) touched on the GPU, which NVML counts for the device and not the process, or the driver's own.",
+                bytes(b),
+                ts.saturating_sub(start) as f64 / 1e9
+            )
+        })
+        .collect()
 }
 
 /// What the trace may be missing, always reported.
@@ -774,6 +830,72 @@ mod tests {
         assert!(report.text().contains("NVML PEAK"), "{}", report.text());
         // Without NVML, nothing is compared.
         assert!(Report::new(&header(), &model, String::new(), 9, Loss::default(), u64::MAX).nvml_vs_traced.is_empty());
+    }
+
+    /// A server's normal exit: its frees are traced as they happen, NVML's figure falls a moment
+    /// later. A gap seen at one sample only, or in the last second before the exit, is no
+    /// disagreement; one that holds over two samples while it runs is.
+    #[test]
+    fn nvml_lagging_a_teardown_is_no_disagreement() {
+        use crate::event::{Alloc, Event, ProcessUse, Sample, Seen, Via};
+        const S: u64 = 1_000_000_000;
+        let rec = |ts: u64, pid: u32, event| Record { ts, pid, tid: pid, event, raw: None };
+        let nvml = |ts: u64, pid: u32, bytes: u64| {
+            let processes = vec![ProcessUse { pid, gpu: 0, used_bytes: Some(bytes), command: vec![] }];
+            rec(ts, 0, Event::Sample(Sample { gpus: vec![], processes, host: None }))
+        };
+        let free =
+            |ts: u64, pid: u32| rec(ts, pid, Event::Free { fd: 3, via: Via::RmFree, client: pid, parent: 0, object: 0xa, status: 0 });
+        let server = |pid: u32, exit: u64, samples: &[(u64, u64)]| {
+            let mut t = vec![
+                rec(1, pid, Event::Process { ppid: 1, seen: Seen::Launched, command: vec!["server".into()] }),
+                rec(2, pid, Event::Object { fd: 3, client: pid, parent: pid, object: pid, class: 0x41, status: 0, gpu: None }),
+                rec(3, pid, Event::Alloc(Alloc::video(pid, pid, 0xa, 16 << 30))),
+                nvml(S, pid, 16 << 30),
+                free(10 * S, pid),
+            ];
+            t.extend(samples.iter().map(|&(ts, bytes)| nvml(ts, pid, bytes)));
+            t.push(rec(exit, pid, Event::Exit { code: Some(0) }));
+            let model = Model::from_records(&t);
+            Report::new(&Header { nvml: "ok".into(), ..header() }, &model, String::new(), 9, Loss::default(), u64::MAX).nvml_vs_traced
+        };
+        // One late sample, then the exit long after: a lag, not a disagreement.
+        assert_eq!(server(7, 20 * S, &[(10 * S + 1, 16 << 30)]), []);
+        // Two samples in its last second: it is exiting.
+        assert_eq!(server(7, 11 * S, &[(10 * S + 1, 16 << 30), (10 * S + S / 2, 16 << 30)]), []);
+        // Two samples while it still runs for long after: NVML counts what the trace freed.
+        let held = server(7, 20 * S, &[(10 * S + 1, 16 << 30), (10 * S + S / 2, 16 << 30)]);
+        assert_eq!(held.iter().map(|d| (d.pid, d.nvml_bytes, d.traced_bytes)).collect::<Vec<_>>(), [(7, 16 << 30, 0)]);
+    }
+
+    /// Managed memory touched on the GPU: the device's used memory rises, no process's NVML figure
+    /// does. Named once it held over two samples, beyond the driver's own at the first sample; a
+    /// one-sample blip is not.
+    #[test]
+    fn memory_no_process_accounts_for_is_named() {
+        use crate::event::{Event, GpuUse, ProcessUse, Sample};
+        const MIB: u64 = 1 << 20;
+        let sample = |ts: u64, device: u64, process: u64| Record {
+            ts,
+            pid: 0,
+            tid: 0,
+            event: Event::Sample(Sample {
+                gpus: vec![GpuUse { gpu: 0, used_bytes: device }],
+                processes: vec![ProcessUse { pid: 7, gpu: 0, used_bytes: Some(process), command: vec![] }],
+                host: None,
+            }),
+            raw: None,
+        };
+        let notes = |t: &[Record]| unaccounted(&Model::from_records(t));
+        // The driver's own 500 MiB from the start, a process's 1 GiB, then 512 MiB more on the device.
+        let base = [sample(0, 1524 * MIB, 1024 * MIB), sample(10, 1524 * MIB, 1024 * MIB)];
+        let blip = [&base[..], &[sample(20, 2036 * MIB, 1024 * MIB), sample(30, 1524 * MIB, 1024 * MIB)]].concat();
+        assert_eq!(notes(&blip), Vec::<String>::new());
+        let managed = [&base[..], &[sample(20, 2036 * MIB, 1024 * MIB), sample(30, 2036 * MIB, 1024 * MIB)]].concat();
+        let said = notes(&managed);
+        assert_eq!(said.len(), 1, "{said:?}");
+        assert!(said[0].starts_with("512.0 MiB used on GPU 0 that no process's NVML figure includes"), "{}", said[0]);
+        assert!(said[0].contains("cudaMallocManaged"), "{}", said[0]);
     }
 
     /// Every loss is named, the rare ones only when they happened; none at all reads as none.

@@ -388,7 +388,7 @@ impl<S: Sink> Session<S> {
                     };
                     let _ = request.reply.send(answer);
                 }
-                Some(sample) = sample_rx.recv() => self.emit_now(0, Event::Sample(sample)),
+                Some((ts, sample)) = sample_rx.recv() => self.emit(Record { ts, pid: 0, tid: 0, event: Event::Sample(sample), raw: None }),
                 // The sink's own asks (a watch's HTTP requests, SIGUSR1), answered on everything
                 // recorded so far too.
                 ask = self.sink.ask() => {
@@ -487,14 +487,15 @@ fn rings(probe: &mut Probe) -> Result<(AsyncFd<RingBuf<MapData>>, Option<KernelL
 }
 
 /// NVML and /proc/meminfo on a thread of their own, every [`SAMPLE_EVERY`]: a slow NVML call
-/// never holds up events.
-fn sampler() -> Result<tokio::sync::mpsc::Receiver<Sample>> {
-    let (sample_tx, sample_rx) = tokio::sync::mpsc::channel::<Sample>(4);
+/// never holds up events. A sample is stamped with the time its query began: what was traced
+/// after that may be missing from NVML's answer.
+fn sampler() -> Result<tokio::sync::mpsc::Receiver<(u64, Sample)>> {
+    let (sample_tx, sample_rx) = tokio::sync::mpsc::channel::<(u64, Sample)>(4);
     std::thread::Builder::new()
         .name("gputrace-sampler".into())
         .spawn(move || {
             let mut sampler = Sampler::new();
-            while sample_tx.blocking_send(sampler.sample()).is_ok() {
+            while sample_tx.blocking_send((clocks().1, sampler.sample())).is_ok() {
                 std::thread::sleep(SAMPLE_EVERY);
             }
         })
