@@ -23,13 +23,19 @@ enum Met {
     Watched,
 }
 
+/// `fakegpu scenario NAME` for one server family, NVML answering as `nvml` says, into `dir`.
+fn scenario(name: &str, server: &str, nvml: &str, dir: &std::path::Path) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_fakegpu"));
+    cmd.args(["scenario", name, "--server", server, "--nvml", nvml, "--dir"]).arg(dir).arg("--gputrace").arg(gputrace_bin());
+    cmd
+}
+
 /// The report of one scenario: the closing report of the recording, or of the failure's dump.
 fn report(name: &str, server: &str, met: Met, env: &[(&str, &str)]) -> Value {
     let dir = std::env::temp_dir().join(format!("gputrace-attach-{server}-{name}-{met:?}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_fakegpu"));
-    cmd.args(["scenario", name, "--server", server, "--nvml", "discrete", "--dir"]).arg(&dir).arg("--gputrace").arg(gputrace_bin());
+    let mut cmd = scenario(name, server, "discrete", &dir);
     // A held-by-other failure happens at load: the recording attached late is one of every
     // process (`--all`), started after the holder, as a watch is.
     match met {
@@ -181,14 +187,7 @@ fn without_nvml_a_holder_met_running_under_all_is_the_suspect() {
     for server in ["vllm", "llama"] {
         let dir = std::env::temp_dir().join(format!("gputrace-attach-all-{server}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        let out = Command::new(env!("CARGO_BIN_EXE_fakegpu"))
-            .args(["scenario", "held-by-other-process", "--server", server, "--nvml", "none", "--dir"])
-            .arg(&dir)
-            .arg("--gputrace")
-            .arg(gputrace_bin())
-            .env("GPUTRACE_ATTACH", "all")
-            .output()
-            .unwrap();
+        let out = scenario("held-by-other-process", server, "none", &dir).env("GPUTRACE_ATTACH", "all").output().unwrap();
         assert!(out.status.success(), "{server}: {}", String::from_utf8_lossy(&out.stderr));
         let summary: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("record.json")).unwrap()).unwrap();
         let d = &summary["diagnosis"];
@@ -211,4 +210,27 @@ fn a_server_started_from_a_script_under_a_watch_is_named_by_its_command() {
         let name = d["service"].as_str().unwrap_or_default();
         assert!(name.starts_with("fake-server --server"), "{server}: the service is the server, not its script: {name:?}");
     }
+}
+
+/// The orphan's memory in Prometheus: the forked helper of a killed llama server keeps what the
+/// server allocated; the watch's /metrics charges it to the helper (its own series and the kept
+/// series naming the allocator), where before it vanished with the server's exit.
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn an_orphans_memory_is_charged_to_its_keeper_in_the_metrics() {
+    let _root = as_root();
+    let dir = std::env::temp_dir().join(format!("gputrace-attach-kept-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let out = scenario("held-by-other-process", "llama", "discrete", &dir).env("GPUTRACE_WATCH_DUMPS", dir.join("dumps")).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let metrics = std::fs::read_to_string(dir.join("metrics.txt")).unwrap();
+    let kept: Vec<&str> = metrics.lines().filter(|l| l.starts_with("gputrace_kept_bytes{")).collect();
+    assert_eq!(kept.len(), 1, "{metrics}");
+    let bytes: f64 = kept[0].rsplit(' ').next().unwrap().parse().unwrap();
+    assert!(kept[0].contains("--helper") && bytes >= (14u64 << 30) as f64, "the helper keeps the weights: {}", kept[0]);
+    // The helper's own series carries it too.
+    let helper = kept[0].split("pid=\"").nth(1).unwrap().split('"').next().unwrap();
+    let own = metrics.lines().find(|l| l.starts_with(&format!("gputrace_process_live_bytes{{pid=\"{helper}\""))).unwrap_or_default();
+    assert!(own.ends_with(&format!(" {bytes}")), "{own}\n{metrics}");
+    std::fs::remove_dir_all(&dir).ok();
 }

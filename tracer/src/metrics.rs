@@ -86,10 +86,16 @@ pub fn exposition(f: &Figures) -> String {
     let mut t = Text::default();
     let r = f.report;
 
-    // Live memory by service and kind.
+    // Live memory by service and kind. An exited process's memory that a live one keeps alive
+    // counts under the keeper's service: Prometheus sees who holds it.
+    let service_of = |p: &crate::report::ProcessReport| if p.service.is_empty() { p.command.clone() } else { p.service.clone() };
+    let kept_by: BTreeMap<u32, String> =
+        r.processes.iter().filter(|p| !p.exited).flat_map(|p| p.keeps.iter().map(move |k| (k.pid, service_of(p)))).collect();
+    // The service a process's live memory counts under: its own, or its keeper's once it exited.
+    let holding = |p: &crate::report::ProcessReport| if p.exited { kept_by.get(&p.pid).cloned() } else { Some(service_of(p)) };
     let mut by_service: BTreeMap<(String, &str), u64> = BTreeMap::new();
-    for p in r.processes.iter().filter(|p| !p.exited) {
-        let service = if p.service.is_empty() { p.command.clone() } else { p.service.clone() };
+    for p in &r.processes {
+        let Some(service) = holding(p) else { continue };
         for (kind, totals) in &p.by_kind {
             let v = by_service.entry((service.clone(), kind)).or_default();
             *v = v.saturating_add(totals.live);
@@ -124,13 +130,13 @@ pub fn exposition(f: &Figures) -> String {
         .filter(|p| !p.exited)
         .map(|p| {
             let [container, namespace, pod] = place(p);
-            (format!("{}\u{0}{container}\u{0}{namespace}\u{0}{pod}\u{0}{}", p.pid, p.command), p.bytes_live)
+            (format!("{}\u{0}{container}\u{0}{namespace}\u{0}{pod}\u{0}{}", p.pid, p.command), p.bytes_live.saturating_add(p.kept_bytes()))
         })
         .collect();
     t.family(
         "gputrace_process_live_bytes",
         "gauge",
-        "Video and system memory live now, for the processes holding most (container, namespace, pod: where it runs in one).",
+        "Video and system memory live now, for the processes holding most, with what each keeps alive for exited processes (container, namespace, pod: where it runs in one).",
     );
     for (key, v) in top(procs, TOP_PROCESSES) {
         let parts: Vec<&str> = key.splitn(5, '\u{0}').collect();
@@ -143,11 +149,33 @@ pub fn exposition(f: &Figures) -> String {
         t.sample("gputrace_process_live_bytes", &labels, v as f64);
     }
 
+    // Who keeps whose memory alive: a live process holding the file an exited one allocated on.
+    let keeping: Vec<(String, u64)> = r
+        .processes
+        .iter()
+        .filter(|p| !p.exited)
+        .flat_map(|p| p.keeps.iter().map(move |k| (format!("{}\u{0}{}\u{0}{}\u{0}{}", p.pid, p.command, k.pid, k.command), k.bytes)))
+        .collect();
+    t.family(
+        "gputrace_kept_bytes",
+        "gauge",
+        "Memory an exited process allocated that a live one keeps alive by holding its file (a forked child of a killed server), for the largest.",
+    );
+    for (key, v) in top(keeping, TOP_PROCESSES) {
+        let labels: Vec<(&str, &str)> = match key.splitn(4, '\u{0}').collect::<Vec<_>>()[..] {
+            [pid, command, allocator_pid, allocator] => {
+                vec![("pid", pid), ("command", command), ("allocator_pid", allocator_pid), ("allocator", allocator)]
+            }
+            _ => vec![("pid", "other")],
+        };
+        t.sample("gputrace_kept_bytes", &labels, v as f64);
+    }
+
     // Live memory by the phase of its service when it was allocated: load (weights, the KV
     // reserve) against growth while serving (prefill, decode).
     let mut by_phase: BTreeMap<(String, &str), u64> = BTreeMap::new();
-    for p in r.processes.iter().filter(|p| !p.exited) {
-        let service = if p.service.is_empty() { p.command.clone() } else { p.service.clone() };
+    for p in &r.processes {
+        let Some(service) = holding(p) else { continue };
         let service = if kept.contains(&service) { service } else { "other".into() };
         for (phase, v) in &p.live_by_phase {
             let e = by_phase.entry((service.clone(), phase)).or_default();
@@ -246,6 +274,43 @@ mod tests {
     fn label_values_are_escaped_and_bounded() {
         assert_eq!(escape("a\"b\\c\nd\x1b"), "a\\\"b\\\\c\\nd?");
         assert_eq!(escape(&"x".repeat(500)).len(), LABEL_CHARS);
+    }
+
+    /// A server's forked child keeps its memory after the server was killed: the child carries
+    /// it in the per-process series and its service's, and the kept series names the allocator;
+    /// the report's process table says the same.
+    #[test]
+    fn memory_kept_alive_is_charged_to_its_keeper() {
+        use crate::event::{Alloc, Device, Event, Record, Seen};
+        const GIB: u64 = 1 << 30;
+        let rec = |ts: u64, pid: u32, event| Record { ts, pid, tid: pid, event, raw: None };
+        let records = [
+            rec(1, 10, Event::Process { ppid: 1, seen: Seen::Launched, command: vec!["server".into()] }),
+            rec(2, 10, Event::Open { fd: 3, file: 1, device: Device::Ctl, cloexec: false }),
+            rec(3, 10, Event::Object { fd: 3, client: 0xc1, parent: 0, object: 0xc1, class: 0x41, status: 0, gpu: None }),
+            rec(4, 10, Event::Object { fd: 3, client: 0xc1, parent: 0xc1, object: 0xd1, class: 0x80, status: 0, gpu: Some(0) }),
+            rec(5, 10, Event::Alloc(Alloc::video(0xc1, 0xd1, 0xa, 8 * GIB))),
+            rec(6, 20, Event::Process { ppid: 10, seen: Seen::Forked, command: vec!["server".into(), "--helper".into()] }),
+            rec(7, 10, Event::Exit { code: None }),
+        ];
+        let model = Model::from_records(&records);
+        let report = Report::new(&crate::trace::Header::default(), &model, String::new(), 7, Default::default(), u64::MAX);
+        let body = exposition(&Figures {
+            report: &report,
+            model: &model,
+            counters: &Counters::default(),
+            window_bytes: 0,
+            diagnoses: &BTreeMap::new(),
+            now: 8,
+        });
+        for line in [
+            "gputrace_kept_bytes{pid=\"20\",command=\"server --helper\",allocator_pid=\"10\",allocator=\"server\"} 8589934592",
+            "gputrace_process_live_bytes{pid=\"20\",container=\"\",namespace=\"\",pod=\"\",command=\"server --helper\"} 8589934592",
+            "gputrace_live_bytes{service=\"server\",memory=\"video\"} 8589934592",
+        ] {
+            assert!(body.lines().any(|l| l == line), "{line} in\n{body}");
+        }
+        assert!(report.text().contains("keeps 8.0 GiB alive for pid 10 (`server`), which exited"), "{}", report.text());
     }
 
     #[test]

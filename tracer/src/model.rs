@@ -382,6 +382,24 @@ impl Model {
         self.processes.values().filter(|p| p.exited.is_none() && p.fds.values().any(|f| f.file == file)).map(|p| p.pid).collect()
     }
 
+    /// Memory of exited processes still live, by the live process that keeps it (the lowest pid
+    /// holding the file it lives on: a forked child of a killed server), then by the process
+    /// that allocated it: physical bytes.
+    pub fn kept_alive(&self) -> BTreeMap<u32, BTreeMap<u32, u64>> {
+        let mut kept: BTreeMap<u32, BTreeMap<u32, u64>> = BTreeMap::new();
+        let exited = |pid| self.processes.get(&pid).is_some_and(|p| p.exited.is_some());
+        // One holders() per file: a server leaves thousands of allocations on a few files.
+        let mut keeper_of: HashMap<FileId, Option<u32>> = HashMap::new();
+        for a in self.allocations.iter().filter(|a| a.freed.is_none() && a.memory != Memory::Virtual && exited(a.pid)) {
+            let Some(file) = a.file else { continue };
+            let keeper = *keeper_of.entry(file).or_insert_with(|| self.holders(file).into_iter().min());
+            if let Some(keeper) = keeper {
+                add(kept.entry(keeper).or_default().entry(a.pid).or_default(), a.bytes);
+            }
+        }
+        kept
+    }
+
     /// The GPU memory is on: its device's (`gpu`), or, under a device made before tracing (which
     /// names none), the one GPU its process held when it was met running. The trace keeps what
     /// it saw; this is the analyses' reading of it.

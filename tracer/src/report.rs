@@ -77,6 +77,26 @@ pub struct ProcessReport {
     /// traced video peak, what no ioctl shows (the context's own, managed memory) is visible.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub nvml_peak_bytes: Option<u64>,
+    /// Memory of exited processes that this one keeps alive by holding the file it lives on
+    /// (not in its own figures above): who allocated it, and how much.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub keeps: Vec<Kept>,
+}
+
+/// Physical memory an exited process allocated, kept alive by another.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Kept {
+    /// The process that allocated it (exited).
+    pub pid: u32,
+    pub command: String,
+    pub bytes: u64,
+}
+
+impl ProcessReport {
+    /// What it keeps alive for exited processes, in all.
+    pub fn kept_bytes(&self) -> u64 {
+        self.keeps.iter().map(|k| k.bytes).fold(0, u64::saturating_add)
+    }
 }
 
 /// A driver context (an open nvidiactl file and the clients on it) still holding memory that no
@@ -358,7 +378,13 @@ fn nvml_peaks(model: &Model) -> HashMap<u32, u64> {
     peaks
 }
 
-fn process_report(p: &Process, model: &Model, services: &Services, nvml_peak_bytes: Option<u64>) -> ProcessReport {
+fn process_report(
+    p: &Process,
+    model: &Model,
+    services: &Services,
+    nvml_peak_bytes: Option<u64>,
+    keeps: Option<&BTreeMap<u32, u64>>,
+) -> ProcessReport {
     let u = &p.usage;
     let by_kind = Memory::ALL
         .iter()
@@ -394,6 +420,11 @@ fn process_report(p: &Process, model: &Model, services: &Services, nvml_peak_byt
         exited: p.exited.is_some(),
         place: p.place.clone(),
         nvml_peak_bytes,
+        keeps: keeps
+            .into_iter()
+            .flatten()
+            .map(|(&pid, &bytes)| Kept { pid, command: model.processes.get(&pid).map(Process::command_line).unwrap_or_default(), bytes })
+            .collect(),
     }
 }
 
@@ -570,11 +601,12 @@ impl Report {
         let diagnoses = diagnoser.diagnose();
         let services = diagnoser.services();
         let nvml_peaks = nvml_peaks(model);
+        let kept = model.kept_alive();
         let processes = model
             .processes
             .values()
-            .filter(|p| p.usage.allocations > 0 || p.usage.failed > 0)
-            .map(|p| process_report(p, model, services, nvml_peaks.get(&p.pid).copied()))
+            .filter(|p| p.usage.allocations > 0 || p.usage.failed > 0 || kept.contains_key(&p.pid))
+            .map(|p| process_report(p, model, services, nvml_peaks.get(&p.pid).copied(), kept.get(&p.pid)))
             .collect();
         let duration_ns = model.first_ts.map(|f| model.last_ts - f).unwrap_or(0);
         Report {
@@ -682,6 +714,19 @@ impl Report {
                     p.failed_allocations,
                     if nvml { format!(" {:>11}", p.nvml_peak_bytes.map_or_else(|| "-".into(), bytes)) } else { String::new() }
                 );
+            }
+            // Memory whose allocator exited, under the live process that keeps it.
+            for p in &self.processes {
+                for k in &p.keeps {
+                    let _ = writeln!(
+                        out,
+                        "{:>8}  keeps {} alive for pid {} (`{}`), which exited: it holds the file that memory lives on",
+                        p.pid,
+                        bytes(k.bytes),
+                        k.pid,
+                        clip(&k.command, 60)
+                    );
+                }
             }
             // Where each ran, only when some ran in a container, a pod or a pid namespace of its own.
             let placed: Vec<(&ProcessReport, &crate::event::Place)> = self
