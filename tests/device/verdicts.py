@@ -355,6 +355,42 @@ def v_managed(run):
     return [(q, None, seen + f"; {last_at}: the last sample came when the memory was no longer counted (the exit?)")]
 
 
+def v_managed_on_device(run):
+    """Where NVML does not count managed memory per process (the real driver, issue 24), the
+    device's used memory still rises when it is touched on the GPU: the report's notes must name
+    memory no process's figure includes."""
+    q = "cudaMallocManaged: the report names device memory no process's NVML figure includes"
+    base, touched = run.cp("baseline"), run.cp("managed")
+    size = sum(a["bytes"] for a in run.asked("no ioctl per allocation"))
+    if not (base and touched and size):
+        return [(q, None, f"checkpoints {[c['label'] for c in run.checkpoints]}")]
+    n0, _ = run.nvml_at(base)
+    n1, _ = run.nvml_at(touched)
+    d0, d1 = run.device_used_at(base), run.device_used_at(touched)
+    if d0 is None or d1 is None:
+        return [(q, None, "no sample of the device's used memory at the checkpoints")]
+    seen = f"the device's used memory {mib(d1 - d0)}, NVML for the workload {mib((n1 or 0) - (n0 or 0))}, {human(size)} touched"
+    if n0 is not None and n1 is not None and n1 - n0 >= size // 2:
+        return [(q, None, seen + ": NVML counts it per process here (v_managed judges that)")]
+    if d1 - d0 < size // 2:
+        return [(q, None, seen + ": the device's used memory did not rise by it either")]
+    if run.report is None:
+        return [(q, None, seen + "; no report")]
+    said = [n for n in run.report.get("notes", []) if "no process's NVML figure includes" in n]
+    return [(q, bool(said), seen + ("; report: " + said[0][:120] if said else "; the report's notes say nothing of it"))]
+
+
+def v_exit_agrees(run):
+    """A normal exit frees everything in the trace a moment before NVML's figure falls: the report
+    must not call the teardown a disagreement (issue 24: 'NVML 17.2 GiB, traced 0 B' on every run)."""
+    q = f"{run.api}: a normal exit is no NVML disagreement (nothing reported as NVML >= 1 GiB against 0 B traced)"
+    if run.report is None:
+        return [(q, None, "no report")]
+    teardown = [d for d in run.report.get("nvml_vs_traced", []) if d.get("traced_bytes") == 0 and d.get("nvml_bytes", 0) >= GIB]
+    listed = "; ".join(f"pid {d['pid']}: NVML {human(d['nvml_bytes'])}, traced 0 B at {d.get('ts', 0) / 1e9:.2f} s" for d in teardown)
+    return [(q, not teardown, listed or f"{len(run.report.get('nvml_vs_traced', []))} disagreement(s), none of them a teardown")]
+
+
 def v_overhead(traced, untraced):
     q = "recorder overhead on an allocation microbenchmark (uncached 4 MiB allocations)"
     try:
@@ -372,9 +408,9 @@ SPECIFIC = {
     "vmm-ipc": [v_sizes, v_ipc],
     "cudaHostAlloc": [lambda run: v_sizes(run, "system"), v_nvml],
     "cudaHostRegister": [v_host_register, v_nvml],
-    "cudaMallocManaged": [v_managed],
-    "torch": [v_nvml],
-    "torch-expandable": [v_nvml],
+    "cudaMallocManaged": [v_managed, v_managed_on_device],
+    "torch": [v_nvml, v_exit_agrees],
+    "torch-expandable": [v_nvml, v_exit_agrees],
     "oom": [v_oom],
     "microbench": [],
 }
@@ -632,6 +668,17 @@ def self_test():
     expect("NVML does not count managed", v_managed(synth("cudaMallocManaged", [ctx], cps, managed, report=unnamed, samples=flat)), None)
     exiting = samples[:2] + [(2400, {4242: 300}, 400)]
     expect("last sample at the exit", v_managed(synth("cudaMallocManaged", [ctx], cps, managed, report=unnamed, samples=exiting)), None)
+    # Managed memory the device counts and no process does: named in the notes, or not.
+    device_only = [(400, {4242: 500}, 600), (1400, {4242: 500}, 1112), (2400, {4242: 500}, 1112)]
+    noted = dict(unnamed, notes=["512.0 MiB used on GPU 0 that no process's NVML figure includes (at 1.4 s, ...)"])
+    expect("device gap named", v_managed_on_device(synth("cudaMallocManaged", [ctx], cps, managed, report=noted, samples=device_only)), True)
+    expect("device gap not named", v_managed_on_device(synth("cudaMallocManaged", [ctx], cps, managed, report=unnamed, samples=device_only)), False)
+    expect("NVML counts it per process", v_managed_on_device(synth("cudaMallocManaged", [ctx], cps, managed, report=unnamed, samples=samples)), None)
+    # A normal exit: the teardown's lag is no disagreement; a context's own gap may be.
+    lag = {"nvml_vs_traced": [{"pid": 4242, "ts": 9 * 10**9, "nvml_bytes": 17 * GIB, "traced_bytes": 0, "why": "..."}]}
+    expect("teardown called a disagreement", v_exit_agrees(synth("torch", [ctx], report=lag)), False)
+    own = {"nvml_vs_traced": [{"pid": 4242, "ts": 10**9, "nvml_bytes": GIB + 500 * MIB, "traced_bytes": GIB, "why": "..."}]}
+    expect("the context's own is no teardown", v_exit_agrees(synth("torch", [ctx], report=own)), True)
     # The tracer's own checks.
     run = synth("cudaMalloc", [ctx], [], [], extra=[{"ts": 50, "ev": "undecodable", "fd": 5, "cmd": 0x2a, "reason": "fault"}])
     expect("undecodable", v_decoded(run), False)
