@@ -46,6 +46,21 @@ pub struct GpuReport {
     pub failed_allocations: u64,
     /// Processes that allocated on it.
     pub pids: Vec<u32>,
+    /// On the row of memory whose GPU cannot be told (`gpu` null): the GPUs it may be on, those
+    /// whose device files its processes held when met running.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub one_of: Vec<u32>,
+}
+
+impl GpuReport {
+    /// The GPU as a reader is told it: its index, or "one of 2, 3", or "?".
+    pub fn label(&self) -> String {
+        match (self.gpu, self.one_of.as_slice()) {
+            (Some(i), _) => i.to_string(),
+            (None, []) => "?".into(),
+            (None, some) => format!("one of {}", some.iter().map(u32::to_string).collect::<Vec<_>>().join(", ")),
+        }
+    }
 }
 
 /// Physical bytes are video + system; virtual address space is only in `by_kind`.
@@ -457,6 +472,12 @@ fn gpu_reports(header: &Header, model: &Model) -> Vec<GpuReport> {
             pids.sort();
             pids.dedup();
             let clamp = |v: i128| v.clamp(0, u64::MAX.into()) as u64;
+            let mut one_of: Vec<u32> = match gpu {
+                Some(_) => Vec::new(),
+                None => pids.iter().filter_map(|pid| model.processes.get(pid)?.attached.as_ref()).flat_map(|a| a.gpus.clone()).collect(),
+            };
+            one_of.sort_unstable();
+            one_of.dedup();
             GpuReport {
                 gpu,
                 name: card.map(|c| c.name.clone()),
@@ -476,6 +497,7 @@ fn gpu_reports(header: &Header, model: &Model) -> Vec<GpuReport> {
                     .filter(|f| model.gpu_for(f.pid, f.gpu) == gpu && f.memory == Memory::Video)
                     .count() as u64,
                 pids,
+                one_of,
             }
         })
         .collect()
@@ -669,7 +691,7 @@ impl Report {
                 let _ = writeln!(
                     out,
                     "{:<5} {:<24} {:>11} {:>11} {:>11} {:>9} {:>11} {:>6}",
-                    g.gpu.map_or("?".into(), |i| i.to_string()),
+                    g.label(),
                     clip(g.name.as_deref().unwrap_or(if g.gpu.is_some() { "?" } else { "(device set up before tracing)" }), 24),
                     g.capacity_bytes.map_or("?".into(), bytes),
                     bytes(g.held_before_bytes),
@@ -911,6 +933,23 @@ mod tests {
         // Two samples while it still runs for long after: NVML counts what the trace freed.
         let held = server(7, 20 * S, &[(10 * S + 1, 16 << 30), (10 * S + S / 2, 16 << 30)]);
         assert_eq!(held.iter().map(|d| (d.pid, d.nvml_bytes, d.traced_bytes)).collect::<Vec<_>>(), [(7, 16 << 30, 0)]);
+    }
+
+    /// A process met running with two GPUs' files: what it allocates under a device made before
+    /// tracing is on one of them, and the row says which, never a bare '?'.
+    #[test]
+    fn memory_of_a_process_met_with_two_gpus_is_on_one_of_them() {
+        use crate::event::{Alloc, Event, Seen};
+        let rec = |ts: u64, event| Record { ts, pid: 7, tid: 7, event, raw: None };
+        let records = [
+            rec(1, Event::Process { ppid: 1, seen: Seen::Running, command: vec!["llama-server".into()] }),
+            rec(2, Event::Attached { listening: vec![], gpus: vec![2, 3] }),
+            rec(3, Event::Alloc(Alloc::video(0xc1, 0xd1, 0xa, 1 << 30))),
+        ];
+        let report = Report::new(&header(), &Model::from_records(&records), String::new(), 3, Loss::default(), u64::MAX);
+        let row = report.gpus.iter().find(|g| g.gpu.is_none()).expect("a row of its own");
+        assert_eq!(row.one_of, [2, 3]);
+        assert!(report.text().lines().any(|l| l.starts_with("one of 2, 3 ")), "{}", report.text());
     }
 
     /// Managed memory touched on the GPU: the device's used memory rises, no process's NVML figure

@@ -246,7 +246,7 @@ fn verdict_and_tables(report: &Report) -> (String, String) {
         for g in &report.gpus {
             tables += &format!(
                 "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
-                g.gpu.map_or("?".into(), |i| i.to_string()),
+                escape(&g.label()),
                 escape(g.name.as_deref().unwrap_or("?")),
                 g.capacity_bytes.map_or("?".into(), b),
                 b(g.held_before_bytes),
