@@ -21,8 +21,18 @@ pub const SERVERS: [&str; 2] = ["vllm", "llama"];
 /// scenario's node has a smaller last card.
 pub fn card(name: &str, server: &str) -> (Vec<u64>, bool) {
     let video = if server == "llama" { 24 * GIB } else { 80 * GIB };
-    let gpus = if name == "tensor-parallel" { vec![video, video, video, video / 5 * 3] } else { vec![video] };
+    let gpus = match name {
+        "tensor-parallel" => vec![video, video, video, video / 5 * 3],
+        _ if tensor_parallel_pair() => vec![video, video],
+        _ => vec![video],
+    };
     (gpus, name == "host-oom")
+}
+
+/// GPUTRACE_TP=2: the serving scenarios run the model over a tensor-parallel pair of GPUs
+/// (vLLM's two ranks, llama's `--tensor-split 1,1`).
+fn tensor_parallel_pair() -> bool {
+    std::env::var("GPUTRACE_TP").is_ok_and(|v| v == "2")
 }
 
 /// One line: what the scenario does.
@@ -309,7 +319,12 @@ fn scenario_inside(t: &Tools, name: &str, server: &str) -> Result<()> {
         }
         "long-request" => {
             // Short prompts served (before a recording attached late), then a long one.
-            let rec = t.serve(server, port, &[], &["--sequential", "1024,2048"])?;
+            let pair: &[&str] = match (tensor_parallel_pair(), llama) {
+                (false, _) => &[],
+                (true, false) => &["--tensor-parallel-size", "2"],
+                (true, true) => &["--tensor-split", "1,1"],
+            };
+            let rec = t.serve(server, port, pair, &["--sequential", "1024,2048"])?;
             t.load(server, port, &["--sequential", if llama { "16000" } else { "40000" }])?;
             wait_for(rec, limit)
         }

@@ -80,12 +80,17 @@ fn service(d: &Value) -> String {
 /// The recording from the start's verdict, and the verdicts of a recording and a watch that met
 /// the server late, each the same.
 fn same_verdict(name: &str, server: &str) -> (Value, Vec<Value>) {
+    same_verdict_with(name, server, &[])
+}
+
+/// [`same_verdict`] with the scenario's environment set as `env` says.
+fn same_verdict_with(name: &str, server: &str, env: &[(&str, &str)]) -> (Value, Vec<Value>) {
     let _root = as_root();
-    let start = report(name, server, Met::AtStart, &[]);
+    let start = report(name, server, Met::AtStart, env);
     let s = &start["diagnosis"];
     let mut late = Vec::new();
     for met in [Met::Attached, Met::Watched] {
-        let seen = report(name, server, met, &[]);
+        let seen = report(name, server, met, env);
         let l = &seen["diagnosis"];
         eprintln!("{server} {name}\n  from the start: {}\n  {met:?}: {}", s["fix"]["text"], l["fix"]["text"]);
         assert_eq!(l["category"], s["category"], "{server} {name} {met:?}: {l:#}");
@@ -119,6 +124,23 @@ fn a_long_request_after_attaching_to_vllm() {
 #[ignore = "needs root: `sudo cargo xtask test` runs it"]
 fn a_long_request_after_attaching_to_llama() {
     same_verdict("long-request", "llama");
+}
+
+/// vLLM's tensor-parallel pair (a rank per process, each on its own GPU) met serving: each
+/// rank's memory is on its own GPU, the long request fails on rank 0's, as from the start.
+/// (llama's `--tensor-split`, one process holding both GPUs, cannot be told apart late: its
+/// memory from before is on "one of 0, 1".)
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn a_long_request_on_a_tensor_parallel_pair_attached_late() {
+    let (start, late) = same_verdict_with("long-request", "vllm", &[("GPUTRACE_TP", "2")]);
+    let gpus = |r: &Value| r["diagnosis"]["evidence"]["fields"]["service_gpus"].clone();
+    assert_eq!(gpus(&start), serde_json::json!([0, 1]));
+    for seen in &late {
+        assert_eq!(gpus(seen), gpus(&start), "the service is on both GPUs");
+        let before: Vec<u64> = seen["gpus"].as_array().unwrap().iter().map(|g| g["held_before_bytes"].as_u64().unwrap()).collect();
+        assert!(before.len() == 2 && before.iter().all(|&b| b >= 30 << 30), "each rank's memory on its own GPU: {before:?}");
+    }
 }
 
 /// The cap counts what the server had before tracing as held by it: equal to the recording

@@ -319,9 +319,11 @@ fn vllm_load(args: &Args, truth: &Truth) -> Result<Gpu, ExitCode> {
 /// A tensor-parallel worker: loads its rank, says READY, and holds its GPU until its engine goes
 /// (its stdin closes).
 fn vllm_worker(args: &Args, truth: &Truth) -> ExitCode {
-    if let Err(code) = vllm_load(args, truth) {
-        return code;
-    }
+    // Held until the engine goes: dropping it would close the device files and free the rank.
+    let _gpu = match vllm_load(args, truth) {
+        Ok(gpu) => gpu,
+        Err(code) => return code,
+    };
     println!("READY");
     let _ = std::io::stdout().flush();
     let _ = std::io::stdin().lock().lines().count();
