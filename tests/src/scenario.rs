@@ -129,20 +129,42 @@ impl Tools {
         started(child, &log_path, "gputrace: tracing", "gputrace record --pid")
     }
 
-    /// The server started untraced and warmed up with `warmup`, then a recording attached to it
-    /// (GPUTRACE_ATTACH=late), or a watch started (with GPUTRACE_WATCH_DUMPS too: then the server
-    /// is what is waited for); or, as usual, the server started under the recording.
-    fn serve(&self, server: &str, port: u16, extra: &[&str], warmup: &[&str]) -> Result<Child> {
+    /// The server started under the recording, warmed up with `warmup`, then loaded with `then`;
+    /// or (GPUTRACE_ATTACH=late) started untraced and warmed up, `then`'s connections made (the
+    /// server accepts them), a recording attached to it or (with GPUTRACE_WATCH_DUMPS) a watch
+    /// started, and only then `then`'s requests sent on them: requests on connections older
+    /// than the tracer, as a proxy's pooled ones. Returns what to wait for.
+    fn serve(&self, server: &str, port: u16, extra: &[&str], warmup: &[&str], then: &[&str]) -> Result<Child> {
         if std::env::var("GPUTRACE_ATTACH").is_ok_and(|v| v == "late") {
             let running = self.server_cmd(server, port, extra).spawn().context("starting the server")?;
             self.load(server, port, warmup)?;
-            if self.watch_late()? {
-                return Ok(running);
+            let go = self.dir.join("send");
+            let mut pending = Command::new(&self.load)
+                .args(["--server", server, "--port", &port.to_string(), "--ready-timeout-s", "20", "--truth"])
+                .arg(self.dir.join("workload.jsonl"))
+                .args(then)
+                .arg("--send-after")
+                .arg(&go)
+                .stdout(log(&self.dir, "load.log"))
+                .stderr(log(&self.dir, "load.log"))
+                .spawn()?;
+            let start = Instant::now();
+            while !std::fs::read_to_string(self.dir.join("load.log")).unwrap_or_default().contains("{\"connected\"") {
+                if pending.try_wait()?.is_some() || start.elapsed() > Duration::from_secs(30) {
+                    bail!("the load generator did not connect; see {}", self.dir.join("load.log").display());
+                }
+                std::thread::sleep(Duration::from_millis(20));
             }
-            return self.record_pid(running.id());
+            let waited = if self.watch_late()? { running } else { self.record_pid(running.id())? };
+            std::fs::write(&go, "")?;
+            if !pending.wait()?.success() {
+                bail!("the load generator failed; see {}", self.dir.join("load.log").display());
+            }
+            return Ok(waited);
         }
         let recording = self.record(&self.server_cmd(server, port, extra))?;
         self.load(server, port, warmup)?;
+        self.load(server, port, then)?;
         Ok(recording)
     }
 
@@ -324,14 +346,14 @@ fn scenario_inside(t: &Tools, name: &str, server: &str) -> Result<()> {
                 (true, false) => &["--tensor-parallel-size", "2"],
                 (true, true) => &["--tensor-split", "1,1"],
             };
-            let rec = t.serve(server, port, pair, &["--sequential", "1024,2048"])?;
-            t.load(server, port, &["--sequential", if llama { "16000" } else { "40000" }])?;
+            // The long one as a wave of one: sent, when attached late, on a connection made before.
+            let long = if llama { "1x16000" } else { "1x40000" };
+            let rec = t.serve(server, port, pair, &["--sequential", "1024,2048"], &["--concurrent", long])?;
             wait_for(rec, limit)
         }
         "concurrent-load" => {
             let (one, wave) = if llama { ("3000", "8x3000") } else { ("2048", "24x2048") };
-            let rec = t.serve(server, port, &["--parallel", "8"], &["--sequential", one])?;
-            t.load(server, port, &["--concurrent", wave])?;
+            let rec = t.serve(server, port, &["--parallel", "8"], &["--sequential", one], &["--concurrent", wave])?;
             wait_for(rec, limit)
         }
         "held-by-other-process" => {

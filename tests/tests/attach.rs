@@ -147,12 +147,16 @@ fn a_long_request_on_a_tensor_parallel_pair_attached_late() {
 /// from the start's for vLLM. llama's cached compute buffer from the one request served before
 /// attaching counts as held, not as room for requests, and no request alone is measured: the
 /// cap may be one higher than the recording from the start's (see the closing note of issue 24).
+/// The burst's clients connected before the attach (a proxy's pooled keep-alive connections):
+/// every request on them is seen, as from the start.
 fn concurrency(server: &str, slack: u64) {
     let (start, late) = same_verdict("concurrent-load", server);
     let cap = |r: &Value| r["diagnosis"]["fix"]["fields"]["max_concurrency"].as_u64().unwrap();
+    let in_flight = |r: &Value| r["diagnosis"]["evidence"]["fields"]["requests_in_flight"].as_u64().unwrap();
     for seen in &late {
         let (s, l) = (cap(&start), cap(seen));
         assert!(l >= s && l <= s + slack, "{server}: cap {l} met late, {s} from the start");
+        assert_eq!(in_flight(seen), in_flight(&start), "{server}: the requests on connections made before the attach");
     }
 }
 

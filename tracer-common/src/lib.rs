@@ -23,6 +23,10 @@ pub mod device {
     pub const NOT_NVIDIA: u8 = 0xff;
 }
 
+/// Slots of the kernel's "this process holds a followed connection" array, indexed by tgid
+/// modulo its size: set at accept, and by userspace for connections met already accepted.
+pub const CONN_SLOTS: u32 = 1 << 16;
+
 /// Record kinds, first field of every ring buffer record.
 pub mod kind {
     pub const IOCTL: u32 = 1;
@@ -211,6 +215,16 @@ pub struct FdRecord {
 pub struct ExecRecord {
     pub header: Header,
     pub filename: [u8; 64],
+}
+
+/// A read on a followed connection, from its enter to its exit (the READS map, by pid_tgid).
+/// Userspace writes one for a thread met already blocked in such a read when it attaches.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Reading {
+    pub buf: u64,
+    pub fd: i32,
+    pub _pad: u32,
 }
 
 /// Key of the FDS map: one open file descriptor of one process.
@@ -433,6 +447,7 @@ pub const XFER_SIZE: usize = 16;
 mod pod {
     use super::*;
     unsafe impl aya::Pod for FdKey {}
+    unsafe impl aya::Pod for Reading {}
     unsafe impl aya::Pod for UvmWindow {}
     unsafe impl aya::Pod for Config {}
     unsafe impl aya::Pod for KernelOffsets {}

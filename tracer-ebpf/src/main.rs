@@ -21,8 +21,8 @@ use aya_ebpf::{
 use aya_log_ebpf::warn;
 use tracer_common::{
     control, control_params_size, device, escape, ioc_nr, ioc_size, ioctl_flag, kind, rm_cmd, rm_command_traced, rm_escape_traced, stat,
-    traced, uvm_command_traced, Config, ExecRecord, FdKey, FdRecord, Header, IoctlRecord, KernelOffsets, OpenRecord, SockRecord, UvmWindow,
-    CLASS_PARAMS_MAX, PARAMS_MAX, PATH_MAX, SOCK_HEAD_MAX, XFER_SIZE,
+    traced, uvm_command_traced, Config, ExecRecord, FdKey, FdRecord, Header, IoctlRecord, KernelOffsets, OpenRecord, Reading, SockRecord,
+    UvmWindow, CLASS_PARAMS_MAX, CONN_SLOTS, PARAMS_MAX, PATH_MAX, SOCK_HEAD_MAX, XFER_SIZE,
 };
 
 #[map]

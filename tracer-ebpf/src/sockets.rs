@@ -3,17 +3,11 @@
 
 use super::*;
 
-#[derive(Clone, Copy)]
-struct Reading {
-    buf: u64,
-    fd: i32,
-}
 /// Processes that ever held a followed connection, by tgid modulo its size: set at accept,
 /// never cleared (a reused pid or a shared slot only costs the exact lookup after it), so the
 /// reads and writes of every other process end at one array read, which the kernel inlines.
 #[map]
 static CONN_PIDS: Array<u8> = Array::with_max_entries(CONN_SLOTS, 0);
-const CONN_SLOTS: u32 = 1 << 16;
 
 /// A read on an accepted connection, until it returns.
 #[map]
@@ -101,7 +95,7 @@ fn conn(fd: u64) -> bool {
 pub fn read_enter(ctx: TracePointContext) -> u32 {
     let fd = sys_arg(&ctx, 0);
     if conn(fd) {
-        remember("READS", READS.insert(&bpf_get_current_pid_tgid(), &Reading { buf: sys_arg(&ctx, 1), fd: fd as i32 }, 0));
+        remember("READS", READS.insert(&bpf_get_current_pid_tgid(), &Reading { buf: sys_arg(&ctx, 1), fd: fd as i32, _pad: 0 }, 0));
     }
     0
 }

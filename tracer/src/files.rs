@@ -44,9 +44,13 @@ pub trait Resolver {
     fn net_namespace(&self, _pid: u32) -> Option<u64> {
         None
     }
-    /// The TCP sockets listening in a process's network namespace, by inode, with their ports.
-    fn listening_sockets(&self, _pid: u32) -> HashMap<u64, u16> {
-        HashMap::new()
+    /// The threads of a process blocked in a read now: (tid, fd, buffer).
+    fn blocked_reads(&self, _pid: u32) -> Vec<(u32, i32, u64)> {
+        Vec::new()
+    }
+    /// The TCP sockets of a process's network namespace: listening, and accepted connections.
+    fn sockets(&self, _pid: u32) -> procfs::Sockets {
+        procfs::Sockets::default()
     }
 }
 
@@ -73,6 +77,14 @@ pub enum KernelUpdate {
     /// The child's inherited fds are copied: it is an ordinary traced process now.
     Traced {
         pid: u32,
+    },
+    /// A thread met blocked in a read of a connection accepted before tracing: what that read
+    /// returns is the request's head, looked at when it exits as if its enter had been seen.
+    BlockedRead {
+        pid: u32,
+        tid: u32,
+        fd: i32,
+        buf: u64,
     },
 }
 
@@ -167,8 +179,10 @@ pub struct FileTable<R: Resolver> {
     places: HashMap<u32, crate::event::Place>,
     /// Which GPU each /dev/nvidiaN is.
     gpu_indexes: crate::devices::GpuIndexes,
-    /// The listening sockets of each network namespace met while attaching (read once each).
-    listening: HashMap<u64, HashMap<u64, u16>>,
+    /// The sockets of each network namespace met while attaching (read once each), and the
+    /// connection each accepted socket met is (a socket's fds, dups or a child's, are one).
+    sockets: HashMap<u64, procfs::Sockets>,
+    conn_of_socket: HashMap<u64, u64>,
 }
 
 const CLOSE_RANGE_CLOEXEC: u32 = 4;
@@ -210,7 +224,8 @@ impl<R: Resolver> FileTable<R> {
             majors: None,
             places: HashMap::new(),
             gpu_indexes: crate::devices::GpuIndexes::default(),
-            listening: HashMap::new(),
+            sockets: HashMap::new(),
+            conn_of_socket: HashMap::new(),
         }
     }
 
@@ -221,7 +236,8 @@ impl<R: Resolver> FileTable<R> {
 
     /// Attaching is over: the sockets tables read for it are stale from now on.
     pub fn attached(&mut self) {
-        self.listening.clear();
+        self.sockets.clear();
+        self.conn_of_socket.clear();
     }
 
     /// NVIDIA's device numbers, as read at start or since (a module loaded later).
@@ -504,7 +520,7 @@ impl<R: Resolver> FileTable<R> {
         for fd in self.resolver.open_fds(pid) {
             let path = self.resolver.fd_path(pid, fd).map(|p| p.to_string_lossy().into_owned()).unwrap_or_default();
             if let Some(inode) = path.strip_prefix("socket:[").and_then(|p| p.strip_suffix(']')?.parse::<u64>().ok()) {
-                sockets.push(inode);
+                sockets.push((fd, inode));
                 continue;
             }
             let Some(Some(device)) = self.nvidia_fd(pid, fd) else {
@@ -516,7 +532,27 @@ impl<R: Resolver> FileTable<R> {
             events.push(self.found(pid, fd, device, 0));
             updates.push(KernelUpdate::SetFd { pid, fd, state: kernel_state(device) });
         }
-        let listening = if sockets.is_empty() { Vec::new() } else { self.listening_on(pid, &sockets) };
+        let (listening, accepted) = if sockets.is_empty() { (Vec::new(), Vec::new()) } else { self.sockets_of(pid, &sockets) };
+        // Connections accepted before tracing are followed from now on: a proxy's pooled
+        // keep-alive connections carry every request a late attach will see.
+        for &(fd, socket) in &accepted {
+            match self.conn_of_socket.get(&socket) {
+                Some(&conn) => self.set((pid, fd), Answer::Conn { conn }),
+                None => {
+                    let accept = self.accepted(pid, fd);
+                    if let Event::Accept { conn, .. } = accept {
+                        self.conn_of_socket.insert(socket, conn);
+                    }
+                    events.push(accept);
+                }
+            }
+            updates.push(KernelUpdate::SetFd { pid, fd, state: tracer_common::device::CONN });
+        }
+        // A read already waiting on one of them would otherwise lose the request it returns.
+        let blocked = if accepted.is_empty() { Vec::new() } else { self.resolver.blocked_reads(pid) };
+        for &(tid, fd, buf) in blocked.iter().filter(|(_, fd, _)| accepted.iter().any(|(a, _)| a == fd)) {
+            updates.push(KernelUpdate::BlockedRead { pid, tid, fd, buf });
+        }
         gpus.sort_unstable();
         gpus.dedup();
         if !listening.is_empty() || !gpus.is_empty() {
@@ -526,17 +562,19 @@ impl<R: Resolver> FileTable<R> {
     }
 
     /// The ports of `sockets` (inodes) that listen, from the process's namespace's table.
-    fn listening_on(&mut self, pid: u32, sockets: &[u64]) -> Vec<u16> {
-        let Some(namespace) = self.resolver.net_namespace(pid) else { return Vec::new() };
-        if !self.listening.contains_key(&namespace) {
-            let table = self.resolver.listening_sockets(pid);
-            self.listening.insert(namespace, table);
-        }
-        let table = &self.listening[&namespace];
-        let mut ports: Vec<u16> = sockets.iter().filter_map(|inode| table.get(inode).copied()).collect();
+    /// Of a process's sockets (fd, inode): the ports it listens on, and the connections it
+    /// accepted (fd, inode), from its namespace's tables.
+    fn sockets_of(&mut self, pid: u32, sockets: &[(i32, u64)]) -> (Vec<u16>, Vec<(i32, u64)>) {
+        let Some(namespace) = self.resolver.net_namespace(pid) else { return (Vec::new(), Vec::new()) };
+        let table = match self.sockets.entry(namespace) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => e.insert(self.resolver.sockets(pid)),
+        };
+        let mut ports: Vec<u16> = sockets.iter().filter_map(|(_, inode)| table.listening.get(inode).copied()).collect();
         ports.sort_unstable();
         ports.dedup();
-        ports
+        let accepted = sockets.iter().filter(|(_, inode)| table.accepted.contains(inode)).copied().collect();
+        (ports, accepted)
     }
 }
 
@@ -571,8 +609,11 @@ impl Resolver for ProcResolver {
     fn net_namespace(&self, pid: u32) -> Option<u64> {
         procfs::net_namespace(pid)
     }
-    fn listening_sockets(&self, pid: u32) -> HashMap<u64, u16> {
-        procfs::listening_sockets(pid)
+    fn sockets(&self, pid: u32) -> procfs::Sockets {
+        procfs::sockets(pid)
+    }
+    fn blocked_reads(&self, pid: u32) -> Vec<(u32, i32, u64)> {
+        procfs::blocked_reads(pid)
     }
 }
 
@@ -586,6 +627,10 @@ mod tests {
         fds: HashMap<(u32, i32), (String, u32)>,
         /// Each fd's device number, when a test sets them.
         rdev: HashMap<(u32, i32), (u32, u32)>,
+        /// The one network namespace's sockets.
+        sockets: procfs::Sockets,
+        /// Threads blocked in a read now: (tid, fd, buffer).
+        blocked: Vec<(u32, i32, u64)>,
     }
 
     impl Resolver for FakeProc {
@@ -608,6 +653,15 @@ mod tests {
         }
         fn fd_device_number(&self, pid: u32, fd: i32) -> Option<(u32, u32)> {
             self.rdev.get(&(pid, fd)).copied()
+        }
+        fn net_namespace(&self, _pid: u32) -> Option<u64> {
+            Some(1)
+        }
+        fn sockets(&self, _pid: u32) -> procfs::Sockets {
+            self.sockets.clone()
+        }
+        fn blocked_reads(&self, _pid: u32) -> Vec<(u32, i32, u64)> {
+            self.blocked.clone()
         }
     }
 
@@ -847,5 +901,35 @@ mod tests {
         assert_eq!(file_of(3), file_of(6), "fds 3 and 6 share one description");
         assert_ne!(file_of(3), file_of(5));
         assert_eq!(updates.len(), 3);
+    }
+
+    /// A server met running: the port it listens on, and the connections it accepted before
+    /// tracing, followed from now on (named, and marked in the kernel as connections).
+    #[test]
+    fn scan_follows_the_connections_a_server_accepted_before() {
+        let mut t = table(&[
+            ((10, 3), "socket:[555]", 1),
+            ((10, 7), "socket:[556]", 2),
+            ((10, 8), "socket:[557]", 3),
+            ((10, 9), "socket:[556]", 2),
+        ]);
+        t.resolver.sockets.listening.insert(555, 8000);
+        t.resolver.sockets.accepted.insert(556);
+        // One thread waits on the connection, another on the outgoing socket.
+        t.resolver.blocked = vec![(11, 9, 0x7000), (12, 8, 0x8000)];
+        let mut updates = vec![];
+        let events = t.scan(10, &mut updates);
+        let accepted: Vec<i32> = events.iter().filter_map(|e| if let Event::Accept { fd, .. } = e { Some(*fd) } else { None }).collect();
+        assert_eq!(accepted, [7], "the accepted connection once, not the listener nor an outgoing socket");
+        assert!(events.iter().any(|e| matches!(e, Event::Attached { listening, .. } if listening == &[8000])));
+        let conn = tracer_common::device::CONN;
+        assert!(
+            matches!(updates[..], [KernelUpdate::SetFd { fd: 7, state: a, .. }, KernelUpdate::SetFd { fd: 9, state: b, .. }, KernelUpdate::BlockedRead { pid: 10, tid: 11, fd: 9, buf: 0x7000 }] if a == conn && b == conn),
+            "the read already waiting on the connection is followed, the outgoing socket's is not: {updates:?}"
+        );
+        assert_eq!((t.conn(10, 7), t.conn(10, 9)), (Some(1), Some(1)), "its fds are one connection");
+        // It closes with its last fd.
+        assert_eq!(t.conn_closed(10, 9), None);
+        assert!(t.conn_closed(10, 7).is_some());
     }
 }

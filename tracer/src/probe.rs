@@ -7,7 +7,7 @@ use aya::maps::{Array, HashMap, MapData, PerCpuArray, RingBuf};
 use aya::programs::TracePoint;
 use aya::Ebpf;
 use thiserror::Error;
-use tracer_common::{stat, traced, Config, FdKey, KernelOffsets, UvmWindow};
+use tracer_common::{device, stat, traced, Config, FdKey, KernelOffsets, Reading, UvmWindow, CONN_SLOTS};
 
 use crate::abi::Layout;
 use crate::tracefs;
@@ -169,6 +169,8 @@ pub struct Probe {
     _ebpf: Ebpf,
     pub events: Option<RingBuf<MapData>>,
     fds: HashMap<MapData, FdKey, u8>,
+    conn_pids: Array<MapData, u8>,
+    reads: HashMap<MapData, u64, Reading>,
     traced: HashMap<MapData, u32, u8>,
     stats: PerCpuArray<MapData, u64>,
     config: Array<MapData, Config>,
@@ -315,6 +317,8 @@ impl Probe {
             offsets.set(0, found, 0).map_err(map_err("OFFSETS"))?;
         }
         let fds = HashMap::try_from(take(&mut ebpf, "FDS")?).map_err(map_err("FDS"))?;
+        let conn_pids = Array::try_from(take(&mut ebpf, "CONN_PIDS")?).map_err(map_err("CONN_PIDS"))?;
+        let reads = HashMap::try_from(take(&mut ebpf, "READS")?).map_err(map_err("READS"))?;
         let traced = HashMap::try_from(take(&mut ebpf, "TRACED")?).map_err(map_err("TRACED"))?;
         let stats = PerCpuArray::try_from(take(&mut ebpf, "STATS")?).map_err(map_err("STATS"))?;
         let kernel_log = match kernel_log {
@@ -341,7 +345,19 @@ impl Probe {
             }
             tp.attach(category, name).map_err(|e| attach_err(e.to_string()))?;
         }
-        Ok(Probe { _ebpf: ebpf, events: Some(events), fds, traced, stats, config, settings, _cgroups: cgroups, kernel_log })
+        Ok(Probe {
+            _ebpf: ebpf,
+            events: Some(events),
+            fds,
+            conn_pids,
+            reads,
+            traced,
+            stats,
+            config,
+            settings,
+            _cgroups: cgroups,
+            kernel_log,
+        })
     }
 
     /// NVIDIA's device numbers, read again since the load (a module loaded later).
@@ -362,7 +378,20 @@ impl Probe {
 
     /// Records what a fd is (the answer to a question, a /proc scan result).
     pub fn set_fd(&mut self, pid: u32, fd: i32, state: u8) -> Result<(), ProbeError> {
+        // A connection met already accepted: its process's slot lets its reads be looked at.
+        if state == device::CONN {
+            self.conn_pids.set(pid % CONN_SLOTS, 1, 0).map_err(map_err("CONN_PIDS"))?;
+        }
         self.fds.insert(FdKey { tgid: pid, fd: fd as u32 }, state, 0).map_err(map_err("FDS"))
+    }
+
+    /// A read already under way on a followed connection (see [`crate::files::KernelUpdate::BlockedRead`]).
+    pub fn set_reading(&mut self, pid: u32, tid: u32, fd: i32, buf: u64) -> Result<(), ProbeError> {
+        self.reads.insert((u64::from(pid) << 32) | u64::from(tid), Reading { buf, fd, _pad: 0 }, 0).map_err(map_err("READS"))
+    }
+
+    pub fn forget_reading(&mut self, pid: u32, tid: u32) {
+        let _ = self.reads.remove(&((u64::from(pid) << 32) | u64::from(tid)));
     }
 
     pub fn forget_fd(&mut self, pid: u32, fd: i32) {

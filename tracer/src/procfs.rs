@@ -140,8 +140,8 @@ pub fn listening_ports(pid: u32) -> Vec<u16> {
     if inodes.is_empty() {
         return Vec::new();
     }
-    let table = listening_sockets(pid);
-    let mut ports: Vec<u16> = inodes.iter().filter_map(|i| table.get(i).copied()).collect();
+    let table = sockets(pid);
+    let mut ports: Vec<u16> = inodes.iter().filter_map(|i| table.listening.get(i).copied()).collect();
     ports.sort();
     ports.dedup();
     ports
@@ -153,24 +153,79 @@ pub fn net_namespace(pid: u32) -> Option<u64> {
     std::fs::metadata(format!("/proc/{pid}/ns/net")).ok().map(|m| m.ino())
 }
 
-/// Every TCP socket listening in the process's network namespace (IPv4 and IPv6), by inode,
-/// with its port; each table read to 8 MiB at most.
-pub fn listening_sockets(pid: u32) -> std::collections::HashMap<u64, u16> {
-    ["tcp", "tcp6"]
+/// A network namespace's TCP sockets that matter to a server met running, by inode.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Sockets {
+    /// Listening, with the port.
+    pub listening: std::collections::HashMap<u64, u16>,
+    /// Connections a server accepted: established on a port something listens on (an outgoing
+    /// connection's local port is an ephemeral one).
+    pub accepted: std::collections::HashSet<u64>,
+}
+
+/// The TCP sockets of the process's network namespace (IPv4 and IPv6); each table read to
+/// 8 MiB at most (a cut last line is not parsed).
+pub fn sockets(pid: u32) -> Sockets {
+    let lines: Vec<(u64, u16, String)> = ["tcp", "tcp6"]
         .iter()
         .filter_map(|table| read_bounded(&format!("/proc/{pid}/net/{table}"), 8 << 20))
-        .flat_map(|t| parse_listening(&t))
+        .flat_map(|t| parse_sockets(&t))
+        .collect();
+    let listening: std::collections::HashMap<u64, u16> =
+        lines.iter().filter(|(_, _, state)| state == "0A").map(|&(inode, port, _)| (inode, port)).collect();
+    let ports: std::collections::HashSet<u16> = listening.values().copied().collect();
+    // ESTABLISHED (01) or CLOSE_WAIT (08: the client is done sending, a response may be going).
+    let accepted = lines
+        .iter()
+        .filter(|(inode, port, state)| (state == "01" || state == "08") && ports.contains(port) && *inode != 0)
+        .map(|&(inode, _, _)| inode)
+        .collect();
+    Sockets { listening, accepted }
+}
+
+/// The syscall numbers the kernel side follows as reads on a connection: read and recvfrom.
+#[cfg(target_arch = "x86_64")]
+const READ_SYSCALLS: [u64; 2] = [0, 45];
+#[cfg(target_arch = "aarch64")]
+const READ_SYSCALLS: [u64; 2] = [63, 207];
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+const READ_SYSCALLS: [u64; 0] = [];
+
+/// The threads of `pid` blocked in a read or recvfrom now: (tid, fd, buffer), from
+/// /proc/PID/task/TID/syscall (at most 1,024 threads).
+pub fn blocked_reads(pid: u32) -> Vec<(u32, i32, u64)> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return Vec::new() };
+    tasks
+        .flatten()
+        .take(1024)
+        .filter_map(|t| t.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|tid| {
+            let (fd, buf) = parse_blocked_read(&read_bounded(&format!("/proc/{pid}/task/{tid}/syscall"), 256)?)?;
+            Some((tid, fd, buf))
+        })
         .collect()
 }
 
-/// The inodes and local ports of /proc/net/tcp lines in state LISTEN (0A).
-fn parse_listening(text: &str) -> Vec<(u64, u16)> {
-    text.lines()
+/// "NR ARG0 ARG1 ..." (the number in decimal, the arguments in hex): the fd and buffer of a
+/// read or recvfrom.
+fn parse_blocked_read(line: &str) -> Option<(i32, u64)> {
+    let mut fields = line.split_whitespace();
+    let nr: u64 = fields.next()?.parse().ok()?;
+    let mut arg = || u64::from_str_radix(fields.next()?.strip_prefix("0x")?, 16).ok();
+    let (fd, buf) = (arg()?, arg()?);
+    READ_SYSCALLS.contains(&nr).then_some((i32::try_from(fd).ok()?, buf))
+}
+
+/// The inode, local port and state of each whole line of /proc/net/tcp.
+fn parse_sockets(text: &str) -> Vec<(u64, u16, String)> {
+    let whole = text.rfind('\n').map_or("", |end| &text[..end]);
+    whole
+        .lines()
         .skip(1)
         .filter_map(|line| {
             let f: Vec<&str> = line.split_whitespace().collect();
             let (local, state, inode) = (f.get(1)?, f.get(3)?, f.get(9)?.parse::<u64>().ok()?);
-            (*state == "0A").then(|| Some((inode, u16::from_str_radix(local.rsplit(':').next()?, 16).ok()?))).flatten()
+            Some((inode, u16::from_str_radix(local.rsplit(':').next()?, 16).ok()?, state.to_string()))
         })
         .collect()
 }
@@ -588,11 +643,27 @@ mod tests {
         let tcp = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
    0: 0100007F:1F40 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 555 1 0 100 0 0 10 0
    1: 0100007F:1F41 0100007F:9C40 01 00000000:00000000 00:00000000 00000000     0        0 556 1 0 100 0 0 10 0
-   2: 00000000:0016 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 999 1 0 100 0 0 10 0";
-        assert_eq!(parse_listening(tcp), vec![(555, 8000), (999, 22)], "listening sockets only");
+   2: 00000000:0016 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 999 1 0 100 0 0 10 0
+";
+        let listening: Vec<(u64, u16)> = parse_sockets(tcp).into_iter().filter(|s| s.2 == "0A").map(|s| (s.0, s.1)).collect();
+        assert_eq!(listening, vec![(555, 8000), (999, 22)], "listening sockets");
+        assert_eq!(parse_sockets(tcp)[1], (556, 8001, "01".to_string()));
+        // A cut last line is never parsed.
+        let cut = &tcp[..tcp.len() - 20];
+        assert_eq!(parse_sockets(cut).len(), 2);
         let docker = "/system.slice/docker-4f2a9c1e0b7d3a5f6e8c9b0a1d2e3f4a5b6c7d8e9f0a1b2c3d4e5f6a7b8c9d0e.scope";
         assert_eq!(container_of(docker).as_deref(), Some("4f2a9c1e0b7d"));
         assert_eq!(container_of("/user.slice/user-1000.slice/session-3.scope"), None);
+    }
+
+    #[test]
+    fn a_thread_blocked_in_a_read() {
+        let read = READ_SYSCALLS[0];
+        assert_eq!(parse_blocked_read(&format!("{read} 0x8 0x7f00aa00 0x2000 0x0 0x0 0x0 0x7ffd 0x7f01\n")), Some((8, 0x7f00aa00)));
+        assert_eq!(parse_blocked_read("running"), None);
+        assert_eq!(parse_blocked_read("-1 0x7ffd 0x7f01"), None, "blocked, but not in a syscall");
+        assert_eq!(parse_blocked_read("232 0x8 0x7f00aa00 0x2000"), None, "another syscall (epoll_wait)");
+        assert_eq!(parse_blocked_read(&format!("{read} 0xffffffffff 0x1")), None, "no fd that big");
     }
 
     #[test]

@@ -242,6 +242,14 @@ impl<S: Sink> Session<S> {
                 KernelUpdate::SetFd { pid, fd, state } => probe.set_fd(pid, fd, state)?,
                 KernelUpdate::ForgetFd { pid, fd } => probe.forget_fd(pid, fd),
                 KernelUpdate::Traced { pid } => probe.trace_pid(pid)?,
+                KernelUpdate::BlockedRead { pid, tid, fd, buf } => {
+                    probe.set_reading(pid, tid, fd, buf)?;
+                    // Returned between the look and the insert: the entry would wait for that
+                    // thread's next read of anything, so it goes.
+                    if !procfs::blocked_reads(pid).contains(&(tid, fd, buf)) {
+                        probe.forget_reading(pid, tid);
+                    }
+                }
             }
         }
         Ok(())

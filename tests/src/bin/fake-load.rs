@@ -4,7 +4,10 @@
 //! and the ground truth as a JSON line: status, time to headers, time to first data, tokens.
 //!
 //! `fake-load --port P --server vllm|llama [--sequential 1024,2048] [--concurrent 16x2048]
-//!            [--max-tokens 8] [--ready-timeout-s 30] [--truth FILE]`
+//!            [--max-tokens 8] [--ready-timeout-s 30] [--truth FILE] [--send-after PATH]`
+//! With `--send-after`, the concurrent wave's connections are made at once (the server accepts
+//! them), `{"connected": N}` is printed, and the requests are sent only once PATH exists: as a
+//! proxy's pooled connections, opened before a tracer attached.
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::process::ExitCode;
@@ -34,8 +37,23 @@ fn ready(port: u16, server: &str, timeout: Duration) -> bool {
 
 /// One streamed request; returns (status line, ms to headers, ms to first data, data events).
 fn request(port: u16, c: Completion) -> (String, Option<f64>, Option<f64>, u64) {
+    match TcpStream::connect(("127.0.0.1", port)) {
+        Ok(s) => request_on(s, c),
+        Err(_) => ("connection refused".into(), None, None, 0),
+    }
+}
+
+/// Waits (60 s at most) until `path` exists.
+fn wait_for_file(path: &std::path::Path) {
     let start = Instant::now();
-    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else { return ("connection refused".into(), None, None, 0) };
+    while !path.exists() && start.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// One streamed request on a connection already made.
+fn request_on(mut s: TcpStream, c: Completion) -> (String, Option<f64>, Option<f64>, u64) {
+    let start = Instant::now();
     let body = c.body();
     let _ = write!(
         s,
@@ -103,10 +121,30 @@ fn main() -> ExitCode {
         Some((n.parse::<usize>().ok()?, t.parse::<u64>().ok()?))
     }) {
         let c = Completion { prompt_tokens: tokens, max_tokens };
-        let handles: Vec<_> = (0..n)
-            .map(|i| {
+        let send_after = value("--send-after").map(std::path::PathBuf::from);
+        // Connected first, all of them, when the requests are to go later.
+        let mut early: Vec<Option<TcpStream>> = (0..n).map(|_| None).collect();
+        if send_after.is_some() {
+            for slot in early.iter_mut() {
+                *slot = TcpStream::connect(("127.0.0.1", port)).ok();
+            }
+            println!("{}", json!({"connected": early.iter().flatten().count()}));
+            let _ = std::io::stdout().flush();
+        }
+        let handles: Vec<_> = early
+            .into_iter()
+            .enumerate()
+            .map(|(i, stream)| {
                 truth.note("request", json!({"request": id + i + 1, "port": port, "prompt_tokens": tokens, "in_flight": n}));
-                std::thread::spawn(move || request(port, c))
+                let go = send_after.clone();
+                std::thread::spawn(move || match (stream, go) {
+                    (Some(s), Some(go)) => {
+                        wait_for_file(&go);
+                        request_on(s, c)
+                    }
+                    (None, Some(_)) => ("connection refused".into(), None, None, 0),
+                    _ => request(port, c),
+                })
             })
             .collect();
         for (i, h) in handles.into_iter().enumerate() {

@@ -63,8 +63,14 @@ pub struct Services<'m> {
     timelines: Vec<Vec<(u64, Phase, usize)>>,
 }
 
+/// Bytes a request whose head went unseen must have received to count as a completion: a
+/// prompt's body, not a health check.
+const UNSEEN_HEAD_BODY: u64 = 1024;
+
+/// A completion: a POST; or, on a connection accepted before tracing whose first read was
+/// already under way (its head unseen), one that carried a body.
 fn is_completion(r: &Request) -> bool {
-    r.line.starts_with("POST ")
+    r.line.starts_with("POST ") || (r.line.is_empty() && r.bytes_in >= UNSEEN_HEAD_BODY)
 }
 
 /// A gputrace process (a recording that wraps a server), by its program's name.
