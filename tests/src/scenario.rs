@@ -16,6 +16,9 @@ use crate::serve::GIB;
 pub const NAMES: [&str; 7] =
     ["clean", "held-by-other-process", "does-not-fit-at-load", "long-request", "concurrent-load", "host-oom", "tensor-parallel"];
 pub const SERVERS: [&str; 2] = ["vllm", "llama"];
+/// Not one of the named ways to fail: a clean run with the server's flags and the load given in
+/// GPUTRACE_SERVER_ARGS and GPUTRACE_LOAD, to try a prediction on the fake GPU.
+pub const PROBE: &str = "probe";
 
 /// The GPUs each scenario runs on: (each one's device memory, unified). The tensor-parallel
 /// scenario's node has a smaller last card.
@@ -164,6 +167,11 @@ impl Tools {
         }
         let recording = self.record(&self.server_cmd(server, port, extra))?;
         self.load(server, port, warmup)?;
+        // What a watch beside it serves between the warm-up and the load: the warning before it.
+        if std::env::var_os("GPUTRACE_WATCH_DUMPS").is_some() {
+            std::thread::sleep(Duration::from_millis(500));
+            std::fs::write(self.dir.join("metrics-before.txt"), http_get("/metrics")?)?;
+        }
         self.load(server, port, then)?;
         Ok(recording)
     }
@@ -322,9 +330,15 @@ fn scenario_inside(t: &Tools, name: &str, server: &str) -> Result<()> {
     let port = 8000 + (std::process::id() % 1000) as u16;
     let limit = Duration::from_secs(60);
     match name {
-        "clean" => {
-            let rec = t.record(&t.server_cmd(server, port, &[]))?;
-            t.load(server, port, &["--sequential", "1024,2048", "--concurrent", "2x1024"])?;
+        "clean" | PROBE => {
+            // A probe is a clean run with the server's extra flags and the load given
+            // (GPUTRACE_SERVER_ARGS, GPUTRACE_LOAD): a prediction tried on the fake GPU.
+            let given = |var: &str| std::env::var(var).ok().filter(|_| name == PROBE);
+            let extra = given("GPUTRACE_SERVER_ARGS").unwrap_or_default();
+            let load = given("GPUTRACE_LOAD").unwrap_or_else(|| "--sequential 1024,2048 --concurrent 2x1024".into());
+            let extra: Vec<&str> = extra.split_whitespace().collect();
+            let rec = t.record(&t.server_cmd(server, port, &extra))?;
+            t.load(server, port, &load.split_whitespace().collect::<Vec<_>>())?;
             for pid in children(rec.id()) {
                 signal(pid, libc::SIGTERM);
             }
@@ -353,7 +367,9 @@ fn scenario_inside(t: &Tools, name: &str, server: &str) -> Result<()> {
         }
         "concurrent-load" => {
             let (one, wave) = if llama { ("3000", "8x3000") } else { ("2048", "24x2048") };
-            let rec = t.serve(server, port, &["--parallel", "8"], &["--sequential", one], &["--concurrent", wave])?;
+            // Each with its concurrency limit above what memory takes (vLLM's default).
+            let cap: [&str; 2] = if llama { ["--parallel", "8"] } else { ["--max-num-seqs", "256"] };
+            let rec = t.serve(server, port, &cap, &["--sequential", one], &["--concurrent", wave])?;
             wait_for(rec, limit)
         }
         "held-by-other-process" => {

@@ -84,6 +84,27 @@ fn watched(name: &str) {
     assert!(metrics.contains("# TYPE gputrace_live_bytes gauge") && !metrics.contains("--truth /tmp"), "{metrics}");
     // /report is for root and the user who started the watch: this test is root.
     assert!(served("report.json").starts_with("HTTP/1.1 200"));
+    // Before the burst, after the warm-up: the warning that the server's own limit lets in more
+    // requests than memory takes, with the headroom it is computed from.
+    if name == "concurrent-load" {
+        let before = served("metrics-before.txt");
+        let sample = |prefix: &str| -> f64 {
+            let line = before.lines().find(|l| l.starts_with(prefix)).unwrap_or_else(|| panic!("no {prefix} before the burst:\n{before}"));
+            line.rsplit(' ').next().unwrap().parse().unwrap()
+        };
+        let more = sample("gputrace_headroom_requests{");
+        assert!(more >= 1.0, "the warm-up's request fits again: {more}");
+        let over = sample("gputrace_limit_exceeds_headroom{");
+        assert!(before.contains("limit=\"--max-num-seqs 256\"") && over > 200.0, "256 allowed, 17 fit: {over}\n{before}");
+        let warned: Vec<&str> = log.lines().filter(|l| l.starts_with("gputrace: warning: ")).collect();
+        assert!(
+            warned.len() == 1
+                && warned[0].contains("`--max-num-seqs 256` lets 256 run at once; memory fits 17 of the largest seen: cap at 17"),
+            "said once in the log: {log}"
+        );
+        let at = |what: &str| log.find(what).unwrap_or(usize::MAX);
+        assert!(at("gputrace: warning: ") < at("-failed-allocation.trace"), "said before the burst failed: {log}");
+    }
     std::fs::remove_dir_all(&dir).ok();
 }
 

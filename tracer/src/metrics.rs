@@ -6,6 +6,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
+use crate::analysis::headroom::{Headroom, Moment};
 use crate::flight::Counters;
 use crate::model::Model;
 use crate::report::Report;
@@ -226,6 +227,7 @@ pub fn exposition(f: &Figures) -> String {
     for (s, n) in &in_flight {
         t.sample("gputrace_requests_in_flight", &[("service", s)], *n as f64);
     }
+    headroom(&mut t, r);
 
     t.one(
         "gputrace_contexts_never_freed",
@@ -264,6 +266,48 @@ pub fn exposition(f: &Figures) -> String {
         t.one("process_resident_memory_bytes", "gauge", "gputrace's resident memory.", rss as f64);
     }
     t.out
+}
+
+/// One figure of a moment's headroom.
+type Figure = fn(&Moment) -> u64;
+
+/// Headroom per running serving service and GPU, the tightest first (bounded: those are the
+/// ones to see).
+fn headroom(t: &mut Text, r: &Report) {
+    let mut rows: Vec<(&Headroom, Moment)> = r.headroom.iter().filter_map(|h| Some((h, h.now?))).collect();
+    rows.sort_by_key(|(_, now)| (now.more_requests, now.room_bytes));
+    rows.truncate(TOP_SERVICES);
+    let per_gpu: [(&str, &str, Figure); 2] = [
+        (
+            "gputrace_headroom_requests",
+            "More requests of the largest size seen that fit now beside those in flight, from what one cost (per serving service and GPU).",
+            |m| m.more_requests,
+        ),
+        (
+            "gputrace_headroom_request_bytes",
+            "The largest request, in bytes received, that fits now with nothing else in flight (per serving service and GPU).",
+            |m| m.largest_fitting_request_bytes,
+        ),
+    ];
+    for (name, help, value) in per_gpu {
+        t.family(name, "gauge", help);
+        for (h, now) in &rows {
+            let gpu = h.gpu.map_or_else(|| "unknown".to_string(), |g| g.to_string());
+            t.sample(name, &[("service", &h.service), ("gpu", &gpu)], value(now) as f64);
+        }
+    }
+    let name = "gputrace_limit_exceeds_headroom";
+    t.family(
+        name,
+        "gauge",
+        "How many more requests a server's own concurrency limit lets in at once than memory fits (present while it does).",
+    );
+    for (h, _) in &rows {
+        for l in &h.limits_exceeded {
+            let limit = format!("{} {}", l.setting, l.value);
+            t.sample(name, &[("service", &h.service), ("limit", &limit)], l.value.saturating_sub(l.fits) as f64);
+        }
+    }
 }
 
 #[cfg(test)]

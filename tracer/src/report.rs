@@ -9,6 +9,7 @@ use std::fmt::Write as _;
 use serde::Serialize;
 
 use crate::analysis::diagnosis::{Category, Diagnoser, Diagnosis};
+use crate::analysis::headroom::Headroom;
 use crate::analysis::{Phase, Services};
 use crate::event::Memory;
 use crate::model::{add, Model, Process};
@@ -368,6 +369,9 @@ pub struct Report {
     /// What the reader must know to read the figures right (MPS, say).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub notes: Vec<String>,
+    /// Per serving service and GPU: what a request costs and how many more fit.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub headroom: Vec<Headroom>,
     pub loss: Loss,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fd_filter: Option<FdFilter>,
@@ -643,6 +647,7 @@ impl Report {
             gpus: gpu_reports(header, model),
             nvml_vs_traced: disagreements(header, model),
             notes: notes(header, model),
+            headroom: diagnoser.headroom(),
             processes,
             loss,
             fd_filter: None,
@@ -677,6 +682,9 @@ impl Report {
         }
         if self.failures_not_diagnosed > 0 {
             let _ = writeln!(out, "and {} more failures, not diagnosed one by one", self.failures_not_diagnosed);
+        }
+        for h in &self.headroom {
+            let _ = writeln!(out, "HEADROOM: {}.", h.text());
         }
         let seconds = self.duration_ns as f64 / 1e9;
         let _ = writeln!(out, "\n{} events over {seconds:.1} s in {}", self.events, self.trace);

@@ -3,7 +3,7 @@
 //! window around it goes to a dump file with its report beside it, and one line says where and
 //! what the verdict was.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -14,6 +14,7 @@ use tokio::signal::unix::{signal, Signal, SignalKind};
 use tokio::sync::mpsc;
 
 use crate::dir::Dir;
+use crate::event::Event;
 use crate::flight::{Config, Dump, Flight, Trigger};
 use crate::http::{Endpoint, Response, Route};
 use crate::model::{display_command, Model};
@@ -66,23 +67,10 @@ pub fn run(mut opts: Options) -> Result<()> {
         bytes(opts.window_bytes),
         bytes(opts.budget)
     );
-    let (http_tx, http_rx) = tokio::sync::mpsc::channel(crate::http::MAX_CONNECTIONS);
     crate::session::run(&opts.session, |header, _| {
-        Ok(Watcher {
-            flight: Flight::new(config),
-            dir: dir.clone(),
-            budget: opts.budget,
-            header: header.clone(),
-            user: user.clone(),
-            idle_ns: opts.idle_ns,
-            writing: Vec::new(),
-            http: Endpoint::new(opts.listen),
-            http_tx,
-            http_rx,
-            dump_asks: None,
-            diagnoses: Arc::default(),
-            own_file_table: 0,
-        })
+        let mut w = Watcher::new(config, dir.clone(), header.clone(), opts.listen);
+        (w.budget, w.user, w.idle_ns) = (opts.budget, user.clone(), opts.idle_ns);
+        Ok(w)
     })?;
     Ok(())
 }
@@ -108,7 +96,53 @@ pub struct Watcher {
     /// fd events the kernel side counted and did not follow since watching began (threads with
     /// a file table of their own): every report says so.
     own_file_table: u64,
+    /// Servers' limits found to let in more requests than memory takes: each said once in the
+    /// log. Checked once a request got its first data (its prefill, what it costs, is over) or
+    /// ended, at most every LIMITS_EVERY_NS: when the last check was, and whether one is due.
+    limits_warned: HashSet<(String, String, u64)>,
+    limits_checked: (u64, bool),
 }
+
+const LIMITS_EVERY_NS: u64 = 1_000_000_000;
+
+impl Watcher {
+    /// Dumps unbudgeted, as root, no context ever idle: `run` sets those from the options.
+    fn new(config: Config, dir: Arc<Dir>, header: Header, listen: Option<SocketAddr>) -> Watcher {
+        let (http_tx, http_rx) = tokio::sync::mpsc::channel(crate::http::MAX_CONNECTIONS);
+        Watcher {
+            flight: Flight::new(config),
+            dir,
+            budget: 0,
+            header,
+            user: None,
+            idle_ns: u64::MAX,
+            writing: Vec::new(),
+            http: Endpoint::new(listen),
+            http_tx,
+            http_rx,
+            dump_asks: None,
+            diagnoses: Arc::default(),
+            own_file_table: 0,
+            limits_warned: HashSet::new(),
+            limits_checked: (0, false),
+        }
+    }
+
+    /// A server whose own concurrency limit lets in more requests than memory takes, said once
+    /// (the early form of a concurrent-load failure).
+    fn warn_of_limits(&mut self, live: &Model) {
+        for h in crate::analysis::diagnosis::Diagnoser::new(&self.header, live, 0).headroom() {
+            let mut fresh = h.limits_exceeded.iter().map(|l| (h.service.clone(), l.setting.clone(), l.value));
+            let warned = &mut self.limits_warned;
+            if fresh.any(|key| warned.len() < MAX_LIMITS_WARNED && warned.insert(key)) {
+                eprintln!("gputrace: warning: {}", h.text());
+            }
+        }
+    }
+}
+
+/// Limit warnings remembered (and said) at most: a host of many servers says the first ones.
+const MAX_LIMITS_WARNED: usize = 1000;
 
 /// What a watch is asked besides the kernel's events.
 pub enum Ask {
@@ -139,6 +173,9 @@ impl Sink for Watcher {
     }
 
     fn push(&mut self, record: &crate::event::Record, live: &Model) {
+        if matches!(record.event, Event::Sent { data: true, .. } | Event::ConnClose { .. }) {
+            self.limits_checked.1 = true;
+        }
         self.flight.push(record, live);
     }
 
@@ -155,6 +192,10 @@ impl Sink for Watcher {
             }
         }
         self.writing.retain(|h| !h.is_finished());
+        if self.limits_checked.1 && now >= self.limits_checked.0.saturating_add(LIMITS_EVERY_NS) {
+            self.limits_checked = (now, false);
+            self.warn_of_limits(live);
+        }
         self.flight.compact(now, live);
         self.http.bind_when_due();
     }
@@ -399,27 +440,12 @@ fn stamp(wall_ns: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::event::{Alloc, Device, Event, Record, Seen};
+    use crate::event::{Alloc, Device, Record, Seen};
     use std::path::Path;
 
     fn watcher() -> Watcher {
-        let (http_tx, http_rx) = mpsc::channel(1);
         let config = Config { window_ns: 1 << 40, max_bytes: 1 << 20, aftermath_ns: 0, min_interval_ns: 0 };
-        Watcher {
-            flight: Flight::new(config),
-            dir: Arc::new(Dir::open(Path::new("/")).unwrap()),
-            budget: 0,
-            header: Header::default(),
-            user: None,
-            idle_ns: u64::MAX,
-            writing: Vec::new(),
-            http: Endpoint::new(None),
-            http_tx,
-            http_rx,
-            dump_asks: None,
-            diagnoses: Arc::default(),
-            own_file_table: 0,
-        }
+        Watcher::new(config, Arc::new(Dir::open(Path::new("/")).unwrap()), Header::default(), None)
     }
 
     /// A server whose command line holds a secret, holding 2 GiB.

@@ -36,7 +36,7 @@ fn scenario(args: &[String]) -> ExitCode {
     let nvml = value("--nvml").unwrap_or_else(|| "discrete".into());
     let here = std::env::current_exe().ok().and_then(|p| p.parent().map(PathBuf::from)).unwrap_or_default();
     let gputrace = value("--gputrace").map(PathBuf::from).unwrap_or_else(|| here.join("gputrace"));
-    if !scenario::NAMES.contains(&name.as_str())
+    if !(scenario::NAMES.contains(&name.as_str()) || name == scenario::PROBE)
         || !scenario::SERVERS.contains(&server.as_str())
         || !scenario::NVML_MODES.contains(&nvml.as_str())
     {

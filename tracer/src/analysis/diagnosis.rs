@@ -217,9 +217,9 @@ pub const MAX_DIAGNOSED: usize = 100;
 const DEFAULT_RESERVE: f64 = 0.9;
 
 pub struct Diagnoser<'a> {
-    header: &'a Header,
-    model: &'a Model,
-    services: Services<'a>,
+    pub(super) header: &'a Header,
+    pub(super) model: &'a Model,
+    pub(super) services: Services<'a>,
     lost: u64,
 }
 
@@ -232,7 +232,7 @@ impl<'a> Diagnoser<'a> {
         &self.services
     }
 
-    fn start(&self) -> u64 {
+    pub(super) fn start(&self) -> u64 {
         self.model.time_zero(self.header.monotonic_start_ns)
     }
 
@@ -244,18 +244,18 @@ impl<'a> Diagnoser<'a> {
         }
     }
 
-    fn capacity(&self, gpu: Option<u32>) -> Option<u64> {
+    pub(super) fn capacity(&self, gpu: Option<u32>) -> Option<u64> {
         self.card(gpu).and_then(|c| c.total_bytes)
     }
 
     /// Unified memory (DGX Spark, Grace Hopper): NVML answered, but with no device memory size.
-    fn unified(&self, gpu: Option<u32>) -> bool {
+    pub(super) fn unified(&self, gpu: Option<u32>) -> bool {
         self.header.nvml == "ok" && self.card(gpu).is_some_and(|c| c.total_bytes.is_none())
     }
 
     /// Whether memory on `memory_gpu` counts for `gpu`. Memory whose device was created before
     /// tracing has no GPU: it counts wherever there is only one GPU to be on.
-    fn counts_on(&self, memory_gpu: Option<u32>, gpu: Option<u32>) -> bool {
+    pub(super) fn counts_on(&self, memory_gpu: Option<u32>, gpu: Option<u32>) -> bool {
         match (gpu, memory_gpu) {
             (None, _) => true,
             (Some(g), Some(m)) => g == m,
@@ -275,7 +275,7 @@ impl<'a> Diagnoser<'a> {
     }
 
     /// The GPUs `service` allocated on, or asked to, or held memory on when tracing began.
-    fn gpus_of(&self, service: &Service) -> Vec<u32> {
+    pub(super) fn gpus_of(&self, service: &Service) -> Vec<u32> {
         let allocated =
             self.model.allocations.iter().filter(|a| service.pids.contains(&a.pid)).filter_map(|a| self.model.gpu_for(a.pid, a.gpu));
         let failed = self.model.failures.iter().filter(|f| service.pids.contains(&f.pid)).filter_map(|f| self.model.gpu_for(f.pid, f.gpu));
@@ -310,7 +310,7 @@ impl<'a> Diagnoser<'a> {
     /// What NVML said the service's processes held on `gpu` when tracing began (a recording
     /// attached to a server that had loaded): still theirs at `ts` while they run, since no free
     /// of it can be told from the trace.
-    fn before_tracing(&self, service: &Service, ts: u64, gpu: Option<u32>) -> u64 {
+    pub(super) fn before_tracing(&self, service: &Service, ts: u64, gpu: Option<u32>) -> u64 {
         let running = |pid: u32| self.model.processes.get(&pid).is_none_or(|p| p.exited.is_none_or(|e| e > ts));
         self.header
             .prior_use
@@ -331,25 +331,7 @@ impl<'a> Diagnoser<'a> {
                 holders.push(Holder { pid: other.root, command: other.name.clone(), bytes: Some(held), source: "traced", nvml_pid: None });
             }
         }
-        // What NVML last said of processes not traced (sampled while recording), or failing
-        // that what it said when recording began.
-        // A traced process's NVML figure would count its traced memory twice: for those, only what
-        // they held before recording began.
-        let sampled = self.model.sample_at(ts).filter(|s| self.header.nvml == "ok" && !s.processes.is_empty());
-        let on_gpu = |p: &&PriorUse| gpu.is_none_or(|g| p.gpu == g);
-        let before = self.header.prior_use.iter().filter(on_gpu).filter(|p| !service.pids.contains(&p.pid));
-        let nvml: Vec<PriorUse> = match sampled {
-            Some(s) => s
-                .processes
-                .iter()
-                .filter(on_gpu)
-                .filter(|p| self.services.of(p.pid).is_none())
-                .map(|p| PriorUse { command: self.model.sampled_command(p.pid).unwrap_or_default(), ..p.clone() })
-                .chain(before.filter(|p| self.services.of(p.pid).is_some()).cloned())
-                .collect(),
-            None => before.cloned().collect(),
-        };
-        for prior in &nvml {
+        for prior in &self.nvml_outside(service, ts, gpu) {
             total = total.saturating_add(prior.used_bytes.unwrap_or(0));
             let (pid, command) = super::prior_holder(self.header, prior, |pid| service.pids.contains(&pid));
             holders.push(Holder { pid, command, bytes: prior.used_bytes, source: "nvml", nvml_pid: Some(prior.pid) });
@@ -367,6 +349,34 @@ impl<'a> Diagnoser<'a> {
             }
         }
         (total, holders)
+    }
+
+    /// What NVML last said of processes outside `service` that are not traced (sampled while
+    /// recording), or failing that what it said when recording began. A traced process's NVML
+    /// figure would count its traced memory twice: for those, only what they held before
+    /// recording began.
+    pub(super) fn nvml_outside(&self, service: &Service, ts: u64, gpu: Option<u32>) -> Vec<PriorUse> {
+        let sampled = self.model.sample_at(ts).filter(|s| self.header.nvml == "ok" && !s.processes.is_empty());
+        let on_gpu = |p: &&PriorUse| gpu.is_none_or(|g| p.gpu == g);
+        let before = self.header.prior_use.iter().filter(on_gpu).filter(|p| !service.pids.contains(&p.pid));
+        match sampled {
+            Some(s) => s
+                .processes
+                .iter()
+                .filter(on_gpu)
+                .filter(|p| self.services.of(p.pid).is_none())
+                .map(|p| PriorUse { command: self.model.sampled_command(p.pid).unwrap_or_default(), ..p.clone() })
+                .chain(before.filter(|p| self.services.of(p.pid).is_some()).cloned())
+                .collect(),
+            None => before.cloned().collect(),
+        }
+    }
+
+    /// The engine's command line: the first process of the service with one.
+    pub(super) fn engine(&self, service: &Service) -> &'a [String] {
+        let root = &self.model.processes[&service.root].command;
+        let in_service = self.model.processes.values().filter(|p| service.pids.contains(&p.pid));
+        in_service.map(|p| p.command.as_slice()).find(|c| !c.is_empty()).unwrap_or(root)
     }
 
     fn failures(&self) -> Vec<Failure> {
@@ -484,9 +494,7 @@ impl<'a> Diagnoser<'a> {
             requests_in_flight: in_flight.len(),
             request_bytes_received: in_flight.iter().map(|r| r.bytes_in).collect(),
         };
-        let root = &self.model.processes[&service.root].command;
-        let in_service = self.model.processes.values().filter(|p| service.pids.contains(&p.pid));
-        let engine = in_service.map(|p| p.command.as_slice()).find(|c| !c.is_empty()).unwrap_or(root);
+        let engine = self.engine(service);
         Case { failure, service, engine, family: ServerFamily::of(engine), in_flight, evidence }
     }
 
@@ -763,7 +771,7 @@ impl<'a> Diagnoser<'a> {
         let per_request = measured.unwrap_or(prefill_live.saturating_add(case.failure.bytes.unwrap_or(0)) / n).max(1);
         let room = case.evidence.free_bytes.unwrap_or(0).saturating_add(prefill_live);
         let cap = (room / per_request).clamp(1, n.saturating_sub(1).max(1));
-        let setting = case.family.concurrency().map_or_else(|| format!("the server's concurrency limit at {cap}"), |s| s.with(cap));
+        let setting = case.family.concurrency().map_or_else(|| format!("the server's concurrency limit at {cap}"), |(s, _)| s.with(cap));
         let how = if measured.is_some() { "one request alone needed" } else { "the batch needed, per request," };
         let text = format!(
             "{n} requests were in flight; {how} {}, and {} was free for requests: cap concurrency at {cap} ({setting}, or LiteLLM max_parallel_requests: {cap} in front of it).",

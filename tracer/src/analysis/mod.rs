@@ -3,6 +3,7 @@
 //! trace header; never the raw events.
 
 pub mod diagnosis;
+pub mod headroom;
 pub mod server;
 
 use std::collections::BTreeMap;

@@ -74,14 +74,15 @@ impl ServerFamily {
         })
     }
 
-    /// The setting that caps requests served at once.
-    pub fn concurrency(self) -> Option<Setting> {
+    /// The setting that caps requests served at once, and the names its current value may be
+    /// given under.
+    pub fn concurrency(self) -> Option<(Setting, &'static [&'static str])> {
         Some(match self {
-            ServerFamily::Vllm => Setting::Flag("--max-num-seqs"),
-            ServerFamily::LlamaCpp => Setting::Flag("-np"),
-            ServerFamily::Sglang => Setting::Flag("--max-running-requests"),
-            ServerFamily::Tgi => Setting::Flag("--max-concurrent-requests"),
-            ServerFamily::Ollama => Setting::Env("OLLAMA_NUM_PARALLEL"),
+            ServerFamily::Vllm => (Setting::Flag("--max-num-seqs"), &["--max-num-seqs"]),
+            ServerFamily::LlamaCpp => (Setting::Flag("-np"), &["-np", "--parallel"]),
+            ServerFamily::Sglang => (Setting::Flag("--max-running-requests"), &["--max-running-requests"]),
+            ServerFamily::Tgi => (Setting::Flag("--max-concurrent-requests"), &["--max-concurrent-requests"]),
+            ServerFamily::Ollama => (Setting::Env("OLLAMA_NUM_PARALLEL"), &[]),
             ServerFamily::Unknown => return None,
         })
     }
@@ -143,8 +144,8 @@ mod tests {
         for family in ServerFamily::ALL {
             assert!(family.context().is_some() && family.concurrency().is_some(), "{family:?}");
         }
-        assert_eq!(ServerFamily::LlamaCpp.concurrency().unwrap().with(4), "-np 4");
-        assert_eq!(ServerFamily::Ollama.concurrency().unwrap().with(4), "OLLAMA_NUM_PARALLEL=4");
+        assert_eq!(ServerFamily::LlamaCpp.concurrency().unwrap().0.with(4), "-np 4");
+        assert_eq!(ServerFamily::Ollama.concurrency().unwrap().0.with(4), "OLLAMA_NUM_PARALLEL=4");
         assert_eq!(flag(&argv("x --gpu-memory-utilization=0.8"), &["--gpu-memory-utilization"]).as_deref(), Some("0.8"));
         assert_eq!(flag(&argv("x -c 4096"), &["-c", "--ctx-size"]).as_deref(), Some("4096"));
     }

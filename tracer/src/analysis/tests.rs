@@ -562,3 +562,99 @@ fn a_server_met_serving_is_ready_named_below_its_shell_and_on_its_gpu() {
     assert_eq!(model.allocations[0].gpu, None, "the trace names no GPU for it");
     assert_eq!(model.gpu_for(ENGINE, model.allocations[0].gpu), Some(2), "the one GPU the engine held");
 }
+
+/// A vLLM-like server on an 80 GiB card with 60 GiB of weights and KV cache: one request of
+/// 8 KB alone grows the engine's pool by 512 MiB; then another of 4 KB is in flight.
+fn serving(command_flags: &[&str]) -> Trace {
+    let mut t = Trace::vllm(60 * GIB);
+    if let Event::Process { command, .. } = &mut t.0[0].event {
+        command.extend(command_flags.iter().map(|f| f.to_string()));
+    }
+    t.request(6, 200 * MS, 8_000, Some(260 * MS));
+    t.alloc(210 * MS, ENGINE, GIB / 2, 0);
+    t.at(300 * MS, API, Event::ConnClose { conn: 6 });
+    t.request(7, 400 * MS, 4_000, Some(460 * MS));
+    t
+}
+
+fn headroom(t: &mut Trace, prior: &[(u32, u64)]) -> Vec<super::headroom::Headroom> {
+    t.0.sort_by_key(|r| r.ts);
+    let model = Model::from_records(&t.0);
+    let h = header(80 * GIB, prior);
+    Diagnoser::new(&h, &model, 0).headroom()
+}
+
+#[test]
+fn headroom_counts_requests_of_the_largest_size_by_what_one_cost_alone() {
+    let mut t = serving(&[]);
+    let [h] = &headroom(&mut t, &[])[..] else { panic!("one service on one GPU") };
+    assert!(h.measured_alone);
+    assert_eq!((h.measured_pool_bytes, h.measured_request_bytes, h.largest_request_bytes), (GIB / 2, 8_000, 8_000));
+    assert_eq!(h.request_cost_bytes, GIB / 2);
+    let now = h.now.expect("the server runs");
+    // 80 GiB less 60 held: 20 GiB free with the pool counted as room, 40 requests of 8 KB.
+    assert_eq!((now.room_bytes, now.fit_at_once, now.in_flight, now.more_requests), (20 * GIB, 40, 1, 39));
+    // The largest alone: 20 GiB at 64 KiB per byte received.
+    assert_eq!(now.largest_fitting_request_bytes, 320_000);
+    assert!(h.limits_exceeded.is_empty(), "no limit on its command line");
+    // What others hold is no room: NVML's 4 GiB for a process from before tracing.
+    let mut t = serving(&[]);
+    let [h] = &headroom(&mut t, &[(900, 4 * GIB)])[..] else { panic!() };
+    assert_eq!(h.now.unwrap().fit_at_once, 32);
+}
+
+#[test]
+fn a_limit_above_what_memory_fits_is_named_with_the_cap() {
+    let mut t = serving(&["--max-num-seqs", "256"]);
+    let [h] = &headroom(&mut t, &[])[..] else { panic!() };
+    assert_eq!(h.limits_exceeded, [super::headroom::Limit { setting: "--max-num-seqs".into(), value: 256, fits: 40 }]);
+    assert!(h.text().contains("`--max-num-seqs 256` lets 256 run at once; memory fits 40 of the largest seen: cap at 40"), "{}", h.text());
+    let mut t = serving(&["--max-num-seqs", "32"]);
+    assert!(headroom(&mut t, &[])[0].limits_exceeded.is_empty(), "32 fit");
+}
+
+#[test]
+fn the_tightest_moment_is_when_another_service_held_most() {
+    let mut t = serving(&[]);
+    t.at(450 * MS, 300, Event::Process { ppid: 1, seen: Seen::Launched, command: vec!["trainer".into()] });
+    t.alloc_in(500 * MS, 300, 2, 10 * GIB, 0);
+    let object = t.1;
+    t.at(600 * MS, 300, Event::Free { fd: 3, via: Via::RmFree, client: 2, parent: 0, object, status: 0 });
+    let h = headroom(&mut t, &[]).into_iter().find(|h| h.pid == API).unwrap();
+    let tightest = h.tightest;
+    assert_eq!((tightest.ts, tightest.fit_at_once, tightest.more_requests), (500 * MS, 20, 19), "{tightest:?}");
+    assert_eq!(h.now.unwrap().fit_at_once, 40, "freed since");
+    assert!(h.text().contains("at its tightest, at 0.50 s, 20 fit at once"), "{}", h.text());
+}
+
+#[test]
+fn a_batch_costs_its_share_when_no_request_was_alone() {
+    let mut t = Trace::vllm(60 * GIB);
+    for conn in 6..10 {
+        t.request(conn, 200 * MS, 8_000, Some(260 * MS));
+    }
+    t.alloc(210 * MS, ENGINE, 2 * GIB, 0);
+    let [h] = &headroom(&mut t, &[])[..] else { panic!() };
+    assert!(!h.measured_alone);
+    assert_eq!((h.measured_request_bytes, h.request_cost_bytes), (32_000, GIB / 2));
+}
+
+#[test]
+fn a_server_gone_has_no_headroom_now_but_its_tightest() {
+    let mut t = serving(&[]);
+    t.at(700 * MS, ENGINE, Event::Exit { code: Some(0) });
+    t.at(710 * MS, API, Event::Exit { code: Some(0) });
+    let [h] = &headroom(&mut t, &[])[..] else { panic!() };
+    assert!(h.now.is_none());
+    assert_eq!(h.tightest.fit_at_once, 40);
+    assert!(!h.text().contains("; now "), "{}", h.text());
+}
+
+#[test]
+fn no_request_no_headroom() {
+    let mut t = Trace::vllm(60 * GIB);
+    assert!(headroom(&mut t, &[]).is_empty());
+    // A request, but nothing allocated while in prefill: no measure.
+    t.request(6, 200 * MS, 8_000, Some(260 * MS));
+    assert!(headroom(&mut t, &[]).is_empty());
+}

@@ -286,11 +286,13 @@ fn verdict_and_tables(report: &Report) -> (String, String) {
         );
     }
     tables += "</table>";
+    let headroom: String =
+        report.headroom.iter().map(|h| format!("<p class=\"headroom\"><b>Headroom:</b> {}.</p>", escape(&h.text()))).collect();
     let verdict = if category == "none" {
-        format!("<div class=\"verdict ok\"><h1>No out-of-memory</h1><p>{}</p></div>", escape(&d.evidence.text))
+        format!("<div class=\"verdict ok\"><h1>No out-of-memory</h1><p>{}</p>{headroom}</div>", escape(&d.evidence.text))
     } else {
         format!(
-            "<div class=\"verdict\"><h1>{} <small>({})</small></h1><p>{}</p><p class=\"fix\"><b>Fix:</b> {}</p></div>",
+            "<div class=\"verdict\"><h1>{} <small>({})</small></h1><p>{}</p><p class=\"fix\"><b>Fix:</b> {}</p>{headroom}</div>",
             escape(category),
             escape(symptom),
             escape(&format!("{}{}", d.evidence.text, d.repeats())),

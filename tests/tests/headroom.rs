@@ -1,0 +1,108 @@
+//! Headroom predicted from a clean run, then tried on the fake GPU (root; in CI): the
+//! concurrency the report says fits does fit and two past it fails (the measured breaking point
+//! within one request of the predicted one), and the largest request it says fits alone is
+//! within 10% of the size that breaks the server. Both server families.
+
+mod common;
+
+use std::process::Command;
+
+use common::{as_root, gputrace_bin};
+use fakegpu::serve::Completion;
+use serde_json::Value;
+
+/// The warm-up every run starts with (prompt tokens, one after another): the prediction is made
+/// after it, each try made after it.
+const WARMUP: &str = "1024,2048";
+
+/// A clean run of `server` with `flags`, loaded with `load`: the report.
+fn probe(server: &str, flags: &str, load: &str) -> Value {
+    let dir = std::env::temp_dir().join(format!("gputrace-headroom-{server}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let out = Command::new(env!("CARGO_BIN_EXE_fakegpu"))
+        .args(["scenario", "probe", "--server", server, "--nvml", "discrete", "--dir"])
+        .arg(&dir)
+        .arg("--gputrace")
+        .arg(gputrace_bin())
+        .env("GPUTRACE_SERVER_ARGS", flags)
+        .env("GPUTRACE_LOAD", load)
+        .output()
+        .unwrap();
+    let logs = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap_or_default();
+    assert!(out.status.success(), "{server} {load}: {}\n{}", String::from_utf8_lossy(&out.stderr), logs("load.log"));
+    serde_json::from_str(&logs("record.json")).unwrap_or_else(|e| panic!("{server} {load}: record.json: {e}"))
+}
+
+fn verdict(report: &Value) -> &str {
+    report["diagnosis"]["category"].as_str().unwrap_or_default()
+}
+
+/// Prompt tokens of the largest request of the fake load generator that receives no more than
+/// `bytes` (its request line, headers and body, as the server reads them).
+fn tokens_within(bytes: u64) -> u64 {
+    let received = |tokens: u64| {
+        let body = Completion { prompt_tokens: tokens, max_tokens: 8 }.body().len();
+        let head =
+            format!("POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {body}\r\n\r\n");
+        (head.len() + body) as u64
+    };
+    let (mut low, mut high) = (1u64, bytes);
+    while low < high {
+        let mid = (low + high).div_ceil(2);
+        if received(mid) <= bytes {
+            low = mid;
+        } else {
+            high = mid - 1;
+        }
+    }
+    low
+}
+
+fn predictions_hold(server: &str, limit: &str) {
+    let _root = as_root();
+    // llama's context admits the largest tries (the fake refuses a prompt past it with a 400).
+    let flags = if server == "llama" { format!("--ctx 24000 {limit}") } else { limit.to_string() };
+    let base = probe(server, &flags, &format!("--sequential {WARMUP}"));
+    assert_eq!(verdict(&base), "none", "{server}: the warm-up alone fails nothing: {:#}", base["diagnosis"]);
+    let h = &base["headroom"][0];
+    assert!(h["measured_alone"].as_bool().unwrap(), "{server}: {h:#}");
+    // The server exited at the end: the figures while it served, at the tightest moment.
+    assert!(h["now"].is_null(), "{server}: no 'now' for a server that has gone: {h:#}");
+    let at = &h["tightest"];
+    let (fits, largest) = (at["fit_at_once"].as_u64().unwrap(), at["largest_fitting_request_bytes"].as_u64().unwrap());
+    assert!(fits >= 3, "{server}: {h:#}");
+    // Its own limit lets in more than fits: said, with the cap to set.
+    let exceeded = &h["limits_exceeded"][0];
+    let (setting, value) = limit.split_once(' ').unwrap();
+    assert_eq!(exceeded["setting"], setting, "{server}: {h:#}");
+    assert_eq!(exceeded["value"].as_u64().unwrap(), value.parse::<u64>().unwrap());
+    assert_eq!(exceeded["fits"].as_u64().unwrap(), fits);
+
+    // The largest request seen was the warm-up's 2048-token one: that many at once fit; two
+    // more break the server.
+    let wave = |n: u64| probe(server, &flags, &format!("--sequential {WARMUP} --concurrent {n}x2048"));
+    let at_cap = wave(fits);
+    assert_eq!(verdict(&at_cap), "none", "{server}: {fits} at once were predicted to fit: {:#}", at_cap["diagnosis"]);
+    let past = wave(fits + 2);
+    assert_eq!(verdict(&past), "concurrent-load", "{server}: {} at once were predicted not to fit: {:#}", fits + 2, past["diagnosis"]);
+
+    // The largest request alone: 10% under it fits, 10% over it breaks the server.
+    let alone = |bytes: f64| probe(server, &flags, &format!("--sequential {WARMUP},{}", tokens_within(bytes as u64)));
+    let under = alone(largest as f64 * 0.9);
+    assert_eq!(verdict(&under), "none", "{server}: 90% of {largest} bytes was predicted to fit: {:#}", under["diagnosis"]);
+    let over = alone(largest as f64 * 1.1);
+    assert_eq!(verdict(&over), "long-request", "{server}: 110% of {largest} bytes was predicted not to fit: {:#}", over["diagnosis"]);
+    eprintln!("{server}: predicted {fits} at once and {largest} bytes alone; {fits} and 90% fit, {} and 110% fail", fits + 2);
+}
+
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn vllm_headroom_predicts_its_breaking_points() {
+    predictions_hold("vllm", "--max-num-seqs 256");
+}
+
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn llama_headroom_predicts_its_breaking_points() {
+    predictions_hold("llama", "--parallel 64");
+}
