@@ -16,14 +16,16 @@ use crate::serve::GIB;
 pub const NAMES: [&str; 7] =
     ["clean", "held-by-other-process", "does-not-fit-at-load", "long-request", "concurrent-load", "host-oom", "tensor-parallel"];
 pub const SERVERS: [&str; 2] = ["vllm", "llama"];
-/// Not one of the named ways to fail: a clean run with the server's flags and the load given in
-/// GPUTRACE_SERVER_ARGS and GPUTRACE_LOAD, to try a prediction on the fake GPU.
+/// Not one of the named ways to fail: a clean run with the load GPUTRACE_LOAD gives (and the
+/// server's flags GPUTRACE_SERVER_ARGS gives, as in every scenario), to try a prediction.
 pub const PROBE: &str = "probe";
 
 /// The GPUs each scenario runs on: (each one's device memory, unified). The tensor-parallel
 /// scenario's node has a smaller last card.
 pub fn card(name: &str, server: &str) -> (Vec<u64>, bool) {
-    let video = if server == "llama" { 24 * GIB } else { 80 * GIB };
+    // GPUTRACE_VIDEO_GIB: another size of card, to try a what-if of one.
+    let given = std::env::var("GPUTRACE_VIDEO_GIB").ok().and_then(|v| v.parse::<u64>().ok());
+    let video = given.map(|g| g * GIB).unwrap_or(if server == "llama" { 24 * GIB } else { 80 * GIB });
     let gpus = match name {
         "tensor-parallel" => vec![video, video, video, video / 5 * 3],
         _ if tensor_parallel_pair() => vec![video, video],
@@ -84,8 +86,9 @@ impl Tools {
         })
     }
 
-    /// The fake server; with GPUTRACE_SCRIPT set, started by a shell script (`bash run.sh`) that
-    /// stays its parent, as a server started from a wrapper script is.
+    /// The fake server, with GPUTRACE_SERVER_ARGS's flags last; with GPUTRACE_SCRIPT set,
+    /// started by a shell script (`bash run.sh`) that stays its parent, as a server started
+    /// from a wrapper script is.
     fn server_cmd(&self, server: &str, port: u16, extra: &[&str]) -> Command {
         let mut c = if std::env::var_os("GPUTRACE_SCRIPT").is_some() {
             let script = self.dir.join("run.sh");
@@ -97,6 +100,8 @@ impl Tools {
             Command::new(&self.server)
         };
         c.args(["--server", server, "--port", &port.to_string(), "--truth"]).arg(self.dir.join("workload.jsonl")).args(extra);
+        // The setting a fix names, tried: after the scenario's own flags, so it wins.
+        c.args(std::env::var("GPUTRACE_SERVER_ARGS").unwrap_or_default().split_whitespace());
         c.stdout(Stdio::null()).stderr(log(&self.dir, "server.log"));
         c
     }
@@ -105,17 +110,50 @@ impl Tools {
     /// GPUTRACE_ATTACH=all, every process on the host traced too (`--all`), those already
     /// running met as a watch meets them.
     fn record(&self, command: &Command) -> Result<Child> {
+        self.record_as(command, "run.trace", "record.json")
+    }
+
+    /// `record`, into DIR/`trace` with the summary in DIR/`summary`.
+    fn record_as(&self, command: &Command, trace: &str, summary: &str) -> Result<Child> {
         let mut c = Command::new(&self.gputrace);
-        c.args(["record", "--json", "-o"]).arg(self.dir.join("run.trace"));
+        c.args(["record", "--json", "-o"]).arg(self.dir.join(trace));
         if std::env::var("GPUTRACE_ATTACH").is_ok_and(|v| v == "all") {
             c.arg("--all");
         }
         c.arg("--").arg(command.get_program()).args(command.get_args());
-        c.stdout(std::fs::File::create(self.dir.join("record.json"))?).stderr(log(&self.dir, "server.log"));
+        c.stdout(std::fs::File::create(self.dir.join(summary))?).stderr(log(&self.dir, "server.log"));
         if self.nvml == "none" {
             c.env_remove("LD_LIBRARY_PATH");
         }
         c.spawn().context("starting gputrace record")
+    }
+
+    /// The fix of the recording's verdict followed (GPUTRACE_FOLLOW_FIX): the holder it names
+    /// stopped as it says (`kill PID`), then the server started again under a recording into
+    /// after-fix.trace (after-fix.json), served and stopped.
+    fn follow_fix(&self, server: &str, port: u16) -> Result<()> {
+        let summary: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(self.dir.join("record.json"))?)?;
+        let pid = summary["diagnosis"]["fix"]["fields"]["kill"]
+            .as_u64()
+            .filter(|&p| p > 1)
+            .ok_or_else(|| anyhow!("the fix names no pid to stop"))?;
+        signal(pid as u32, libc::SIGTERM);
+        let start = Instant::now();
+        // Gone, or a zombie: its files are closed, its memory freed.
+        let state =
+            || std::fs::read_to_string(format!("/proc/{pid}/stat")).ok().and_then(|s| s.rsplit(')').next().map(|r| r.trim().to_string()));
+        while state().is_some_and(|s| !s.starts_with('Z')) {
+            if start.elapsed() > Duration::from_secs(10) {
+                bail!("pid {pid} did not stop on SIGTERM");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let rec = self.record_as(&self.server_cmd(server, port, &[]), "after-fix.trace", "after-fix.json")?;
+        self.load(server, port, &["--sequential", "512"])?;
+        for pid in children(rec.id()) {
+            signal(pid, libc::SIGTERM);
+        }
+        wait_for(rec, Duration::from_secs(60))
     }
 
     /// `gputrace record --json -o DIR/run.trace --pid PID`, attached to a server already running:
@@ -136,8 +174,27 @@ impl Tools {
     /// or (GPUTRACE_ATTACH=late) started untraced and warmed up, `then`'s connections made (the
     /// server accepts them), a recording attached to it or (with GPUTRACE_WATCH_DUMPS) a watch
     /// started, and only then `then`'s requests sent on them: requests on connections older
-    /// than the tracer, as a proxy's pooled ones. Returns what to wait for.
-    fn serve(&self, server: &str, port: u16, extra: &[&str], warmup: &[&str], then: &[&str]) -> Result<Child> {
+    /// than the tracer, as a proxy's pooled ones. Returns once the server is gone: a server that
+    /// failed ends by itself; one that survived its load (a fix tried) is stopped with SIGTERM.
+    fn serve(&self, server: &str, port: u16, extra: &[&str], warmup: &[&str], then: &[&str]) -> Result<()> {
+        let (mut waited, server_pid) = self.serve_loaded(server, port, extra, warmup, then)?;
+        let start = Instant::now();
+        while waited.try_wait()?.is_none() {
+            if start.elapsed() > Duration::from_secs(2) {
+                let pids = server_pid.map_or_else(|| children(waited.id()), |p| vec![p]);
+                for pid in pids {
+                    signal(pid, libc::SIGTERM);
+                }
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        wait_for(waited, Duration::from_secs(60))
+    }
+
+    /// `serve` up to the end of its load: what to wait for, and the server's pid where it is not
+    /// that one's child.
+    fn serve_loaded(&self, server: &str, port: u16, extra: &[&str], warmup: &[&str], then: &[&str]) -> Result<(Child, Option<u32>)> {
         if std::env::var("GPUTRACE_ATTACH").is_ok_and(|v| v == "late") {
             let running = self.server_cmd(server, port, extra).spawn().context("starting the server")?;
             self.load(server, port, warmup)?;
@@ -158,12 +215,13 @@ impl Tools {
                 }
                 std::thread::sleep(Duration::from_millis(20));
             }
-            let waited = if self.watch_late()? { running } else { self.record_pid(running.id())? };
+            let server_pid = running.id();
+            let waited = if self.watch_late()? { running } else { self.record_pid(server_pid)? };
             std::fs::write(&go, "")?;
             if !pending.wait()?.success() {
                 bail!("the load generator failed; see {}", self.dir.join("load.log").display());
             }
-            return Ok(waited);
+            return Ok((waited, Some(server_pid)));
         }
         let recording = self.record(&self.server_cmd(server, port, extra))?;
         self.load(server, port, warmup)?;
@@ -173,7 +231,7 @@ impl Tools {
             std::fs::write(self.dir.join("metrics-before.txt"), http_get("/metrics")?)?;
         }
         self.load(server, port, then)?;
-        Ok(recording)
+        Ok((recording, None))
     }
 
     /// With GPUTRACE_ATTACH=late and GPUTRACE_WATCH_DUMPS, starts the watch now (what ran before
@@ -331,13 +389,10 @@ fn scenario_inside(t: &Tools, name: &str, server: &str) -> Result<()> {
     let limit = Duration::from_secs(60);
     match name {
         "clean" | PROBE => {
-            // A probe is a clean run with the server's extra flags and the load given
-            // (GPUTRACE_SERVER_ARGS, GPUTRACE_LOAD): a prediction tried on the fake GPU.
-            let given = |var: &str| std::env::var(var).ok().filter(|_| name == PROBE);
-            let extra = given("GPUTRACE_SERVER_ARGS").unwrap_or_default();
-            let load = given("GPUTRACE_LOAD").unwrap_or_else(|| "--sequential 1024,2048 --concurrent 2x1024".into());
-            let extra: Vec<&str> = extra.split_whitespace().collect();
-            let rec = t.record(&t.server_cmd(server, port, &extra))?;
+            // A probe is a clean run with the load given (GPUTRACE_LOAD): a prediction tried.
+            let given = std::env::var("GPUTRACE_LOAD").ok().filter(|_| name == PROBE);
+            let load = given.unwrap_or_else(|| "--sequential 1024,2048 --concurrent 2x1024".into());
+            let rec = t.record(&t.server_cmd(server, port, &[]))?;
             t.load(server, port, &load.split_whitespace().collect::<Vec<_>>())?;
             for pid in children(rec.id()) {
                 signal(pid, libc::SIGTERM);
@@ -362,15 +417,13 @@ fn scenario_inside(t: &Tools, name: &str, server: &str) -> Result<()> {
             };
             // The long one as a wave of one: sent, when attached late, on a connection made before.
             let long = if llama { "1x16000" } else { "1x40000" };
-            let rec = t.serve(server, port, pair, &["--sequential", "1024,2048"], &["--concurrent", long])?;
-            wait_for(rec, limit)
+            t.serve(server, port, pair, &["--sequential", "1024,2048"], &["--concurrent", long])
         }
         "concurrent-load" => {
             let (one, wave) = if llama { ("3000", "8x3000") } else { ("2048", "24x2048") };
             // Each with its concurrency limit above what memory takes (vLLM's default).
             let cap: [&str; 2] = if llama { ["--parallel", "8"] } else { ["--max-num-seqs", "256"] };
-            let rec = t.serve(server, port, &cap, &["--sequential", one], &["--concurrent", wave])?;
-            wait_for(rec, limit)
+            t.serve(server, port, &cap, &["--sequential", one], &["--concurrent", wave])
         }
         "held-by-other-process" => {
             // The earlier server, not recorded: it is what the recorder finds already there.
@@ -383,7 +436,11 @@ fn scenario_inside(t: &Tools, name: &str, server: &str) -> Result<()> {
             std::thread::sleep(Duration::from_millis(100));
             // A watch started late meets the orphan running (a recording with `--all` does so anyway).
             t.watch_late()?;
-            wait_for(t.record(&t.server_cmd(server, port, &[]))?, limit)
+            wait_for(t.record(&t.server_cmd(server, port, &[]))?, limit)?;
+            if std::env::var_os("GPUTRACE_FOLLOW_FIX").is_some() {
+                t.follow_fix(server, port)?;
+            }
+            Ok(())
         }
         "host-oom" => {
             let cgroup = memory_cgroup(256 << 20)?;

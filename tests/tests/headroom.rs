@@ -5,9 +5,7 @@
 
 mod common;
 
-use std::process::Command;
-
-use common::{as_root, gputrace_bin};
+use common::{as_root, scenario, summary};
 use fakegpu::serve::Completion;
 use serde_json::Value;
 
@@ -17,20 +15,7 @@ const WARMUP: &str = "1024,2048";
 
 /// A clean run of `server` with `flags`, loaded with `load`: the report.
 fn probe(server: &str, flags: &str, load: &str) -> Value {
-    let dir = std::env::temp_dir().join(format!("gputrace-headroom-{server}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let out = Command::new(env!("CARGO_BIN_EXE_fakegpu"))
-        .args(["scenario", "probe", "--server", server, "--nvml", "discrete", "--dir"])
-        .arg(&dir)
-        .arg("--gputrace")
-        .arg(gputrace_bin())
-        .env("GPUTRACE_SERVER_ARGS", flags)
-        .env("GPUTRACE_LOAD", load)
-        .output()
-        .unwrap();
-    let logs = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap_or_default();
-    assert!(out.status.success(), "{server} {load}: {}\n{}", String::from_utf8_lossy(&out.stderr), logs("load.log"));
-    serde_json::from_str(&logs("record.json")).unwrap_or_else(|e| panic!("{server} {load}: record.json: {e}"))
+    summary(&scenario("probe", server, &[("GPUTRACE_SERVER_ARGS", flags), ("GPUTRACE_LOAD", load)]))
 }
 
 fn verdict(report: &Value) -> &str {

@@ -89,6 +89,20 @@ fn run(op: &str, path: &Path) {
             let (h, m, n) = load(path);
             let _ = Report::new(&h, &m, String::new(), n, Loss::default(), u64::MAX).text();
         }
+        // The same report with the card's size known: each serving service's headroom too (a
+        // trace without NVML has none, as the plain report's).
+        "report-80GiB" => {
+            let (mut h, m, n) = load(path);
+            h.assume_capacity(80 << 30);
+            let report = Report::new(&h, &m, String::new(), n, Loss::default(), u64::MAX);
+            assert_eq!(report.headroom.len(), 1, "the server's headroom");
+        }
+        "whatif" => {
+            let (mut h, m, _) = load(path);
+            h.assume_capacity(80 << 30);
+            let settings = gputrace::analysis::whatif::Settings { max_concurrency: Some(8), ..Default::default() };
+            let _ = gputrace::analysis::diagnosis::Diagnoser::new(&h, &m, 0).whatif(&settings, true).unwrap().text();
+        }
         "perfetto" => {
             let (h, m, n) = load(path);
             let report = Report::new(&h, &m, String::new(), n, Loss::default(), u64::MAX);
@@ -134,7 +148,7 @@ fn main() {
     let (read_s, read_kb) = measure("read", &path);
     println!("{:<10} {:>9} {:>12} {:>13} {:>14}", "operation", "seconds", "peak MiB", "time / read", "memory / read");
     println!("{:<10} {:>9.2} {:>12.1} {:>13.2} {:>14.2}", "read", read_s, read_kb as f64 / 1024.0, 1.0, 1.0);
-    for op in ["report", "perfetto", "html", "csv"] {
+    for op in ["report", "report-80GiB", "whatif", "perfetto", "html", "csv"] {
         let (s, kb) = measure(op, &path);
         println!("{op:<10} {s:>9.2} {:>12.1} {:>13.2} {:>14.2}", kb as f64 / 1024.0, s / read_s, kb as f64 / read_kb as f64);
     }

@@ -116,6 +116,37 @@ enum Command {
         #[command(flatten)]
         judging: Judging,
     },
+    /// The recorded load and requests replayed under changed settings, from the trace's own
+    /// measures: would the OOM have happened, at which request, with what margin, and what it
+    /// becomes. Several settings at once; `--search` adds the largest concurrency and context that
+    /// fit. Exits 1 when it would fail.
+    Whatif {
+        trace: PathBuf,
+        /// Requests served at once; later ones wait (vLLM --max-num-seqs, llama-server -np or
+        /// --parallel, SGLang --max-running-requests, TGI --max-concurrent-requests)
+        #[arg(long = "max-num-seqs", visible_aliases = ["parallel", "max-running-requests", "max-concurrent-requests"], value_name = "N")]
+        max_concurrency: Option<u64>,
+        /// The longest prompt admitted, in tokens; for llama-server also its KV cache's size (vLLM
+        /// --max-model-len, llama-server -c or --ctx-size, SGLang --context-length)
+        #[arg(short = 'c', long = "max-model-len", visible_aliases = ["ctx-size", "context-length"], value_name = "TOKENS")]
+        max_context: Option<u64>,
+        /// The fraction of the card an engine reserves (vLLM --gpu-memory-utilization, SGLang
+        /// --mem-fraction-static)
+        #[arg(long = "gpu-memory-utilization", visible_alias = "mem-fraction-static", value_name = "FRACTION")]
+        utilization: Option<f64>,
+        /// The weights at 8 or 4 bits a parameter (recorded at 16)
+        #[arg(long, value_name = "BITS", value_parser = clap::builder::TypedValueParser::map(clap::builder::PossibleValuesParser::new(["8", "4"]), |b| b.parse::<u32>().unwrap_or(16)))]
+        quantize: Option<u32>,
+        /// The card's size: 80GiB, 141GiB
+        #[arg(long, value_name = "BYTES", value_parser = gputrace::units::parse_bytes)]
+        capacity: Option<u64>,
+        /// Also find the largest concurrency and context that fit under these settings
+        #[arg(long)]
+        search: bool,
+        /// Print the outcome as JSON
+        #[arg(long)]
+        json: bool,
+    },
     /// The man pages and shell completions, generated from these definitions (for packagers:
     /// `cargo xtask dist` runs it).
     #[command(hide = true)]
@@ -248,6 +279,23 @@ fn print_report(path: PathBuf, json: bool, judging: Judging) -> anyhow::Result<(
     Ok(())
 }
 
+fn whatif(path: &std::path::Path, settings: &gputrace::analysis::whatif::Settings, search: bool, json: bool) -> anyhow::Result<ExitCode> {
+    let (mut header, model, _, loss) = report::load(path, false)?;
+    // A trace without the card's size (no NVML) takes the one tried as the recorded one too.
+    if let Some(bytes) = settings.capacity {
+        header.assume_capacity(bytes);
+    }
+    let outcome = gputrace::analysis::diagnosis::Diagnoser::new(&header, &model, loss.lost_records)
+        .whatif(settings, search)
+        .map_err(|why| anyhow::anyhow!("{}: {why}", path.display()))?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&outcome)?);
+    } else {
+        println!("{}", gputrace::units::for_terminal(&outcome.text()));
+    }
+    Ok(ExitCode::from(u8::from(outcome.category != gputrace::analysis::diagnosis::Category::None)))
+}
+
 /// The man pages (gputrace.1, gputrace-record.1, ...) into `dir`, written as the invoking user
 /// would, readable by all as man pages are; or a shell's completions on standard output.
 fn generate(what: Generate) -> anyhow::Result<()> {
@@ -271,7 +319,9 @@ fn generate(what: Generate) -> anyhow::Result<()> {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    // llama-server's `-np` is two letters after one dash, which no parser of options takes: the
+    // same as `--parallel` to `whatif`.
+    let cli = Cli::parse_from(std::env::args().map(|a| if a == "-np" { "--parallel".to_string() } else { a }));
     let result = match cli.command {
         Command::Doctor { json, idle_minutes } => {
             let findings = gputrace::doctor::assess(&gputrace::doctor::observe(), idle_minutes);
@@ -319,6 +369,10 @@ fn main() -> ExitCode {
         }
         Command::Export { trace, format, output, judging } => export(trace, format, output, judging).map(|()| ExitCode::SUCCESS),
         Command::Report { trace, json, judging } => print_report(trace, json, judging).map(|()| ExitCode::SUCCESS),
+        Command::Whatif { trace, max_concurrency, max_context, utilization, quantize, capacity, search, json } => {
+            let settings = gputrace::analysis::whatif::Settings { max_concurrency, max_context, utilization, quantize, capacity };
+            whatif(&trace, &settings, search, json)
+        }
         Command::Generate { what } => generate(what).map(|()| ExitCode::SUCCESS),
     };
     match result {

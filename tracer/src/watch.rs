@@ -97,13 +97,14 @@ pub struct Watcher {
     /// a file table of their own): every report says so.
     own_file_table: u64,
     /// Servers' limits found to let in more requests than memory takes: each said once in the
-    /// log. Checked once a request got its first data (its prefill, what it costs, is over) or
-    /// ended, at most every LIMITS_EVERY_NS: when the last check was, and whether one is due.
+    /// log. Checked once a request sent data (its prefill, what it costs, is over), at most
+    /// every LIMITS_EVERY_NS (each check reads the whole live model): when the last check was,
+    /// and whether one is due.
     limits_warned: HashSet<(String, String, u64)>,
     limits_checked: (u64, bool),
 }
 
-const LIMITS_EVERY_NS: u64 = 1_000_000_000;
+const LIMITS_EVERY_NS: u64 = 10_000_000_000;
 
 impl Watcher {
     /// Dumps unbudgeted, as root, no context ever idle: `run` sets those from the options.
@@ -173,7 +174,7 @@ impl Sink for Watcher {
     }
 
     fn push(&mut self, record: &crate::event::Record, live: &Model) {
-        if matches!(record.event, Event::Sent { data: true, .. } | Event::ConnClose { .. }) {
+        if matches!(record.event, Event::Sent { data: true, .. }) {
             self.limits_checked.1 = true;
         }
         self.flight.push(record, live);

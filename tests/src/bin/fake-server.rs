@@ -2,20 +2,25 @@
 //! (vLLM binds early and listens after load; llama-server listens first and answers 503 while
 //! loading), with real sockets on 127.0.0.1.
 //!
-//! `fake-server --server vllm --port P [--model-gib 16] [--util 0.9] [--truth FILE]`
+//! `fake-server --server vllm --port P [--model-gib 16] [--util 0.9] [--max-num-seqs 256]
+//!             [--max-model-len L] [--truth FILE]`
 //!   An API server process that binds the port at once but listens only after the engine
 //!   process (a child, which holds the GPU) has loaded: weights as one allocation per large
 //!   parameter, a profiling burst then frees, the KV cache as one identical block per layer,
 //!   graph capture. Streaming responses send headers at once and data at time-to-first-token.
 //!   Decode allocates nothing; a prefill batch larger than any before allocates activations.
+//!   A batch holds at most `--max-num-seqs` requests (the rest wait); a prompt longer than
+//!   `--max-model-len` tokens is refused with a 400.
 //!   An engine that runs out of memory dies, and the API server with it. An engine that finds
 //!   too little free memory at start refuses without allocating. With `--tensor-parallel-size N`
 //!   the engine is rank 0 on GPU 0 and starts a worker per further rank, each on its own GPU,
 //!   each loading 1/N of the weights and its own KV cache; a rank that fails takes the engine down.
-//! `fake-server --server llama --port P [--model-gib 14] [--ctx 16384] [--parallel 4] [--helper]`
+//! `fake-server --server llama --port P [--model-gib 14] [--ctx|-c 16384] [--parallel|-np 4] [--helper]`
 //!   Listens first and answers 503 while loading; one weights buffer, one KV buffer sized by
 //!   the context, compute buffers (device and pinned host), a VMM-style scratch pool that grows
-//!   on big prompts and never shrinks; headers at time-to-first-token. Out of memory at load
+//!   on big prompts and never shrinks; headers at time-to-first-token. At most `--parallel`
+//!   requests are served at once (the rest wait for a slot); a prompt past the context is
+//!   refused with a 400. Out of memory at load
 //!   exits 1; at run time it aborts. `--helper` forks a child that keeps the device files.
 //!   `--tensor-split 1,1` splits the weights evenly over that many GPUs, from one process.
 //!   `--touch-host-mib N` reads N MiB of "model file" into host memory per weights GiB while
@@ -43,8 +48,14 @@ struct Args {
     port: u16,
     model_gib: u64,
     util: f64,
+    /// llama: the context (`--ctx`, `-c`), shared by the slots, and the slots served at once
+    /// (`--parallel`, `-np`); a request waits for a free slot.
     ctx: u64,
     parallel: u64,
+    /// vLLM: the most requests batched at once, and the longest prompt admitted (longer ones
+    /// are refused with a 400, as vLLM does).
+    max_num_seqs: u64,
+    max_model_len: Option<u64>,
     helper: bool,
     touch_host_mib: u64,
     /// GPUs the model is sharded over: vLLM's tensor-parallel ranks, llama's --tensor-split.
@@ -57,7 +68,10 @@ struct Args {
 
 fn parse_args() -> Args {
     let raw: Vec<String> = std::env::args().skip(1).collect();
-    let value = |flag: &str| raw.iter().position(|a| a == flag).and_then(|i| raw.get(i + 1)).cloned();
+    // The last of a flag given twice (under any of its names) wins, as with the real servers'
+    // parsers.
+    let value_of = |names: &[&str]| raw.iter().rposition(|a| names.contains(&a.as_str())).and_then(|i| raw.get(i + 1)).cloned();
+    let value = |flag: &str| value_of(&[flag]);
     let server = value("--server").unwrap_or_else(|| "vllm".into());
     let default_model = if server == "llama" { 14 } else { 16 };
     Args {
@@ -65,8 +79,10 @@ fn parse_args() -> Args {
         port: value("--port").and_then(|v| v.parse().ok()).unwrap_or(8000),
         model_gib: value("--model-gib").and_then(|v| v.parse().ok()).unwrap_or(default_model),
         util: value("--util").and_then(|v| v.parse().ok()).unwrap_or(0.9),
-        ctx: value("--ctx").and_then(|v| v.parse().ok()).unwrap_or(16384),
-        parallel: value("--parallel").and_then(|v| v.parse().ok()).unwrap_or(4),
+        ctx: value_of(&["--ctx", "-c"]).and_then(|v| v.parse().ok()).unwrap_or(16384),
+        parallel: value_of(&["--parallel", "-np"]).and_then(|v| v.parse().ok()).unwrap_or(4),
+        max_num_seqs: value("--max-num-seqs").and_then(|v| v.parse().ok()).unwrap_or(256),
+        max_model_len: value("--max-model-len").and_then(|v| v.parse().ok()),
         helper: raw.iter().any(|a| a == "--helper"),
         touch_host_mib: value("--touch-host-mib").and_then(|v| v.parse().ok()).unwrap_or(0),
         shards: value("--tensor-parallel-size")
@@ -214,12 +230,16 @@ fn vllm_api(args: &Args, truth: &Arc<Truth>) -> ExitCode {
         };
         stream.set_nonblocking(false).unwrap();
         let (to_engine, routes, next_id, truth) = (to_engine.clone(), routes.clone(), next_id.clone(), truth.clone());
+        let max_model_len = args.max_model_len;
         std::thread::spawn(move || {
             let Some(request) = read_request(&mut stream) else { return };
             truth.note("read", json!({"path": request.path}));
             let Ok(c) = serde_json::from_slice::<Completion>(&request.body) else {
                 return respond(&mut stream, "400 Bad Request", r#"{"error":"bad request"}"#);
             };
+            if max_model_len.is_some_and(|l| c.prompt_tokens > l) {
+                return respond(&mut stream, "400 Bad Request", r#"{"error":"This model's maximum context length is exceeded"}"#);
+            }
             let id = {
                 let mut n = next_id.lock().unwrap();
                 *n += 1;
@@ -393,18 +413,24 @@ fn vllm_engine(args: &Args, truth: &Truth) -> ExitCode {
             std::thread::sleep(Duration::from_secs(3600));
         }
     });
-    serve_batches(&mut gpu, truth, &model, rx)
+    serve_batches(&mut gpu, truth, &model, rx, args.max_num_seqs.max(1) as usize)
 }
 
 /// Prefill the waiting requests as one batch, then decode them together; activations grow to the
 /// largest batch seen and are reused after.
-fn serve_batches(gpu: &mut Gpu, truth: &Truth, model: &ModelSpec, rx: Receiver<Waiting>) -> ExitCode {
+fn serve_batches(gpu: &mut Gpu, truth: &Truth, model: &ModelSpec, rx: Receiver<Waiting>, max_num_seqs: usize) -> ExitCode {
     let mut workspace = 0u64;
     let mut out = std::io::stdout();
-    while let Ok(first) = rx.recv() {
+    // Requests past --max-num-seqs wait for a later batch.
+    let mut queued: std::collections::VecDeque<Waiting> = std::collections::VecDeque::new();
+    loop {
+        if queued.is_empty() {
+            let Ok(first) = rx.recv() else { break };
+            queued.push_back(first);
+        }
         std::thread::sleep(Duration::from_millis(30));
-        let mut batch = vec![first];
-        batch.extend(rx.try_iter());
+        queued.extend(rx.try_iter());
+        let batch: Vec<Waiting> = queued.drain(..queued.len().min(max_num_seqs)).collect();
         let in_flight = batch.len();
         let tokens: u64 = batch.iter().map(|w| w.completion.prompt_tokens).sum();
         for w in &batch {
@@ -468,13 +494,16 @@ fn llama(args: &Args, truth: Arc<Truth>) -> ExitCode {
     let gpu: Arc<Mutex<Option<Gpu>>> = Arc::new(Mutex::new(None));
     let pool = Arc::new(Mutex::new(Pool { capacity: 0, in_use: 0, chunks: Vec::new() }));
     let in_flight = Arc::new(Mutex::new(0usize));
+    // Free slots: a request waits for one.
+    let slots = Arc::new((Mutex::new(args.parallel.max(1)), std::sync::Condvar::new()));
     {
         let (ready, gpu, pool, in_flight, truth) = (ready.clone(), gpu.clone(), pool.clone(), in_flight.clone(), truth.clone());
-        let (ctx, parallel, act) = (args.ctx, args.parallel, model.activation_per_token);
+        let (ctx, act) = (args.ctx, model.activation_per_token);
         std::thread::spawn(move || {
             for stream in listener.incoming() {
                 let Ok(mut stream) = stream else { continue };
                 let (ready, gpu, pool, in_flight, truth) = (ready.clone(), gpu.clone(), pool.clone(), in_flight.clone(), truth.clone());
+                let slots = slots.clone();
                 std::thread::spawn(move || {
                     let Some(request) = read_request(&mut stream) else { return };
                     truth.note("read", json!({"path": request.path}));
@@ -487,10 +516,16 @@ fn llama(args: &Args, truth: Arc<Truth>) -> ExitCode {
                     let Ok(c) = serde_json::from_slice::<Completion>(&request.body) else {
                         return respond(&mut stream, "400 Bad Request", r#"{"error":"bad request"}"#);
                     };
-                    if c.prompt_tokens > ctx / parallel.max(1) * parallel.max(1) {
+                    if c.prompt_tokens > ctx {
                         return respond(&mut stream, "400 Bad Request", r#"{"error":"the request exceeds the available context size"}"#);
                     }
+                    let (free, freed) = &*slots;
+                    let mut n = freed.wait_while(free.lock().unwrap(), |n| *n == 0).unwrap();
+                    *n -= 1;
+                    drop(n);
                     llama_request(&mut stream, c, act, &gpu, &pool, &in_flight, &truth);
+                    *free.lock().unwrap() += 1;
+                    freed.notify_one();
                 });
             }
         });

@@ -43,3 +43,37 @@ pub fn start(args: &[&str], sudo_nobody: bool) -> Child {
     }
     child
 }
+
+/// Runs scenario `name` for `server` on the fake GPU (NVML as a discrete GPU's) with `env` set,
+/// into a directory of its own; fails with its logs if the scenario does. The directory
+/// (run.trace, record.json, the logs). Not every test crate that includes this module runs one.
+#[allow(dead_code)]
+pub fn scenario(name: &str, server: &str, env: &[(&str, &str)]) -> PathBuf {
+    let tag: String = env.iter().map(|(_, v)| v.replace(|c: char| !c.is_ascii_alphanumeric(), "")).collect();
+    let dir = std::env::temp_dir().join(format!("gputrace-{server}-{name}-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let out = Command::new(env!("CARGO_BIN_EXE_fakegpu"))
+        .args(["scenario", name, "--server", server, "--nvml", "discrete", "--dir"])
+        .arg(&dir)
+        .arg("--gputrace")
+        .arg(gputrace_bin())
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    let logs = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap_or_default();
+    assert!(
+        out.status.success(),
+        "{server} {name} {env:?}: {}\n{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        logs("server.log"),
+        logs("load.log")
+    );
+    dir
+}
+
+/// The report a scenario's recording printed (record.json in its directory).
+#[allow(dead_code)]
+pub fn summary(dir: &Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(dir.join("record.json")).unwrap_or_default();
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: record.json: {e}", dir.display()))
+}

@@ -11,11 +11,10 @@
 //! The evidence is typed ([`Evidence`]); each category's fix is its own function, which asks the
 //! server's family ([`ServerFamily`]) what its settings are called.
 
-use std::collections::BTreeMap;
-
 use serde::Serialize;
 use serde_json::{json, Value};
 
+use super::headroom::BYTES_PER_TOKEN;
 use super::server::{flag, ServerFamily};
 use super::{Phase, Service, Services};
 use crate::abi::status;
@@ -322,7 +321,7 @@ impl<'a> Diagnoser<'a> {
 
     /// Memory held outside `service` at `ts` on `gpu`: other traced services, and what NVML said
     /// other processes held there when recording began. With who holds it.
-    fn held_outside(&self, service: &Service, ts: u64, gpu: Option<u32>) -> (u64, Vec<Holder>) {
+    pub(super) fn held_outside(&self, service: &Service, ts: u64, gpu: Option<u32>) -> (u64, Vec<Holder>) {
         let mut total = self.live_at(ts, gpu, |pid| !service.pids.contains(&pid));
         let mut holders = Vec::new();
         for other in self.services.list.iter().filter(|s| s.root != service.root) {
@@ -698,32 +697,43 @@ impl<'a> Diagnoser<'a> {
         Said::new(fields, text)
     }
 
-    /// A lower maximum context, scaled from the longest prompt that was served.
+    /// A lower maximum context: what the longest prompt that fits alone takes, from what a
+    /// request costs and the room for requests.
     fn fix_long(&self, case: &Case) -> Said {
         #[derive(Serialize)]
         struct Fields<'s> {
             failed_request_bytes: u64,
             largest_served_request_bytes: u64,
+            /// The largest prompt that fits alone, in bytes received, and in tokens at
+            /// [`BYTES_PER_TOKEN`]; null when no request's cost was measured.
+            largest_fitting_request_bytes: Option<u64>,
+            context_tokens: Option<u64>,
             flag: &'s str,
         }
         let culprit = one_much_larger(&case.in_flight).or_else(|| case.in_flight.first().copied());
         let failed_in = culprit.map(|r| r.bytes_in).unwrap_or(0);
         let served_before = |r: &&Request| case.service.pids.contains(&r.pid) && r.first_data_at.is_some_and(|d| d < case.failure.ts);
         let served = self.model.requests.iter().filter(served_before).map(|r| r.bytes_in).max();
+        let room = self.room_for_requests(case);
+        let fits = room.cost.map(|c| c.fits(room.bytes));
+        let (prompt_tokens, tokens) = room.cost.map(|c| c.context(room.bytes)).unzip();
         let (setting, how) = match case.family.context() {
             Some((setting, names)) => {
-                let how = match flag(case.engine, names) {
-                    Some(now) if served.is_some() => {
-                        let served = served.unwrap_or(0);
-                        let suggested = (now.parse::<f64>().unwrap_or(0.0) * served as f64 / failed_in.max(1) as f64) as u64;
-                        format!("{} (now {now}; about {suggested} keeps the longest prompt that was served)", setting.name())
-                    }
-                    Some(now) => format!("{} (now {now})", setting.name()),
-                    None => setting.name().to_string(),
+                let now = flag(case.engine, names).unwrap_or_else(|| "its default".into());
+                let how = match tokens {
+                    Some(tokens) => format!(" to about {tokens} tokens ({}, now {now})", setting.with(tokens)),
+                    None => format!(" ({}, now {now})", setting.name()),
                 };
                 (setting.name(), how)
             }
-            None => ("", "the server's setting for it".to_string()),
+            None => ("", " (the server's setting for it)".to_string()),
+        };
+        let why = match (fits, prompt_tokens) {
+            (Some(fits), Some(prompt)) => format!(
+                ": a request of {} fits alone, a prompt of about {prompt} tokens at {BYTES_PER_TOKEN} bytes a token of English text (fewer for code or other scripts), less 3% for the allocator's rounding",
+                bytes(fits)
+            ),
+            _ => String::new(),
         };
         // Attached to a server already serving, the prompts it served before are not in the trace.
         let against = match served {
@@ -731,14 +741,34 @@ impl<'a> Diagnoser<'a> {
             None => "alone, the first request seen since tracing began (the server was serving already)".to_string(),
         };
         let text = format!(
-            "One request of {} received failed {against}: lower the maximum context ({how}) so requests that long are refused cleanly instead of failing the server.",
+            "One request of {} received failed {against}: lower the maximum context{how} so longer requests are refused cleanly instead of failing the server{why}.",
             bytes(failed_in)
         );
-        Said::new(Fields { failed_request_bytes: failed_in, largest_served_request_bytes: served.unwrap_or(0), flag: setting }, text)
+        let fields = Fields {
+            failed_request_bytes: failed_in,
+            largest_served_request_bytes: served.unwrap_or(0),
+            largest_fitting_request_bytes: fits,
+            context_tokens: tokens,
+            flag: setting,
+        };
+        Said::new(fields, text)
     }
 
-    /// A concurrency cap computed from what one request costs: what a prefill allocated while it
-    /// was alone in flight, else the batch's share.
+    /// The room for requests at the failure on its GPU: what was free, plus the service's pool
+    /// (what it allocated while requests were in prefill, reused by the next ones); and what a
+    /// request costs, where measured.
+    fn room_for_requests(&self, case: &Case) -> Room {
+        let pool = self.pool(case.service, case.evidence.gpu);
+        let completions = self.services.completions(case.service);
+        Room {
+            bytes: case.evidence.free_bytes.unwrap_or(0).saturating_add(pool.at(case.failure.ts)),
+            pool: pool.at(case.failure.ts),
+            cost: pool.cost(&completions),
+        }
+    }
+
+    /// A concurrency cap computed from what one request costs (the largest in flight, by what a
+    /// byte received cost), else the batch's share.
     fn fix_concurrent(&self, case: &Case) -> Said {
         #[derive(Serialize)]
         struct Fields {
@@ -750,45 +780,39 @@ impl<'a> Diagnoser<'a> {
             flag: String,
             litellm_max_parallel_requests: u64,
         }
-        let (service, ts) = (case.service, case.failure.ts);
-        let prefill = |a: &&crate::model::Allocation| {
-            a.memory == Memory::Video && service.pids.contains(&a.pid) && self.services.phase(service, a.ts) == Phase::Prefill
-        };
-        let live = |a: &&crate::model::Allocation| a.ts <= ts && a.freed.is_none_or(|(t, _)| t > ts);
-        let prefill_live = self.model.allocations.iter().filter(prefill).filter(live).map(|a| a.bytes).fold(0, u64::saturating_add);
-        let mut alone: BTreeMap<u64, u64> = BTreeMap::new();
-        // The timeline's count rules most allocations out without looking at requests.
-        for a in self.model.allocations.iter().filter(prefill).filter(|a| a.ts < ts) {
-            if self.services.in_flight_count(service, a.ts) != 1 {
-                continue;
-            }
-            if let [only] = self.services.in_flight(service, a.ts)[..] {
-                crate::model::add(alone.entry(only.arrived).or_default(), a.bytes);
-            }
-        }
+        let room = self.room_for_requests(case);
         let n = case.in_flight.len().max(1) as u64;
-        let measured = alone.values().copied().max();
-        let per_request = measured.unwrap_or(prefill_live.saturating_add(case.failure.bytes.unwrap_or(0)) / n).max(1);
-        let room = case.evidence.free_bytes.unwrap_or(0).saturating_add(prefill_live);
-        let cap = (room / per_request).clamp(1, n.saturating_sub(1).max(1));
+        let largest = case.in_flight.iter().map(|r| r.bytes_in).max().unwrap_or(0);
+        let batch_share = room.pool.saturating_add(case.failure.bytes.unwrap_or(0)) / n;
+        let per_request = room.cost.map_or(batch_share, |c| c.of(largest)).max(1);
+        let cap = (room.bytes / per_request).clamp(1, n.saturating_sub(1).max(1));
         let setting = case.family.concurrency().map_or_else(|| format!("the server's concurrency limit at {cap}"), |(s, _)| s.with(cap));
-        let how = if measured.is_some() { "one request alone needed" } else { "the batch needed, per request," };
+        let alone = room.cost.is_some_and(|c| c.alone);
+        let how = if alone { "one request alone needed" } else { "the batch needed, per request," };
         let text = format!(
             "{n} requests were in flight; {how} {}, and {} was free for requests: cap concurrency at {cap} ({setting}, or LiteLLM max_parallel_requests: {cap} in front of it).",
             bytes(per_request),
-            bytes(room)
+            bytes(room.bytes)
         );
         let fields = Fields {
             in_flight: n,
             bytes_per_request: per_request,
-            per_request_measured_alone: measured.is_some(),
-            room_bytes: room,
+            per_request_measured_alone: alone,
+            room_bytes: room.bytes,
             max_concurrency: cap,
             flag: setting,
             litellm_max_parallel_requests: cap,
         };
         Said::new(fields, text)
     }
+}
+
+/// The room for requests at a failure (see [`Diagnoser::room_for_requests`]).
+struct Room {
+    bytes: u64,
+    /// The service's pool within it.
+    pool: u64,
+    cost: Option<super::headroom::Cost>,
 }
 
 /// Whether a death while loading (no failed allocation) came with memory running short: a start-up

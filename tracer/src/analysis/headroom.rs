@@ -108,7 +108,7 @@ impl Headroom {
 }
 
 /// Video memory live over time for the allocations kept: (time, live from then on).
-struct Live(Vec<(u64, u64)>);
+pub(super) struct Live(Vec<(u64, u64)>);
 
 impl Live {
     fn of<'m>(allocations: impl Iterator<Item = &'m Allocation>) -> Live {
@@ -133,31 +133,138 @@ impl Live {
         Live(steps)
     }
 
-    fn at(&self, ts: u64) -> u64 {
+    pub(super) fn at(&self, ts: u64) -> u64 {
         match self.0.partition_point(|(t, _)| *t <= ts) {
             0 => 0,
             i => self.0[i - 1].1,
         }
+    }
+
+    /// Each time it changes, and what is live from then on.
+    pub(super) fn steps(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.0.iter().copied()
     }
 }
 
 /// How many of the pool's highest marks are tried for one with a request alone in prefill.
 const MARKS_TRIED: usize = 16;
 
+/// A service's pool on one GPU: its video memory allocated while it had requests in prefill
+/// (activations, a caching allocator's blocks, compute buffers), reused by later requests.
+pub(super) struct Pool<'m> {
+    allocations: Vec<&'m Allocation>,
+    live: Live,
+}
+
+/// What a request costs: the pool's high-water mark over what the requests in prefill had
+/// received when it was reached. Where requests of two sizes were each measured alone, the
+/// line through both: a request's bytes include a part that is no prompt (its headers, the
+/// JSON around the prompt, a chat template), which costs nothing.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct Cost {
+    pub per_byte: f64,
+    /// Bytes of a request that cost nothing.
+    pub overhead_bytes: u64,
+    pub pool_bytes: u64,
+    pub received: u64,
+    /// One request was alone in prefill at that mark (else the batch's share).
+    pub alone: bool,
+}
+
+impl Cost {
+    /// What a request of `bytes` received costs.
+    pub(super) fn of(&self, bytes: u64) -> u64 {
+        (bytes.saturating_sub(self.overhead_bytes) as f64 * self.per_byte) as u64
+    }
+
+    /// The largest request, in bytes received, that `room` takes.
+    pub(super) fn fits(&self, room: u64) -> u64 {
+        ((room as f64 / self.per_byte) as u64).saturating_add(self.overhead_bytes)
+    }
+
+    /// The longest prompt `room` takes, in tokens at [`BYTES_PER_TOKEN`], and the context to
+    /// set for it: less [`CONTEXT_MARGIN`].
+    pub(super) fn context(&self, room: u64) -> (u64, u64) {
+        let prompt = (room as f64 / self.per_byte) as u64 / BYTES_PER_TOKEN;
+        (prompt, (prompt as f64 * CONTEXT_MARGIN) as u64)
+    }
+
+    /// A request's prompt tokens, from its bytes: what is no prompt left out.
+    pub(super) fn tokens(&self, bytes: u64) -> u64 {
+        bytes.saturating_sub(self.overhead_bytes) / BYTES_PER_TOKEN
+    }
+}
+
+/// Bytes of a request per prompt token, to turn what fits into a context length: about four
+/// characters a token for English text with the tokenizers of current models.
+pub const BYTES_PER_TOKEN: u64 = 4;
+
+/// Of the longest prompt that fits, the context suggested: allocators round each block up, so
+/// a prompt right at the edge may not fit.
+const CONTEXT_MARGIN: f64 = 0.97;
+
+/// Two sizes measured alone make a line only when they differ by this much (a fifth).
+const LINE_SPREAD: f64 = 1.2;
+
+impl Pool<'_> {
+    /// Live at `ts`: room a request can reuse.
+    pub(super) fn at(&self, ts: u64) -> u64 {
+        self.live.at(ts)
+    }
+
+    /// The cost from the pool's highest mark reached with one request alone in prefill (a
+    /// batch's requests may not all have asked yet), else with several; only marks whose
+    /// requests all finished their prefill (a request that failed had not asked for all it
+    /// needed).
+    pub(super) fn cost(&self, requests: &[&Request]) -> Option<Cost> {
+        let mut marks: Vec<(u64, u64)> = Vec::new();
+        for a in &self.allocations {
+            let pool = self.live.at(a.ts);
+            if marks.last().is_none_or(|m| pool > m.0) {
+                marks.push((pool, a.ts));
+            }
+        }
+        let prefilling = |ts: u64| {
+            let in_prefill = |r: &&&Request| r.arrived <= ts && r.first_data_at.is_none_or(|t| t > ts) && r.ended.is_none_or(|t| t > ts);
+            let mut received = (0usize, 0u64);
+            for r in requests.iter().filter(in_prefill) {
+                r.first_data_at?;
+                received = (received.0 + 1, received.1.saturating_add(r.bytes_in));
+            }
+            Some(received).filter(|r| r.0 > 0)
+        };
+        let measured: Vec<(u64, usize, u64)> =
+            marks.iter().rev().take(MARKS_TRIED).filter_map(|&(pool, ts)| prefilling(ts).map(|(n, b)| (pool, n, b))).collect();
+        let &(pool, n, received) = measured.iter().find(|m| m.1 == 1).or(measured.first())?;
+        let proportional = Cost { per_byte: pool as f64 / received as f64, overhead_bytes: 0, pool_bytes: pool, received, alone: n == 1 };
+        // The smallest request measured alone, against the highest mark's.
+        let smallest =
+            measured.iter().filter(|m| m.1 == 1 && (m.2 as f64) * LINE_SPREAD <= received as f64 && m.0 < pool).min_by_key(|m| m.2);
+        let line = smallest.filter(|_| n == 1).and_then(|&(low_pool, _, low)| {
+            let per_byte = (pool - low_pool) as f64 / (received - low) as f64;
+            let overhead = received as f64 - pool as f64 / per_byte;
+            // A line that says a request costs more than all of it, or nothing, is no measure.
+            (0.0..low as f64).contains(&overhead).then_some(Cost { per_byte, overhead_bytes: overhead as u64, ..proportional })
+        });
+        Some(line.unwrap_or(proportional))
+    }
+}
+
 /// One service on one GPU: the series the moments are read from.
-struct Books<'d, 'a> {
+pub(super) struct Books<'d, 'a> {
     d: &'d Diagnoser<'a>,
     service: &'d Service,
     gpu: Option<u32>,
     capacity: u64,
     /// Every process's video memory on the GPU, and the service's prefill pool.
-    all: Live,
-    pool: Live,
+    pub(super) all: Live,
+    pub(super) pool: Pool<'d>,
 }
 
 impl Books<'_, '_> {
-    /// Free on the GPU at `ts` by the same account as a diagnosis's, plus the pool.
-    fn room(&self, ts: u64) -> u64 {
+    /// Free on the GPU at `ts` by the same account as a diagnosis's, plus the pool: the room
+    /// for requests.
+    pub(super) fn room(&self, ts: u64) -> u64 {
         let before = self.d.before_tracing(self.service, ts, self.gpu);
         let nvml = self.d.nvml_outside(self.service, ts, self.gpu).iter().map(|p| p.used_bytes.unwrap_or(0)).fold(0, u64::saturating_add);
         let held = self.all.at(ts).saturating_add(before).saturating_add(nvml);
@@ -171,22 +278,22 @@ impl Books<'_, '_> {
         free.saturating_add(self.pool.at(ts))
     }
 
-    fn moment(&self, ts: u64, per_byte: f64, largest: u64) -> Moment {
+    fn moment(&self, ts: u64, cost: &Cost, largest: u64) -> Moment {
         let room = self.room(ts);
         let in_flight = self.d.services.in_flight_count(self.service, ts);
-        let fit_at_once = (room as f64 / (per_byte * largest as f64)).floor() as u64;
+        let fit_at_once = room / cost.of(largest).max(1);
         Moment {
             ts: ts.saturating_sub(self.d.start()),
             room_bytes: room,
             in_flight,
             fit_at_once,
             more_requests: fit_at_once.saturating_sub(in_flight as u64),
-            largest_fitting_request_bytes: (room as f64 / per_byte) as u64,
+            largest_fitting_request_bytes: cost.fits(room),
         }
     }
 }
 
-impl Diagnoser<'_> {
+impl<'a> Diagnoser<'a> {
     /// Headroom of every service that served requests, on each GPU it uses whose size is known.
     pub fn headroom(&self) -> Vec<Headroom> {
         // Each service's completions, in one pass: only services that served are looked at.
@@ -213,44 +320,42 @@ impl Diagnoser<'_> {
         out
     }
 
-    fn headroom_on(&self, service: &Service, gpu: Option<u32>, requests: &[&Request], largest: u64) -> Option<Headroom> {
-        let host = || self.model.samples.last().and_then(|(_, s)| s.host.as_ref()).map(|h| h.total_bytes);
-        let capacity = self.capacity(gpu).or_else(|| self.unified(gpu).then(host).flatten())?;
-        let on_gpu = |a: &&Allocation| a.memory == Memory::Video && self.counts_on(self.model.gpu_for(a.pid, a.gpu), gpu);
+    /// The service's pool on `gpu`.
+    pub(super) fn pool(&self, service: &Service, gpu: Option<u32>) -> Pool<'_> {
         let pids: HashSet<u32> = service.pids.iter().copied().collect();
-        let mine = |a: &&Allocation| pids.contains(&a.pid);
-        let in_prefill = |a: &&Allocation| self.services.phase(service, a.ts) == Phase::Prefill;
-        let pool_allocations: Vec<&Allocation> = self.model.allocations.iter().filter(on_gpu).filter(mine).filter(in_prefill).collect();
-        let books = Books {
-            d: self,
-            service,
-            gpu,
-            capacity,
-            all: Live::of(self.model.allocations.iter().filter(on_gpu)),
-            pool: Live::of(pool_allocations.iter().copied()),
-        };
-        // The pool's high-water marks, highest first: the highest reached with one request alone
-        // in prefill (a batch's requests may not all have asked yet), else with several.
-        let mut marks: Vec<(u64, u64)> = Vec::new();
-        for a in &pool_allocations {
-            let pool = books.pool.at(a.ts);
-            if marks.last().is_none_or(|m| pool > m.0) {
-                marks.push((pool, a.ts));
-            }
-        }
-        let prefilling = |ts: u64| {
-            let in_prefill = |r: &&&Request| r.arrived <= ts && r.first_data_at.is_none_or(|t| t > ts) && r.ended.is_none_or(|t| t > ts);
-            let received = requests.iter().filter(in_prefill).map(|r| r.bytes_in);
-            received.fold((0usize, 0u64), |(n, b), r| (n + 1, b.saturating_add(r)))
-        };
-        let measured: Vec<(u64, usize, u64)> =
-            marks.iter().rev().take(MARKS_TRIED).map(|&(pool, ts)| (pool, prefilling(ts))).map(|(p, (n, b))| (p, n, b)).collect();
-        let &(pool, n, received) = measured.iter().find(|m| m.1 == 1).or_else(|| measured.iter().find(|m| m.2 > 0))?;
-        let per_byte = pool as f64 / received as f64;
+        let allocations: Vec<&Allocation> = self
+            .model
+            .allocations
+            .iter()
+            .filter(|a| a.memory == Memory::Video && pids.contains(&a.pid) && self.counts_on(self.model.gpu_for(a.pid, a.gpu), gpu))
+            .filter(|a| self.services.phase(service, a.ts) == Phase::Prefill)
+            .collect();
+        Pool { live: Live::of(allocations.iter().copied()), allocations }
+    }
+
+    /// The books of `service` on `gpu`, whose size must be known.
+    pub(super) fn books<'d>(&'d self, service: &'d Service, gpu: Option<u32>, pool: Pool<'d>) -> Option<Books<'d, 'a>> {
+        let capacity = self.sized(gpu)?;
+        let on_gpu = |a: &&Allocation| a.memory == Memory::Video && self.counts_on(self.model.gpu_for(a.pid, a.gpu), gpu);
+        Some(Books { d: self, service, gpu, capacity, all: Live::of(self.model.allocations.iter().filter(on_gpu)), pool })
+    }
+
+    /// The GPU's size: NVML's, or on unified memory the host's.
+    fn sized(&self, gpu: Option<u32>) -> Option<u64> {
+        let host = || self.model.samples.last().and_then(|(_, s)| s.host.as_ref()).map(|h| h.total_bytes);
+        self.capacity(gpu).or_else(|| self.unified(gpu).then(host).flatten())
+    }
+
+    fn headroom_on(&self, service: &Service, gpu: Option<u32>, requests: &[&Request], largest: u64) -> Option<Headroom> {
+        // Nothing is built for a GPU of unknown size.
+        self.sized(gpu)?;
+        let pool = self.pool(service, gpu);
+        let cost = pool.cost(requests)?;
+        let books = self.books(service, gpu, pool)?;
         // Moments while it served (until a process of it that held memory exited): whenever what
         // is held on the GPU, or in flight, changed.
         let from = requests.iter().map(|r| r.arrived).min()?;
-        let holders = self.model.processes.values().filter(|p| pids.contains(&p.pid) && p.usage.allocations > 0);
+        let holders = self.model.processes.values().filter(|p| service.pids.contains(&p.pid) && p.usage.allocations > 0);
         let exited = holders.filter_map(|p| p.exited).min();
         let until = exited.map_or(self.model.last_ts, |e| e.saturating_sub(1)).min(self.model.last_ts);
         let timeline = self.services.timeline(service).iter().map(|(t, _, _)| *t);
@@ -259,10 +364,10 @@ impl Diagnoser<'_> {
             books.all.0.iter().map(|(t, _)| *t).chain(timeline).chain(samples).filter(|t| (from..=until).contains(t)).collect();
         moments.sort_unstable();
         moments.dedup();
-        let last = books.moment(until, per_byte, largest);
+        let last = books.moment(until, &cost, largest);
         let tightest = moments
             .iter()
-            .map(|&t| books.moment(t, per_byte, largest))
+            .map(|&t| books.moment(t, &cost, largest))
             .min_by_key(|m| (m.more_requests, m.room_bytes))
             .filter(|m| (m.more_requests, m.room_bytes) < (last.more_requests, last.room_bytes))
             .unwrap_or(last);
@@ -271,11 +376,11 @@ impl Diagnoser<'_> {
             service: service.name.clone(),
             pid: service.root,
             gpu,
-            measured_pool_bytes: pool,
-            measured_request_bytes: received,
-            measured_alone: n == 1,
+            measured_pool_bytes: cost.pool_bytes,
+            measured_request_bytes: cost.received,
+            measured_alone: cost.alone,
             largest_request_bytes: largest,
-            request_cost_bytes: (per_byte * largest as f64) as u64,
+            request_cost_bytes: cost.of(largest),
             limits_exceeded: limits(self.engine(service), now.unwrap_or(tightest).fit_at_once),
             now,
             tightest,

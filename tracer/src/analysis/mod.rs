@@ -5,6 +5,7 @@
 pub mod diagnosis;
 pub mod headroom;
 pub mod server;
+pub mod whatif;
 
 use std::collections::BTreeMap;
 
@@ -206,6 +207,12 @@ impl<'m> Services<'m> {
     pub fn in_flight(&self, service: &Service, ts: u64) -> Vec<&'m Request> {
         let mine = |r: &&Request| self.service_of.get(&r.pid).is_some_and(|&i| self.list[i].root == service.root);
         self.model.requests.iter().filter(|r| is_completion(r) && r.in_flight_at(ts)).filter(mine).collect()
+    }
+
+    /// Every completion the service received (a scan, for the few services a diagnosis asks about).
+    pub fn completions(&self, service: &Service) -> Vec<&'m Request> {
+        let mine = |r: &&Request| self.service_of.get(&r.pid).is_some_and(|&i| self.list[i].root == service.root);
+        self.model.requests.iter().filter(|r| is_completion(r)).filter(mine).collect()
     }
 
     /// The service's phase and completions in flight from each instant either changes on, in

@@ -658,3 +658,101 @@ fn no_request_no_headroom() {
     t.request(6, 200 * MS, 8_000, Some(260 * MS));
     assert!(headroom(&mut t, &[]).is_empty());
 }
+
+/// Two requests measured alone, 4,200 and 8,200 bytes, growing the pool to 256 and 512 MiB: of
+/// each request's bytes 200 are no prompt (headers, JSON) and cost nothing; the long one that
+/// fails is told the context that fits, in tokens, with the margin.
+#[test]
+fn two_sizes_measured_alone_make_a_line_and_the_context_that_fits() {
+    let mut t = Trace::vllm(60 * GIB);
+    t.request(6, 200 * MS, 4_200, Some(260 * MS));
+    t.alloc(210 * MS, ENGINE, GIB / 4, 0);
+    t.at(300 * MS, API, Event::ConnClose { conn: 6 });
+    t.request(7, 400 * MS, 8_200, Some(460 * MS));
+    t.alloc(410 * MS, ENGINE, GIB / 4, 0);
+    t.at(500 * MS, API, Event::ConnClose { conn: 7 });
+    let [h] = &headroom(&mut t, &[])[..] else { panic!() };
+    // 20 GiB of room at 256 MiB per 4,000 bytes of prompt: 320,000 bytes of prompt.
+    assert_eq!((h.request_cost_bytes, h.now.unwrap().largest_fitting_request_bytes), (GIB / 2, 320_000 + 200));
+    t.request(8, 600 * MS, 400_000, None);
+    t.alloc(610 * MS, ENGINE, 25 * GIB, 0x51);
+    let d = &t.diagnose(80 * GIB, &[], 0)[0];
+    assert_eq!(d.category, Category::LongRequest);
+    assert_eq!(d.fix.fields["largest_fitting_request_bytes"], 320_200);
+    // 320,000 bytes of prompt at 4 a token, less 3%.
+    assert_eq!(d.fix.fields["context_tokens"], 77_600);
+    assert!(d.fix.text.contains("--max-model-len 77600") && d.fix.text.contains("about 80000 tokens"), "{}", d.fix.text);
+}
+
+fn whatif(t: &mut Trace, settings: super::whatif::Settings) -> super::whatif::Outcome {
+    t.0.sort_by_key(|r| r.ts);
+    let model = Model::from_records(&t.0);
+    let h = header(80 * GIB, &[]);
+    Diagnoser::new(&h, &model, 0).whatif(&settings, true).unwrap()
+}
+
+/// A burst of 48 requests of 8 KB (512 MiB each, one measured alone before) on 20 GiB of room:
+/// the 41st at once fails; capped at 40 it fits, the rest waiting.
+#[test]
+fn whatif_replays_a_burst_under_a_cap() {
+    let mut t = serving(&[]);
+    for conn in 10..58 {
+        t.request(conn, 600 * MS, 8_000, Some(700 * MS));
+        t.at(800 * MS, API, Event::ConnClose { conn });
+    }
+    let recorded = whatif(&mut t, super::whatif::Settings::default());
+    assert_eq!((recorded.category, recorded.failing_request), (Category::ConcurrentLoad, Some(43)), "{}", recorded.text());
+    let capped = whatif(&mut t, super::whatif::Settings { max_concurrency: Some(40), ..Default::default() });
+    assert_eq!(capped.category, Category::None, "{}", capped.text());
+    assert_eq!(capped.search.map(|s| s.max_concurrency), Some(40));
+    let past = whatif(&mut t, super::whatif::Settings { max_concurrency: Some(41), ..Default::default() });
+    assert_eq!(past.category, Category::ConcurrentLoad, "{}", past.text());
+    // A card 10 GiB bigger: vLLM reserves 0.9 of it for its KV cache, requests get the rest,
+    // two more at once.
+    let bigger = whatif(&mut t, super::whatif::Settings { capacity: Some(90 * GIB), ..Default::default() });
+    assert_eq!((bigger.category, bigger.kv_after_bytes), (Category::ConcurrentLoad, 9 * GIB), "{}", bigger.text());
+    assert_eq!(bigger.search.map(|s| s.max_concurrency), Some(42));
+}
+
+/// vLLM fills the fraction of the card it reserves: quantized weights leave it more KV cache,
+/// not more room for requests; a smaller fraction does.
+#[test]
+fn whatif_of_a_reserving_engine_moves_its_kv_cache() {
+    let mut t = Trace::vllm(0);
+    t.0.retain(|r| !matches!(r.event, Event::Alloc(_)));
+    // 16 GiB of weights, then a KV cache of 8 identical blocks: 0.9 of the card in all.
+    t.alloc(10, ENGINE, 16 * GIB, 0);
+    for i in 0..8 {
+        t.alloc(20 + i, ENGINE, 7 * GIB, 0);
+    }
+    t.request(6, 200 * MS, 8_000, Some(260 * MS));
+    t.alloc(210 * MS, ENGINE, GIB / 2, 0);
+    let quantized = whatif(&mut t, super::whatif::Settings { quantize: Some(8), ..Default::default() });
+    assert_eq!((quantized.weights_bytes, quantized.kv_bytes), (16 * GIB, 56 * GIB));
+    assert_eq!((quantized.weights_after_bytes, quantized.kv_after_bytes), (8 * GIB, 64 * GIB), "{}", quantized.text());
+    let before = whatif(&mut t, super::whatif::Settings::default()).search.unwrap().max_concurrency;
+    assert_eq!(quantized.search.unwrap().max_concurrency, before, "the KV cache took what quantizing freed");
+    let smaller = whatif(&mut t, super::whatif::Settings { utilization: Some(0.8), ..Default::default() });
+    assert_eq!(smaller.kv_after_bytes, 56 * GIB - 8 * GIB);
+    assert!(smaller.search.unwrap().max_concurrency > before + 10, "{}", smaller.text());
+}
+
+/// A watch's window moves on past the request that measured what a request costs: its
+/// snapshot keeps it (a live allocation was made during its prefill), so the headroom holds.
+#[test]
+fn what_a_request_costs_outlives_the_window() {
+    let mut t = serving(&[]);
+    // The server's first answer (kept by every snapshot) is another one's.
+    t.request(5, 150 * MS, 100, Some(160 * MS));
+    t.at(170 * MS, API, Event::ConnClose { conn: 5 });
+    t.0.sort_by_key(|r| r.ts);
+    let whole = headroom(&mut t, &[]);
+    let rebuilt = Model::from_records(&Model::from_records(&t.0).snapshot());
+    let h = header(80 * GIB, &[]);
+    let after = Diagnoser::new(&h, &rebuilt, 0).headroom();
+    assert_eq!(after.len(), 1, "the measure outlived the window");
+    assert_eq!(
+        (after[0].request_cost_bytes, after[0].now.map(|n| n.fit_at_once)),
+        (whole[0].request_cost_bytes, whole[0].now.map(|n| n.fit_at_once))
+    );
+}

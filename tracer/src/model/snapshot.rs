@@ -6,14 +6,18 @@
 //! window then do to it what they did to the original.
 //!
 //! What is gone is left out: exited processes that own no live memory, freed allocations, ended
-//! requests (but the first answered one of each process), failures, all marks but each process's
-//! latest, all samples but the latest.
+//! requests (but the first answered one of each process, and those before their first data when
+//! a live allocation was made: what a request costs is measured from them), failures, all marks
+//! but each process's latest, all samples but the latest.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 
 use super::{AllocId, FileId, Model, Request};
 use crate::abi::class;
 use crate::event::{Alloc, Device, Event, Record};
+
+/// Ended requests kept for what they cost: the most recent this many.
+const KEPT_PREFILLS: usize = 256;
 
 /// Descriptor numbers lent to a process for the snapshot's own records (closed before it ends):
 /// far above what a process holds.
@@ -444,8 +448,9 @@ impl<'a> Snapshot<'a> {
         }
     }
 
-    /// Each process's first answered request (when its server became ready), then every
-    /// request in flight.
+    /// Each process's first answered request (when its server became ready), the ended requests
+    /// a live allocation was made during the prefill of (the most recent [`KEPT_PREFILLS`]),
+    /// then every request in flight.
     fn requests(&mut self) {
         let model = self.model;
         let mut first_ok: HashMap<u32, &Request> = HashMap::new();
@@ -462,7 +467,17 @@ impl<'a> Snapshot<'a> {
                     .or_insert(r);
             }
         }
-        let mut ended: Vec<&Request> = first_ok.into_values().collect();
+        let mut live: Vec<u64> = model.live_allocations().filter(|a| a.memory == crate::event::Memory::Video).map(|a| a.ts).collect();
+        live.sort_unstable();
+        let during_prefill = |r: &&Request| {
+            let until = r.first_data_at.or(r.ended).unwrap_or(u64::MAX);
+            live.get(live.partition_point(|&t| t < r.arrived)).is_some_and(|&t| t < until)
+        };
+        let first: HashSet<(u32, u64, u64)> = first_ok.values().map(|r| (r.pid, r.conn, r.arrived)).collect();
+        let prefills = model.requests.iter().filter(|r| r.ended.is_some() && self.written.contains(&r.pid)).filter(during_prefill);
+        let mut prefills: Vec<&Request> = prefills.filter(|r| !first.contains(&(r.pid, r.conn, r.arrived))).collect();
+        prefills.drain(..prefills.len().saturating_sub(KEPT_PREFILLS));
+        let mut ended: Vec<&Request> = first_ok.into_values().chain(prefills).collect();
         ended.sort_by_key(|r| r.arrived);
         ended.extend(model.requests.iter().filter(|r| r.ended.is_none() && self.written.contains(&r.pid)));
         for r in ended {
@@ -475,7 +490,8 @@ impl<'a> Snapshot<'a> {
             if let Some(ts) = r.first_data_at {
                 self.push(ts, r.pid, Event::Sent { conn: r.conn, bytes: 0, status: None, data: true });
             }
-            if let Some(ts) = r.ended {
+            // A connection still open has a later request on it, whose arrival ended this one.
+            if let Some(ts) = r.ended.filter(|_| !model.connections.contains_key(&r.conn)) {
                 self.push(ts, r.pid, Event::ConnClose { conn: r.conn });
             }
         }

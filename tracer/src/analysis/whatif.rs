@@ -1,0 +1,364 @@
+//! `gputrace whatif`: the recorded load and requests replayed under a changed setting, from the
+//! trace's own measures, to say whether the OOM would have happened, at which request, with what
+//! margin, and what it becomes.
+//!
+//! The service's memory on its GPU is taken apart as it was recorded: what it loaded (its weights,
+//! and the KV cache it reserved: vLLM's and SGLang's fill a fraction of the card, found as the
+//! largest run of identical blocks; llama.cpp's one buffer sized by the context, its second
+//! largest), its pool for requests and what each request cost ([`super::headroom`]), and what
+//! everyone else held. A setting changes one part: quantization the weights, the utilization or
+//! the context the KV cache, the card its size, a concurrency cap when queued requests start, a
+//! context which requests are admitted. Then the requests are replayed in their recorded order
+//! and durations, each costing what its size costs, against the room left.
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
+use serde::Serialize;
+
+use super::diagnosis::{Category, Diagnoser};
+use super::server::{flag, ServerFamily};
+use super::{Phase, Service};
+use crate::event::Memory;
+use crate::model::Request;
+use crate::units::bytes;
+
+/// The settings tried; None leaves the recorded one.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Settings {
+    /// Requests served at once (`--max-num-seqs`, `-np`): later ones wait for a place.
+    pub max_concurrency: Option<u64>,
+    /// The longest prompt admitted, in tokens (`--max-model-len`, `-c`); for llama.cpp also the
+    /// KV cache's size.
+    pub max_context: Option<u64>,
+    /// vLLM's `--gpu-memory-utilization`, SGLang's `--mem-fraction-static`.
+    pub utilization: Option<f64>,
+    /// Weights at 8 or 4 bits a parameter instead of the recorded 16.
+    pub quantize: Option<u32>,
+    /// The card's size.
+    pub capacity: Option<u64>,
+}
+
+/// What the replay found.
+#[derive(Clone, Debug, Serialize)]
+pub struct Outcome {
+    pub service: String,
+    pub gpu: Option<u32>,
+    pub settings: Settings,
+    /// `none`, or the category the failure would be.
+    pub category: Category,
+    /// The request it would fail at (its number among the service's requests, from 1, and its
+    /// size), and when it arrived (since the trace began); none at load.
+    pub failing_request: Option<usize>,
+    pub failing_request_bytes: Option<u64>,
+    pub failing_ts: Option<u64>,
+    /// The least room left over the replay; negative: short by that much.
+    pub margin_bytes: i64,
+    /// The GPU's traced peak the replay predicts.
+    pub peak_bytes: u64,
+    /// Requests past the context, refused cleanly.
+    pub refused: usize,
+    /// The load as recorded and as the settings make it: weights and KV cache. Where the
+    /// recorded load failed, what it would have loaded after is unknown (unless the engine
+    /// reserves a fraction of the card, which it fills): the figures, and the peak, are then at
+    /// least.
+    pub load_complete: bool,
+    pub weights_bytes: u64,
+    pub kv_bytes: u64,
+    pub weights_after_bytes: u64,
+    pub kv_after_bytes: u64,
+    /// With `--search`: the largest concurrency, of the largest request served, and the
+    /// context to set (in tokens, with the fix's margin) that fit under the settings.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub search: Option<Search>,
+}
+
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Search {
+    pub max_concurrency: u64,
+    pub max_context_tokens: u64,
+}
+
+/// Why a replay cannot be made of a trace.
+pub fn why_not() -> &'static str {
+    "no service served a request with its cost measured (what it allocated during a prefill), so there is nothing to replay"
+}
+
+/// A recorded request as the replay sees it.
+struct Replayed {
+    index: usize,
+    arrived: u64,
+    bytes: u64,
+    /// How long its prefill took, and its whole life, as recorded (or the longest recorded, for
+    /// one that failed before either ended).
+    prefill: u64,
+    life: u64,
+}
+
+impl Outcome {
+    pub fn text(&self) -> String {
+        let gpu = self.gpu.map(|g| format!(" on GPU {g}")).unwrap_or_default();
+        let at_least = if self.load_complete { "" } else { "at least " };
+        let load = format!(
+            "{at_least}weights {} -> {}, KV cache {} -> {}",
+            bytes(self.weights_bytes),
+            bytes(self.weights_after_bytes),
+            bytes(self.kv_bytes),
+            bytes(self.kv_after_bytes)
+        );
+        let refused =
+            if self.refused > 0 { format!("; {} request(s) past the context refused cleanly", self.refused) } else { String::new() };
+        let mut out = match (self.category, self.failing_request) {
+            (Category::None, _) => format!(
+                "FITS: `{}`{gpu} serves every recorded request, with {} to spare at the tightest moment; peak {} ({load}){refused}.",
+                self.service,
+                bytes(self.margin_bytes.max(0) as u64),
+                bytes(self.peak_bytes)
+            ),
+            (category, Some(n)) => format!(
+                "OOM: `{}`{gpu} would fail at request {n} ({} received, at {:.2} s), short by {}: {} ({load}){refused}.",
+                self.service,
+                bytes(self.failing_request_bytes.unwrap_or(0)),
+                self.failing_ts.unwrap_or(0) as f64 / 1e9,
+                bytes(self.margin_bytes.unsigned_abs()),
+                category.name()
+            ),
+            (category, None) => format!(
+                "OOM: `{}`{gpu} would fail loading, short by {}: {} ({load}).",
+                self.service,
+                bytes(self.margin_bytes.unsigned_abs()),
+                category.name()
+            ),
+        };
+        if let Some(s) = &self.search {
+            out += &format!(
+                "\nSEARCH: at most {} requests of the largest size at once; a context of at most {} tokens.",
+                s.max_concurrency, s.max_context_tokens
+            );
+        }
+        out
+    }
+}
+
+impl Diagnoser<'_> {
+    /// The failing service's replay under `settings` (the busiest serving one when nothing
+    /// failed), on the GPU it failed on.
+    pub fn whatif(&self, settings: &Settings, search: bool) -> Result<Outcome, String> {
+        let first = self.diagnose().into_iter().next().filter(|d| d.category != Category::None);
+        let service = match first.as_ref().and_then(|d| self.services.of(d.pid?)) {
+            Some(s) => s,
+            None => {
+                let serving = |s: &&Service| self.services.completions(s).len();
+                self.services.list.iter().max_by_key(serving).filter(|s| serving(s) > 0).ok_or_else(why_not)?
+            }
+        };
+        let gpu = first.as_ref().and_then(|d| d.gpu).or_else(|| self.gpus_of(service).first().copied());
+        self.replay(service, gpu, settings, search)
+    }
+
+    fn replay(&self, service: &Service, gpu: Option<u32>, settings: &Settings, search: bool) -> Result<Outcome, String> {
+        let capacity = self.capacity(gpu).ok_or("the GPU's size is not in the trace: give it with --capacity")?;
+        let engine = self.engine(service);
+        let family = ServerFamily::of(engine);
+        let requests = self.services.completions(service);
+        let pool = self.pool(service, gpu);
+        let cost = pool.cost(&requests);
+        let (weights, kv, load_complete) = self.load_parts(service, gpu, family);
+        // An engine that reserves a fraction of the card loads that much, whatever its weights.
+        let load_complete = load_complete || family.reserve().is_some();
+        let new_capacity = settings.capacity.unwrap_or(capacity);
+        let weights_after = settings.quantize.map_or(weights, |q| weights / 16 * u64::from(q.clamp(1, 16)));
+        let recorded_util = family.reserve().map(|(name, default)| flag(engine, &[name]).and_then(|v| v.parse().ok()).unwrap_or(default));
+        let kv_after = match (recorded_util, family.context()) {
+            // An engine that reserves a fraction of the card fills it: the KV cache takes what
+            // the weights leave of the new budget.
+            (Some(util), _) => {
+                let budget = |u: f64, c: u64| (u * c as f64) as i128;
+                let after =
+                    budget(settings.utilization.unwrap_or(util), new_capacity) - budget(util, capacity) + kv as i128 + weights as i128
+                        - weights_after as i128;
+                after.max(0) as u64
+            }
+            // One sized by the context: in proportion to it.
+            (None, Some((_, names))) => match (settings.max_context, flag(engine, names).and_then(|v| v.parse::<u64>().ok())) {
+                (Some(new), Some(now)) if now > 0 => (kv as f64 * new as f64 / now as f64) as u64,
+                (Some(_), None) => {
+                    return Err(format!(
+                        "the recorded command line does not say its context ({}): the KV cache cannot be scaled",
+                        names.join(", ")
+                    ))
+                }
+                _ => kv,
+            },
+            _ => kv,
+        };
+        // Room for requests changes by what the load gives back, and the card's growth.
+        let shift = weights as i128 + kv as i128 - weights_after as i128 - kv_after as i128 + new_capacity as i128 - capacity as i128;
+        let start = self.start();
+        let mut outcome = Outcome {
+            service: service.name.clone(),
+            gpu,
+            settings: settings.clone(),
+            category: Category::None,
+            failing_request: None,
+            failing_request_bytes: None,
+            failing_ts: None,
+            margin_bytes: i64::MAX,
+            peak_bytes: 0,
+            refused: 0,
+            load_complete,
+            weights_bytes: weights,
+            kv_bytes: kv,
+            weights_after_bytes: weights_after,
+            kv_after_bytes: kv_after,
+            search: None,
+        };
+        // The load: what others held when it began, and the new load on the new card.
+        let began = service.first_ts;
+        let others_at_start = self.held_outside(service, began, gpu).0;
+        let needed_at_load = match recorded_util {
+            Some(_) => (settings.utilization.or(recorded_util).unwrap_or(0.9) * new_capacity as f64) as u64,
+            None => weights_after.saturating_add(kv_after),
+        };
+        let load_left = new_capacity as i128 - others_at_start as i128 - needed_at_load as i128;
+        // An engine that reserves a budget needs its weights to leave room for a KV cache in it.
+        let kv_room = if recorded_util.is_some() { needed_at_load as i128 - weights_after as i128 } else { i128::MAX };
+        if load_left < 0 || kv_room <= 0 {
+            outcome.category = if load_left < 0 && others_at_start > 0 && (needed_at_load as i128) <= new_capacity as i128 {
+                Category::HeldByOtherProcess
+            } else {
+                Category::DoesNotFitAtLoad
+            };
+            outcome.margin_bytes = load_left.min(kv_room).clamp(i64::MIN as i128, 0) as i64;
+            return Ok(outcome);
+        }
+        let Some(cost) = cost else {
+            // Nothing to replay: it loads; the peak is the load.
+            outcome.margin_bytes = load_left.min(i64::MAX as i128) as i64;
+            outcome.peak_bytes = others_at_start.saturating_add(needed_at_load);
+            return Ok(outcome);
+        };
+        let replayed = replayed(&requests);
+        let admitted: Vec<&Replayed> = replayed.iter().filter(|r| settings.max_context.is_none_or(|l| cost.tokens(r.bytes) <= l)).collect();
+        outcome.refused = replayed.len() - admitted.len();
+        let starts = schedule(&admitted, settings.max_concurrency);
+        let books = self.books(service, gpu, pool).ok_or("the GPU's size is not in the trace: give it with --capacity")?;
+        let room = |ts: u64| books.room(ts) as i128 + shift;
+        let mut high_water = 0u64;
+        // What is in prefill with each, of those started before it (starts never go back): each
+        // costs what its size costs. Of a burst, the first to find no room is the one named.
+        let mut prefilling: BinaryHeap<Reverse<(u64, u64)>> = BinaryHeap::new();
+        let mut need = 0u64;
+        for (r, begins) in admitted.iter().zip(&starts) {
+            while let Some(Reverse((_, costs))) = prefilling.peek().copied().filter(|Reverse((ends, _))| ends <= begins) {
+                prefilling.pop();
+                need = need.saturating_sub(costs);
+            }
+            prefilling.push(Reverse((begins.saturating_add(r.prefill), cost.of(r.bytes))));
+            need = need.saturating_add(cost.of(r.bytes));
+            high_water = high_water.max(need);
+            let left = room(*begins) - need as i128;
+            outcome.margin_bytes = outcome.margin_bytes.min(left.clamp(i64::MIN as i128, i64::MAX as i128) as i64);
+            if left < 0 {
+                let alone = room(*begins) < cost.of(r.bytes) as i128;
+                outcome.category = if alone { Category::LongRequest } else { Category::ConcurrentLoad };
+                outcome.failing_request = Some(r.index);
+                outcome.failing_request_bytes = Some(r.bytes);
+                outcome.failing_ts = Some(begins.saturating_sub(start));
+                break;
+            }
+        }
+        // The GPU's peak while it served, its pool replaced by the replay's and its load by the
+        // new one.
+        let (from, until) = (starts.first().copied().unwrap_or(start), self.model.last_ts);
+        let held = books.all.steps().filter(|(t, _)| (from..=until).contains(t)).map(|(t, all)| all.saturating_sub(books.pool.at(t)));
+        let held = held.chain(std::iter::once(books.all.at(from).saturating_sub(books.pool.at(from)))).max().unwrap_or(0);
+        let load_change = weights_after as i128 + kv_after as i128 - weights as i128 - kv as i128;
+        outcome.peak_bytes = (held as i128 + load_change + high_water as i128).max(0) as u64;
+        if search {
+            // Of the largest request served (one that failed says nothing of what is served).
+            let tightest = starts.iter().map(|s| room(*s)).min().unwrap_or(0).max(0) as u64;
+            let largest = requests.iter().filter(|r| r.first_data_at.is_some()).map(|r| r.bytes_in).max().unwrap_or(0);
+            outcome.search =
+                Some(Search { max_concurrency: tightest / cost.of(largest).max(1), max_context_tokens: cost.context(tightest).1 });
+        }
+        Ok(outcome)
+    }
+}
+
+impl Diagnoser<'_> {
+    /// What the service loaded on `gpu`, live when it began serving (or when it failed): its
+    /// KV cache (an engine that reserves a fraction of the card: the largest run of four or more
+    /// identical blocks; llama.cpp: its second largest buffer, after the model's) and the rest,
+    /// counted as weights with what a failed load still asked for.
+    fn load_parts(&self, service: &Service, gpu: Option<u32>, family: ServerFamily) -> (u64, u64, bool) {
+        let failed_at_load =
+            self.model.failures.iter().find(|f| service.pids.contains(&f.pid) && self.services.phase(service, f.ts) == Phase::Load);
+        let moment = service.ready_at.or(failed_at_load.map(|f| f.ts)).unwrap_or(self.model.last_ts);
+        let mut sizes: Vec<u64> = self
+            .model
+            .allocations
+            .iter()
+            .filter(|a| a.memory == Memory::Video && service.pids.contains(&a.pid) && self.counts_on(self.model.gpu_for(a.pid, a.gpu), gpu))
+            .filter(|a| a.ts <= moment && a.freed.is_none_or(|(f, _)| f > moment) && self.services.phase(service, a.ts) == Phase::Load)
+            .map(|a| a.bytes)
+            .collect();
+        sizes.sort_unstable_by(|a, b| b.cmp(a));
+        let total = sizes.iter().copied().fold(0, u64::saturating_add).saturating_add(failed_at_load.map_or(0, |f| f.bytes));
+        let kv = if family.reserve().is_some() {
+            let runs = sizes.chunk_by(|a, b| a == b).filter(|run| run.len() >= 4);
+            runs.map(|run| run[0].saturating_mul(run.len() as u64)).max().unwrap_or(0)
+        } else if family == ServerFamily::LlamaCpp {
+            sizes.get(1).copied().unwrap_or(0)
+        } else {
+            0
+        };
+        (total.saturating_sub(kv), kv, failed_at_load.is_none())
+    }
+}
+
+/// The service's requests in arrival order, with their recorded durations.
+fn replayed(requests: &[&Request]) -> Vec<Replayed> {
+    let mut sorted: Vec<&Request> = requests.to_vec();
+    sorted.sort_by_key(|r| r.arrived);
+    let longest_prefill = sorted.iter().filter_map(|r| Some(r.first_data_at?.saturating_sub(r.arrived))).max().unwrap_or(0);
+    let longest_life = sorted.iter().filter_map(|r| Some(r.ended?.saturating_sub(r.arrived))).max().unwrap_or(longest_prefill);
+    sorted
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let prefill = r.first_data_at.map_or(longest_prefill, |d| d.saturating_sub(r.arrived)).max(1);
+            Replayed {
+                index: i + 1,
+                arrived: r.arrived,
+                bytes: r.bytes_in,
+                prefill,
+                life: r.ended.map_or(longest_life, |e| e.saturating_sub(r.arrived)).max(prefill),
+            }
+        })
+        .collect()
+}
+
+/// When each request starts: at its arrival, or, under a cap, once one of the places is free
+/// (first come, first served).
+fn schedule(requests: &[&Replayed], cap: Option<u64>) -> Vec<u64> {
+    let Some(cap) = cap.map(|c| c.max(1) as usize) else {
+        return requests.iter().map(|r| r.arrived).collect();
+    };
+    // When each place frees.
+    let mut places: Vec<u64> = Vec::with_capacity(cap);
+    requests
+        .iter()
+        .map(|r| {
+            let begins = if places.len() < cap {
+                r.arrived
+            } else {
+                let (i, free) = places.iter().copied().enumerate().min_by_key(|(_, t)| *t).unwrap_or((0, 0));
+                places.swap_remove(i);
+                free.max(r.arrived)
+            };
+            places.push(begins.saturating_add(r.life));
+            begins
+        })
+        .collect()
+}
