@@ -99,7 +99,7 @@ fn watched(name: &str) {
         let warned: Vec<&str> = log.lines().filter(|l| l.starts_with("gputrace: warning: ")).collect();
         assert!(
             warned.len() == 1
-                && warned[0].contains("`--max-num-seqs 256` lets 256 run at once; memory fits 17 of the largest seen: cap at 17"),
+                && warned[0].contains("`--max-num-seqs 256` lets 256 run at once; memory fits 17 of the largest served: cap at 17"),
             "said once in the log: {log}"
         );
         let at = |what: &str| log.find(what).unwrap_or(usize::MAX);

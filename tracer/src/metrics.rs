@@ -280,7 +280,7 @@ fn headroom(t: &mut Text, r: &Report) {
     let per_gpu: [(&str, &str, Figure); 2] = [
         (
             "gputrace_headroom_requests",
-            "More requests of the largest size seen that fit now beside those in flight, from what one cost (per serving service and GPU).",
+            "More requests of the largest size served that fit now beside those in flight, from what one cost (per serving service and GPU).",
             |m| m.more_requests,
         ),
         (

@@ -8,7 +8,7 @@
 //! received is that mark over what the requests in prefill had received when it was reached. The
 //! room for requests at a moment is what is free on the GPU (the card less what this service
 //! holds and what everyone else does) plus that pool; headroom is how many requests of the
-//! largest size seen fit in it.
+//! largest size served fit in it.
 
 use std::collections::{BTreeMap, HashSet};
 
@@ -34,7 +34,8 @@ pub struct Headroom {
     pub measured_pool_bytes: u64,
     pub measured_request_bytes: u64,
     pub measured_alone: bool,
-    /// The largest request received, and its cost by that measure.
+    /// The largest request served (sent its first data; before any was, received), and its
+    /// cost by that measure.
     pub largest_request_bytes: u64,
     pub request_cost_bytes: u64,
     /// At the end of the trace (a watch: now), while every process of the service that
@@ -55,7 +56,7 @@ pub struct Moment {
     /// Free on the GPU, plus what the service reuses for requests.
     pub room_bytes: u64,
     pub in_flight: usize,
-    /// Requests of the largest size seen that fit at once, those in flight included.
+    /// Requests of the largest size served that fit at once, those in flight included.
     pub fit_at_once: u64,
     /// How many more of them fit beside those in flight.
     pub more_requests: u64,
@@ -80,7 +81,7 @@ impl Headroom {
         let size = bytes(self.largest_request_bytes);
         let how = if self.measured_alone { "measured alone" } else { "the batch's share" };
         let mut line =
-            format!("`{}`{gpu}: a request of {size} (the largest seen) costs {} ({how})", self.service, bytes(self.request_cost_bytes));
+            format!("`{}`{gpu}: a request of {size} (the largest served) costs {} ({how})", self.service, bytes(self.request_cost_bytes));
         let at = |m: &Moment| {
             format!(
                 "{} fit at once in {} of room, {} more beside the {} in flight; the largest request that fits alone is {}",
@@ -99,7 +100,7 @@ impl Headroom {
         }
         for l in &self.limits_exceeded {
             line += &format!(
-                ". `{} {}` lets {} run at once; memory fits {} of the largest seen: cap at {}",
+                ". `{} {}` lets {} run at once; memory fits {} of the largest served: cap at {}",
                 l.setting, l.value, l.value, l.fits, l.fits
             );
         }
@@ -306,7 +307,10 @@ impl<'a> Diagnoser<'a> {
         let mut out = Vec::new();
         for (root, requests) in served {
             let Some(service) = self.services.of(root) else { continue };
-            let Some(largest) = requests.iter().map(|r| r.bytes_in).max().filter(|&b| b > 0) else {
+            // Of the requests served (a request that failed says nothing of what is served);
+            // before any was, of those received.
+            let served = requests.iter().filter(|r| r.first_data_at.is_some()).map(|r| r.bytes_in).max();
+            let Some(largest) = served.or_else(|| requests.iter().map(|r| r.bytes_in).max()).filter(|&b| b > 0) else {
                 continue;
             };
             let gpus = self.gpus_of(service);

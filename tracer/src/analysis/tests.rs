@@ -608,7 +608,11 @@ fn a_limit_above_what_memory_fits_is_named_with_the_cap() {
     let mut t = serving(&["--max-num-seqs", "256"]);
     let [h] = &headroom(&mut t, &[])[..] else { panic!() };
     assert_eq!(h.limits_exceeded, [super::headroom::Limit { setting: "--max-num-seqs".into(), value: 256, fits: 40 }]);
-    assert!(h.text().contains("`--max-num-seqs 256` lets 256 run at once; memory fits 40 of the largest seen: cap at 40"), "{}", h.text());
+    assert!(
+        h.text().contains("`--max-num-seqs 256` lets 256 run at once; memory fits 40 of the largest served: cap at 40"),
+        "{}",
+        h.text()
+    );
     let mut t = serving(&["--max-num-seqs", "32"]);
     assert!(headroom(&mut t, &[])[0].limits_exceeded.is_empty(), "32 fit");
 }
