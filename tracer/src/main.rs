@@ -132,7 +132,7 @@ enum Command {
         max_context: Option<u64>,
         /// The fraction of the card an engine reserves (vLLM --gpu-memory-utilization, SGLang
         /// --mem-fraction-static)
-        #[arg(long = "gpu-memory-utilization", visible_alias = "mem-fraction-static", value_name = "FRACTION")]
+        #[arg(long = "gpu-memory-utilization", visible_alias = "mem-fraction-static", value_name = "FRACTION", value_parser = fraction)]
         utilization: Option<f64>,
         /// The weights at 8 or 4 bits a parameter (recorded at 16)
         #[arg(long, value_name = "BITS", value_parser = clap::builder::TypedValueParser::map(clap::builder::PossibleValuesParser::new(["8", "4"]), |b| b.parse::<u32>().unwrap_or(16)))]
@@ -279,6 +279,16 @@ fn print_report(path: PathBuf, json: bool, judging: Judging) -> anyhow::Result<(
     Ok(())
 }
 
+/// A fraction of the card: above 0, at most 1.
+fn fraction(text: &str) -> Result<f64, String> {
+    let value: f64 = text.parse().map_err(|_| format!("{text:?} is not a number"))?;
+    if value > 0.0 && value <= 1.0 {
+        Ok(value)
+    } else {
+        Err(format!("{value} is not a fraction of the card: give one above 0 and at most 1 (0.9)"))
+    }
+}
+
 fn whatif(path: &std::path::Path, settings: &gputrace::analysis::whatif::Settings, search: bool, json: bool) -> anyhow::Result<ExitCode> {
     let (mut header, model, _, loss) = report::load(path, false)?;
     // A trace without the card's size (no NVML) takes the one tried as the recorded one too.
@@ -320,8 +330,14 @@ fn generate(what: Generate) -> anyhow::Result<()> {
 
 fn main() -> ExitCode {
     // llama-server's `-np` is two letters after one dash, which no parser of options takes: the
-    // same as `--parallel` to `whatif`.
-    let cli = Cli::parse_from(std::env::args().map(|a| if a == "-np" { "--parallel".to_string() } else { a }));
+    // same as `--parallel` to `whatif` (and nothing to any other command: `record -- mpirun -np`).
+    let mut args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if args.get(1).is_some_and(|a| a == "whatif") {
+        for a in args.iter_mut().skip(2).filter(|a| *a == "-np") {
+            *a = "--parallel".into();
+        }
+    }
+    let cli = Cli::parse_from(args);
     let result = match cli.command {
         Command::Doctor { json, idle_minutes } => {
             let findings = gputrace::doctor::assess(&gputrace::doctor::observe(), idle_minutes);

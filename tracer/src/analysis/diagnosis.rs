@@ -330,9 +330,11 @@ impl<'a> Diagnoser<'a> {
                 holders.push(Holder { pid: other.root, command: other.name.clone(), bytes: Some(held), source: "traced", nvml_pid: None });
             }
         }
-        for prior in &self.nvml_outside(service, ts, gpu) {
+        for (prior, sampled) in self.nvml_outside(service, ts, gpu) {
             total = total.saturating_add(prior.used_bytes.unwrap_or(0));
-            let (pid, command) = super::prior_holder(self.header, prior, |pid| service.pids.contains(&pid));
+            // A sampled process is named by the command it was seen with.
+            let named = sampled.then(|| PriorUse { command: self.model.sampled_command(prior.pid).unwrap_or_default(), ..prior.clone() });
+            let (pid, command) = super::prior_holder(self.header, named.as_ref().unwrap_or(prior), |pid| service.pids.contains(&pid));
             holders.push(Holder { pid, command, bytes: prior.used_bytes, source: "nvml", nvml_pid: Some(prior.pid) });
         }
         // Without NVML, who had the device files open before recording is all there is to know:
@@ -353,21 +355,17 @@ impl<'a> Diagnoser<'a> {
     /// What NVML last said of processes outside `service` that are not traced (sampled while
     /// recording), or failing that what it said when recording began. A traced process's NVML
     /// figure would count its traced memory twice: for those, only what they held before
-    /// recording began.
-    pub(super) fn nvml_outside(&self, service: &Service, ts: u64, gpu: Option<u32>) -> Vec<PriorUse> {
+    /// recording began. Each with whether it came from a sample (its command is not in it).
+    pub(super) fn nvml_outside(&self, service: &Service, ts: u64, gpu: Option<u32>) -> Vec<(&'a PriorUse, bool)> {
         let sampled = self.model.sample_at(ts).filter(|s| self.header.nvml == "ok" && !s.processes.is_empty());
         let on_gpu = |p: &&PriorUse| gpu.is_none_or(|g| p.gpu == g);
         let before = self.header.prior_use.iter().filter(on_gpu).filter(|p| !service.pids.contains(&p.pid));
         match sampled {
-            Some(s) => s
-                .processes
-                .iter()
-                .filter(on_gpu)
-                .filter(|p| self.services.of(p.pid).is_none())
-                .map(|p| PriorUse { command: self.model.sampled_command(p.pid).unwrap_or_default(), ..p.clone() })
-                .chain(before.filter(|p| self.services.of(p.pid).is_some()).cloned())
-                .collect(),
-            None => before.cloned().collect(),
+            Some(s) => {
+                let untraced = s.processes.iter().filter(on_gpu).filter(|p| self.services.of(p.pid).is_none()).map(|p| (p, true));
+                untraced.chain(before.filter(|p| self.services.of(p.pid).is_some()).map(|p| (p, false))).collect()
+            }
+            None => before.map(|p| (p, false)).collect(),
         }
     }
 

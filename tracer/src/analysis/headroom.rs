@@ -147,6 +147,10 @@ impl Live {
     }
 }
 
+/// Serving services whose headroom is computed, the busiest first (a host's few servers; a
+/// crafted trace of thousands costs no more than this many).
+const MAX_SERVICES: usize = 64;
+
 /// How many of the pool's highest marks are tried for one with a request alone in prefill.
 const MARKS_TRIED: usize = 16;
 
@@ -221,7 +225,7 @@ impl Pool<'_> {
         let mut marks: Vec<(u64, u64)> = Vec::new();
         for a in &self.allocations {
             let pool = self.live.at(a.ts);
-            if marks.last().is_none_or(|m| pool > m.0) {
+            if pool > 0 && marks.last().is_none_or(|m| pool > m.0) {
                 marks.push((pool, a.ts));
             }
         }
@@ -232,7 +236,8 @@ impl Pool<'_> {
                 r.first_data_at?;
                 received = (received.0 + 1, received.1.saturating_add(r.bytes_in));
             }
-            Some(received).filter(|r| r.0 > 0)
+            // A mark with nothing received says nothing of a byte's cost.
+            Some(received).filter(|r| r.0 > 0 && r.1 > 0)
         };
         let measured: Vec<(u64, usize, u64)> =
             marks.iter().rev().take(MARKS_TRIED).filter_map(|&(pool, ts)| prefilling(ts).map(|(n, b)| (pool, n, b))).collect();
@@ -267,7 +272,8 @@ impl Books<'_, '_> {
     /// for requests.
     pub(super) fn room(&self, ts: u64) -> u64 {
         let before = self.d.before_tracing(self.service, ts, self.gpu);
-        let nvml = self.d.nvml_outside(self.service, ts, self.gpu).iter().map(|p| p.used_bytes.unwrap_or(0)).fold(0, u64::saturating_add);
+        let nvml =
+            self.d.nvml_outside(self.service, ts, self.gpu).iter().map(|(p, _)| p.used_bytes.unwrap_or(0)).fold(0, u64::saturating_add);
         let held = self.all.at(ts).saturating_add(before).saturating_add(nvml);
         let mut free = self.capacity.saturating_sub(held);
         // On unified memory no more than the host has available either.
@@ -304,6 +310,10 @@ impl<'a> Diagnoser<'a> {
                 served.entry(s.root).or_default().push(r);
             }
         }
+        // Each costs a pass over the allocations: the busiest services only.
+        let mut served: Vec<(u32, Vec<&Request>)> = served.into_iter().collect();
+        served.sort_by_key(|(root, requests)| (std::cmp::Reverse(requests.len()), *root));
+        served.truncate(MAX_SERVICES);
         let mut out = Vec::new();
         for (root, requests) in served {
             let Some(service) = self.services.of(root) else { continue };

@@ -110,9 +110,10 @@ impl ServerFamily {
     }
 }
 
-/// The value of `--flag V` or `--flag=V` on a command line, under any of `names`.
+/// The value of `--flag V` or `--flag=V` on a command line, under any of `names`: the last
+/// given, as the servers' parsers take it.
 pub fn flag(command: &[String], names: &[&str]) -> Option<String> {
-    command.iter().enumerate().find_map(|(i, a)| {
+    command.iter().enumerate().rev().find_map(|(i, a)| {
         names.iter().find_map(|n| if a == n { command.get(i + 1).cloned() } else { a.strip_prefix(&format!("{n}=")).map(String::from) })
     })
 }
@@ -137,6 +138,14 @@ mod tests {
         assert_eq!(ServerFamily::of(&argv("text-generation-launcher --model-id x")), ServerFamily::Tgi);
         assert_eq!(ServerFamily::of(&argv("/usr/local/bin/ollama serve")), ServerFamily::Ollama);
         assert_eq!(ServerFamily::of(&argv("python serve.py")), ServerFamily::Unknown);
+    }
+
+    /// A flag given twice: the last wins, as with the servers' own parsers.
+    #[test]
+    fn the_last_of_a_flag_given_twice_is_its_value() {
+        let c = argv("vllm serve m --max-num-seqs 256 --max-num-seqs=8");
+        assert_eq!(flag(&c, &["--max-num-seqs"]).as_deref(), Some("8"));
+        assert_eq!(flag(&argv("llama-server --parallel 8 -np 5"), &["-np", "--parallel"]).as_deref(), Some("5"));
     }
 
     #[test]

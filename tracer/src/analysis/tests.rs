@@ -760,3 +760,40 @@ fn what_a_request_costs_outlives_the_window() {
         (whole[0].request_cost_bytes, whole[0].now.map(|n| n.fit_at_once))
     );
 }
+
+/// Odd settings and odd traces answer, never panic: a cap past any count is no cap; a request of
+/// no bytes measures nothing (no infinite cost, no "cap at 0").
+#[test]
+fn whatif_and_headroom_take_odd_input() {
+    let mut t = serving(&[]);
+    let huge = whatif(&mut t, super::whatif::Settings { max_concurrency: Some(u64::MAX), ..Default::default() });
+    assert_eq!(huge.category, Category::None, "{}", huge.text());
+    let refused_all = whatif(&mut t, super::whatif::Settings { max_context: Some(1), ..Default::default() });
+    assert_eq!(refused_all.refused, 2);
+    assert!(refused_all.margin_bytes < 80 * GIB as i64, "what loading left, not an unbounded spare: {}", refused_all.text());
+    // The pool grew during a request that brought no bytes; the one after brought some.
+    let mut empty = Trace::vllm(60 * GIB);
+    empty.request(6, 200 * MS, 0, Some(260 * MS));
+    empty.alloc(210 * MS, ENGINE, GIB / 2, 0);
+    empty.at(300 * MS, API, Event::ConnClose { conn: 6 });
+    empty.request(7, 400 * MS, 8_000, Some(460 * MS));
+    assert!(headroom(&mut empty, &[]).is_empty(), "no cost from a request of no bytes");
+}
+
+/// A kept request on a keep-alive connection whose next request is in flight: the snapshot ends
+/// the first, so only the second is in flight after it (a watch's compactions never pile up
+/// requests that never end).
+#[test]
+fn a_kept_request_on_a_live_connection_still_ends() {
+    let mut t = Trace::vllm(60 * GIB);
+    t.request(6, 200 * MS, 8_000, Some(260 * MS));
+    t.alloc(210 * MS, ENGINE, GIB / 2, 0);
+    t.at(400 * MS, API, Event::Received { conn: 6, bytes: 2_000, request: Some("POST /v1/completions".into()) });
+    t.0.sort_by_key(|r| r.ts);
+    let whole = Model::from_records(&t.0);
+    let rebuilt = Model::from_records(&whole.snapshot());
+    let in_flight = |m: &Model| m.requests.iter().filter(|r| r.ended.is_none()).count();
+    assert_eq!((in_flight(&whole), in_flight(&rebuilt)), (1, 1));
+    let again = Model::from_records(&rebuilt.snapshot());
+    assert_eq!(in_flight(&again), 1, "a second compaction adds none");
+}

@@ -203,7 +203,7 @@ impl Diagnoser<'_> {
             failing_request: None,
             failing_request_bytes: None,
             failing_ts: None,
-            margin_bytes: i64::MAX,
+            margin_bytes: 0,
             peak_bytes: 0,
             refused: 0,
             load_complete,
@@ -232,9 +232,10 @@ impl Diagnoser<'_> {
             outcome.margin_bytes = load_left.min(kv_room).clamp(i64::MIN as i128, 0) as i64;
             return Ok(outcome);
         }
+        // What loading left, then what each request leaves.
+        outcome.margin_bytes = load_left.min(i64::MAX as i128) as i64;
         let Some(cost) = cost else {
             // Nothing to replay: it loads; the peak is the load.
-            outcome.margin_bytes = load_left.min(i64::MAX as i128) as i64;
             outcome.peak_bytes = others_at_start.saturating_add(needed_at_load);
             return Ok(outcome);
         };
@@ -342,22 +343,17 @@ fn replayed(requests: &[&Request]) -> Vec<Replayed> {
 /// When each request starts: at its arrival, or, under a cap, once one of the places is free
 /// (first come, first served).
 fn schedule(requests: &[&Replayed], cap: Option<u64>) -> Vec<u64> {
-    let Some(cap) = cap.map(|c| c.max(1) as usize) else {
+    // More places than requests is no cap.
+    let Some(cap) = cap.map(|c| c.max(1)).filter(|&c| c < requests.len() as u64).map(|c| c as usize) else {
         return requests.iter().map(|r| r.arrived).collect();
     };
-    // When each place frees.
-    let mut places: Vec<u64> = Vec::with_capacity(cap);
+    // When each place frees, the soonest first.
+    let mut places: BinaryHeap<Reverse<u64>> = BinaryHeap::with_capacity(cap);
     requests
         .iter()
         .map(|r| {
-            let begins = if places.len() < cap {
-                r.arrived
-            } else {
-                let (i, free) = places.iter().copied().enumerate().min_by_key(|(_, t)| *t).unwrap_or((0, 0));
-                places.swap_remove(i);
-                free.max(r.arrived)
-            };
-            places.push(begins.saturating_add(r.life));
+            let begins = if places.len() < cap { r.arrived } else { places.pop().map_or(r.arrived, |Reverse(free)| free.max(r.arrived)) };
+            places.push(Reverse(begins.saturating_add(r.life)));
             begins
         })
         .collect()

@@ -490,8 +490,9 @@ impl<'a> Snapshot<'a> {
             if let Some(ts) = r.first_data_at {
                 self.push(ts, r.pid, Event::Sent { conn: r.conn, bytes: 0, status: None, data: true });
             }
-            // A connection still open has a later request on it, whose arrival ended this one.
-            if let Some(ts) = r.ended.filter(|_| !model.connections.contains_key(&r.conn)) {
+            // Closed at its end even where the connection lives on: a later request on it is
+            // written after, with an accept of its own.
+            if let Some(ts) = r.ended {
                 self.push(ts, r.pid, Event::ConnClose { conn: r.conn });
             }
         }
