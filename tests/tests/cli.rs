@@ -287,11 +287,21 @@ fn a_full_kernel_map_is_warned_of_and_logged_with_kernel_log() {
     let err = read("--kernel-log.err");
     let lines = err.lines().filter(|l| l.starts_with("gputrace: kernel: the map FDS is full")).collect::<Vec<_>>();
     assert!(!lines.is_empty() && lines.iter().all(|l| l.contains(&format!("pid {pid} "))), "pid {pid}: {err}");
-    let bad = Command::new(gputrace_bin()).args(["record", "--", "true"]).env("GPUTRACE_FDS_ENTRIES", "lots").output().unwrap();
+    // A start refused leaves no trace file behind (the default name, in the current directory).
+    let empty = dir.join("refused");
+    std::fs::create_dir(&empty).unwrap();
+    let bad = Command::new(gputrace_bin())
+        .args(["record", "--", "true"])
+        .env("GPUTRACE_FDS_ENTRIES", "lots")
+        .current_dir(&empty)
+        .output()
+        .unwrap();
     assert!(
         String::from_utf8_lossy(&bad.stderr).contains("GPUTRACE_FDS_ENTRIES=\"lots\" is not a number"),
         "{}",
         String::from_utf8_lossy(&bad.stderr)
     );
+    let left: Vec<_> = std::fs::read_dir(&empty).unwrap().flatten().map(|e| e.file_name()).collect();
+    assert!(left.is_empty(), "a refused start left {left:?}");
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -149,11 +149,11 @@ pub fn run<S: Sink>(opts: &Options, sink: impl FnOnce(&Header, Option<&User>) ->
     if opts.redact {
         crate::redact::header(&mut header);
     }
-    let sink = sink(&header, user.as_ref())?;
-
     let cgroup = opts.cgroup.as_deref().map(open_cgroup).transpose()?;
     let selection = probe::Selection { trace_all: opts.all, cgroup: cgroup.as_ref(), majors, kernel_log: opts.kernel_log };
     let mut probe = Probe::load(&layout, selection, &kernel)?;
+    // Once the probes are in: a start the kernel refused leaves no empty trace behind.
+    let sink = sink(&header, user.as_ref())?;
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().context("starting the event loop")?;
     let mut session = Session {
         pipeline: Pipeline::new(layout, ProcResolver, opts.raw, Some(std::process::id())),
