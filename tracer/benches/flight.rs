@@ -6,8 +6,10 @@
 use std::process::Command;
 use std::time::Instant;
 
+use bytes::BytesMut;
 use gputrace::event::Record;
-use gputrace::flight::stream::stream;
+use gputrace::flight::codec::{self, Encoder};
+use gputrace::flight::stream::{pytorch_server, stream};
 use gputrace::flight::{Config, Flight, Trigger};
 use gputrace::model::Model;
 
@@ -21,13 +23,13 @@ fn run(op: &str) {
             stream(1_000, EVENTS, |r| model.apply(r));
             assert!(model.allocations.len() as u64 > EVENTS / 5, "the model keeps every allocation");
         }
-        "watch-1k" | "watch-100k" => {
+        "watch-1k" | "watch-100k" | "watch-100k-pytorch" => {
             let rate = if op == "watch-1k" { 1_000 } else { 100_000 };
             let config = Config { window_ns: 600_000_000_000, max_bytes: 24 << 20, aftermath_ns: 0, min_interval_ns: 0 };
             let mut flight = Flight::new(config);
             let mut live = Model::new();
             let mut last = 0;
-            stream(rate, EVENTS, |r| {
+            let mut each = |r: &Record| {
                 live.apply(r);
                 flight.push(r, &live);
                 last = r.ts;
@@ -35,7 +37,11 @@ fn run(op: &str) {
                 if r.ts / 100_000_000 != (r.ts - 1_000_000_000 / rate) / 100_000_000 {
                     flight.compact(r.ts, &mut live);
                 }
-            });
+            };
+            match op.ends_with("pytorch") {
+                true => pytorch_server(rate, EVENTS, &mut each),
+                false => stream(rate, EVENTS, &mut each),
+            }
             let started = Instant::now();
             flight.trigger(Trigger::Manual, None, last);
             let dump = flight.take_dump(None).unwrap();
@@ -91,20 +97,26 @@ fn main() {
         )
     };
     row("model of everything (as record)", model_s, model_kb);
-    for (op, what) in [("watch-1k", "watch, 1k events/s (50 min)"), ("watch-100k", "watch, 100k events/s (30 s)")] {
+    for (op, what) in [
+        ("watch-1k", "watch, 1k events/s (50 min)"),
+        ("watch-100k", "watch, 100k events/s (30 s)"),
+        ("watch-100k-pytorch", "watch, PyTorch's shape, 100k/s"),
+    ] {
         let (s, kb) = measure(op);
         row(what, s, kb);
         println!("{:<34} {:.3}% of a core at 1,000 events a second", "", s / EVENTS as f64 * 1_000.0 * 100.0);
     }
     let mut records = Vec::new();
     stream(1_000, 300_000, |r| records.push(r.clone()));
-    encodings(&records);
+    encodings("the same stream", &records);
+    records.clear();
+    pytorch_server(1_000, 300_000, |r| records.push(r.clone()));
+    encodings("a PyTorch server's shape", &records);
 }
 
-/// The window's encoding: JSON Lines (what it keeps) against MessagePack with field names (the
-/// binary format the events' internally tagged, fields-skipped-when-empty layout allows), each
-/// encoding the same records once and decoding them back, as the window does.
-fn encodings(records: &[Record]) {
+/// The window's encoding against JSON Lines (what it held before), each encoding the same
+/// records once and decoding them back, as the window does.
+fn encodings(stream: &str, records: &[Record]) {
     let n = records.len() as f64;
     let per_event = |started: Instant| started.elapsed().as_secs_f64() * 1e9 / n;
     let started = Instant::now();
@@ -118,25 +130,39 @@ fn encodings(records: &[Record]) {
     let back: Vec<Record> = json.split(|&b| b == b'\n').filter(|l| !l.is_empty()).map(|l| serde_json::from_slice(l).unwrap()).collect();
     let json_decode = per_event(started);
     assert_eq!(back, records);
+    // In segments of the window's size, each with an encoder of its own.
     let started = Instant::now();
-    let mut packed = Vec::new();
+    let mut segments = Vec::new();
+    let (mut current, mut encoder) = (BytesMut::new(), Encoder::default());
     for r in records {
-        rmp_serde::encode::write_named(&mut packed, r).unwrap();
+        encoder.put(r, &mut current);
+        if current.len() >= 64 << 10 {
+            segments.push(current.split().freeze());
+            encoder = Encoder::default();
+        }
     }
-    let pack_encode = per_event(started);
+    segments.push(current.freeze());
+    let window_encode = per_event(started);
     let started = Instant::now();
-    let mut rest = &packed[..];
-    let mut back = Vec::with_capacity(records.len());
-    while !rest.is_empty() {
-        back.push(rmp_serde::decode::from_read::<_, Record>(&mut rest).unwrap());
-    }
-    let pack_decode = per_event(started);
-    assert_eq!(back, records, "MessagePack gives back what it was given");
-    println!("\nthe window's encoding, {} records of the same stream:", records.len());
-    println!("{:<34} {:>12} {:>12} {:>12} {:>14}", "", "bytes/event", "encode ns", "decode ns", "(enc+dec)/JSON");
+    let back: Vec<Record> = segments.iter().flat_map(codec::records).collect();
+    let window_decode = per_event(started);
+    assert_eq!(back, records, "the window's encoding gives back what it was given");
+    let window_bytes: usize = segments.iter().map(|s| s.len()).sum();
+    println!("\nthe window's encoding, {} records of {stream}:", records.len());
+    println!("{:<34} {:>12} {:>12} {:>12} {:>14} {:>14}", "", "bytes/event", "encode ns", "decode ns", "bytes / JSON", "CPU / JSON");
     for (name, bytes, enc, dec) in
-        [("JSON Lines (kept)", json.len(), json_encode, json_decode), ("MessagePack, named", packed.len(), pack_encode, pack_decode)]
+        [("JSON Lines (before)", json.len(), json_encode, json_decode), ("the window's own", window_bytes, window_encode, window_decode)]
     {
-        println!("{name:<34} {:>12.1} {enc:>12.0} {dec:>12.0} {:>14.2}", bytes as f64 / n, (enc + dec) / (json_encode + json_decode));
+        println!(
+            "{name:<34} {:>12.1} {enc:>12.0} {dec:>12.0} {:>14.2} {:>14.2}",
+            bytes as f64 / n,
+            bytes as f64 / json.len() as f64,
+            (enc + dec) / (json_encode + json_decode)
+        );
+    }
+    // The default --window-bytes at three rates.
+    let per_event = window_bytes as f64 / n;
+    for rate in [1_000.0, 10_000.0, 100_000.0] {
+        println!("{:<34} 24 MiB hold {:.1} minutes at {rate} events/s", "", (24 << 20) as f64 / per_event / rate / 60.0);
     }
 }

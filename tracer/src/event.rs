@@ -500,6 +500,24 @@ impl Alloc {
         }
     }
 
+    /// UVM_CREATE_EXTERNAL_RANGE on UVM fd `fd`, granted: address space at `base`, no memory.
+    pub fn uvm_range(fd: i32, base: u64, bytes: u64) -> Alloc {
+        Alloc {
+            fd,
+            via: Via::UvmCreateExternalRange,
+            memory: Memory::Virtual,
+            bytes,
+            status: 0,
+            client: 0,
+            parent: 0,
+            object: 0,
+            class: 0,
+            base: Some(base),
+            errno: None,
+            holds: None,
+        }
+    }
+
     pub fn succeeded(&self) -> bool {
         self.status == 0 && self.errno.is_none()
     }

@@ -9,7 +9,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::{Bytes, BytesMut};
 
 use crate::event::{Event, Record};
 use crate::model::Model;
@@ -135,15 +135,18 @@ impl Dump {
                 _ => {}
             }
         }
-        let met =
-            self.segments.iter().flat_map(decode).filter(|r| matches!(r.event, Event::Process { seen: crate::event::Seen::Running, .. }));
+        let met = self
+            .segments
+            .iter()
+            .flat_map(codec::records)
+            .filter(|r| matches!(r.event, Event::Process { seen: crate::event::Seen::Running, .. }));
         alive.extend(met.map(|r| r.pid));
         alive
     }
 
     /// Every record of the dump, the snapshot first.
     pub fn records(&self) -> impl Iterator<Item = Record> + '_ {
-        self.snapshot.iter().cloned().chain(self.segments.iter().flat_map(decode))
+        self.snapshot.iter().cloned().chain(self.segments.iter().flat_map(codec::records))
     }
 }
 
@@ -184,6 +187,8 @@ pub struct Flight {
     segments: VecDeque<Segment>,
     bytes_in_segments: usize,
     current: BytesMut,
+    /// What the open segment's records are written against.
+    encoder: codec::Encoder,
     current_first_ts: Option<u64>,
     current_last_ts: u64,
     /// The first record's time in the window (the base's end).
@@ -212,6 +217,7 @@ impl Flight {
             segments: VecDeque::new(),
             bytes_in_segments: 0,
             current: BytesMut::with_capacity(SEGMENT_BYTES),
+            encoder: codec::Encoder::default(),
             current_first_ts: None,
             current_last_ts: 0,
             window_start: 0,
@@ -238,9 +244,7 @@ impl Flight {
             _ => {}
         }
         let start = self.current.len();
-        // Serialising our own types to memory cannot fail.
-        let _ = serde_json::to_writer((&mut self.current).writer(), record);
-        self.current.put_u8(b'\n');
+        self.encoder.put(record, &mut self.current);
         self.counters.encoded_bytes += (self.current.len() - start) as u64;
         self.current_first_ts.get_or_insert(record.ts);
         self.current_last_ts = self.current_last_ts.max(record.ts);
@@ -333,7 +337,11 @@ impl Flight {
         if self.current.is_empty() {
             return;
         }
-        let bytes = self.current.split().freeze();
+        // Copied out at its size: the open buffer grows past the segment's size when the last
+        // record crosses it, and a sealed segment would keep all of that alive. The buffer is
+        // reused.
+        let bytes = Bytes::copy_from_slice(&self.current);
+        self.current.clear();
         self.bytes_in_segments += bytes.len();
         // A waiting dump keeps every segment closed since its trigger, evicted or not.
         if let Some(p) = &mut self.pending {
@@ -341,7 +349,7 @@ impl Flight {
         }
         self.segments.push_back(Segment { bytes, last_ts: self.current_last_ts });
         self.current_first_ts = None;
-        self.current.reserve(SEGMENT_BYTES);
+        self.encoder = codec::Encoder::default();
     }
 
     /// Segments older than the window, or past its byte cap, go into the base.
@@ -356,7 +364,7 @@ impl Flight {
             let segment = self.segments.pop_front().expect("front exists");
             self.bytes_in_segments -= segment.bytes.len();
             let mut next_start = segment.last_ts;
-            for record in decode(&segment.bytes) {
+            for record in codec::records(&segment.bytes) {
                 next_start = record.ts;
                 self.base.apply(&record);
             }
@@ -388,12 +396,7 @@ impl Flight {
     }
 }
 
-/// The records of an encoded segment; a line that does not parse (it never should: we wrote
-/// it) is skipped rather than stopping the dump.
-fn decode(bytes: &Bytes) -> impl Iterator<Item = Record> + '_ {
-    bytes.split(|&b| b == b'\n').filter(|l| !l.is_empty()).filter_map(|line| serde_json::from_slice(line).ok())
-}
-
+pub mod codec;
 pub mod stream;
 
 #[cfg(test)]

@@ -136,20 +136,7 @@ pub fn records(data: &[u8]) -> Vec<Record> {
             }
             13 => {
                 let base = u64::from(b.pick(4)) << 21;
-                Event::Alloc(Alloc {
-                    fd,
-                    via: Via::UvmCreateExternalRange,
-                    memory: Memory::Virtual,
-                    bytes: b.size(),
-                    status: 0,
-                    client: 0,
-                    parent: 0,
-                    object: 0,
-                    class: 0,
-                    base: Some(base),
-                    errno: None,
-                    holds: None,
-                })
+                Event::Alloc(Alloc::uvm_range(fd, base, b.size()))
             }
             14 => Event::UvmFree { fd, base: u64::from(b.pick(4)) << 21, status: 0 },
             15 => {

@@ -45,20 +45,7 @@ fn alloc(ts: u64, pid: u32, fd: i32, parent: u32, object: u32, bytes: u64, statu
 
 /// UVM_CREATE_EXTERNAL_RANGE by pid 10 on its fd 5: address space at `base`.
 fn uvm_range(ts: u64, base: u64, bytes: u64) -> Record {
-    let a = Alloc {
-        fd: 5,
-        via: Via::UvmCreateExternalRange,
-        memory: Memory::Virtual,
-        bytes,
-        status: 0,
-        client: 0,
-        parent: 0,
-        object: 0,
-        class: 0,
-        base: Some(base),
-        errno: None,
-        holds: None,
-    };
+    let a = Alloc::uvm_range(5, base, bytes);
     rec(ts, 10, Event::Alloc(a))
 }
 
