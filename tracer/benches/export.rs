@@ -85,6 +85,10 @@ fn run(op: &str, path: &Path) {
             let n = Reader::open(path).unwrap().inspect(|r| assert!(r.is_ok(), "a record that does not read")).count();
             assert_eq!(n as u64 + 1, EVENTS.next_multiple_of(11) - 6 + 1);
         }
+        "model" => {
+            let (_, m, _) = load(path);
+            assert!(m.allocations.len() > 250_000);
+        }
         "report" => {
             let (h, m, n) = load(path);
             let _ = Report::new(&h, &m, String::new(), n, Loss::default(), u64::MAX).text();
@@ -148,7 +152,7 @@ fn main() {
     let (read_s, read_kb) = measure("read", &path);
     println!("{:<10} {:>9} {:>12} {:>13} {:>14}", "operation", "seconds", "peak MiB", "time / read", "memory / read");
     println!("{:<10} {:>9.2} {:>12.1} {:>13.2} {:>14.2}", "read", read_s, read_kb as f64 / 1024.0, 1.0, 1.0);
-    for op in ["report", "report-80GiB", "whatif", "perfetto", "html", "csv"] {
+    for op in ["model", "report", "report-80GiB", "whatif", "perfetto", "html", "csv"] {
         let (s, kb) = measure(op, &path);
         println!("{op:<10} {s:>9.2} {:>12.1} {:>13.2} {:>14.2}", kb as f64 / 1024.0, s / read_s, kb as f64 / read_kb as f64);
     }

@@ -3,13 +3,14 @@
 //! (the schema is documented in docs/report-schema.md). `record` prints it at the end, `report`
 //! prints it for a trace file.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt::Write as _;
 
 use serde::Serialize;
 
 use crate::analysis::diagnosis::{Category, Diagnoser, Diagnosis};
 use crate::analysis::headroom::Headroom;
+use crate::analysis::sweep::LiveChanges;
 use crate::analysis::{Phase, Services};
 use crate::event::Memory;
 use crate::model::{add, Model, Process};
@@ -156,24 +157,16 @@ fn disagreements(header: &Header, model: &Model) -> Vec<Disagreement> {
     let start = model.time_zero(header.monotonic_start_ns);
     // Traced live video bytes per pid, swept forward through the samples: each allocation's
     // start and end in time order, applied up to each sample's time (what is live at `ts`).
-    let mut changes: Vec<(u64, u32, i128)> = Vec::new();
-    for a in model.allocations.iter().filter(|a| a.memory == Memory::Video) {
-        changes.push((a.ts, a.pid, i128::from(a.bytes)));
-        if let Some((freed, _)) = a.freed {
-            changes.push((freed, a.pid, -i128::from(a.bytes)));
-        }
-    }
-    changes.sort_unstable_by_key(|&(ts, _, _)| ts);
+    let mut changes = LiveChanges::of(model.allocations.iter().filter(|a| a.memory == Memory::Video).map(|a| (a, a.pid)));
     let mut samples: Vec<&(u64, crate::event::Sample)> = model.samples.iter().filter(|(_, s)| !s.processes.is_empty()).collect();
     samples.sort_by_key(|(ts, _)| *ts);
     let mut live: HashMap<u32, i128> = HashMap::new();
-    let mut applied = 0;
     let mut worst: BTreeMap<u32, (u64, u64, u64)> = BTreeMap::new();
     // Which way each pid's gap went at the previous sample (true: NVML above the trace). A gap
     // is judged only when it held over two samples: NVML lags the frees a process makes.
     let mut was_above: HashMap<u32, bool> = HashMap::new();
     for (ts, sample) in samples {
-        while let Some(&(_, pid, delta)) = changes.get(applied).filter(|c| c.0 <= *ts) {
+        while let Some((_, delta, pid)) = changes.next_if(|c| c.0 <= *ts) {
             let bytes = live.entry(pid).or_default();
             *bytes += delta;
             // Only what is live stays: each sample looks at NVML's pids and these, not at every
@@ -181,7 +174,6 @@ fn disagreements(header: &Header, model: &Model) -> Vec<Disagreement> {
             if *bytes == 0 {
                 live.remove(&pid);
             }
-            applied += 1;
         }
         let mut nvml_of: BTreeMap<u32, u64> = BTreeMap::new();
         for u in &sample.processes {
@@ -451,22 +443,17 @@ fn process_report(
 /// cannot be told last): each one's own peak, so a tensor-parallel rank that filled up shows.
 fn gpu_reports(header: &Header, model: &Model) -> Vec<GpuReport> {
     let start = model.time_zero(header.monotonic_start_ns);
-    let mut keys: Vec<Option<u32>> = header.gpus.iter().map(|g| Some(g.index)).collect();
-    keys.extend(model.allocations.iter().filter(|a| a.memory == Memory::Video).map(|a| model.gpu_for(a.pid, a.gpu)));
-    keys.extend(model.failures.iter().filter(|f| f.memory == Memory::Video).map(|f| model.gpu_for(f.pid, f.gpu)));
-    keys.sort_by_key(|k| (k.is_none(), *k));
-    keys.dedup();
+    // The GPUs in order, allocations on a GPU not known last.
+    let mut keys: BTreeSet<(bool, Option<u32>)> = header.gpus.iter().map(|g| (false, Some(g.index))).collect();
+    let video_gpus = model.allocations.iter().filter(|a| a.memory == Memory::Video).map(|a| model.gpu_for(a.pid, a.gpu));
+    let failed_gpus = model.failures.iter().filter(|f| f.memory == Memory::Video).map(|f| model.gpu_for(f.pid, f.gpu));
+    keys.extend(video_gpus.chain(failed_gpus).map(|k| (k.is_none(), k)));
     keys.into_iter()
-        .map(|gpu| {
+        .map(|(_, gpu)| {
             let card = gpu.and_then(|g| header.gpus.iter().find(|c| c.index == g));
             let video = || model.allocations.iter().filter(move |a| model.gpu_for(a.pid, a.gpu) == gpu && a.memory == Memory::Video);
-            let mut changes: Vec<(u64, i128)> = video()
-                .flat_map(|a| [Some((a.ts, i128::from(a.bytes))), a.freed.map(|(t, _)| (t, -i128::from(a.bytes)))].into_iter().flatten())
-                .collect();
-            // Frees before allocations at the same instant: a peak is never counted twice.
-            changes.sort_by_key(|&(t, d)| (t, d > 0));
             let (mut live, mut peak, mut peak_ts) = (0i128, 0i128, None);
-            for (t, d) in changes {
+            for (t, d, ()) in LiveChanges::of(video().map(|a| (a, ()))) {
                 live += d;
                 if live > peak {
                     (peak, peak_ts) = (live, Some(t.saturating_sub(start)));

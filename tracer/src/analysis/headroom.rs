@@ -16,6 +16,7 @@ use serde::Serialize;
 
 use super::diagnosis::Diagnoser;
 use super::server::{flag, ServerFamily};
+use super::sweep::{in_time_order, merged, LiveChanges};
 use super::{is_completion, Phase, Service};
 use crate::event::Memory;
 use crate::model::{Allocation, Request};
@@ -112,18 +113,10 @@ impl Headroom {
 pub(super) struct Live(Vec<(u64, u64)>);
 
 impl Live {
-    fn of<'m>(allocations: impl Iterator<Item = &'m Allocation>) -> Live {
-        let mut deltas: Vec<(u64, i128)> = Vec::new();
-        for a in allocations {
-            deltas.push((a.ts, a.bytes as i128));
-            if let Some((freed, _)) = a.freed {
-                deltas.push((freed, -(a.bytes as i128)));
-            }
-        }
-        deltas.sort_by_key(|d| d.0);
-        let mut steps: Vec<(u64, u64)> = Vec::with_capacity(deltas.len());
+    fn of<'m>(allocations: impl Iterator<Item = &'m Allocation> + Clone + 'm) -> Live {
+        let mut steps: Vec<(u64, u64)> = Vec::new();
         let mut live = 0i128;
-        for (ts, delta) in deltas {
+        for (ts, delta, ()) in LiveChanges::of(allocations.map(|a| (a, ()))) {
             live += delta;
             let now = live.clamp(0, u64::MAX as i128) as u64;
             match steps.last_mut() {
@@ -142,7 +135,7 @@ impl Live {
     }
 
     /// Each time it changes, and what is live from then on.
-    pub(super) fn steps(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+    pub(super) fn steps(&self) -> impl Iterator<Item = (u64, u64)> + Clone + '_ {
         self.0.iter().copied()
     }
 }
@@ -372,16 +365,15 @@ impl<'a> Diagnoser<'a> {
         let holders = self.model.processes.values().filter(|p| service.pids.contains(&p.pid) && p.usage.allocations > 0);
         let exited = holders.filter_map(|p| p.exited).min();
         let until = exited.map_or(self.model.last_ts, |e| e.saturating_sub(1)).min(self.model.last_ts);
-        let timeline = self.services.timeline(service).iter().map(|(t, _, _)| *t);
-        let samples = self.model.samples.iter().map(|(t, _)| *t);
-        let mut moments: Vec<u64> =
-            books.all.0.iter().map(|(t, _)| *t).chain(timeline).chain(samples).filter(|t| (from..=until).contains(t)).collect();
-        moments.sort_unstable();
-        moments.dedup();
+        let timeline = self.services.timeline(service).iter().map(|(t, _, _)| (*t, ()));
+        let samples = self.model.samples.iter().map(|(t, _)| (*t, ()));
+        let held = books.all.steps().map(|(t, _)| (t, ()));
+        let streams = vec![in_time_order(held), in_time_order(timeline), in_time_order(samples)];
+        let mut previous = None;
+        let moments = merged(streams).map(|(t, ())| t).filter(|t| (from..=until).contains(t) && previous.replace(*t) != Some(*t));
         let last = books.moment(until, &cost, largest);
         let tightest = moments
-            .iter()
-            .map(|&t| books.moment(t, &cost, largest))
+            .map(|t| books.moment(t, &cost, largest))
             .min_by_key(|m| (m.more_requests, m.room_bytes))
             .filter(|m| (m.more_requests, m.room_bytes) < (last.more_requests, last.room_bytes))
             .unwrap_or(last);

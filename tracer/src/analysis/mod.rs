@@ -5,6 +5,7 @@
 pub mod diagnosis;
 pub mod headroom;
 pub mod server;
+pub mod sweep;
 pub mod whatif;
 
 use std::collections::BTreeMap;
@@ -62,7 +63,7 @@ pub struct Services<'m> {
     service_of: BTreeMap<u32, usize>,
     /// Per service, the phase and the completions in flight from each instant they change on:
     /// a lookup is a binary search, not a scan of every request.
-    timelines: Vec<Vec<(u64, Phase, usize)>>,
+    timelines: Vec<Vec<(u64, Phase, u32)>>,
 }
 
 /// Bytes a request whose head went unseen must have received to count as a completion: a
@@ -217,7 +218,7 @@ impl<'m> Services<'m> {
 
     /// The service's phase and completions in flight from each instant either changes on, in
     /// time order (the first at 0).
-    pub fn timeline(&self, service: &Service) -> &[(u64, Phase, usize)] {
+    pub fn timeline(&self, service: &Service) -> &[(u64, Phase, u32)] {
         let index = self.service_of.get(&service.root).copied().expect("a service of this set");
         &self.timelines[index]
     }
@@ -226,7 +227,7 @@ impl<'m> Services<'m> {
         let timeline = self.timeline(service);
         match timeline.partition_point(|(t, _, _)| *t <= ts) {
             0 => (Phase::Load, 0),
-            i => (timeline[i - 1].1, timeline[i - 1].2),
+            i => (timeline[i - 1].1, timeline[i - 1].2 as usize),
         }
     }
 
@@ -248,31 +249,42 @@ impl<'m> Services<'m> {
 
 /// The phase, and completions in flight, from every instant either changes on: one sweep over the
 /// service's requests (arrival, first data, end), its readiness and its marks (those that name a
-/// phase).
-fn timeline(service: &Service, requests: &[&Request], mut marks: Vec<(u64, Phase)>) -> Vec<(u64, Phase, usize)> {
-    // (ts, change in prefill, change in decode)
-    let mut changes: Vec<(u64, i64, i64)> = Vec::new();
-    for r in requests.iter().filter(|r| is_completion(r)) {
-        let end = r.ended.unwrap_or(u64::MAX);
-        match r.first_data_at.filter(|&d| d < end) {
-            Some(data) => changes.extend([(r.arrived, 1, 0), (data, -1, 1), (end, 0, -1)]),
-            None => changes.extend([(r.arrived, 1, 0), (end, -1, 0)]),
-        }
-    }
-    // In time order: the latest at or before an instant is a search.
+/// phase). 16 bytes an instant, and nothing kept but that: a million-event trace has hundreds
+/// of thousands of them.
+fn timeline(service: &Service, requests: &[&Request], mut marks: Vec<(u64, Phase)>) -> Vec<(u64, Phase, u32)> {
+    // (ts, (change in prefill, change in decode)): each completion enters prefill at its
+    // arrival, moves to decode at its first data (before its end), leaves at its end.
+    let completions = || requests.iter().filter(|r| is_completion(r));
+    let data_before_end = |r: &Request| r.first_data_at.filter(|&d| d < r.ended.unwrap_or(u64::MAX));
+    let arrivals = sweep::in_time_order(completions().map(|r| (r.arrived, (1i8, 0i8))));
+    let data = sweep::in_time_order(completions().filter_map(move |r| Some((data_before_end(r)?, (-1, 1)))));
+    let ends = sweep::in_time_order(completions().map(move |r| match data_before_end(r) {
+        Some(_) => (r.ended.unwrap_or(u64::MAX), (0, -1)),
+        None => (r.ended.unwrap_or(u64::MAX), (-1, 0)),
+    }));
+    let mut changes = sweep::merged(vec![arrivals, data, ends]).peekable();
+    // In time order: the latest at or before an instant is a search. Changes at one instant
+    // are applied together, so their order among themselves does not matter.
     marks.sort_by_key(|m| m.0);
-    let mut edges: Vec<u64> = changes.iter().map(|c| c.0).chain(marks.iter().map(|m| m.0)).chain(service.ready_at).collect();
-    edges.push(0);
-    edges.sort();
-    edges.dedup();
-    changes.sort_by_key(|c| c.0);
-    let (mut prefill, mut decode, mut next) = (0i64, 0i64, 0usize);
-    let mut out = Vec::with_capacity(edges.len());
-    for t in edges {
-        while next < changes.len() && changes[next].0 <= t {
-            prefill += changes[next].1;
-            decode += changes[next].2;
-            next += 1;
+    // The instants that are not a request's: the start, readiness and the marks.
+    let mut others: Vec<u64> = marks.iter().map(|m| m.0).chain(service.ready_at).chain([0]).collect();
+    others.sort_unstable();
+    let (mut prefill, mut decode) = (0i64, 0i64);
+    let mut other = 0usize;
+    let mut out = Vec::new();
+    loop {
+        let t = match (changes.peek(), others.get(other)) {
+            (Some(c), Some(&o)) => c.0.min(o),
+            (Some(c), None) => c.0,
+            (None, Some(&o)) => o,
+            (None, None) => break,
+        };
+        while let Some((_, (p, d))) = changes.next_if(|c| c.0 <= t) {
+            prefill += i64::from(p);
+            decode += i64::from(d);
+        }
+        while others.get(other).is_some_and(|&o| o <= t) {
+            other += 1;
         }
         let marked = match marks.partition_point(|(mt, _)| *mt <= t) {
             0 => None,
@@ -288,7 +300,7 @@ fn timeline(service: &Service, requests: &[&Request], mut marks: Vec<(u64, Phase
             Phase::Idle
         };
         // Never negative, even for a trace whose requests end before they arrive.
-        out.push((t, marked.unwrap_or(inferred), (prefill + decode).max(0) as usize));
+        out.push((t, marked.unwrap_or(inferred), u32::try_from((prefill + decode).max(0)).unwrap_or(u32::MAX)));
     }
     out
 }

@@ -103,7 +103,7 @@ struct Band {
 fn chart(header: &Header, model: &Model, services: &Services, report: &Report) -> Chart {
     let first = model.first_ts.unwrap_or(header.monotonic_start_ns);
     let last = model.last_ts.max(first.saturating_add(1));
-    let changes: Vec<_> = live_changes(model, services).into_iter().filter(|c| c.memory != Memory::Virtual).collect();
+    let changes: Vec<_> = live_changes(model, services).filter(|c| c.memory != Memory::Virtual).collect();
     let at = |ts: u64| ts.saturating_sub(first) as f64 / 1e9;
     // A failure's marker says its verdict.
     let zero = model.time_zero(header.monotonic_start_ns);
@@ -182,7 +182,7 @@ fn chart(header: &Header, model: &Model, services: &Services, report: &Report) -
             let timeline = services.timeline(s);
             let edges: Vec<(f64, &'static str, usize)> = timeline
                 .iter()
-                .map(|(t, phase, n)| (at((*t).max(s.first_ts)), phase.name(), *n))
+                .map(|(t, phase, n)| (at((*t).max(s.first_ts)), phase.name(), *n as usize))
                 .filter(|(t, _, _)| *t <= at(last))
                 .collect();
             let mut phases: Vec<(f64, f64, &'static str)> = Vec::new();

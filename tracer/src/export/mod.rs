@@ -10,6 +10,7 @@ pub use csv::csv;
 pub use html::html;
 pub use perfetto::perfetto;
 
+use crate::analysis::sweep::LiveChanges;
 use crate::analysis::{Phase, Services};
 use crate::event::Memory;
 use crate::model::Model;
@@ -50,19 +51,16 @@ pub struct Change {
 }
 
 /// Every change of live memory, in time order, frees before allocations at the same instant:
-/// what both timelines (Perfetto's counters, the HTML chart) are summed from.
-pub fn live_changes(model: &Model, services: &Services) -> Vec<Change> {
-    let mut changes = Vec::with_capacity(model.allocations.len() * 2);
-    for a in &model.allocations {
-        let phase = services.phase_of(a.pid, a.ts);
-        let bytes = i128::from(a.bytes);
-        changes.push(Change { ts: a.ts, pid: a.pid, memory: a.memory, gpu: a.gpu, phase, delta: bytes });
-        if let Some((t, _)) = a.freed {
-            changes.push(Change { ts: t, pid: a.pid, memory: a.memory, gpu: a.gpu, phase, delta: -bytes });
-        }
-    }
-    changes.sort_by_key(|c| (c.ts, c.delta > 0));
-    changes
+/// what both timelines (Perfetto's counters, the HTML chart) are summed from, one at a time.
+pub fn live_changes<'a>(model: &'a Model, services: &'a Services) -> impl Iterator<Item = Change> + 'a {
+    LiveChanges::of(model.allocations.iter().map(|a| (a, a))).map(|(ts, delta, a)| Change {
+        ts,
+        pid: a.pid,
+        memory: a.memory,
+        gpu: a.gpu,
+        phase: services.phase_of(a.pid, a.ts),
+        delta,
+    })
 }
 
 /// Byte sums are kept exact in i128 and written as JSON's 64-bit integers, saturated: a trace
