@@ -4,8 +4,11 @@
 
 pub mod diagnosis;
 pub mod headroom;
+pub mod holders;
+pub mod nvml;
 pub mod server;
 pub mod sweep;
+pub mod usage;
 pub mod whatif;
 
 use std::collections::BTreeMap;

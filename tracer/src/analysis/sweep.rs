@@ -1,7 +1,7 @@
 //! Sweeps over a trace's intervals (allocations live, requests in flight) in time order without
 //! a list of every change: a million-event trace has hundreds of thousands of them. A stream
 //! already in time order (allocations and arrivals, as the trace writes them) is read where it
-//! lies; only one that is not is copied and sorted in place.
+//! lies; only one that is not is copied and sorted.
 
 use crate::model::Allocation;
 
@@ -15,7 +15,8 @@ pub fn in_time_order<'a, T: 'a>(items: impl Iterator<Item = (u64, T)> + Clone + 
     }
     let mut sorted: Vec<(u64, T)> = Vec::with_capacity(items.clone().count());
     sorted.extend(items);
-    sorted.sort_unstable_by_key(|(t, _)| *t);
+    // Stable: what happened at one instant keeps its order (exports show each step).
+    sorted.sort_by_key(|(t, _)| *t);
     Box::new(sorted.into_iter())
 }
 
