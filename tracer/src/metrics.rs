@@ -9,7 +9,7 @@ use std::fmt::Write as _;
 use crate::analysis::headroom::{Headroom, Moment};
 use crate::flight::Counters;
 use crate::model::Model;
-use crate::report::Report;
+use crate::report::{ProcessReport, Report};
 
 /// Services and processes given a series of their own; the rest are summed.
 pub const TOP_SERVICES: usize = 20;
@@ -86,17 +86,44 @@ fn top<K: Ord + Clone + From<&'static str>>(mut items: Vec<(K, u64)>, n: usize) 
 pub fn exposition(f: &Figures) -> String {
     let mut t = Text::default();
     let r = f.report;
+    let kept = live_by_service(&mut t, r);
+    processes(&mut t, r);
+    keeping(&mut t, r);
+    live_by_phase(&mut t, r, &kept);
+    gpus(&mut t, f);
+    requests(&mut t, f, &kept);
+    headroom(&mut t, r);
+    counters(&mut t, f);
+    own_cost(&mut t);
+    t.out
+}
 
+/// A process's service: its own (its command where it has none).
+fn service_of(p: &ProcessReport) -> String {
+    if p.service.is_empty() {
+        p.command.clone()
+    } else {
+        p.service.clone()
+    }
+}
+
+/// The service a process's live memory counts under: its own, or once it exited its keeper's
+/// (a live process holding the file it allocated on); None when nothing keeps it.
+fn holding(r: &Report, p: &ProcessReport) -> Option<String> {
+    if !p.exited {
+        return Some(service_of(p));
+    }
+    // The last keeper, as a map from each kept pid to its keeper's service would have it.
+    r.processes.iter().rev().find(|k| !k.exited && k.keeps.iter().any(|kept| kept.pid == p.pid)).map(service_of)
+}
+
+/// Live memory by service and kind; the services kept as labels (the rest are "other").
+fn live_by_service(t: &mut Text, r: &Report) -> Vec<String> {
     // Live memory by service and kind. An exited process's memory that a live one keeps alive
     // counts under the keeper's service: Prometheus sees who holds it.
-    let service_of = |p: &crate::report::ProcessReport| if p.service.is_empty() { p.command.clone() } else { p.service.clone() };
-    let kept_by: BTreeMap<u32, String> =
-        r.processes.iter().filter(|p| !p.exited).flat_map(|p| p.keeps.iter().map(move |k| (k.pid, service_of(p)))).collect();
-    // The service a process's live memory counts under: its own, or its keeper's once it exited.
-    let holding = |p: &crate::report::ProcessReport| if p.exited { kept_by.get(&p.pid).cloned() } else { Some(service_of(p)) };
     let mut by_service: BTreeMap<(String, &str), u64> = BTreeMap::new();
     for p in &r.processes {
-        let Some(service) = holding(p) else { continue };
+        let Some(service) = holding(r, p) else { continue };
         for (kind, totals) in &p.by_kind {
             let v = by_service.entry((service.clone(), kind)).or_default();
             *v = v.saturating_add(totals.live);
@@ -119,9 +146,13 @@ pub fn exposition(f: &Figures) -> String {
         t.sample("gputrace_live_bytes", &[("service", service), ("memory", kind)], *v as f64);
     }
 
+    kept
+}
+
+fn processes(t: &mut Text, r: &Report) {
     // The processes holding most.
     // Where each runs: container id, and the pod's namespace and name where the node names them.
-    let place = |p: &crate::report::ProcessReport| {
+    let place = |p: &ProcessReport| {
         let get = |f: fn(&crate::event::Place) -> &Option<String>| p.place.as_ref().and_then(|pl| f(pl).clone()).unwrap_or_default();
         [get(|pl| &pl.container), get(|pl| &pl.namespace), get(|pl| &pl.pod_name)]
     };
@@ -149,7 +180,9 @@ pub fn exposition(f: &Figures) -> String {
         };
         t.sample("gputrace_process_live_bytes", &labels, v as f64);
     }
+}
 
+fn keeping(t: &mut Text, r: &Report) {
     // Who keeps whose memory alive: a live process holding the file an exited one allocated on.
     let keeping: Vec<(String, u64)> = r
         .processes
@@ -171,12 +204,14 @@ pub fn exposition(f: &Figures) -> String {
         };
         t.sample("gputrace_kept_bytes", &labels, v as f64);
     }
+}
 
+fn live_by_phase(t: &mut Text, r: &Report, kept: &[String]) {
     // Live memory by the phase of its service when it was allocated: load (weights, the KV
     // reserve) against growth while serving (prefill, decode).
     let mut by_phase: BTreeMap<(String, &str), u64> = BTreeMap::new();
     for p in &r.processes {
-        let Some(service) = holding(p) else { continue };
+        let Some(service) = holding(r, p) else { continue };
         let service = if kept.contains(&service) { service } else { "other".into() };
         for (phase, v) in &p.live_by_phase {
             let e = by_phase.entry((service.clone(), phase)).or_default();
@@ -191,7 +226,10 @@ pub fn exposition(f: &Figures) -> String {
     for ((service, phase), v) in &by_phase {
         t.sample("gputrace_live_bytes_by_phase", &[("service", service), ("phase", phase)], *v as f64);
     }
+}
 
+fn gpus(t: &mut Text, f: &Figures) {
+    let r = f.report;
     // Each GPU: its capacity, the driver's count (NVML) and the traced one.
     let sample = f.model.samples.last().map(|(_, s)| s);
     t.family("gputrace_gpu_capacity_bytes", "gauge", "Each GPU's memory as NVML reports it (absent on unified memory without --capacity).");
@@ -213,7 +251,10 @@ pub fn exposition(f: &Figures) -> String {
         let gpu = g.gpu.map_or("unknown".to_string(), |g| g.to_string());
         t.sample("gputrace_gpu_traced_live_bytes", &[("gpu", &gpu)], g.live_bytes as f64);
     }
+}
 
+fn requests(t: &mut Text, f: &Figures, kept: &[String]) {
+    let r = f.report;
     // Requests in flight, by service.
     let service_of: BTreeMap<u32, &str> =
         r.processes.iter().map(|p| (p.pid, if p.service.is_empty() { p.command.as_str() } else { p.service.as_str() })).collect();
@@ -227,8 +268,11 @@ pub fn exposition(f: &Figures) -> String {
     for (s, n) in &in_flight {
         t.sample("gputrace_requests_in_flight", &[("service", s)], *n as f64);
     }
-    headroom(&mut t, r);
+}
 
+/// The flight recorder's counters and the dumps' verdicts.
+fn counters(t: &mut Text, f: &Figures) {
+    let r = f.report;
     t.one(
         "gputrace_contexts_never_freed",
         "gauge",
@@ -256,7 +300,9 @@ pub fn exposition(f: &Figures) -> String {
     }
     t.one("gputrace_window_bytes", "gauge", "Bytes of encoded events the flight recorder's window holds.", f.window_bytes as f64);
     t.one("gputrace_encoded_bytes_total", "counter", "Bytes of events encoded into the window.", c.encoded_bytes as f64);
+}
 
+fn own_cost(t: &mut Text) {
     // The tracer's own cost, under the names Prometheus's client libraries use.
     if let Some(stat) = crate::procfs::stat(std::process::id()) {
         let cpu = stat.cpu_ticks as f64 / crate::procfs::ticks_per_second() as f64;
@@ -265,7 +311,6 @@ pub fn exposition(f: &Figures) -> String {
     if let Some(rss) = crate::procfs::resident_bytes(std::process::id()) {
         t.one("process_resident_memory_bytes", "gauge", "gputrace's resident memory.", rss as f64);
     }
-    t.out
 }
 
 /// One figure of a moment's headroom.
