@@ -245,30 +245,7 @@ impl Diagnoser<'_> {
         let starts = schedule(&admitted, settings.max_concurrency);
         let books = self.books(service, gpu, pool).ok_or("the GPU's size is not in the trace: give it with --capacity")?;
         let room = |ts: u64| books.room(ts) as i128 + shift;
-        let mut high_water = 0u64;
-        // What is in prefill with each, of those started before it (starts never go back): each
-        // costs what its size costs. Of a burst, the first to find no room is the one named.
-        let mut prefilling: BinaryHeap<Reverse<(u64, u64)>> = BinaryHeap::new();
-        let mut need = 0u64;
-        for (r, begins) in admitted.iter().zip(&starts) {
-            while let Some(Reverse((_, costs))) = prefilling.peek().copied().filter(|Reverse((ends, _))| ends <= begins) {
-                prefilling.pop();
-                need = need.saturating_sub(costs);
-            }
-            prefilling.push(Reverse((begins.saturating_add(r.prefill), cost.of(r.bytes))));
-            need = need.saturating_add(cost.of(r.bytes));
-            high_water = high_water.max(need);
-            let left = room(*begins) - need as i128;
-            outcome.margin_bytes = outcome.margin_bytes.min(left.clamp(i64::MIN as i128, i64::MAX as i128) as i64);
-            if left < 0 {
-                let alone = room(*begins) < cost.of(r.bytes) as i128;
-                outcome.category = if alone { Category::LongRequest } else { Category::ConcurrentLoad };
-                outcome.failing_request = Some(r.index);
-                outcome.failing_request_bytes = Some(r.bytes);
-                outcome.failing_ts = Some(begins.saturating_sub(start));
-                break;
-            }
-        }
+        let high_water = replay_requests(&admitted, &starts, &cost, room, start, &mut outcome);
         // The GPU's peak while it served, its pool replaced by the replay's and its load by the
         // new one.
         let (from, until) = (starts.first().copied().unwrap_or(start), self.model.last_ts);
@@ -285,6 +262,45 @@ impl Diagnoser<'_> {
         }
         Ok(outcome)
     }
+}
+
+/// The admitted requests replayed from their starts against the room at each (starts never go
+/// back): each in prefill costs what its size costs. Into `outcome`, the tightest margin and, of
+/// a burst, the first request to find no room. The high-water mark of what those in prefill
+/// needed.
+fn replay_requests(
+    admitted: &[&Replayed],
+    starts: &[u64],
+    cost: &super::headroom::Cost,
+    room: impl Fn(u64) -> i128,
+    start: u64,
+    outcome: &mut Outcome,
+) -> u64 {
+    let mut high_water = 0u64;
+    // What is in prefill with each, of those started before it (starts never go back): each
+    // costs what its size costs. Of a burst, the first to find no room is the one named.
+    let mut prefilling: BinaryHeap<Reverse<(u64, u64)>> = BinaryHeap::new();
+    let mut need = 0u64;
+    for (r, begins) in admitted.iter().zip(starts) {
+        while let Some(Reverse((_, costs))) = prefilling.peek().copied().filter(|Reverse((ends, _))| ends <= begins) {
+            prefilling.pop();
+            need = need.saturating_sub(costs);
+        }
+        prefilling.push(Reverse((begins.saturating_add(r.prefill), cost.of(r.bytes))));
+        need = need.saturating_add(cost.of(r.bytes));
+        high_water = high_water.max(need);
+        let left = room(*begins) - need as i128;
+        outcome.margin_bytes = outcome.margin_bytes.min(left.clamp(i64::MIN as i128, i64::MAX as i128) as i64);
+        if left < 0 {
+            let alone = room(*begins) < cost.of(r.bytes) as i128;
+            outcome.category = if alone { Category::LongRequest } else { Category::ConcurrentLoad };
+            outcome.failing_request = Some(r.index);
+            outcome.failing_request_bytes = Some(r.bytes);
+            outcome.failing_ts = Some(begins.saturating_sub(start));
+            break;
+        }
+    }
+    high_water
 }
 
 impl Diagnoser<'_> {
