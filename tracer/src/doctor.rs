@@ -150,9 +150,6 @@ fn minutes(seconds: u64) -> String {
 /// Judges each holder. `idle_minutes`: a holder that long alive, with no CPU and no listening
 /// socket, gets a note.
 pub fn assess(o: &Observed, idle_minutes: u64) -> Doctor {
-    let nvml_bytes = |pid: u32| -> Option<u64> {
-        o.nvml_ok().then(|| o.usage.iter().filter(|u| u.pid == pid).filter_map(|u| u.used_bytes).fold(0, u64::saturating_add))
-    };
     // Memory NVML counts for pids that are gone: kept alive by whoever holds their open files.
     // Without a recording, the one sign that a holder shares them is that it inherited them: it
     // was forked in the family that pid led (its process group or session) and holds a GPU's
@@ -162,8 +159,6 @@ pub fn assess(o: &Observed, idle_minutes: u64) -> Doctor {
     for u in o.usage.iter().filter(|u| !o.alive.contains(&u.pid)) {
         *dead.entry(u.pid).or_default() += u.used_bytes.unwrap_or(0);
     }
-    // A daemon stopped or dead holds the GPU for no one: no longer benign, whatever it runs.
-    let benign = |h: &Holder| crate::analysis::benign(h.exe.as_ref()).filter(|_| !matches!(h.state, 'T' | 't' | 'Z'));
     let mut kept: BTreeMap<u32, Vec<KeptFor>> = BTreeMap::new();
     let mut unattributed = Vec::new();
     for (&pid, &b) in &dead {
@@ -174,53 +169,75 @@ pub fn assess(o: &Observed, idle_minutes: u64) -> Doctor {
         }
     }
 
-    let mut holders: Vec<Assessed> = o
-        .holders
-        .iter()
-        .map(|h| {
-            let kept_for = kept.remove(&h.pid).unwrap_or_default();
-            let own = nvml_bytes(h.pid);
-            let bytes = own.map(|b| kept_for.iter().fold(b, |sum, k| sum.saturating_add(k.bytes)));
-            let mut reasons = Vec::new();
-            let mut notes = Vec::new();
-            if let Some(why) = benign(h) {
-                return Assessed { holder: h.clone(), bytes, kept_for, verdict: Verdict::Benign, reasons: vec![why.into()], notes };
-            }
-            match h.state {
-                'T' | 't' => reasons.push("stopped (SIGSTOP or a debugger): it holds the GPU without running".to_string()),
-                'Z' => reasons.push("a zombie: it exited and nobody reaped it".to_string()),
-                _ => {}
-            }
-            for k in &kept_for {
-                reasons.push(format!(
-                    "keeps the device files of pid {}, which is gone: NVML still counts {} for it",
-                    k.pid,
-                    bytes_or_unknown(Some(k.bytes))
-                ));
-            }
-            if h.pgrp != h.pid && h.pgrp != 0 && !o.alive.contains(&h.pgrp) {
-                reasons.push(format!(
-                    "orphaned: the leader of its process group, pid {}, is gone (the server that started it exited or was killed)",
-                    h.pgrp
-                ));
-            } else if h.ppid == 1 && h.session != h.pid && h.pgrp != h.pid {
-                reasons.push("orphaned: reparented to init, and not a daemon of its own".to_string());
-            }
-            if h.age_seconds >= idle_minutes.saturating_mul(60) && h.cpu_percent == 0.0 && h.listening.is_empty() {
-                notes.push(format!("idle: no CPU while observed and no listening socket, up {}", minutes(h.age_seconds)));
-            }
-            if own == Some(0) && kept_for.is_empty() {
-                notes.push("holds the device files with no memory of its own".to_string());
-            }
-            let verdict = if reasons.is_empty() { Verdict::Active } else { Verdict::Stale };
-            Assessed { holder: h.clone(), bytes, kept_for, verdict, reasons, notes }
-        })
-        .collect();
+    let mut holders: Vec<Assessed> = o.holders.iter().map(|h| judge(o, h, kept.remove(&h.pid).unwrap_or_default(), idle_minutes)).collect();
 
-    // A second copy of a server that does not listen, while the first does: it could not take
-    // the port, and holds the GPU for nothing. A copy is the same program (the same file), the
-    // same command line and the same owner: anyone can start a process whose command line
-    // matches root's, and that makes root's server no copy of theirs.
+    second_copies(&mut holders);
+
+    let recommendation =
+        holders.iter().filter(|a| a.verdict == Verdict::Stale).max_by_key(|a| (a.bytes.unwrap_or(0), std::cmp::Reverse(a.holder.pid))).map(
+            |a| Recommendation {
+                kill: a.holder.pid,
+                command: display_command(&a.holder.command),
+                bytes: a.bytes,
+                why: a.reasons[0].clone(),
+            },
+        );
+
+    let unified = o.unified();
+    let gpus = gpu_states(o);
+    holders.sort_by_key(|a| (a.verdict != Verdict::Stale, std::cmp::Reverse(a.bytes.unwrap_or(0)), a.holder.pid));
+    Doctor { schema: SCHEMA, gpus, nvml: o.nvml.clone(), unified_memory: unified, holders, unattributed, recommendation }
+}
+
+/// One holder judged: benign, stale (with why) or active, with notes.
+fn judge(o: &Observed, h: &Holder, kept_for: Vec<KeptFor>, idle_minutes: u64) -> Assessed {
+    let nvml_bytes = |pid: u32| -> Option<u64> {
+        o.nvml_ok().then(|| o.usage.iter().filter(|u| u.pid == pid).filter_map(|u| u.used_bytes).fold(0, u64::saturating_add))
+    };
+    // A daemon stopped or dead holds the GPU for no one: no longer benign, whatever it runs.
+    let benign = |h: &Holder| crate::analysis::benign(h.exe.as_ref()).filter(|_| !matches!(h.state, 'T' | 't' | 'Z'));
+    let own = nvml_bytes(h.pid);
+    let bytes = own.map(|b| kept_for.iter().fold(b, |sum, k| sum.saturating_add(k.bytes)));
+    let mut reasons = Vec::new();
+    let mut notes = Vec::new();
+    if let Some(why) = benign(h) {
+        return Assessed { holder: h.clone(), bytes, kept_for, verdict: Verdict::Benign, reasons: vec![why.into()], notes };
+    }
+    match h.state {
+        'T' | 't' => reasons.push("stopped (SIGSTOP or a debugger): it holds the GPU without running".to_string()),
+        'Z' => reasons.push("a zombie: it exited and nobody reaped it".to_string()),
+        _ => {}
+    }
+    for k in &kept_for {
+        reasons.push(format!(
+            "keeps the device files of pid {}, which is gone: NVML still counts {} for it",
+            k.pid,
+            bytes_or_unknown(Some(k.bytes))
+        ));
+    }
+    if h.pgrp != h.pid && h.pgrp != 0 && !o.alive.contains(&h.pgrp) {
+        reasons.push(format!(
+            "orphaned: the leader of its process group, pid {}, is gone (the server that started it exited or was killed)",
+            h.pgrp
+        ));
+    } else if h.ppid == 1 && h.session != h.pid && h.pgrp != h.pid {
+        reasons.push("orphaned: reparented to init, and not a daemon of its own".to_string());
+    }
+    if h.age_seconds >= idle_minutes.saturating_mul(60) && h.cpu_percent == 0.0 && h.listening.is_empty() {
+        notes.push(format!("idle: no CPU while observed and no listening socket, up {}", minutes(h.age_seconds)));
+    }
+    if own == Some(0) && kept_for.is_empty() {
+        notes.push("holds the device files with no memory of its own".to_string());
+    }
+    let verdict = if reasons.is_empty() { Verdict::Active } else { Verdict::Stale };
+    Assessed { holder: h.clone(), bytes, kept_for, verdict, reasons, notes }
+}
+
+/// A second copy of a server that does not listen, while the first does: it could not take
+/// the port, and holds the GPU for nothing. A copy is the same program (the same file), the
+/// same command line and the same owner: anyone can start a process whose command line
+/// matches root's, and that makes root's server no copy of theirs.
+fn second_copies(holders: &mut [Assessed]) {
     let listening: Vec<Holder> = holders.iter().map(|a| &a.holder).filter(|h| !h.listening.is_empty()).cloned().collect();
     let same_program = |a: &Holder, b: &Holder| {
         let identity = |h: &Holder| h.exe.as_ref().map(|e| (e.dev, e.ino));
@@ -237,20 +254,12 @@ pub fn assess(o: &Observed, idle_minutes: u64) -> Doctor {
             a.verdict = Verdict::Stale;
         }
     }
+}
 
-    let recommendation =
-        holders.iter().filter(|a| a.verdict == Verdict::Stale).max_by_key(|a| (a.bytes.unwrap_or(0), std::cmp::Reverse(a.holder.pid))).map(
-            |a| Recommendation {
-                kill: a.holder.pid,
-                command: display_command(&a.holder.command),
-                bytes: a.bytes,
-                why: a.reasons[0].clone(),
-            },
-        );
-
+/// Each GPU's state: NVML's, or on unified memory the host's.
+fn gpu_states(o: &Observed) -> Vec<GpuState> {
     let unified = o.unified();
-    let gpus = o
-        .gpus
+    o.gpus
         .iter()
         .map(|g| match (unified, o.host_memory) {
             (true, Some((total, available))) => GpuState {
@@ -270,9 +279,7 @@ pub fn assess(o: &Observed, idle_minutes: u64) -> Doctor {
                 source: "nvml",
             },
         })
-        .collect();
-    holders.sort_by_key(|a| (a.verdict != Verdict::Stale, std::cmp::Reverse(a.bytes.unwrap_or(0)), a.holder.pid));
-    Doctor { schema: SCHEMA, gpus, nvml: o.nvml.clone(), unified_memory: unified, holders, unattributed, recommendation }
+        .collect()
 }
 
 fn bytes_or_unknown(b: Option<u64>) -> String {
