@@ -435,21 +435,9 @@ impl Model {
         self.first_ts.get_or_insert(r.ts);
         self.last_ts = self.last_ts.max(r.ts);
         let (ts, pid) = (r.ts, r.pid);
-        if let Some((fd, client)) = r.event.client_call() {
-            if !self.through_own_file(pid, fd, client) {
-                add(&mut self.foreign_client_calls, 1);
-                return;
-            }
-        }
-        // A dup of memory of another process's client, which RM allows only when it was shared
-        // (the snapshot's own records, with no fd, excepted). The taker is the destination
-        // client's maker, or the caller where that is not known (a client first met now).
-        if let Event::DupObject { fd, client, src_client, src_object, status: 0, .. } = &r.event {
-            let taker = self.clients.get(client).and_then(|c| c.pid).unwrap_or(pid);
-            if *fd >= 0 && src_client != client && !self.may_take(taker, (*src_client, *src_object)) {
-                add(&mut self.foreign_client_calls, 1);
-                return;
-            }
+        if self.refused_by_rm(r) {
+            add(&mut self.foreign_client_calls, 1);
+            return;
         }
         match &r.event {
             Event::Process { ppid, seen, command } => self.on_process(pid, ts, *ppid, *seen, command),
@@ -521,6 +509,41 @@ impl Model {
             Event::UvmUnmap { fd, base, length, .. } => self.on_uvm_unmap(pid, ts, *fd, *base, *length),
             Event::Undecodable { .. } => self.undecodable += 1,
             Event::Lost { records } => add(&mut self.lost_records, *records),
+            Event::Bind { .. }
+            | Event::Listen { .. }
+            | Event::Attached { .. }
+            | Event::Accept { .. }
+            | Event::Received { .. }
+            | Event::Sent { .. }
+            | Event::ConnClose { .. } => self.on_socket(pid, ts, &r.event),
+            Event::OomKill => {
+                self.process(pid, ts).oom_killed.get_or_insert(ts);
+            }
+            Event::Mark { phase } => self.marks.push((ts, pid, phase.clone())),
+            Event::Sample(sample) => self.samples.push((ts, sample.clone())),
+        }
+    }
+
+    /// A call RM would have refused: on a client that is not its file's, or a dup of memory of
+    /// another process's client that was not shared with the taker (the snapshot's own records,
+    /// with no fd, excepted). The taker is the destination client's maker, or the caller where
+    /// that is not known (a client first met now).
+    fn refused_by_rm(&mut self, r: &Record) -> bool {
+        if let Some((fd, client)) = r.event.client_call() {
+            if !self.through_own_file(r.pid, fd, client) {
+                return true;
+            }
+        }
+        if let Event::DupObject { fd, client, src_client, src_object, status: 0, .. } = &r.event {
+            let taker = self.clients.get(client).and_then(|c| c.pid).unwrap_or(r.pid);
+            return *fd >= 0 && src_client != client && !self.may_take(taker, (*src_client, *src_object));
+        }
+        false
+    }
+
+    /// A server's sockets: bound, listening (or met listening), its connections and requests.
+    fn on_socket(&mut self, pid: u32, ts: u64, event: &Event) {
+        match event {
             Event::Bind { port, .. } => self.process(pid, ts).bound.push((ts, *port)),
             Event::Listen { .. } => {
                 self.process(pid, ts).listened.get_or_insert(ts);
@@ -538,11 +561,7 @@ impl Model {
             Event::Received { conn, bytes, request } => self.on_received(pid, ts, *conn, *bytes, request.as_ref()),
             Event::Sent { conn, bytes, status, data } => self.on_sent(ts, *conn, *bytes, *status, *data),
             Event::ConnClose { conn } => self.on_conn_close(ts, *conn),
-            Event::OomKill => {
-                self.process(pid, ts).oom_killed.get_or_insert(ts);
-            }
-            Event::Mark { phase } => self.marks.push((ts, pid, phase.clone())),
-            Event::Sample(sample) => self.samples.push((ts, sample.clone())),
+            _ => {}
         }
     }
 
