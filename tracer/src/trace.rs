@@ -362,13 +362,17 @@ fn parse_record(line: &[u8], scratch: &mut Vec<u8>) -> serde_json::Result<Record
 
 /// ts, pid, tid and the rest from `"ev"` on, of a line in the layout gputrace writes.
 fn written_layout(line: &[u8]) -> Option<(u64, u32, u32, &[u8])> {
-    // A field that is the record's and not the event's: the general way.
-    if line.windows(5).any(|w| w == b"\"raw\"") {
+    // An escape anywhere (a key could be spelt with one): the general way.
+    if memchr::memchr(b'\\', line).is_some() {
         return None;
     }
     let number = |rest: &[u8], key: &[u8]| -> Option<(u64, usize)> {
         let digits = rest.strip_prefix(key)?;
         let n = digits.iter().take_while(|b| b.is_ascii_digit()).count();
+        // JSON has no leading zeros.
+        if n > 1 && digits[0] == b'0' {
+            return None;
+        }
         let value = std::str::from_utf8(&digits[..n]).ok()?.parse().ok()?;
         Some((value, key.len() + n))
     };
@@ -381,7 +385,22 @@ fn written_layout(line: &[u8]) -> Option<(u64, u32, u32, &[u8])> {
         None => (0, rest),
     };
     let event = rest.strip_prefix(b",")?;
-    event.starts_with(b"\"ev\":").then_some((ts, u32::try_from(pid).ok()?, u32::try_from(tid).ok()?, event))
+    (event.starts_with(b"\"ev\":") && !has_record_key(event)).then_some((ts, u32::try_from(pid).ok()?, u32::try_from(tid).ok()?, event))
+}
+
+/// Whether the event's part names a field of the record's own (`raw`, or `ts`, `pid`, `tid`
+/// again: an order gputrace never writes, or a duplicate): the general way's to judge. With no
+/// escape in the line, a quote after `{` or `,` and closed before a `:` starts a key.
+fn has_record_key(event: &[u8]) -> bool {
+    let mut quotes = memchr::memchr_iter(b'"', event);
+    let key_start = |at: usize| at == 0 || matches!(event[at - 1], b',' | b'{');
+    while let Some(open) = quotes.next() {
+        let Some(close) = quotes.next() else { return false };
+        if key_start(open) && event.get(close + 1) == Some(&b':') && matches!(&event[open + 1..close], b"raw" | b"ts" | b"pid" | b"tid") {
+            return true;
+        }
+    }
+    false
 }
 
 #[cfg(test)]
@@ -418,6 +437,10 @@ mod tests {
             br#"{"ts":184467440737095516150,"pid":2,"ev":"close","fd":3}"#,
             br#"{"ts":1,"pid":2,"ev":"close","fd":3,"raw":"00"}"#,
             br#"{"ts":1,"pid":2 ,"ev":"close","fd":3}"#,
+            br#"{"ts":1,"pid":2,"ev":"close","fd":3,"tid":7}"#,
+            br#"{"ts":1,"pid":2,"ev":"close","fd":3,"pid":9}"#,
+            br#"{"ts":007,"pid":2,"ev":"close","fd":3}"#,
+            br#"{"ts":1,"pid":2,"ev":"close","fd":3,"r\u0061w":"00"}"#,
         ] {
             assert!(written_layout(other).is_none(), "{}", String::from_utf8_lossy(other));
             assert_eq!(parse_record(other, &mut scratch).ok(), serde_json::from_slice::<Record>(other).ok());

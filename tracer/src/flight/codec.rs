@@ -170,6 +170,30 @@ const VIAS: [Via; 8] = [
 ];
 const SEENS: [Seen; 3] = [Seen::Launched, Seen::Running, Seen::Forked];
 
+// A value missing from its table would be written as the table's first: a new variant fails to
+// compile here until it is in its table above.
+const _: fn(Device, Memory, Via, Seen) = |device, memory, via, seen| {
+    match device {
+        Device::Ctl | Device::Gpu | Device::Uvm => {}
+    }
+    match memory {
+        Memory::Video | Memory::System | Memory::Virtual => {}
+    }
+    match via {
+        Via::RmAllocNvos21
+        | Via::RmAllocNvos64
+        | Via::VidHeapControl
+        | Via::RmAllocMemory
+        | Via::RmFree
+        | Via::UvmCreateExternalRange
+        | Via::UvmAllocSemaphorePool
+        | Via::UvmFree => {}
+    }
+    match seen {
+        Seen::Launched | Seen::Running | Seen::Forked => {}
+    }
+};
+
 /// The tag of an event with a layout of its own; None: carried as JSON.
 fn tag(e: &Event) -> Option<u8> {
     Some(match e {
