@@ -288,6 +288,40 @@ fn fields(io: &mut impl Io, e: &mut Event) {
             i32_(io, fd);
             flag(io, cloexec);
         }
+        Event::Alloc(a) => alloc(io, a),
+        Event::Object { .. }
+        | Event::Free { .. }
+        | Event::DupObject { .. }
+        | Event::ExportObject { .. }
+        | Event::ImportObject { .. }
+        | Event::RegisterFd { .. }
+        | Event::UvmMap { .. }
+        | Event::UvmFree { .. }
+        | Event::UvmUnmap { .. } => driver_fields(io, e),
+        Event::Lost { records } => io.uint(records),
+        Event::Bind { .. } | Event::Accept { .. } | Event::Received { .. } | Event::Sent { .. } | Event::ConnClose { .. } => {
+            socket_fields(io, e)
+        }
+        Event::Process { ppid, seen, command } => {
+            u32_(io, ppid);
+            pick(io, seen, &SEENS);
+            strings(io, command);
+        }
+        Event::Exec { command } => strings(io, command),
+        Event::CloseRange { first, last, cloexec_only } => {
+            u32_(io, first);
+            u32_(io, last);
+            flag(io, cloexec_only);
+        }
+        // No fields, or no layout (never given one: `tag` says JSON).
+        _ => {}
+    }
+}
+
+/// The fields of a driver call that is not an allocation: RM objects, frees, dups, exports and
+/// imports, UVM mappings.
+fn driver_fields(io: &mut impl Io, e: &mut Event) {
+    match e {
         Event::Object { fd, client, parent, object, class, status, gpu } => {
             i32_(io, fd);
             rm_handles(io, client, parent, object);
@@ -295,7 +329,6 @@ fn fields(io: &mut impl Io, e: &mut Event) {
             u32_(io, status);
             option(io, gpu, u32_);
         }
-        Event::Alloc(a) => alloc(io, a),
         Event::Free { fd, via, client, parent, object, status } => {
             i32_(io, fd);
             pick(io, via, &VIAS);
@@ -346,7 +379,13 @@ fn fields(io: &mut impl Io, e: &mut Event) {
             io.uint(length);
             u32_(io, status);
         }
-        Event::Lost { records } => io.uint(records),
+        _ => {}
+    }
+}
+
+/// The fields of a server's socket events.
+fn socket_fields(io: &mut impl Io, e: &mut Event) {
+    match e {
         Event::Bind { fd, port } => {
             i32_(io, fd);
             u16_(io, port);
@@ -367,18 +406,6 @@ fn fields(io: &mut impl Io, e: &mut Event) {
             flag(io, data);
         }
         Event::ConnClose { conn } => io.delta(Slot::Conn, conn),
-        Event::Process { ppid, seen, command } => {
-            u32_(io, ppid);
-            pick(io, seen, &SEENS);
-            strings(io, command);
-        }
-        Event::Exec { command } => strings(io, command),
-        Event::CloseRange { first, last, cloexec_only } => {
-            u32_(io, first);
-            u32_(io, last);
-            flag(io, cloexec_only);
-        }
-        // No fields, or no layout (never given one: `tag` says JSON).
         _ => {}
     }
 }
