@@ -39,43 +39,7 @@ impl<R: Resolver> Pipeline<R> {
         let Raw { ts, pid, tid, kind } = raw;
         let mut push = |pid: u32, event: Event, raw_bytes: Option<String>| out.push(Record { ts, pid, tid, event, raw: raw_bytes });
         match kind {
-            RawKind::Ioctl(ioctl) => {
-                let device = match ioctl.device {
-                    Some(device) if self.files.knows_nvidia(pid, ioctl.fd) => Some(device),
-                    // Asked, or the kernel still holding an entry userspace has dropped: an exec
-                    // closed the fd and the program reused its number (a received fd, say) before
-                    // the kernel heard of the exec. Asked afresh either way.
-                    kernel => {
-                        let asked = ioctl.flags & ioctl_flag::QUESTION != 0;
-                        let (device, found) = self.files.answer(pid, (ioctl.fd, asked), ioctl.file, updates);
-                        if let Some(found) = found {
-                            push(pid, found, None);
-                        }
-                        if device.is_none() && ioctl.flags & ioctl_flag::PENDING != 0 {
-                            self.files.pending_dropped += 1;
-                        }
-                        // Gone by now (not refused as not NVIDIA): the kernel's word stands.
-                        device.or_else(|| kernel.filter(|_| !self.files.knows_not_nvidia(pid, ioctl.fd)))
-                    }
-                };
-                let Some(device) = device else { return };
-                let ioctl = RawIoctl { device: Some(device), ..ioctl };
-                if let Some(event) = decode_ioctl(&self.layout, &ioctl) {
-                    // The file an export or import names may be known only by the kernel's word.
-                    let named = match event {
-                        Event::ExportObject { to_fd: fd, status: 0, .. }
-                        | Event::ImportObject { from_fd: fd, status: 0, .. }
-                        | Event::ExportObjects { to_fd: fd, status: 0, .. }
-                        | Event::ImportObjects { from_fd: fd, status: 0, .. } => Some(fd),
-                        _ => None,
-                    };
-                    if let Some(found) = named.and_then(|fd| self.files.named(pid, fd, Device::Ctl, ioctl.named_file, updates)) {
-                        push(pid, found, None);
-                    }
-                    let bytes = self.raw.then(|| hex(&ioctl.params, &ioctl.class_params));
-                    push(pid, event, bytes);
-                }
-            }
+            RawKind::Ioctl(ioctl) => self.ioctl((ts, pid, tid), ioctl, out, updates),
             RawKind::Open { fd, flags, device: Some(device), file, .. } => {
                 push(pid, self.files.opened(pid, fd, device, flags & O_CLOEXEC != 0, file), None)
             }
@@ -136,6 +100,47 @@ impl<R: Resolver> Pipeline<R> {
                 push(pid, event, None)
             }
             RawKind::OomVictim { victim } => push(victim, Event::OomKill, None),
+        }
+    }
+
+    /// A driver call: on a fd known (or now found) to be NVIDIA's, its event, after the file
+    /// an export or import names where only the kernel knew it.
+    fn ioctl(&mut self, (ts, pid, tid): (u64, u32, u32), ioctl: RawIoctl, out: &mut Vec<Record>, updates: &mut Vec<KernelUpdate>) {
+        let mut push = |pid: u32, event: Event, raw_bytes: Option<String>| out.push(Record { ts, pid, tid, event, raw: raw_bytes });
+        let device = match ioctl.device {
+            Some(device) if self.files.knows_nvidia(pid, ioctl.fd) => Some(device),
+            // Asked, or the kernel still holding an entry userspace has dropped: an exec
+            // closed the fd and the program reused its number (a received fd, say) before
+            // the kernel heard of the exec. Asked afresh either way.
+            kernel => {
+                let asked = ioctl.flags & ioctl_flag::QUESTION != 0;
+                let (device, found) = self.files.answer(pid, (ioctl.fd, asked), ioctl.file, updates);
+                if let Some(found) = found {
+                    push(pid, found, None);
+                }
+                if device.is_none() && ioctl.flags & ioctl_flag::PENDING != 0 {
+                    self.files.pending_dropped += 1;
+                }
+                // Gone by now (not refused as not NVIDIA): the kernel's word stands.
+                device.or_else(|| kernel.filter(|_| !self.files.knows_not_nvidia(pid, ioctl.fd)))
+            }
+        };
+        let Some(device) = device else { return };
+        let ioctl = RawIoctl { device: Some(device), ..ioctl };
+        if let Some(event) = decode_ioctl(&self.layout, &ioctl) {
+            // The file an export or import names may be known only by the kernel's word.
+            let named = match event {
+                Event::ExportObject { to_fd: fd, status: 0, .. }
+                | Event::ImportObject { from_fd: fd, status: 0, .. }
+                | Event::ExportObjects { to_fd: fd, status: 0, .. }
+                | Event::ImportObjects { from_fd: fd, status: 0, .. } => Some(fd),
+                _ => None,
+            };
+            if let Some(found) = named.and_then(|fd| self.files.named(pid, fd, Device::Ctl, ioctl.named_file, updates)) {
+                push(pid, found, None);
+            }
+            let bytes = self.raw.then(|| hex(&ioctl.params, &ioctl.class_params));
+            push(pid, event, bytes);
         }
     }
 }

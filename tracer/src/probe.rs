@@ -255,6 +255,26 @@ impl log::Log for KernelLog {
     fn flush(&self) {}
 }
 
+/// Loads each hook's program once and attaches it to its tracepoint, skipping the optional
+/// ones this kernel does not have.
+fn attach(ebpf: &mut Ebpf, kernel: &Kernel) -> Result<(), ProbeError> {
+    let mut loaded = std::collections::HashSet::new();
+    for Hook { program, category, name, .. } in HOOKS.iter().filter(|h| !kernel.absent.contains(&format!("{}:{}", h.category, h.name))) {
+        let attach_err =
+            |reason: String| ProbeError::Attach { program: program.to_string(), tracepoint: format!("{category}:{name}"), reason };
+        let tp: &mut TracePoint = ebpf
+            .program_mut(program)
+            .ok_or_else(|| attach_err("the program is missing from the eBPF object".into()))?
+            .try_into()
+            .map_err(|e: aya::programs::ProgramError| attach_err(e.to_string()))?;
+        if loaded.insert(*program) {
+            tp.load().map_err(|e| ProbeError::Load { reason: verifier_message(program, &e), hint: "" })?;
+        }
+        tp.attach(category, name).map_err(|e| attach_err(e.to_string()))?;
+    }
+    Ok(())
+}
+
 impl Probe {
     /// Loads the programs for a driver layout and attaches every hook.
     pub fn load(layout: &Layout, selection: Selection, kernel: &Kernel) -> Result<Probe, ProbeError> {
@@ -330,21 +350,7 @@ impl Probe {
         };
         let events = RingBuf::try_from(take(&mut ebpf, "EVENTS")?).map_err(map_err("EVENTS"))?;
 
-        let mut loaded = std::collections::HashSet::new();
-        for Hook { program, category, name, .. } in HOOKS.iter().filter(|h| !kernel.absent.contains(&format!("{}:{}", h.category, h.name)))
-        {
-            let attach_err =
-                |reason: String| ProbeError::Attach { program: program.to_string(), tracepoint: format!("{category}:{name}"), reason };
-            let tp: &mut TracePoint = ebpf
-                .program_mut(program)
-                .ok_or_else(|| attach_err("the program is missing from the eBPF object".into()))?
-                .try_into()
-                .map_err(|e: aya::programs::ProgramError| attach_err(e.to_string()))?;
-            if loaded.insert(*program) {
-                tp.load().map_err(|e| ProbeError::Load { reason: verifier_message(program, &e), hint: "" })?;
-            }
-            tp.attach(category, name).map_err(|e| attach_err(e.to_string()))?;
-        }
+        attach(&mut ebpf, kernel)?;
         Ok(Probe {
             _ebpf: ebpf,
             events: Some(events),
