@@ -169,12 +169,25 @@ fn chart(header: &Header, model: &Model, services: &Services, report: &Report) -
             .collect()
     };
     let initial = report.diagnosis.gpu.and_then(|d| per_gpu.iter().position(|(g, _)| *g == Some(d)));
-    // Under the chart, per service that allocated or served: its phases as bands and its
-    // completions in flight, so which of the four it was shows before any reading.
+    let bands = bands(model, services, first, last);
+    // On unified memory the host's available memory is the GPU's: drawn over the chart.
+    let unified = header.nvml == "ok" && !header.gpus.is_empty() && header.gpus.iter().all(|g| g.total_bytes.is_none());
+    let host_available = if unified {
+        model.samples.iter().filter_map(|(t, s)| Some((at(*t), s.host.as_ref()?.available_bytes))).collect()
+    } else {
+        Vec::new()
+    };
+    Chart { end: at(last), all, gpus: per_gpu.into_iter().map(|(_, v)| v).collect(), initial, bands, host_available }
+}
+
+/// Under the chart, per service that allocated or served: its phases as bands and its
+/// completions in flight, so which of the four it was shows before any reading.
+fn bands(model: &Model, services: &Services, first: u64, last: u64) -> Vec<Band> {
+    let at = |ts: u64| ts.saturating_sub(first) as f64 / 1e9;
     let active = |s: &&crate::analysis::Service| {
         model.allocations.iter().any(|a| s.pids.contains(&a.pid)) || model.requests.iter().any(|r| s.pids.contains(&r.pid))
     };
-    let bands: Vec<Band> = services
+    services
         .list
         .iter()
         .filter(active)
@@ -196,15 +209,7 @@ fn chart(header: &Header, model: &Model, services: &Services, report: &Report) -
             let in_flight = edges.iter().map(|(t, _, n)| (*t, *n)).collect();
             Band { name: format!("{} {}", s.root, s.name), phases, in_flight }
         })
-        .collect();
-    // On unified memory the host's available memory is the GPU's: drawn over the chart.
-    let unified = header.nvml == "ok" && !header.gpus.is_empty() && header.gpus.iter().all(|g| g.total_bytes.is_none());
-    let host_available = if unified {
-        model.samples.iter().filter_map(|(t, s)| Some((at(*t), s.host.as_ref()?.available_bytes))).collect()
-    } else {
-        Vec::new()
-    };
-    Chart { end: at(last), all, gpus: per_gpu.into_iter().map(|(_, v)| v).collect(), initial, bands, host_available }
+        .collect()
 }
 
 /// The verdict box and the tables under the chart.

@@ -45,8 +45,7 @@ impl Model {
             p.place = place;
         }
         // A fork over a pid still holding files: its old descriptors went unseen.
-        let stale: Vec<i32> = self.process(pid, ts).fds.keys().copied().collect();
-        for fd in stale {
+        for fd in self.fds_in_order(pid, ts, |_| true) {
             self.close_fd(pid, fd, ts);
         }
         // fork copies the fd table: every NVIDIA file gains a reference. A trace can make every
@@ -78,8 +77,7 @@ impl Model {
 
     pub(super) fn on_exit(&mut self, pid: u32, ts: u64, code: Option<i32>) {
         self.end_connections_of(pid, ts);
-        let fds: Vec<i32> = self.process(pid, ts).fds.keys().copied().collect();
-        for fd in fds {
+        for fd in self.fds_in_order(pid, ts, |_| true) {
             self.close_fd(pid, fd, ts);
         }
         let p = self.process(pid, ts);
@@ -124,10 +122,18 @@ impl Model {
         }
     }
 
+    /// The process's fds that `keep` selects, in the kernel's order when it closes several
+    /// (close_files and close_range walk the table from the lowest up): which of a process's
+    /// files goes first decides whether memory mapped through one is freed by the other's
+    /// release or outlives its handles ("released, still mapped").
+    fn fds_in_order(&mut self, pid: u32, ts: u64, keep: impl Fn(i32) -> bool) -> Vec<i32> {
+        let mut fds: Vec<i32> = self.process(pid, ts).fds.keys().copied().filter(|&fd| keep(fd)).collect();
+        fds.sort_unstable();
+        fds
+    }
+
     pub(super) fn on_close_range(&mut self, pid: u32, ts: u64, first: u32, last: u32, cloexec_only: bool) {
-        let fds: Vec<i32> =
-            self.process(pid, ts).fds.keys().copied().filter(|&fd| fd >= 0 && (first..=last).contains(&(fd as u32))).collect();
-        for fd in fds {
+        for fd in self.fds_in_order(pid, ts, |fd| fd >= 0 && (first..=last).contains(&(fd as u32))) {
             if cloexec_only {
                 self.set_cloexec(pid, ts, fd, true);
             } else {
@@ -212,12 +218,15 @@ impl Model {
         for id in self.exports.remove(&file).into_iter().flat_map(BTreeMap::into_values) {
             self.drop_handle(id, ts, FreedBy::FileRelease);
         }
-        let clients: Vec<u32> = self.clients.iter().filter(|(_, c)| c.file == Some(file)).map(|(h, _)| *h).collect();
+        // In a fixed order: the same trace reads the same every time.
+        let mut clients: Vec<u32> = self.clients.iter().filter(|(_, c)| c.file == Some(file)).map(|(h, _)| *h).collect();
+        clients.sort_unstable();
         for client in clients {
             self.free_client(client, ts, FreedBy::FileRelease);
         }
         self.unmap(ts, FreedBy::FileRelease, file, 0, u64::MAX);
-        let ranges: Vec<(FileId, u64)> = self.uvm_ranges.keys().filter(|(f, _)| *f == file).copied().collect();
+        let mut ranges: Vec<(FileId, u64)> = self.uvm_ranges.keys().filter(|(f, _)| *f == file).copied().collect();
+        ranges.sort_unstable();
         for key in ranges {
             if let Some(id) = self.uvm_ranges.remove(&key) {
                 self.release(id, ts, FreedBy::FileRelease);

@@ -718,6 +718,34 @@ fn memory_mapped_into_uvm_lives_until_its_range_goes() {
     assert_eq!(released(&m), None, "freed by its handle: never released while held");
 }
 
+/// A process exiting holds its nvidiactl file (fd 3) and a UVM file its memory is mapped through:
+/// the kernel closes them from the lowest fd up, and which goes first decides whether the handle
+/// outlived the mapping ("released, still mapped") or not. The same trace reads the same every
+/// time (the files were closed in a hash map's order: a real-driver fixture's CSV changed from
+/// one run to the next).
+#[test]
+fn an_exit_closes_its_files_in_the_kernels_order() {
+    let released_at_exit = |uvm_fd: i32| {
+        let mut t = setup(10, false);
+        t.push(open(5, 10, uvm_fd, 9, Device::Uvm, false));
+        t.push(alloc(6, 10, 3, DEVICE, 0xa, GIB, 0));
+        t.push(rec(7, 10, Event::Alloc(Alloc::uvm_range(uvm_fd, 0x10_0000, 2 * GIB))));
+        t.push(rec(8, 10, Event::UvmMap { fd: uvm_fd, base: 0x10_0000, length: GIB, offset: 0, client: CLIENT, memory: 0xa, status: 0 }));
+        t.push(rec(12, 10, Event::Exit { code: Some(0) }));
+        let runs: Vec<_> = (0..32)
+            .map(|_| {
+                let m = Model::from_records(&t);
+                let a = m.allocations.iter().find(|a| a.object == 0xa).unwrap();
+                (a.released, a.freed)
+            })
+            .collect();
+        assert!(runs.iter().all(|r| *r == runs[0]), "uvm on fd {uvm_fd}: {runs:?}");
+        runs[0]
+    };
+    assert_eq!(released_at_exit(5), (Some(12), Some((12, FreedBy::FileRelease))), "fd 3's clients first: released, then unmapped");
+    assert_eq!(released_at_exit(2), (None, Some((12, FreedBy::FileRelease))), "the UVM file first: its handle frees it");
+}
+
 /// REGISTER_FD: a /dev/nvidiaN file registered with the nvidiactl file keeps it, and the memory of
 /// its clients, until the device file closes too.
 #[test]
