@@ -86,10 +86,11 @@ fn top<K: Ord + Clone + From<&'static str>>(mut items: Vec<(K, u64)>, n: usize) 
 pub fn exposition(f: &Figures) -> String {
     let mut t = Text::default();
     let r = f.report;
-    let kept = live_by_service(&mut t, r);
+    let keepers = keepers(r);
+    let kept = live_by_service(&mut t, r, &keepers);
     processes(&mut t, r);
     keeping(&mut t, r);
-    live_by_phase(&mut t, r, &kept);
+    live_by_phase(&mut t, r, &keepers, &kept);
     gpus(&mut t, f);
     requests(&mut t, f, &kept);
     headroom(&mut t, r);
@@ -107,23 +108,29 @@ fn service_of(p: &ProcessReport) -> String {
     }
 }
 
-/// The service a process's live memory counts under: its own, or once it exited its keeper's
-/// (a live process holding the file it allocated on); None when nothing keeps it.
-fn holding(r: &Report, p: &ProcessReport) -> Option<String> {
-    if !p.exited {
-        return Some(service_of(p));
+/// Each exited process's keeper's service: the live process holding the file its memory lives
+/// on (the last, where several do).
+fn keepers(r: &Report) -> BTreeMap<u32, String> {
+    r.processes.iter().filter(|p| !p.exited).flat_map(|p| p.keeps.iter().map(move |k| (k.pid, service_of(p)))).collect()
+}
+
+/// The service a process's live memory counts under: its own, or once it exited its keeper's;
+/// None when nothing keeps it.
+fn holding(keepers: &BTreeMap<u32, String>, p: &ProcessReport) -> Option<String> {
+    if p.exited {
+        keepers.get(&p.pid).cloned()
+    } else {
+        Some(service_of(p))
     }
-    // The last keeper, as a map from each kept pid to its keeper's service would have it.
-    r.processes.iter().rev().find(|k| !k.exited && k.keeps.iter().any(|kept| kept.pid == p.pid)).map(service_of)
 }
 
 /// Live memory by service and kind; the services kept as labels (the rest are "other").
-fn live_by_service(t: &mut Text, r: &Report) -> Vec<String> {
+fn live_by_service(t: &mut Text, r: &Report, keepers: &BTreeMap<u32, String>) -> Vec<String> {
     // Live memory by service and kind. An exited process's memory that a live one keeps alive
     // counts under the keeper's service: Prometheus sees who holds it.
     let mut by_service: BTreeMap<(String, &str), u64> = BTreeMap::new();
     for p in &r.processes {
-        let Some(service) = holding(r, p) else { continue };
+        let Some(service) = holding(keepers, p) else { continue };
         for (kind, totals) in &p.by_kind {
             let v = by_service.entry((service.clone(), kind)).or_default();
             *v = v.saturating_add(totals.live);
@@ -206,12 +213,12 @@ fn keeping(t: &mut Text, r: &Report) {
     }
 }
 
-fn live_by_phase(t: &mut Text, r: &Report, kept: &[String]) {
+fn live_by_phase(t: &mut Text, r: &Report, keepers: &BTreeMap<u32, String>, kept: &[String]) {
     // Live memory by the phase of its service when it was allocated: load (weights, the KV
     // reserve) against growth while serving (prefill, decode).
     let mut by_phase: BTreeMap<(String, &str), u64> = BTreeMap::new();
     for p in &r.processes {
-        let Some(service) = holding(r, p) else { continue };
+        let Some(service) = holding(keepers, p) else { continue };
         let service = if kept.contains(&service) { service } else { "other".into() };
         for (phase, v) in &p.live_by_phase {
             let e = by_phase.entry((service.clone(), phase)).or_default();
