@@ -304,12 +304,19 @@ pub mod escape {
 /// (`rmobjexportimport.c`, `os.c`). Every other control is dropped in the kernel.
 pub mod control {
     /// NVOS54: hClient@0 hObject@4 cmd@8 params@16 paramsSize@24 status@28.
+    pub const OBJECT: usize = 4;
     pub const CMD: usize = 8;
     pub const PARAMS: usize = 16;
+    pub const STATUS: usize = 28;
     /// NV0000_CTRL_CMD_OS_UNIX_EXPORT_OBJECT_TO_FD: type@0 hDevice@4 hParent@8 hObject@12 fd@16 flags@20.
     pub const EXPORT_OBJECT_TO_FD: u32 = 0x3d05;
+    pub const EXPORT_OBJECT_AT: usize = 12;
+    pub const EXPORT_FD_AT: usize = 16;
     /// NV0000_CTRL_CMD_OS_UNIX_IMPORT_OBJECT_FROM_FD: fd@0 type@4 hDevice@8 hParent@12 hObject@16 (written back).
     pub const IMPORT_OBJECT_FROM_FD: u32 = 0x3d06;
+    pub const IMPORT_FD_AT: usize = 0;
+    pub const IMPORT_PARENT_AT: usize = 12;
+    pub const IMPORT_OBJECT_AT: usize = 16;
     /// NV0000_CTRL_CMD_OS_UNIX_EXPORT_OBJECTS_TO_FD, the batched form current libcuda uses
     /// (2128 bytes): fd@0 hDevice@4 maxObjects@8 metadata[64]@10 objects[512]@76 numObjects@2124
     /// index@2126. The kernel side copies fd and hDevice, numObjects and index, and the first
@@ -440,8 +447,33 @@ pub const fn uvm_command_traced(cmd: u32) -> bool {
     matches!(cmd, uvm::MAP_EXTERNAL_ALLOCATION | uvm::FREE | uvm::UNMAP_EXTERNAL | uvm::ALLOC_SEMAPHORE_POOL | uvm::CREATE_EXTERNAL_RANGE)
 }
 
-/// nv_ioctl_xfer_t: `cmd@0 size@4 ptr@8`. The inner size limit is NV_ABSOLUTE_MAX_IOCTL_SIZE.
-pub const XFER_SIZE: usize = 16;
+/// nv_ioctl_xfer_t: `cmd@0 size@4 ptr@8`, the escape it wraps and where that escape's params lie.
+pub mod xfer {
+    pub const SIZE: usize = 16;
+    pub const CMD: usize = 0;
+    pub const PARAMS_SIZE: usize = 4;
+    pub const PARAMS: usize = 8;
+}
+
+/// NVOS21 (RM_ALLOC of 32 bytes) and NVOS64 (40 or 48) share `hClass@12 pAllocParms@16`.
+pub mod alloc {
+    pub const CLASS: usize = 12;
+    pub const PARAMS: usize = 16;
+}
+
+/// The native-endian u32 at `at` of copied params. Offsets are the constants above, so in the
+/// kernel the bounds check folds away.
+#[inline(always)]
+pub fn u32_at<const N: usize>(bytes: &[u8; N], at: usize) -> u32 {
+    u32::from_ne_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]])
+}
+
+/// The native-endian u64 at `at` of copied params (a user pointer).
+#[inline(always)]
+pub fn u64_at<const N: usize>(bytes: &[u8; N], at: usize) -> u64 {
+    let b = |i: usize| bytes[at + i];
+    u64::from_ne_bytes([b(0), b(1), b(2), b(3), b(4), b(5), b(6), b(7)])
+}
 
 #[cfg(feature = "user")]
 mod pod {

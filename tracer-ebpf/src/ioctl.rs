@@ -218,98 +218,133 @@ unsafe fn fill_ioctl(record: &mut IoctlRecord, inflight: &Inflight, ret: i64) ->
     record.file = inflight.file;
     record.named_file = 0;
     record.escape_cmd = inflight.cmd;
-    let params = record.params.as_mut_ptr();
-
     if uvm_command_traced(inflight.cmd) {
-        let Some(window) = (unsafe { UVM_WINDOWS.get(&inflight.cmd) }).copied() else {
-            return false;
-        };
-        let head = window.head_len.min(PARAMS_MAX as u32);
-        let mut ok = read_user(params, PARAMS_MAX, inflight.arg, head);
-        if head as usize + 16 <= PARAMS_MAX {
-            let tail_dst = unsafe { params.add(head as usize) };
-            ok &= read_user(tail_dst, 16, inflight.arg + window.tail_offset as u64, window.tail_len);
-        }
-        record.params_len = head + window.tail_len;
-        if !ok {
-            record.flags |= ioctl_flag::PARAMS_FAULT;
-        }
-        return true;
+        return fill_uvm(record, inflight);
     }
-
-    let mut src = inflight.arg;
-    let mut size = ioc_size(inflight.cmd);
-    let mut nr = ioc_nr(inflight.cmd);
-    if nr == escape::IOCTL_XFER_CMD {
-        let mut xfer = [0u8; XFER_SIZE];
-        if !read_user(xfer.as_mut_ptr(), XFER_SIZE, inflight.arg, XFER_SIZE as u32) {
-            record.flags |= ioctl_flag::PARAMS_FAULT;
-            return true;
-        }
-        nr = u32::from_ne_bytes([xfer[0], xfer[1], xfer[2], xfer[3]]);
-        size = u32::from_ne_bytes([xfer[4], xfer[5], xfer[6], xfer[7]]);
-        src = u64::from_ne_bytes([xfer[8], xfer[9], xfer[10], xfer[11], xfer[12], xfer[13], xfer[14], xfer[15]]);
-        if !rm_escape_traced(nr, size) {
-            return false;
-        }
-        record.escape_cmd = rm_cmd(nr, size);
-        record.flags |= ioctl_flag::XFER;
-    }
-    if !read_user(params, PARAMS_MAX, src, size) {
+    let escape = match unwrap_xfer(record, inflight) {
+        Unwrapped::Escape(escape) => escape,
+        Unwrapped::Unreadable => return true,
+        Unwrapped::NotFollowed => return false,
+    };
+    if !read_user(record.params.as_mut_ptr(), PARAMS_MAX, escape.params, escape.size) {
         // A control whose cmd cannot be read is not known to be followed: dropped, as at entry.
-        if nr == escape::RM_CONTROL {
+        if escape.nr == escape::RM_CONTROL {
             return false;
         }
         record.flags |= ioctl_flag::PARAMS_FAULT;
         return true;
     }
-    record.params_len = size;
-
-    if nr == escape::RM_CONTROL {
-        // A wrapped control was not filtered at entry. The params follow behind NVOS54's pointer,
-        // read at exit: an import writes its new handle back.
-        let p = &record.params;
-        let cmd = u32::from_ne_bytes([p[8], p[9], p[10], p[11]]);
-        let Some(len) = control_params_size(cmd) else {
-            return false;
-        };
-        let at = control::PARAMS;
-        let ptr = u64::from_ne_bytes([p[at], p[at + 1], p[at + 2], p[at + 3], p[at + 4], p[at + 5], p[at + 6], p[at + 7]]);
-        if copy_control(cmd, ptr, &mut record.class_params, len) {
-            record.class_len = len;
-            let c = &record.class_params;
-            let at = if cmd == control::EXPORT_OBJECT_TO_FD { 16 } else { 0 };
-            let fd = u32::from_ne_bytes([c[at], c[at + 1], c[at + 2], c[at + 3]]);
-            // RM took it for an nvidiactl file: its close is followed from now on, even one
-            // that comes before userspace has read this record (an importer that closes at once).
-            let status = u32::from_ne_bytes([p[28], p[29], p[30], p[31]]);
-            if ret == 0 && status == 0 {
-                record.named_file = file_of(fd);
-                if nvidia_device_number(device::CTL, record.named_file) {
-                    let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
-                    let _ = FDS.insert(&FdKey { tgid, fd }, &device::CTL, BPF_NOEXIST as u64);
-                }
-            }
-        } else {
-            record.flags |= ioctl_flag::CLASS_FAULT;
+    record.params_len = escape.size;
+    match escape.nr {
+        escape::RM_CONTROL => fill_control(record, ret),
+        escape::RM_ALLOC => {
+            fill_alloc_class(record);
+            true
         }
+        _ => true,
+    }
+}
+
+/// The RM escape a command carries: its number, its params' size and where they lie.
+struct Escape {
+    nr: u32,
+    size: u32,
+    params: u64,
+}
+
+enum Unwrapped {
+    Escape(Escape),
+    /// The XFER itself could not be read: sent with PARAMS_FAULT and no params.
+    Unreadable,
+    /// It wraps an escape gputrace does not follow.
+    NotFollowed,
+}
+
+/// The escape itself, or the one an XFER wraps (nv_ioctl_xfer_t, read from user memory).
+#[inline(always)]
+fn unwrap_xfer(record: &mut IoctlRecord, inflight: &Inflight) -> Unwrapped {
+    let nr = ioc_nr(inflight.cmd);
+    if nr != escape::IOCTL_XFER_CMD {
+        return Unwrapped::Escape(Escape { nr, size: ioc_size(inflight.cmd), params: inflight.arg });
+    }
+    let mut x = [0u8; xfer::SIZE];
+    if !read_user(x.as_mut_ptr(), xfer::SIZE, inflight.arg, xfer::SIZE as u32) {
+        record.flags |= ioctl_flag::PARAMS_FAULT;
+        return Unwrapped::Unreadable;
+    }
+    let (nr, size) = (u32_at(&x, xfer::CMD), u32_at(&x, xfer::PARAMS_SIZE));
+    if !rm_escape_traced(nr, size) {
+        return Unwrapped::NotFollowed;
+    }
+    record.escape_cmd = rm_cmd(nr, size);
+    record.flags |= ioctl_flag::XFER;
+    Unwrapped::Escape(Escape { nr, size, params: u64_at(&x, xfer::PARAMS) })
+}
+
+/// A UVM command: the head of its params and a 16-byte window at the version's tail offset
+/// (where the status lies).
+#[inline(always)]
+fn fill_uvm(record: &mut IoctlRecord, inflight: &Inflight) -> bool {
+    let Some(window) = (unsafe { UVM_WINDOWS.get(&inflight.cmd) }).copied() else {
+        return false;
+    };
+    let params = record.params.as_mut_ptr();
+    let head = window.head_len.min(PARAMS_MAX as u32);
+    let mut ok = read_user(params, PARAMS_MAX, inflight.arg, head);
+    if head as usize + 16 <= PARAMS_MAX {
+        let tail_dst = unsafe { params.add(head as usize) };
+        ok &= read_user(tail_dst, 16, inflight.arg + window.tail_offset as u64, window.tail_len);
+    }
+    record.params_len = head + window.tail_len;
+    if !ok {
+        record.flags |= ioctl_flag::PARAMS_FAULT;
+    }
+    true
+}
+
+/// A followed control (an export, an import, a fabric attachment). A wrapped control was not
+/// filtered at entry: dropped here when it is not one of them. The control's own params follow
+/// behind NVOS54's pointer, read at exit: an import writes its new handle back.
+#[inline(always)]
+fn fill_control(record: &mut IoctlRecord, ret: i64) -> bool {
+    let cmd = u32_at(&record.params, control::CMD);
+    let Some(len) = control_params_size(cmd) else {
+        return false;
+    };
+    if !copy_control(cmd, u64_at(&record.params, control::PARAMS), &mut record.class_params, len) {
+        record.flags |= ioctl_flag::CLASS_FAULT;
         return true;
     }
-    if nr == escape::RM_ALLOC {
-        // NVOS21 and NVOS64 share hClass@12 and pAllocParms@16. RM copies the class's own
-        // size, not paramsSize, so the size comes from the class table.
-        let p = &record.params;
-        let class = u32::from_ne_bytes([p[12], p[13], p[14], p[15]]);
-        let alloc_params = u64::from_ne_bytes([p[16], p[17], p[18], p[19], p[20], p[21], p[22], p[23]]);
-        if let Some(&class_len) = unsafe { CLASS_PARAMS.get(&class) } {
-            if alloc_params != 0 {
-                if read_user(record.class_params.as_mut_ptr(), CLASS_PARAMS_MAX, alloc_params, class_len) {
-                    record.class_len = class_len;
-                } else {
-                    record.flags |= ioctl_flag::CLASS_FAULT;
-                }
-            }
+    record.class_len = len;
+    // RM took the named fd for an nvidiactl file: its close is followed from now on, even one
+    // that comes before userspace has read this record (an importer that closes at once).
+    if ret == 0 && u32_at(&record.params, control::STATUS) == 0 {
+        let at = if cmd == control::EXPORT_OBJECT_TO_FD { control::EXPORT_FD_AT } else { control::IMPORT_FD_AT };
+        let fd = u32_at(&record.class_params, at);
+        record.named_file = file_of(fd);
+        if nvidia_device_number(device::CTL, record.named_file) {
+            let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+            let _ = FDS.insert(&FdKey { tgid, fd }, &device::CTL, BPF_NOEXIST as u64);
         }
     }
     true
+}
+
+/// An RM_ALLOC's class params. RM copies the class's own size, not paramsSize, so the size
+/// comes from the class table; classes not in it carry none.
+#[inline(always)]
+fn fill_alloc_class(record: &mut IoctlRecord) {
+    let class = u32_at(&record.params, alloc::CLASS);
+    let alloc_params = u64_at(&record.params, alloc::PARAMS);
+    let Some(&class_len) = (unsafe { CLASS_PARAMS.get(&class) }) else {
+        return;
+    };
+    if alloc_params == 0 {
+        return;
+    }
+    if read_user(record.class_params.as_mut_ptr(), CLASS_PARAMS_MAX, alloc_params, class_len) {
+        record.class_len = class_len;
+    } else {
+        record.flags |= ioctl_flag::CLASS_FAULT;
+    }
 }

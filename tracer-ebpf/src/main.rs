@@ -20,9 +20,9 @@ use aya_ebpf::{
 // one global read, and only on the failure paths where they sit.
 use aya_log_ebpf::warn;
 use tracer_common::{
-    control, control_params_size, device, escape, ioc_nr, ioc_size, ioctl_flag, kind, rm_cmd, rm_command_traced, rm_escape_traced, stat,
-    traced, uvm_command_traced, Config, ExecRecord, FdKey, FdRecord, Header, IoctlRecord, KernelOffsets, OpenRecord, Reading, SockRecord,
-    UvmWindow, CLASS_PARAMS_MAX, CONN_SLOTS, PARAMS_MAX, PATH_MAX, SOCK_HEAD_MAX, XFER_SIZE,
+    alloc, control, control_params_size, device, escape, ioc_nr, ioc_size, ioctl_flag, kind, rm_cmd, rm_command_traced, rm_escape_traced,
+    stat, traced, u32_at, u64_at, uvm_command_traced, xfer, Config, ExecRecord, FdKey, FdRecord, Header, IoctlRecord, KernelOffsets,
+    OpenRecord, Reading, SockRecord, UvmWindow, CLASS_PARAMS_MAX, CONN_SLOTS, PARAMS_MAX, PATH_MAX, SOCK_HEAD_MAX,
 };
 
 #[map]

@@ -133,8 +133,7 @@ pub fn writev_enter(ctx: TracePointContext) -> u32 {
     let vec = sys_arg(&ctx, 1);
     let mut iov = [0u8; 16];
     if read_user(iov.as_mut_ptr(), 16, vec, 16) {
-        let base = u64::from_ne_bytes([iov[0], iov[1], iov[2], iov[3], iov[4], iov[5], iov[6], iov[7]]);
-        let len = u64::from_ne_bytes([iov[8], iov[9], iov[10], iov[11], iov[12], iov[13], iov[14], iov[15]]);
+        let (base, len) = (u64_at(&iov, 0), u64_at(&iov, 8));
         send_sock_io(fd as i32, false, len as i64, base);
     }
     0

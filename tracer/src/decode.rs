@@ -310,7 +310,7 @@ fn decode_control(layout: &Layout, raw: &RawIoctl, p: &Fields) -> Option<Event> 
     if fabric_control && !layout.fabric_attach_holds {
         return None;
     }
-    let status = status_or_errno(raw, p.u32(28)?);
+    let status = status_or_errno(raw, p.u32(control::STATUS)?);
     let c = Fields(&raw.class_params);
     let need = control_params_size(cmd).unwrap_or(0) as usize;
     if raw.class_params.len() < need {
@@ -319,10 +319,12 @@ fn decode_control(layout: &Layout, raw: &RawIoctl, p: &Fields) -> Option<Event> 
     }
     match cmd {
         control::EXPORT_OBJECT_TO_FD => {
-            Some(Event::ExportObject { fd: raw.fd, client, object: c.u32(12)?, to_fd: c.u32(16)? as i32, status })
+            let (object, to_fd) = (c.u32(control::EXPORT_OBJECT_AT)?, c.u32(control::EXPORT_FD_AT)? as i32);
+            Some(Event::ExportObject { fd: raw.fd, client, object, to_fd, status })
         }
         control::IMPORT_OBJECT_FROM_FD => {
-            Some(Event::ImportObject { fd: raw.fd, client, parent: c.u32(12)?, object: c.u32(16)?, from_fd: c.u32(0)? as i32, status })
+            let (parent, object) = (c.u32(control::IMPORT_PARENT_AT)?, c.u32(control::IMPORT_OBJECT_AT)?);
+            Some(Event::ImportObject { fd: raw.fd, client, parent, object, from_fd: c.u32(control::IMPORT_FD_AT)? as i32, status })
         }
         control::EXPORT_OBJECTS_TO_FD | control::IMPORT_OBJECTS_FROM_FD => {
             let count = c.u16(control::PACKED_COUNT)?;
@@ -343,7 +345,7 @@ fn decode_control(layout: &Layout, raw: &RawIoctl, p: &Fields) -> Option<Event> 
             Some(Event::ImportObjects { fd: raw.fd, client, parent: second, objects, index, more, from_fd: file_fd, status })
         }
         control::FABRIC_ATTACH_MEM | control::FABRIC_DETACH_MEM => {
-            let fabric = p.u32(4)?;
+            let fabric = p.u32(control::OBJECT)?;
             let at = if cmd == control::FABRIC_ATTACH_MEM { control::PACKED_ATTACH_COUNTS } else { control::PACKED_DETACH_COUNTS };
             // numMemInfos@0 flags@4 numAttached@8 (numOffsets, flags, numDetached alike).
             let (count, done) = (c.u16(at)?, c.u16(at + 8)?);
@@ -363,7 +365,7 @@ fn decode_control(layout: &Layout, raw: &RawIoctl, p: &Fields) -> Option<Event> 
             Some(Event::FabricAttach {
                 fd: raw.fd,
                 client,
-                fabric: p.u32(4)?,
+                fabric: p.u32(control::OBJECT)?,
                 subdevice: c.u32(0)?,
                 attachments,
                 attached,
@@ -373,7 +375,16 @@ fn decode_control(layout: &Layout, raw: &RawIoctl, p: &Fields) -> Option<Event> 
         }
         control::MULTICAST_DETACH_MEM => {
             let (offsets, detached) = (vec![c.u64(8)?], u16::from(status == 0));
-            Some(Event::FabricDetach { fd: raw.fd, client, fabric: p.u32(4)?, subdevice: c.u32(0)?, offsets, detached, more: 0, status })
+            Some(Event::FabricDetach {
+                fd: raw.fd,
+                client,
+                fabric: p.u32(control::OBJECT)?,
+                subdevice: c.u32(0)?,
+                offsets,
+                detached,
+                more: 0,
+                status,
+            })
         }
         _ => Some(undecodable(raw, format!("RM_CONTROL {cmd:#x} is not a control gputrace follows"))),
     }
