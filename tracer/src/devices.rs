@@ -4,10 +4,12 @@
 //! loaded, a file is NVIDIA's when it is at one of its paths *and* has its device number's major
 //! (195 for nvidiactl and nvidiaN, a dynamic one for nvidia-uvm), as /proc/devices lists them.
 //! Where no driver is loaded (the fake GPU, whose files are FUSE files), the path stands alone.
+//! Also here: what a path names, GPU indexes by minor, and who holds the device files now.
 
 use anyhow::{bail, Result};
 
 use crate::event::Device;
+use crate::procfs;
 
 /// The majors of NVIDIA's device numbers on this host.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -149,6 +151,63 @@ impl GpuIndexes {
     }
 }
 
+/// Whether a file at `device`'s path is that device: by its device number where the driver is
+/// loaded (`majors`), by the path alone elsewhere. None when the number cannot be read (the fd
+/// is gone).
+pub fn admitted(majors: Option<Majors>, device: Device, number: impl FnOnce() -> Option<(u32, u32)>) -> Option<bool> {
+    match majors {
+        None => Some(true),
+        Some(m) => Some(m.admits(device, number()?)),
+    }
+}
+
+/// The minor of a GPU's device file by its path: 3 for /dev/nvidia3.
+pub fn gpu_minor_of_path(path: &str) -> Option<u32> {
+    path.strip_prefix("/dev/nvidia")?.parse().ok()
+}
+
+/// The NVIDIA device a path names: /dev/nvidiactl, /dev/nvidia-uvm, /dev/nvidia<N>.
+pub fn device_of_path(path: &str) -> Option<Device> {
+    let rest = path.strip_prefix("/dev/nvidia")?;
+    match rest {
+        "ctl" => Some(Device::Ctl),
+        "-uvm" => Some(Device::Uvm),
+        digits if !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) => Some(Device::Gpu),
+        _ => None,
+    }
+}
+
+/// Every process, other than gputrace, with NVIDIA device files open now: a /proc scan, what
+/// `fuser -v /dev/nvidia*` shows.
+pub fn nvidia_holders(majors: Option<Majors>) -> Vec<crate::trace::HolderAtStart> {
+    let mut holders: Vec<crate::trace::HolderAtStart> = procfs::all_pids()
+        .into_iter()
+        .filter_map(|pid| {
+            let mut devices: Vec<String> = procfs::open_fds(pid)
+                .into_iter()
+                .filter_map(|fd| {
+                    procfs::fd_path(pid, fd)?
+                        .to_str()
+                        .and_then(device_of_path)
+                        .filter(|&d| admitted(majors, d, || procfs::fd_device_number(pid, fd)) == Some(true))
+                })
+                .map(|d| format!("{d:?}").to_lowercase())
+                .collect();
+            devices.sort();
+            devices.dedup();
+            (!devices.is_empty()).then(|| crate::trace::HolderAtStart {
+                pid,
+                ppid: procfs::parent(pid).unwrap_or(0),
+                command: procfs::command(pid).unwrap_or_default(),
+                devices,
+                exe: procfs::executable(pid),
+            })
+        })
+        .collect();
+    holders.sort_by_key(|h| h.pid);
+    holders
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -205,6 +264,17 @@ mod tests {
         assert_eq!(Majors::parse_override("1, 5").unwrap(), Some(Majors { nvidia: 1, uvm: 5 }));
         for bad in ["", "195", "0,1", "x,1", "195;509"] {
             assert!(Majors::parse_override(bad).unwrap_err().to_string().contains("unset it"), "{bad}");
+        }
+    }
+
+    #[test]
+    fn paths_that_are_nvidia_devices() {
+        assert_eq!(device_of_path("/dev/nvidiactl"), Some(Device::Ctl));
+        assert_eq!(device_of_path("/dev/nvidia-uvm"), Some(Device::Uvm));
+        assert_eq!(device_of_path("/dev/nvidia0"), Some(Device::Gpu));
+        assert_eq!(device_of_path("/dev/nvidia17"), Some(Device::Gpu));
+        for other in ["/dev/nvidia-uvm-tools", "/dev/nvidia-modeset", "/dev/nvidia", "/dev/null", "socket:[123]", "/dev/nvidia0x"] {
+            assert_eq!(device_of_path(other), None, "{other}");
         }
     }
 }

@@ -8,10 +8,11 @@
 //! root's sticky directories (/tmp) allowed, since nobody else may rename what root made there.
 
 use std::ffi::{CString, OsStr, OsString};
-use std::fs::File;
+use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Component, Path, PathBuf};
 
 use crate::user::{as_user, User};
@@ -188,7 +189,7 @@ impl Dir {
         self.path.join(name)
     }
 
-    /// Creates (or replaces) `name` as [`crate::user::create_private`] says, with the rights of
+    /// Creates (or replaces) `name` as [`create_private`] says, with the rights of
     /// whoever calls (the invoking user's thread, under sudo).
     pub fn create_private(&self, name: &OsStr) -> io::Result<File> {
         use std::os::unix::fs::FileTypeExt;
@@ -312,9 +313,42 @@ pub(crate) fn clear_nonblock(file: &File) -> io::Result<()> {
     Ok(())
 }
 
+/// Creates (or replaces) an output file the way a careful shell redirection would, as `user`:
+/// - a new file is created exclusively, mode 0600, never through a symbolic link;
+/// - an existing regular file of the writer's is replaced by a new one renamed over its name:
+///   the old file is never opened, so a name swapped for a hard link to another file between a
+///   check and a write (fs.protected_hardlinks may be 0) can never get that file truncated;
+/// - a character device the writer may open (/dev/null) is written as is;
+/// - anything else (a symbolic link, a FIFO, a directory, someone else's file) is refused.
+///
+/// The directory is opened once, as the user would open it, and the rest is relative to it.
+pub fn create_private(path: &Path, user: Option<&User>) -> io::Result<File> {
+    let name = path.file_name().ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, format!("{} names no file", path.display())))?;
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    as_user(user, || Dir::open(parent)?.create_private(name))
+}
+
+/// Opens a file to read (a trace) as `user` would: with that user's rights, not root's, and only a
+/// regular file (a FIFO planted at the name never hangs the reader, a device is never opened
+/// for its side effects).
+pub fn open_for_reading(path: &Path, user: Option<&User>) -> io::Result<File> {
+    as_user(user, || {
+        let file = OpenOptions::new().read(true).custom_flags(libc::O_CLOEXEC | libc::O_NONBLOCK | libc::O_NOCTTY).open(path)?;
+        if !file.metadata()?.file_type().is_file() {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "not a regular file"));
+        }
+        clear_nonblock(&file)?;
+        Ok(file)
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::MetadataExt;
 
     fn st(uid: u32, mode: u32) -> libc::stat {
         // SAFETY: a plain C struct, zeroed.
@@ -333,5 +367,48 @@ mod tests {
         assert!(!safe_to_walk(&st(1000, 0o755), &[0]), "another user's");
         assert!(safe_to_walk(&st(1000, 0o700), &[0, 1000]), "the invoking user's own, under sudo");
         assert!(!safe_to_walk(&st(1000, 0o1777), &[0, 1000]), "sticky counts for root's directories only");
+    }
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("gputrace-dir-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    #[test]
+    fn a_new_file_is_private_and_a_link_is_refused() {
+        let dir = scratch("own");
+        let path = dir.join("new.trace");
+        create_private(&path, None).unwrap();
+        assert_eq!(std::fs::metadata(&path).unwrap().mode() & 0o777, 0o600);
+        // Replacing one's own file is allowed, and leaves it private.
+        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+        std::fs::write(&path, "old").unwrap();
+        create_private(&path, None).unwrap();
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), 0);
+        assert_eq!(std::fs::metadata(&path).unwrap().mode() & 0o777, 0o600);
+        let target = dir.join("target");
+        std::fs::write(&target, "keep").unwrap();
+        let link = dir.join("link.trace");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        let e = create_private(&link, None).unwrap_err().to_string();
+        assert!(e.contains("is a symbolic link"), "{e}");
+        assert_eq!(std::fs::read_to_string(&target).unwrap(), "keep");
+        // A planted hard link to the user's own file: the name is replaced, the file untouched.
+        let linked = dir.join("linked.trace");
+        std::fs::hard_link(&target, &linked).unwrap();
+        let mut out = create_private(&linked, None).unwrap();
+        std::io::Write::write_all(&mut out, b"trace").unwrap();
+        assert_eq!(std::fs::read_to_string(&target).unwrap(), "keep", "a planted hard link never truncates its file");
+        assert_eq!(std::fs::read_to_string(&linked).unwrap(), "trace");
+        assert_eq!(std::fs::metadata(&linked).unwrap().mode() & 0o777, 0o600);
+        let fifo = dir.join("fifo");
+        let c = CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: mkfifo with a valid path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o666) }, 0);
+        assert!(create_private(&fifo, None).is_err(), "a FIFO is refused, without hanging");
+        create_private(Path::new("/dev/null"), None).expect("a character device is written as is");
+        std::fs::remove_dir_all(&dir).ok();
     }
 }

@@ -357,7 +357,7 @@ pub fn observe() -> Observed {
         eprintln!("gputrace: warning: {e}; device files are judged by path alone");
         None
     });
-    let found = crate::files::nvidia_holders(majors);
+    let found = crate::devices::nvidia_holders(majors);
     let before: Vec<Option<procfs::Stat>> = found.iter().map(|h| procfs::stat(h.pid)).collect();
     let window = Duration::from_millis(500);
     std::thread::sleep(window);

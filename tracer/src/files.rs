@@ -12,7 +12,7 @@ use std::path::PathBuf;
 
 use tracer_common::device;
 
-use crate::devices::Majors;
+use crate::devices::{admitted, device_of_path, gpu_minor_of_path, Majors};
 use crate::event::{Device, Event, Seen};
 use crate::procfs;
 
@@ -54,15 +54,6 @@ pub trait Resolver {
     }
 }
 
-/// Whether a fd at `device`'s path is that device: by its device number where the driver is
-/// loaded (`majors`), by the path alone elsewhere. None when the fd is gone.
-fn admitted(resolver: &impl Resolver, majors: Option<Majors>, pid: u32, fd: i32, device: Device) -> Option<bool> {
-    match majors {
-        None => Some(true),
-        Some(m) => Some(m.admits(device, resolver.fd_device_number(pid, fd)?)),
-    }
-}
-
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KernelUpdate {
     SetFd {
@@ -86,54 +77,6 @@ pub enum KernelUpdate {
         fd: i32,
         buf: u64,
     },
-}
-
-/// The minor of a GPU's device file by its path: 3 for /dev/nvidia3.
-pub fn gpu_minor_of_path(path: &str) -> Option<u32> {
-    path.strip_prefix("/dev/nvidia")?.parse().ok()
-}
-
-/// The NVIDIA device a path names: /dev/nvidiactl, /dev/nvidia-uvm, /dev/nvidia<N>.
-pub fn device_of_path(path: &str) -> Option<Device> {
-    let rest = path.strip_prefix("/dev/nvidia")?;
-    match rest {
-        "ctl" => Some(Device::Ctl),
-        "-uvm" => Some(Device::Uvm),
-        digits if !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) => Some(Device::Gpu),
-        _ => None,
-    }
-}
-
-/// Every process, other than gputrace, with NVIDIA device files open now: a /proc scan, what
-/// `fuser -v /dev/nvidia*` shows.
-pub fn nvidia_holders(majors: Option<Majors>) -> Vec<crate::trace::HolderAtStart> {
-    let resolver = ProcResolver;
-    let mut holders: Vec<crate::trace::HolderAtStart> = procfs::all_pids()
-        .into_iter()
-        .filter_map(|pid| {
-            let mut devices: Vec<String> = procfs::open_fds(pid)
-                .into_iter()
-                .filter_map(|fd| {
-                    procfs::fd_path(pid, fd)?
-                        .to_str()
-                        .and_then(device_of_path)
-                        .filter(|&d| admitted(&resolver, majors, pid, fd, d) == Some(true))
-                })
-                .map(|d| format!("{d:?}").to_lowercase())
-                .collect();
-            devices.sort();
-            devices.dedup();
-            (!devices.is_empty()).then(|| crate::trace::HolderAtStart {
-                pid,
-                ppid: procfs::parent(pid).unwrap_or(0),
-                command: procfs::command(pid).unwrap_or_default(),
-                devices,
-                exe: procfs::executable(pid),
-            })
-        })
-        .collect();
-    holders.sort_by_key(|h| h.pid);
-    holders
 }
 
 fn kernel_state(device: Device) -> u8 {
@@ -468,7 +411,7 @@ impl<R: Resolver> FileTable<R> {
         }
         // RM checked the file when it took it; one gone since is taken on RM's word, one that
         // is another device now was re-pointed since and is not followed.
-        if admitted(&self.resolver, self.majors, pid, fd, device) == Some(false) {
+        if admitted(self.majors, device, || self.resolver.fd_device_number(pid, fd)) == Some(false) {
             self.impostors += 1;
             return None;
         }
@@ -502,7 +445,7 @@ impl<R: Resolver> FileTable<R> {
             let Some(majors) = self.majors else { return Some(None) };
             return Some(self.resolver.fd_device_number(pid, fd).and_then(|number| majors.device_of(number)));
         };
-        if !admitted(&self.resolver, self.majors, pid, fd, device)? {
+        if !admitted(self.majors, device, || self.resolver.fd_device_number(pid, fd))? {
             self.impostors += 1;
             return Some(None);
         }
@@ -671,17 +614,6 @@ mod tests {
             proc.fds.insert(*key, (path.to_string(), *description));
         }
         FileTable::new(proc)
-    }
-
-    #[test]
-    fn paths_that_are_nvidia_devices() {
-        assert_eq!(device_of_path("/dev/nvidiactl"), Some(Device::Ctl));
-        assert_eq!(device_of_path("/dev/nvidia-uvm"), Some(Device::Uvm));
-        assert_eq!(device_of_path("/dev/nvidia0"), Some(Device::Gpu));
-        assert_eq!(device_of_path("/dev/nvidia17"), Some(Device::Gpu));
-        for other in ["/dev/nvidia-uvm-tools", "/dev/nvidia-modeset", "/dev/nvidia", "/dev/null", "socket:[123]", "/dev/nvidia0x"] {
-            assert_eq!(device_of_path(other), None, "{other}");
-        }
     }
 
     #[test]

@@ -4,8 +4,9 @@ use std::process::ExitCode;
 
 use clap::{Args, CommandFactory, Parser, Subcommand};
 use gputrace::analysis::Phase;
+use gputrace::dir::create_private;
 use gputrace::report;
-use gputrace::user::{create_private, User};
+use gputrace::user::User;
 
 #[derive(Parser)]
 #[command(

@@ -528,7 +528,7 @@ fn header(opts: &Options, version: Option<DriverVersion>, source: String, majors
         monotonic_start_ns: mono,
         gpus: snapshot.gpus,
         prior_use: snapshot.prior_use,
-        holders_at_start: crate::files::nvidia_holders(majors),
+        holders_at_start: crate::devices::nvidia_holders(majors),
         device_check: Majors::describe(majors),
         nvml: snapshot.note,
         command: opts.invocation.clone(),

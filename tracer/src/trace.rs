@@ -10,9 +10,9 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use crate::dir::Dir;
+use crate::dir::{create_private, open_for_reading, Dir};
 use crate::event::Record;
-use crate::user::{as_user, create_private, User};
+use crate::user::{as_user, User};
 
 pub const FORMAT: &str = "gputrace-trace";
 pub const VERSION: u32 = 1;
@@ -135,7 +135,7 @@ pub struct Writer {
 }
 
 impl Writer {
-    /// Creates the trace as `user` would (see [`crate::user::create_private`]): mode 0600, never
+    /// Creates the trace as `user` would (see [`crate::dir::create_private`]): mode 0600, never
     /// through a symbolic link, never over someone else's file.
     pub fn create(path: &Path, header: &Header, user: Option<&User>) -> Result<Writer, TraceError> {
         let file = create_private(path, user).map_err(|cause| TraceError::Open { path: path.into(), cause })?;
@@ -275,7 +275,7 @@ impl Reader {
     pub fn open(path: &Path) -> Result<Reader, TraceError> {
         let open_error = |cause| TraceError::Open { path: path.into(), cause };
         let user = User::invoking().map_err(|e| open_error(io::Error::other(e.to_string())))?;
-        let file = crate::user::open_for_reading(path, user.as_ref()).map_err(open_error)?;
+        let file = open_for_reading(path, user.as_ref()).map_err(open_error)?;
         let mut lines = Lines { input: BufReader::with_capacity(1 << 16, file), buf: Vec::new(), skipping: false };
         let not_a_trace = |reason: String| TraceError::NotATrace { path: path.into(), reason };
         match lines.next() {

@@ -1,4 +1,4 @@
-//! The user behind `sudo`, and files written with that user's rights.
+//! The user behind `sudo`, and work done with that user's rights (`as_user`).
 //!
 //! gputrace runs as root on shared hosts. Whatever it writes (traces, exports) must be opened as
 //! the person who asked for it, never as root: root follows a symbolic link planted in /tmp onto
@@ -7,14 +7,10 @@
 //! user's: credentials are per thread in the kernel, so the rest of the recorder keeps its own.
 
 use std::ffi::{CStr, CString};
-use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::unix::fs::OpenOptionsExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::{anyhow, bail, Result};
-
-use crate::dir::{clear_nonblock, Dir};
 
 /// The person who ran `sudo gputrace ...`: their ids, groups and home, from SUDO_* and the
 /// password database.
@@ -170,24 +166,6 @@ fn group_list(name: &str, gid: u32) -> Vec<u32> {
     }
 }
 
-/// Creates (or replaces) an output file the way a careful shell redirection would, as `user`:
-/// - a new file is created exclusively, mode 0600, never through a symbolic link;
-/// - an existing regular file of the writer's is replaced by a new one renamed over its name:
-///   the old file is never opened, so a name swapped for a hard link to another file between a
-///   check and a write (fs.protected_hardlinks may be 0) can never get that file truncated;
-/// - a character device the writer may open (/dev/null) is written as is;
-/// - anything else (a symbolic link, a FIFO, a directory, someone else's file) is refused.
-///
-/// The directory is opened once, as the user would open it, and the rest is relative to it.
-pub fn create_private(path: &Path, user: Option<&User>) -> io::Result<File> {
-    let name = path.file_name().ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, format!("{} names no file", path.display())))?;
-    let parent = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    as_user(user, || Dir::open(parent)?.create_private(name))
-}
-
 /// `work` with `user`'s rights: on a thread of its own that becomes the user for filesystem
 /// access; as gputrace itself with no user.
 pub(crate) fn as_user<T: Send>(user: Option<&User>, work: impl FnOnce() -> io::Result<T> + Send) -> io::Result<T> {
@@ -204,24 +182,9 @@ pub(crate) fn as_user<T: Send>(user: Option<&User>, work: impl FnOnce() -> io::R
     }
 }
 
-/// Opens a file to read (a trace) as `user` would: with that user's rights, not root's, and only a
-/// regular file (a FIFO planted at the name never hangs the reader, a device is never opened
-/// for its side effects).
-pub fn open_for_reading(path: &Path, user: Option<&User>) -> io::Result<File> {
-    as_user(user, || {
-        let file = OpenOptions::new().read(true).custom_flags(libc::O_CLOEXEC | libc::O_NONBLOCK | libc::O_NOCTTY).open(path)?;
-        if !file.metadata()?.file_type().is_file() {
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, "not a regular file"));
-        }
-        clear_nonblock(&file)?;
-        Ok(file)
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::unix::fs::MetadataExt;
 
     fn env<'a>(pairs: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
         move |k| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
@@ -263,48 +226,5 @@ mod tests {
         assert!(e.contains("SUDO_GID=0 is not a group of \"alice\""), "{e}");
         let video_group = User::from_env(env(&[("SUDO_UID", "1000"), ("SUDO_GID", "44"), ("SUDO_USER", "alice")]), alice, video);
         assert_eq!(video_group.unwrap().unwrap().gid, 44, "one of the user's own groups (sudo -g video)");
-    }
-
-    fn scratch(name: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("gputrace-user-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        dir
-    }
-
-    #[test]
-    fn a_new_file_is_private_and_a_link_is_refused() {
-        let dir = scratch("own");
-        let path = dir.join("new.trace");
-        create_private(&path, None).unwrap();
-        assert_eq!(std::fs::metadata(&path).unwrap().mode() & 0o777, 0o600);
-        // Replacing one's own file is allowed, and leaves it private.
-        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
-        std::fs::write(&path, "old").unwrap();
-        create_private(&path, None).unwrap();
-        assert_eq!(std::fs::metadata(&path).unwrap().len(), 0);
-        assert_eq!(std::fs::metadata(&path).unwrap().mode() & 0o777, 0o600);
-        let target = dir.join("target");
-        std::fs::write(&target, "keep").unwrap();
-        let link = dir.join("link.trace");
-        std::os::unix::fs::symlink(&target, &link).unwrap();
-        let e = create_private(&link, None).unwrap_err().to_string();
-        assert!(e.contains("is a symbolic link"), "{e}");
-        assert_eq!(std::fs::read_to_string(&target).unwrap(), "keep");
-        // A planted hard link to the user's own file: the name is replaced, the file untouched.
-        let linked = dir.join("linked.trace");
-        std::fs::hard_link(&target, &linked).unwrap();
-        let mut out = create_private(&linked, None).unwrap();
-        std::io::Write::write_all(&mut out, b"trace").unwrap();
-        assert_eq!(std::fs::read_to_string(&target).unwrap(), "keep", "a planted hard link never truncates its file");
-        assert_eq!(std::fs::read_to_string(&linked).unwrap(), "trace");
-        assert_eq!(std::fs::metadata(&linked).unwrap().mode() & 0o777, 0o600);
-        let fifo = dir.join("fifo");
-        let c = CString::new(fifo.to_str().unwrap()).unwrap();
-        // SAFETY: mkfifo with a valid path.
-        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o666) }, 0);
-        assert!(create_private(&fifo, None).is_err(), "a FIFO is refused, without hanging");
-        create_private(Path::new("/dev/null"), None).expect("a character device is written as is");
-        std::fs::remove_dir_all(&dir).ok();
     }
 }
