@@ -71,7 +71,7 @@ fn served_metrics() -> Vec<String> {
         Event::Object { fd: 3, client: 1, parent: 1, object: 1, class: 0x41, status: 0, gpu: Some(0) },
         Event::Alloc(alloc),
     ];
-    let model = gputrace::model::Model::from_records(&events.map(|event| Record { ts: 1, pid: 7, tid: 7, event, raw: None }));
+    let model = gputrace::model::Model::from_records(&events.map(|event| Record::new(1, 7, 7, event)));
     let header = gputrace::trace::Header::default();
     let report = gputrace::report::Report::new(&header, &model, String::new(), 4, Default::default(), u64::MAX);
     let counters = gputrace::flight::Counters::default();

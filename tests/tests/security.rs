@@ -411,28 +411,15 @@ fn redact_keeps_secrets_out_of_the_trace() {
 /// clearing the screen, faking a line) reaches the terminal as harmless text.
 #[test]
 fn escape_sequences_in_a_trace_never_reach_the_terminal() {
-    use gputrace::event::{Alloc, Event, Memory, Record, Seen, Via};
+    use gputrace::event::{Alloc, Event, Record, Seen};
     let dir = scratch("escapes");
     let path = dir.join("crafted.trace");
     let header = gputrace::trace::Header { nvml: "ok".into(), ..gputrace::trace::Header::default() };
     let mut w = gputrace::trace::Writer::create(&path, &header, None).unwrap();
     let evil = "\u{1b}]0;owned\u{7}\u{1b}[2J\u{1b}[HFIX: kill 1\u{9b}8m";
-    let record = |ts, event| Record { ts, pid: 42, tid: 42, event, raw: None };
+    let record = |ts, event| Record::new(ts, 42, 42, event);
     w.write(&record(1, Event::Process { ppid: 1, seen: Seen::Launched, command: vec![evil.into(), "--port".into()] })).unwrap();
-    let failed = Alloc {
-        fd: 3,
-        via: Via::RmAllocNvos64,
-        memory: Memory::Video,
-        bytes: 1 << 30,
-        status: 0x51,
-        client: 1,
-        parent: 2,
-        object: 3,
-        class: 0x40,
-        base: None,
-        errno: None,
-        holds: None,
-    };
+    let failed = Alloc { status: 0x51, ..Alloc::video(1, 2, 3, 1 << 30) };
     w.write(&record(2, Event::Alloc(failed))).unwrap();
     w.flush().unwrap();
     let out = Command::new(gputrace_bin()).arg("report").arg(&path).output().unwrap();

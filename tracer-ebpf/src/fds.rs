@@ -77,7 +77,7 @@ fn open_enter(ctx: &TracePointContext, path_arg: usize, flags_arg: usize) -> u32
         return 0;
     }
     opening.device = device;
-    remember("OPENS", OPENS.insert(&pid_tgid, &opening, 0));
+    count_refused("OPENS", OPENS.insert(&pid_tgid, &opening, 0));
     0
 }
 
@@ -111,7 +111,7 @@ pub fn open_exit(ctx: TracePointContext) -> u32 {
         let _ = FDS.insert(&key, &device::NOT_NVIDIA, 0);
         return 0;
     }
-    remember("FDS", FDS.insert(&key, &opening.device, 0));
+    count_refused("FDS", FDS.insert(&key, &opening.device, 0));
     let record = OpenRecord {
         header: header(kind::OPEN),
         fd: fd as i32,
@@ -178,7 +178,7 @@ fn dup_enter(ctx: &TracePointContext, new_fd: Option<u32>, cloexec: i32) -> u32 
         if own_file_table() {
             return 0;
         }
-        remember("DUPS", DUPS.insert(&pid_tgid, &Duping { old_fd: old_fd as i32, cloexec, state }, 0));
+        count_refused("DUPS", DUPS.insert(&pid_tgid, &Duping { old_fd: old_fd as i32, cloexec, state }, 0));
     }
     0
 }
@@ -233,7 +233,7 @@ pub fn dup_exit(ctx: TracePointContext) -> u32 {
     if new_fd < 0 {
         return 0;
     }
-    remember("FDS", FDS.insert(&FdKey { tgid: (pid_tgid >> 32) as u32, fd: new_fd as u32 }, &duping.state, 0));
+    count_refused("FDS", FDS.insert(&FdKey { tgid: (pid_tgid >> 32) as u32, fd: new_fd as u32 }, &duping.state, 0));
     if is_nvidia(duping.state) || duping.state == device::CONN {
         send_fd_record(kind::DUP, duping.old_fd as i64, new_fd, duping.cloexec as i64);
     }

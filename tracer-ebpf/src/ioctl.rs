@@ -82,7 +82,7 @@ pub fn ioctl_enter(ctx: TracePointContext) -> u32 {
     };
     let file = if flags == ioctl_flag::QUESTION { file_of(fd as u32) } else { 0 };
     let inflight = Inflight { arg: sys_arg(&ctx, 2), file, fd: fd as i32, cmd, device: state, flags };
-    remember("IOCTLS", IOCTLS.insert(&pid_tgid, &inflight, 0));
+    count_refused("IOCTLS", IOCTLS.insert(&pid_tgid, &inflight, 0));
     0
 }
 

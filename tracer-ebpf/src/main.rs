@@ -63,7 +63,7 @@ fn take<T: Copy>(map: &LruHashMap<u64, T>, key: u64) -> Option<T> {
 
 /// Counts a refused map insert (the map is full): userspace reports them.
 #[inline(always)]
-fn remember<E>(map: &'static str, inserted: Result<(), E>) {
+fn count_refused<E>(map: &'static str, inserted: Result<(), E>) {
     if inserted.is_err() {
         bump(stat::INSERT_FAILED);
         let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
@@ -115,7 +115,7 @@ fn is_traced(tgid: u32) -> bool {
     // process's context (the OOM killer's).
     let joined = cgroup && CGROUPS.current_task_under_cgroup(0) == Ok(true);
     if joined {
-        remember("TRACED", TRACED.insert(&tgid, &traced::YES, 0));
+        count_refused("TRACED", TRACED.insert(&tgid, &traced::YES, 0));
     }
     joined
 }

@@ -17,7 +17,7 @@ pub fn task_newtask(ctx: TracePointContext) -> u32 {
         return 0;
     }
     let child: i32 = arg(&ctx, NEWTASK_PID);
-    remember("TRACED", TRACED.insert(&(child as u32), &traced::INHERITING, 0));
+    count_refused("TRACED", TRACED.insert(&(child as u32), &traced::INHERITING, 0));
     send_fd_record(kind::FORK, child as i64, 0, 0);
     0
 }

@@ -47,7 +47,7 @@ pub fn accept_exit(ctx: TracePointContext) -> u32 {
     if fd < 0 || !is_traced(tgid) {
         return 0;
     }
-    remember("FDS", FDS.insert(&FdKey { tgid, fd: fd as u32 }, &device::CONN, 0));
+    count_refused("FDS", FDS.insert(&FdKey { tgid, fd: fd as u32 }, &device::CONN, 0));
     if let Some(slot) = CONN_PIDS.get_ptr_mut(tgid % CONN_SLOTS) {
         // SAFETY: an array slot, valid for the map's life; a racing write stores the same 1.
         unsafe { *slot = 1 };
@@ -95,7 +95,7 @@ fn conn(fd: u64) -> bool {
 pub fn read_enter(ctx: TracePointContext) -> u32 {
     let fd = sys_arg(&ctx, 0);
     if conn(fd) {
-        remember("READS", READS.insert(&bpf_get_current_pid_tgid(), &Reading { buf: sys_arg(&ctx, 1), fd: fd as i32, _pad: 0 }, 0));
+        count_refused("READS", READS.insert(&bpf_get_current_pid_tgid(), &Reading { buf: sys_arg(&ctx, 1), fd: fd as i32, _pad: 0 }, 0));
     }
     0
 }

@@ -18,7 +18,7 @@ use crate::units::bytes;
 
 /// One process holding NVIDIA device files, as observed.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
-pub struct Holder {
+pub struct FileHolder {
     pub pid: u32,
     pub ppid: u32,
     pub pgrp: u32,
@@ -50,7 +50,7 @@ pub struct Observed {
     pub nvml: String,
     /// MemTotal and MemAvailable: what capacity and free mean on unified memory.
     pub host_memory: Option<(u64, u64)>,
-    pub holders: Vec<Holder>,
+    pub holders: Vec<FileHolder>,
     /// Every process there is (not zombies): whose parent, group leader or NVML pid is gone.
     pub alive: HashSet<u32>,
 }
@@ -79,7 +79,7 @@ pub enum Verdict {
 #[derive(Clone, Debug, Serialize)]
 pub struct Assessed {
     #[serde(flatten)]
-    pub holder: Holder,
+    pub holder: FileHolder,
     /// Video memory NVML counts for it (None without NVML), and what it keeps alive for processes
     /// that are gone.
     pub bytes: Option<u64>,
@@ -190,12 +190,12 @@ pub fn assess(o: &Observed, idle_minutes: u64) -> Doctor {
 }
 
 /// One holder judged: benign, stale (with why) or active, with notes.
-fn judge(o: &Observed, h: &Holder, kept_for: Vec<KeptFor>, idle_minutes: u64) -> Assessed {
+fn judge(o: &Observed, h: &FileHolder, kept_for: Vec<KeptFor>, idle_minutes: u64) -> Assessed {
     let nvml_bytes = |pid: u32| -> Option<u64> {
         o.nvml_ok().then(|| o.usage.iter().filter(|u| u.pid == pid).filter_map(|u| u.used_bytes).fold(0, u64::saturating_add))
     };
     // A daemon stopped or dead holds the GPU for no one: no longer benign, whatever it runs.
-    let benign = |h: &Holder| crate::analysis::benign(h.exe.as_ref()).filter(|_| !matches!(h.state, 'T' | 't' | 'Z'));
+    let benign = |h: &FileHolder| crate::analysis::benign(h.exe.as_ref()).filter(|_| !matches!(h.state, 'T' | 't' | 'Z'));
     let own = nvml_bytes(h.pid);
     let bytes = own.map(|b| kept_for.iter().fold(b, |sum, k| sum.saturating_add(k.bytes)));
     let mut reasons = Vec::new();
@@ -238,11 +238,11 @@ fn judge(o: &Observed, h: &Holder, kept_for: Vec<KeptFor>, idle_minutes: u64) ->
 /// same command line and the same owner: anyone can start a process whose command line
 /// matches root's, and that makes root's server no copy of theirs.
 fn second_copies(holders: &mut [Assessed]) {
-    let listening: Vec<Holder> = holders.iter().map(|a| &a.holder).filter(|h| !h.listening.is_empty()).cloned().collect();
-    let same_program = |a: &Holder, b: &Holder| {
-        let identity = |h: &Holder| h.exe.as_ref().map(|e| (e.dev, e.ino));
+    let listening: Vec<FileHolder> = holders.iter().map(|a| &a.holder).filter(|h| !h.listening.is_empty()).cloned().collect();
+    let same_program = |a: &FileHolder, b: &FileHolder| {
+        let identity = |h: &FileHolder| h.exe.as_ref().map(|e| (e.dev, e.ino));
         // Two command lines that could not be read are not known to be the same.
-        let readable = |h: &Holder| h.command.first().is_some_and(|c| c != procfs::UNREADABLE);
+        let readable = |h: &FileHolder| h.command.first().is_some_and(|c| c != procfs::UNREADABLE);
         identity(a).is_some() && identity(a) == identity(b) && a.uid.is_some() && a.uid == b.uid && a.command == b.command && readable(a)
     };
     for a in holders.iter_mut().filter(|a| a.verdict != Verdict::Benign && a.holder.listening.is_empty()) {
@@ -369,7 +369,7 @@ pub fn observe() -> Observed {
             let used = now.cpu_ticks.saturating_sub(before.map_or(now.cpu_ticks, |b| b.cpu_ticks)) as f64 / hz;
             let cgroup = procfs::cgroup(h.pid);
             let uid = procfs::owner(h.pid);
-            Some(Holder {
+            Some(FileHolder {
                 pid: h.pid,
                 ppid: now.ppid,
                 pgrp: now.pgrp,
@@ -405,10 +405,10 @@ mod tests {
     const GIB: u64 = 1 << 30;
 
     /// A process running the program its argv[0] names, a system one, as uid 1000.
-    fn holder(pid: u32, ppid: u32, pgrp: u32, command: &str) -> Holder {
+    fn holder(pid: u32, ppid: u32, pgrp: u32, command: &str) -> FileHolder {
         let program = command.split(' ').next().unwrap_or_default().rsplit('/').next().unwrap_or_default();
         let ino = program.bytes().fold(7u64, |h, b| h.wrapping_mul(31).wrapping_add(u64::from(b)));
-        Holder {
+        FileHolder {
             pid,
             ppid,
             pgrp,
@@ -420,11 +420,11 @@ mod tests {
             devices: vec!["ctl".into(), "gpu".into(), "uvm".into()],
             age_seconds: 3600,
             cpu_percent: 0.0,
-            ..Holder::default()
+            ..FileHolder::default()
         }
     }
 
-    fn observed(holders: Vec<Holder>, usage: &[(u32, u64)]) -> Observed {
+    fn observed(holders: Vec<FileHolder>, usage: &[(u32, u64)]) -> Observed {
         let alive = holders.iter().flat_map(|h| [h.pid, h.ppid]).chain([1]).collect();
         Observed {
             gpus: vec![Gpu { index: 0, name: "H100".into(), total_bytes: Some(80 * GIB), used_bytes: Some(72 * GIB) }],

@@ -18,6 +18,13 @@ pub struct Record {
     pub raw: Option<String>,
 }
 
+impl Record {
+    /// A record with no raw params: every record but a decoded ioctl's under `--raw`.
+    pub fn new(ts: u64, pid: u32, tid: u32, event: Event) -> Record {
+        Record { ts, pid, tid, event, raw: None }
+    }
+}
+
 fn is_zero(v: &u32) -> bool {
     *v == 0
 }

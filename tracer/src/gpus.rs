@@ -19,7 +19,7 @@ pub struct Snapshot {
 }
 
 pub fn snapshot() -> Snapshot {
-    match ask() {
+    match query_nvml() {
         Ok((gpus, prior_use)) => Snapshot { gpus, prior_use, note: "ok".into() },
         Err(e) => Snapshot {
             gpus: vec![],
@@ -29,7 +29,7 @@ pub fn snapshot() -> Snapshot {
     }
 }
 
-fn ask() -> Result<(Vec<Gpu>, Vec<PriorUse>), NvmlError> {
+fn query_nvml() -> Result<(Vec<Gpu>, Vec<PriorUse>), NvmlError> {
     let nvml = Nvml::init()?;
     let mut gpus = Vec::new();
     let mut prior_use = Vec::new();

@@ -379,7 +379,7 @@ mod tests {
     fn memory_kept_alive_is_charged_to_its_keeper() {
         use crate::event::{Alloc, Device, Event, Record, Seen};
         const GIB: u64 = 1 << 30;
-        let rec = |ts: u64, pid: u32, event| Record { ts, pid, tid: pid, event, raw: None };
+        let rec = |ts: u64, pid: u32, event| Record::new(ts, pid, pid, event);
         let records = [
             rec(1, 10, Event::Process { ppid: 1, seen: Seen::Launched, command: vec!["server".into()] }),
             rec(2, 10, Event::Open { fd: 3, file: 1, device: Device::Ctl, cloexec: false }),

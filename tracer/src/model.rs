@@ -101,8 +101,8 @@ impl Usage {
     }
     fn add(&mut self, memory: Memory, bytes: u64) {
         // Figures come from a trace file: saturate rather than wrap or panic on absurd ones.
-        add(self.live.entry(memory).or_default(), bytes);
-        add(self.allocated.entry(memory).or_default(), bytes);
+        add_saturating(self.live.entry(memory).or_default(), bytes);
+        add_saturating(self.allocated.entry(memory).or_default(), bytes);
         self.allocations += 1;
         self.peak_physical = self.peak_physical.max(self.physical_live());
         let live = self.live[&memory];
@@ -112,12 +112,12 @@ impl Usage {
     fn remove(&mut self, memory: Memory, bytes: u64) {
         let live = self.live.entry(memory).or_default();
         *live = live.saturating_sub(bytes);
-        add(self.freed.entry(memory).or_default(), bytes);
+        add_saturating(self.freed.entry(memory).or_default(), bytes);
     }
 }
 
 /// `total += n`, saturating: a trace may hold any number.
-pub fn add(total: &mut u64, n: u64) {
+pub fn add_saturating(total: &mut u64, n: u64) {
     *total = total.saturating_add(n);
 }
 
@@ -394,7 +394,7 @@ impl Model {
             let Some(file) = a.file else { continue };
             let keeper = *keeper_of.entry(file).or_insert_with(|| self.holders(file).into_iter().min());
             if let Some(keeper) = keeper {
-                add(kept.entry(keeper).or_default().entry(a.pid).or_default(), a.bytes);
+                add_saturating(kept.entry(keeper).or_default().entry(a.pid).or_default(), a.bytes);
             }
         }
         kept
@@ -436,7 +436,7 @@ impl Model {
         self.last_ts = self.last_ts.max(r.ts);
         let (ts, pid) = (r.ts, r.pid);
         if self.refused_by_rm(r) {
-            add(&mut self.foreign_client_calls, 1);
+            add_saturating(&mut self.foreign_client_calls, 1);
             return;
         }
         match &r.event {
@@ -486,21 +486,21 @@ impl Model {
                 self.on_import(pid, ts, *fd, (*client, *parent), &[*object], 0, *from_fd)
             }
             Event::ExportObjects { client, objects, index, more, to_fd, .. } => {
-                add(&mut self.handles_not_followed, u64::from(*more));
+                add_saturating(&mut self.handles_not_followed, u64::from(*more));
                 self.on_export(pid, ts, *client, objects, (Some(*index), u32::from(*more)), *to_fd)
             }
             Event::ImportObjects { fd, client, parent, objects, index, more, from_fd, .. } => {
-                add(&mut self.handles_not_followed, u64::from(*more));
+                add_saturating(&mut self.handles_not_followed, u64::from(*more));
                 self.on_import(pid, ts, *fd, (*client, *parent), objects, *index, *from_fd)
             }
             Event::RegisterFd { fd, ctl_fd } => self.on_register_fd(pid, ts, *fd, *ctl_fd),
             Event::FabricAttach { client, fabric, subdevice, attachments, attached, more, .. } => {
-                add(&mut self.handles_not_followed, u64::from(*more));
+                add_saturating(&mut self.handles_not_followed, u64::from(*more));
                 let done = attachments.iter().take(usize::from(*attached));
                 self.on_fabric_attach((*client, *fabric), *subdevice, done)
             }
             Event::FabricDetach { client, fabric, subdevice, offsets, detached, more, .. } => {
-                add(&mut self.handles_not_followed, u64::from(*more));
+                add_saturating(&mut self.handles_not_followed, u64::from(*more));
                 let done = offsets.iter().take(usize::from(*detached));
                 self.on_fabric_detach(ts, (*client, *fabric), *subdevice, done)
             }
@@ -508,7 +508,7 @@ impl Model {
             Event::UvmFree { fd, base, .. } => self.on_uvm_free(pid, ts, *fd, *base),
             Event::UvmUnmap { fd, base, length, .. } => self.on_uvm_unmap(pid, ts, *fd, *base, *length),
             Event::Undecodable { .. } => self.undecodable += 1,
-            Event::Lost { records } => add(&mut self.lost_records, *records),
+            Event::Lost { records } => add_saturating(&mut self.lost_records, *records),
             Event::Bind { .. }
             | Event::Listen { .. }
             | Event::Attached { .. }

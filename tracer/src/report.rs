@@ -191,7 +191,7 @@ impl Report {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::event::{Alloc, Device, Event, Memory, Record, Seen, Via};
+    use crate::event::{Alloc, Device, Event, Memory, Record, Seen};
 
     fn header() -> Header {
         Header::default()
@@ -204,7 +204,7 @@ mod tests {
     #[test]
     fn the_widest_gap_to_nvml_is_named_wherever_it_fell() {
         use crate::event::{Alloc, Event, ProcessUse, Sample, Seen};
-        let rec = |ts: u64, pid: u32, event| Record { ts, pid, tid: pid, event, raw: None };
+        let rec = |ts: u64, pid: u32, event| Record::new(ts, pid, pid, event);
         let nvml = |ts: u64, used: &[(u32, u64)]| {
             let processes = used.iter().map(|&(pid, bytes)| ProcessUse { pid, gpu: 0, used_bytes: Some(bytes), command: vec![] }).collect();
             rec(ts, 0, Event::Sample(Sample { gpus: vec![], processes, host: None }))
@@ -245,7 +245,7 @@ mod tests {
     fn nvml_lagging_a_teardown_is_no_disagreement() {
         use crate::event::{Alloc, Event, ProcessUse, Sample, Seen, Via};
         const S: u64 = 1_000_000_000;
-        let rec = |ts: u64, pid: u32, event| Record { ts, pid, tid: pid, event, raw: None };
+        let rec = |ts: u64, pid: u32, event| Record::new(ts, pid, pid, event);
         let nvml = |ts: u64, pid: u32, bytes: u64| {
             let processes = vec![ProcessUse { pid, gpu: 0, used_bytes: Some(bytes), command: vec![] }];
             rec(ts, 0, Event::Sample(Sample { gpus: vec![], processes, host: None }))
@@ -279,7 +279,7 @@ mod tests {
     #[test]
     fn memory_of_a_process_met_with_two_gpus_is_on_one_of_them() {
         use crate::event::{Alloc, Event, Seen};
-        let rec = |ts: u64, event| Record { ts, pid: 7, tid: 7, event, raw: None };
+        let rec = |ts: u64, event| Record::new(ts, 7, 7, event);
         let records = [
             rec(1, Event::Process { ppid: 1, seen: Seen::Running, command: vec!["llama-server".into()] }),
             rec(2, Event::Attached { listening: vec![], gpus: vec![2, 3] }),
@@ -342,28 +342,12 @@ mod tests {
     /// one active within it is not.
     #[test]
     fn an_idle_context_is_a_suspect_after_the_threshold() {
-        let rec = |ts: u64, event| Record { ts, pid: 7, tid: 7, event, raw: None };
+        let rec = |ts: u64, event| Record::new(ts, 7, 7, event);
         let minute = 60_000_000_000u64;
         let records = vec![
             rec(0, Event::Process { ppid: 1, seen: Seen::Running, command: vec!["old-server".into()] }),
             rec(1, Event::FdFound { fd: 3, file: 1, device: Device::Ctl }),
-            rec(
-                2,
-                Event::Alloc(Alloc {
-                    fd: 3,
-                    via: Via::RmAllocNvos64,
-                    memory: Memory::Video,
-                    bytes: 1 << 30,
-                    status: 0,
-                    client: 1,
-                    parent: 2,
-                    object: 3,
-                    class: 0x40,
-                    base: None,
-                    errno: None,
-                    holds: None,
-                }),
-            ),
+            rec(2, Event::Alloc(Alloc::video(1, 2, 3, 1 << 30))),
             rec(15 * minute, Event::Lost { records: 0 }),
         ];
         let model = Model::from_records(&records);
@@ -378,7 +362,7 @@ mod tests {
     /// namespace of its own, with its pid there beside the host's; none of it for a host process.
     #[test]
     fn the_text_report_shows_the_container_and_the_pid_inside() {
-        let rec = |pid: u32, event| Record { ts: 1, pid, tid: pid, event, raw: None };
+        let rec = |pid: u32, event| Record::new(1, pid, pid, event);
         let user = |pid: u32, client: u32| {
             [
                 rec(pid, Event::Process { ppid: 1, seen: Seen::Running, command: vec![format!("server{pid}")] }),
@@ -414,7 +398,7 @@ mod tests {
     /// now: that process is named as the holder, though it never allocated it.
     #[test]
     fn the_holder_of_an_exported_file_holds_the_memory() {
-        let rec = |ts: u64, pid: u32, event| Record { ts, pid, tid: pid, event, raw: None };
+        let rec = |ts: u64, pid: u32, event| Record::new(ts, pid, pid, event);
         let (exporter, importer) = (100, 200);
         let records = vec![
             rec(1, exporter, Event::Process { ppid: 1, seen: Seen::Running, command: vec!["trainer".into()] }),
@@ -439,7 +423,7 @@ mod tests {
     /// holds only the export file is not charged with the rest, which a forked child keeps.
     #[test]
     fn exported_memory_and_the_rest_are_told_apart() {
-        let rec = |ts: u64, pid: u32, event| Record { ts, pid, tid: pid, event, raw: None };
+        let rec = |ts: u64, pid: u32, event| Record::new(ts, pid, pid, event);
         let (owner, peer, child) = (300, 200, 400);
         let records = vec![
             rec(1, owner, Event::Process { ppid: 1, seen: Seen::Running, command: vec!["server".into()] }),

@@ -210,7 +210,7 @@ impl<S: Sink> Session<S> {
 
     fn emit_now(&mut self, pid: u32, event: Event) {
         let (_, ts) = clocks();
-        self.emit(Record { ts, pid, tid: 0, event, raw: None })
+        self.emit(Record::new(ts, pid, 0, event))
     }
 
     /// CUDA loads nvidia-uvm at its first use, often after gputrace started (and a service may
@@ -386,23 +386,23 @@ impl<S: Sink> Session<S> {
                     break;
                 }
                 _ = async { marks.as_ref().unwrap().accept(&mark_tx).await }, if marks.is_some() => {}
-                // Questions are answered on everything the kernel has recorded so far, not on
+                // Questions (the recorder socket's, and the sink's own: a watch's HTTP requests,
+                // SIGUSR1) are answered on everything the kernel has recorded so far, not on
                 // what the last wake-up brought (escapes wait for a batch or the tick).
-                Some(request) = mark_rx.recv() => {
+                question = next_question(&mut mark_rx, &mut self.sink) => {
                     self.drain(ring.get_mut(), probe)?;
-                    let answer = match request.asked {
-                        Asked::Mark { phase, pid } => self.mark(phase, pid),
-                        Asked::Dump => self.sink.dump().map_or_else(|why| format!("ERR {why}"), |what| format!("OK {what}")),
-                    };
-                    let _ = request.reply.send(answer);
+                    match question {
+                        Question::Socket(request) => {
+                            let answer = match request.asked {
+                                Asked::Mark { phase, pid } => self.mark(phase, pid),
+                                Asked::Dump => self.sink.dump().map_or_else(|why| format!("ERR {why}"), |what| format!("OK {what}")),
+                            };
+                            let _ = request.reply.send(answer);
+                        }
+                        Question::Sink(ask) => self.sink.answer(ask, &self.model),
+                    }
                 }
-                Some((ts, sample)) = sample_rx.recv() => self.emit(Record { ts, pid: 0, tid: 0, event: Event::Sample(sample), raw: None }),
-                // The sink's own asks (a watch's HTTP requests, SIGUSR1), answered on everything
-                // recorded so far too.
-                ask = self.sink.ask() => {
-                    self.drain(ring.get_mut(), probe)?;
-                    self.sink.answer(ask, &self.model);
-                }
+                Some((ts, sample)) = sample_rx.recv() => self.emit(Record::new(ts, 0, 0, Event::Sample(sample))),
                 stop = stops.next() => {
                     let stop = stop?;
                     // A command is waited for: the signal is passed on (unless it already got it)
@@ -603,6 +603,22 @@ fn layout_for(version: Option<DriverVersion>) -> Layout {
             }
             layout
         }
+    }
+}
+
+/// A question to answer once the ring is drained.
+enum Question<A> {
+    /// On the recorder's socket: a mark or a dump.
+    Socket(MarkRequest),
+    Sink(A),
+}
+
+/// The next question from either source. The socket's channel is never closed while the loop
+/// runs (it holds a sender), so its `None` never comes.
+async fn next_question<S: Sink>(socket: &mut tokio::sync::mpsc::Receiver<MarkRequest>, sink: &mut S) -> Question<S::Ask> {
+    tokio::select! {
+        Some(request) = socket.recv() => Question::Socket(request),
+        ask = sink.ask() => Question::Sink(ask),
     }
 }
 

@@ -354,7 +354,7 @@ fn parse_record(line: &[u8], scratch: &mut Vec<u8>) -> serde_json::Result<Record
         scratch.push(b'{');
         scratch.extend_from_slice(event);
         if let Ok(event) = serde_json::from_slice(scratch) {
-            return Ok(Record { ts, pid, tid, event, raw: None });
+            return Ok(Record::new(ts, pid, tid, event));
         }
     }
     serde_json::from_slice(line)
@@ -413,9 +413,9 @@ mod tests {
     #[test]
     fn the_written_layout_reads_as_the_general_way_does() {
         let records = [
-            Record { ts: 5, pid: 7, tid: 9, event: Event::Close { fd: 3 }, raw: None },
-            Record { ts: u64::MAX, pid: u32::MAX, tid: 0, event: Event::Exit { code: Some(-1) }, raw: None },
-            Record { ts: 1, pid: 2, tid: 2, event: Event::Mark { phase: "\"raw\" prefill".into() }, raw: None },
+            Record::new(5, 7, 9, Event::Close { fd: 3 }),
+            Record::new(u64::MAX, u32::MAX, 0, Event::Exit { code: Some(-1) }),
+            Record::new(1, 2, 2, Event::Mark { phase: "\"raw\" prefill".into() }),
             Record { ts: 1, pid: 2, tid: 3, event: Event::OomKill, raw: Some("00ff".into()) },
             Record {
                 ts: 0,
@@ -464,7 +464,7 @@ mod tests {
     }
 
     fn record(ts: u64) -> Record {
-        Record { ts, pid: 1, tid: 1, event: Event::Process { ppid: 0, seen: Seen::Launched, command: vec!["x".into()] }, raw: None }
+        Record::new(ts, 1, 1, Event::Process { ppid: 0, seen: Seen::Launched, command: vec!["x".into()] })
     }
 
     fn temp(name: &str) -> PathBuf {

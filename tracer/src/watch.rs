@@ -459,7 +459,7 @@ mod tests {
             Event::Object { fd: 3, client: 1, parent: 1, object: 1, class: 0x41, status: 0, gpu: None },
             Event::Alloc(alloc),
         ];
-        Model::from_records(&events.map(|event| Record { ts: 1, pid: 77, tid: 77, event, raw: None }))
+        Model::from_records(&events.map(|event| Record::new(1, 77, 77, event)))
     }
 
     #[test]

@@ -11,6 +11,8 @@
 //! The evidence is typed ([`Evidence`]); each category's fix is its own function, which asks the
 //! server's family ([`ServerFamily`]) what its settings are called.
 
+use std::cell::OnceCell;
+
 use serde::Serialize;
 use serde_json::{json, Value};
 
@@ -220,11 +222,13 @@ pub struct Diagnoser<'a> {
     pub(super) model: &'a Model,
     pub(super) services: Services<'a>,
     lost: u64,
+    /// Found once: both the diagnoses and the count of those past [`MAX_DIAGNOSED`] read them.
+    failures: OnceCell<Vec<Failure>>,
 }
 
 impl<'a> Diagnoser<'a> {
     pub fn new(header: &'a Header, model: &'a Model, lost: u64) -> Self {
-        Diagnoser { header, model, services: Services::new(model), lost }
+        Diagnoser { header, model, services: Services::new(model), lost, failures: OnceCell::new() }
     }
 
     pub fn services(&self) -> &Services<'a> {
@@ -376,7 +380,11 @@ impl<'a> Diagnoser<'a> {
         in_service.map(|p| p.command.as_slice()).find(|c| !c.is_empty()).unwrap_or(root)
     }
 
-    fn failures(&self) -> Vec<Failure> {
+    fn failures(&self) -> &[Failure] {
+        self.failures.get_or_init(|| self.find_failures())
+    }
+
+    fn find_failures(&self) -> Vec<Failure> {
         let mut failures: Vec<Failure> = self
             .model
             .failures

@@ -8,7 +8,7 @@ use serde::Serialize;
 
 use super::sweep::LiveChanges;
 use crate::event::Memory;
-use crate::model::{add, Model};
+use crate::model::{add_saturating, Model};
 use crate::trace::Header;
 use crate::units::bytes;
 
@@ -59,7 +59,7 @@ pub fn disagreements(header: &Header, model: &Model) -> Vec<Disagreement> {
         }
         let mut nvml_of: BTreeMap<u32, u64> = BTreeMap::new();
         for u in &sample.processes {
-            add(nvml_of.entry(u.pid).or_default(), u.used_bytes.unwrap_or(0));
+            add_saturating(nvml_of.entry(u.pid).or_default(), u.used_bytes.unwrap_or(0));
         }
         let mut pids: Vec<u32> = nvml_of.keys().chain(live.keys()).copied().filter(|pid| model.processes.contains_key(pid)).collect();
         pids.sort_unstable();
@@ -115,7 +115,7 @@ pub fn nvml_peaks(model: &Model) -> HashMap<u32, u64> {
     for (_, sample) in &model.samples {
         let mut used: HashMap<u32, u64> = HashMap::new();
         for u in &sample.processes {
-            add(used.entry(u.pid).or_default(), u.used_bytes.unwrap_or(0));
+            add_saturating(used.entry(u.pid).or_default(), u.used_bytes.unwrap_or(0));
         }
         for (pid, bytes) in used {
             let peak = peaks.entry(pid).or_default();

@@ -1,6 +1,6 @@
 use super::diagnosis::{Category, Diagnoser, Symptom};
 use super::*;
-use crate::event::{Alloc, Device, Event, Memory, Record, Seen, Via};
+use crate::event::{Alloc, Device, Event, Record, Seen, Via};
 use crate::trace::{Gpu, Header, HolderAtStart, PriorUse};
 
 const GIB: u64 = 1 << 30;
@@ -47,7 +47,7 @@ impl Trace {
         t
     }
     fn at(&mut self, ts: u64, pid: u32, event: Event) -> &mut Self {
-        self.0.push(Record { ts, pid, tid: pid, event, raw: None });
+        self.0.push(Record::new(ts, pid, pid, event));
         self
     }
     fn alloc(&mut self, ts: u64, pid: u32, bytes: u64, status: u32) -> &mut Self {
@@ -56,20 +56,7 @@ impl Trace {
     /// An allocation in `client`, under its device (the handle client + 0x100).
     fn alloc_in(&mut self, ts: u64, pid: u32, client: u32, bytes: u64, status: u32) -> &mut Self {
         self.1 += 1;
-        let a = Alloc {
-            fd: 3,
-            via: Via::RmAllocNvos64,
-            memory: Memory::Video,
-            bytes,
-            status,
-            client,
-            parent: client + 0x100,
-            object: self.1,
-            class: 0x40,
-            base: None,
-            errno: None,
-            holds: None,
-        };
+        let a = Alloc { status, ..Alloc::video(client, client + 0x100, self.1, bytes) };
         self.at(ts, pid, Event::Alloc(a))
     }
     /// A completion request on connection `conn`: arrives at `ts`, headers at once, data at `data`.
@@ -95,10 +82,7 @@ impl Trace {
 fn a_recording_that_wraps_a_server_is_not_its_service() {
     let mut t = Trace::vllm(16 * GIB);
     let wrapper = vec!["/usr/bin/gputrace".to_string(), "record".into(), "--".into(), "vllm".into()];
-    t.0.insert(
-        0,
-        Record { ts: 0, pid: 4000, tid: 4000, event: Event::Process { ppid: 1, seen: Seen::Running, command: wrapper }, raw: None },
-    );
+    t.0.insert(0, Record::new(0, 4000, 4000, Event::Process { ppid: 1, seen: Seen::Running, command: wrapper }));
     for r in &mut t.0 {
         if let Event::Process { ppid, seen, .. } = &mut r.event {
             if r.pid == API {
@@ -540,7 +524,7 @@ fn mps_is_named_in_the_report() {
 /// before tracing is on the one GPU it held.
 #[test]
 fn a_server_met_serving_is_ready_named_below_its_shell_and_on_its_gpu() {
-    let rec = |ts: u64, pid: u32, event| Record { ts, pid, tid: pid, event, raw: None };
+    let rec = |ts: u64, pid: u32, event| Record::new(ts, pid, pid, event);
     let process = |ppid, seen, command: &str| Event::Process { ppid, seen, command: command.split(' ').map(String::from).collect() };
     let records = vec![
         rec(1, 10, process(1, Seen::Running, "-bash")),

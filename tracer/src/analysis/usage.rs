@@ -9,7 +9,7 @@ use serde::Serialize;
 use super::sweep::LiveChanges;
 use super::{Phase, Services};
 use crate::event::Memory;
-use crate::model::{add, Model, Process};
+use crate::model::{add_saturating, Model, Process};
 use crate::trace::Header;
 
 #[derive(Clone, Debug, Default, Serialize, PartialEq)]
@@ -128,9 +128,9 @@ pub fn process_report(
     let mut live_by_phase = by_phase.clone();
     for a in model.allocations.iter().filter(|a| a.pid == p.pid && a.memory != Memory::Virtual) {
         let phase = services.phase_of(a.pid, a.ts).name();
-        add(by_phase.entry(phase).or_default(), a.bytes);
+        add_saturating(by_phase.entry(phase).or_default(), a.bytes);
         if a.freed.is_none() {
-            add(live_by_phase.entry(phase).or_default(), a.bytes);
+            add_saturating(live_by_phase.entry(phase).or_default(), a.bytes);
         }
     }
     ProcessReport {

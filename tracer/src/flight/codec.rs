@@ -577,7 +577,7 @@ impl Reader<'_> {
                 let n = self.read_uint();
                 let json = self.take(n)?;
                 if tag == TAG_JSON {
-                    Record { ts, pid, tid, event: serde_json::from_slice(json).ok()?, raw: None }
+                    Record::new(ts, pid, tid, serde_json::from_slice(json).ok()?)
                 } else {
                     serde_json::from_slice(json).ok()?
                 }
@@ -585,7 +585,7 @@ impl Reader<'_> {
             _ => {
                 let mut event = blank(tag)?;
                 fields(self, &mut event);
-                Record { ts, pid, tid, event, raw: None }
+                Record::new(ts, pid, tid, event)
             }
         };
         (!self.failed).then_some(record)

@@ -15,7 +15,7 @@ pub fn stream(rate: u64, events: u64, mut f: impl FnMut(&Record)) {
     let mut put = |pid: u32, event: Event| {
         ts += step;
         n.set(n.get() + 1);
-        f(&Record { ts, pid, tid: pid, event, raw: None });
+        f(&Record::new(ts, pid, pid, event));
     };
     let alloc = |client: u32, object: u32, bytes: u64| Event::Alloc(Alloc::video(client, client, object, bytes));
     let start = |put: &mut dyn FnMut(u32, Event), pid: u32| {
@@ -72,7 +72,7 @@ pub fn pytorch_server(rate: u64, events: u64, mut f: impl FnMut(&Record)) {
     let mut put = |tid: u32, event: Event| {
         ts += step;
         n += 1;
-        f(&Record { ts, pid: SERVER, tid, event, raw: None });
+        f(&Record::new(ts, SERVER, tid, event));
         n
     };
     put(

@@ -9,7 +9,7 @@ fn config() -> Config {
 }
 
 fn rec(ts: u64, pid: u32, event: Event) -> Record {
-    Record { ts, pid, tid: pid, event, raw: None }
+    Record::new(ts, pid, pid, event)
 }
 
 fn alloc(ts: u64, pid: u32, client: u32, object: u32, bytes: u64, status: u32) -> Record {

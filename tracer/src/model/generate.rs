@@ -101,20 +101,7 @@ pub fn records(data: &[u8]) -> Vec<Record> {
                 let (parent, object) = (handle(&mut b, client), 0x100 + b.pick(8));
                 let status = if b.one_in(6) { 0x51 } else { 0 };
                 let memory = if b.one_in(4) { Memory::System } else { Memory::Video };
-                Event::Alloc(Alloc {
-                    fd,
-                    via: Via::RmAllocNvos64,
-                    memory,
-                    bytes: b.size(),
-                    status,
-                    client,
-                    parent,
-                    object,
-                    class: 0x40,
-                    base: None,
-                    errno: None,
-                    holds: None,
-                })
+                Event::Alloc(Alloc { fd, memory, status, ..Alloc::video(client, parent, object, b.size()) })
             }
             11 => {
                 let object = handle(&mut b, client);
@@ -204,7 +191,7 @@ pub fn records(data: &[u8]) -> Vec<Record> {
             17 => Event::UvmUnmap { fd, base: u64::from(b.pick(4)) << 21, length: u64::from(b.pick(3)) << 20, status: 0 },
             _ => Event::Lost { records: b.size() },
         };
-        out.push(Record { ts, pid, tid: pid, event, raw: None });
+        out.push(Record::new(ts, pid, pid, event));
     }
     out
 }

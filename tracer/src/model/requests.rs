@@ -1,13 +1,13 @@
 //! Requests as the kernel saw them on a server's connections: from the read that brought a
 //! request line to the connection's close or the next request on it (keep-alive).
 
-use super::{add, Model, Request};
+use super::{add_saturating, Model, Request};
 
 impl Model {
     pub(super) fn on_received(&mut self, pid: u32, ts: u64, conn: u64, bytes: u64, request: Option<&String>) {
         let current = self.connections.get(&conn).and_then(|(_, r)| *r);
         if let (None, Some(id)) = (request, current) {
-            add(&mut self.requests[id].bytes_in, bytes);
+            add_saturating(&mut self.requests[id].bytes_in, bytes);
             return;
         }
         self.end_request(conn, ts);
@@ -31,7 +31,7 @@ impl Model {
     pub(super) fn on_sent(&mut self, ts: u64, conn: u64, bytes: u64, status: Option<u16>, data: bool) {
         let Some(id) = self.connections.get(&conn).and_then(|(_, r)| *r) else { return };
         let r = &mut self.requests[id];
-        add(&mut r.bytes_out, bytes);
+        add_saturating(&mut r.bytes_out, bytes);
         if status.is_some() && r.headers_at.is_none() {
             r.headers_at = Some(ts);
             r.status = status;

@@ -85,7 +85,7 @@ impl<'a> Snapshot<'a> {
     }
 
     fn push(&mut self, ts: u64, pid: u32, event: Event) {
-        self.out.push(Record { ts, pid, tid: 0, event, raw: None });
+        self.out.push(Record::new(ts, pid, 0, event));
     }
 
     /// Running processes, and exited ones whose memory lives on (a forked child holds their
@@ -235,7 +235,7 @@ impl<'a> Snapshot<'a> {
             };
             if let Some(&(file, base)) = ranges.get(&id) {
                 let fd = self.fd_for(a.pid, file);
-                self.out.push(Record { ts: a.ts, pid: a.pid, tid: a.tid, event: Event::Alloc(alloc(fd, 0, 0, 0, Some(base))), raw: None });
+                self.out.push(Record::new(a.ts, a.pid, a.tid, Event::Alloc(alloc(fd, 0, 0, 0, Some(base)))));
                 continue;
             }
             let list = handles.get(&id).map(Vec::as_slice).unwrap_or_default();
@@ -301,13 +301,7 @@ impl<'a> Snapshot<'a> {
             };
             self.made.insert(id, (client, handle));
             let holds = held.map(|(_, h)| h);
-            self.out.push(Record {
-                ts: a.ts,
-                pid: a.pid,
-                tid: a.tid,
-                event: Event::Alloc(Alloc { holds, ..alloc(-1, client, parent, handle, None) }),
-                raw: None,
-            });
+            self.out.push(Record::new(a.ts, a.pid, a.tid, Event::Alloc(Alloc { holds, ..alloc(-1, client, parent, handle, None) })));
         }
     }
 

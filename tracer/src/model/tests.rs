@@ -6,7 +6,7 @@ const DEVICE: u32 = 0xde00_0001;
 const GIB: u64 = 1 << 30;
 
 fn rec(ts: u64, pid: u32, event: Event) -> Record {
-    Record { ts, pid, tid: pid, event, raw: None }
+    Record::new(ts, pid, pid, event)
 }
 
 fn process(ts: u64, pid: u32, ppid: u32, seen: Seen) -> Record {
@@ -23,24 +23,7 @@ fn object(ts: u64, pid: u32, fd: i32, parent: u32, object: u32, class: u32) -> R
 }
 
 fn alloc(ts: u64, pid: u32, fd: i32, parent: u32, object: u32, bytes: u64, status: u32) -> Record {
-    rec(
-        ts,
-        pid,
-        Event::Alloc(Alloc {
-            fd,
-            via: Via::RmAllocNvos64,
-            memory: Memory::Video,
-            bytes,
-            status,
-            client: CLIENT,
-            parent,
-            object,
-            class: 0x40,
-            base: None,
-            errno: None,
-            holds: None,
-        }),
-    )
+    rec(ts, pid, Event::Alloc(Alloc { fd, status, ..Alloc::video(CLIENT, parent, object, bytes) }))
 }
 
 /// UVM_CREATE_EXTERNAL_RANGE by pid 10 on its fd 5: address space at `base`.
