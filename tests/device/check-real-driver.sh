@@ -4,8 +4,9 @@
 #   run(command="bash tests/device/check-real-driver.sh", carry=["target/release/gputrace"], timeout_s=540)
 # For each way real programs get GPU memory (README.md), it records workload.py under
 # `gputrace record --raw --json` and prints that API's verdicts (verdicts.py) as soon as its run
-# ends. No network and no package install: the workloads call libcudart and libcuda through
-# ctypes; only torch, torch-expandable (and microbench, which falls back to cudart) use PyTorch.
+# ends; then `attach`, a PyTorch server that `record --pid` attaches to once it serves. No network
+# and no package install: the workloads call libcudart and libcuda through ctypes; only torch,
+# torch-expandable, attach (and microbench, which falls back to cudart) use PyTorch.
 # Everything lands in $OUT as it goes (verdicts.txt, per API: .trace .json .report.json .csv .log);
 # nothing is written elsewhere but /tmp. The whole run keeps within GPUTRACE_DEVICE_BUDGET seconds
 # (420 by default, under the tool's 540): each API gets at most its own limit and what is left of
@@ -94,6 +95,67 @@ if [ -s "$OUT/microbench.json" ]; then
     fi
 fi
 timeout 30 python3 "$HERE/verdicts.py" "$OUT" "$GPUTRACE" overhead 2>&1 | tee -a "$OUT/verdicts.txt"
+
+# attach (issue 24): a PyTorch server loads 16 GiB and serves a prompt untraced, then `record --pid`
+# attaches to it; five short prompts, a long one that fails with an OOM in the server, a short one
+# after. SIGTERM ends the server normally, and the recorder ends when it is gone (100 ms ticks).
+# The server's, the recorder's and the client's lines go to attach.log, each appending.
+attach() {
+    local t end began server rec port rc src n
+    t=$(time_for 60)
+    if [ "$t" -lt 30 ]; then
+        echo "[UNSETTLED] attach: skipped, $((DEADLINE - SECONDS)) s of the $BUDGET s budget left" | tee -a "$OUT/verdicts.txt"
+        return
+    fi
+    began=$SECONDS
+    end=$((SECONDS + t))
+    rm -f "$OUT/attach.json.port"
+    : >"$OUT/attach.log"
+    python3 "$HERE/workload.py" attach "$OUT/attach.json" 2>>"$OUT/attach.log" &
+    server=$!
+    rec=""
+    # Listening once the port is written (after PyTorch's start and the load).
+    while [ ! -s "$OUT/attach.json.port" ] && kill -0 "$server" 2>/dev/null && [ "$SECONDS" -lt "$end" ]; do sleep 0.5; done
+    port=$(cat "$OUT/attach.json.port" 2>/dev/null)
+    if [ -n "$port" ]; then
+        timeout 30 python3 "$HERE/workload.py" ask "$port" 300 | tee -a "$OUT/attach.log"
+        "$GPUTRACE" record --pid "$server" --raw --json -o "$OUT/attach.trace" >"$OUT/attach.report.json" 2>>"$OUT/attach.log" &
+        rec=$!
+        # Tracing once it says so (the probes in, the server's files and sockets scanned); then a
+        # second, so its first NVML sample (every 500 ms) comes before the prompts.
+        while ! grep -q '^gputrace: tracing pid' "$OUT/attach.log" && kill -0 "$rec" 2>/dev/null && [ "$SECONDS" -lt "$end" ]; do sleep 0.2; done
+        sleep 1
+        if kill -0 "$rec" 2>/dev/null; then
+            for n in 300 600 1200 2400 4800 204800 300; do
+                [ "$SECONDS" -lt "$end" ] && timeout 30 python3 "$HERE/workload.py" ask "$port" "$n" | tee -a "$OUT/attach.log"
+            done
+        else
+            echo "attach: the recorder did not start ($(grep '^gputrace' "$OUT/attach.log" | tail -2 | tr '\n' ' '))"
+        fi
+    else
+        echo "attach: the server did not listen (log: $(tail -2 "$OUT/attach.log" | tr '\n' ' '))"
+    fi
+    kill -TERM "$server" 2>/dev/null
+    while { kill -0 "$server" || { [ -n "$rec" ] && kill -0 "$rec"; }; } 2>/dev/null && [ "$SECONDS" -lt "$end" ]; do sleep 0.2; done
+    # Past the limit: the recorder stopped by a signal (it writes its report), the server killed by
+    # its pid, so it holds no GPU memory into what follows.
+    if [ -n "$rec" ] && kill -0 "$rec" 2>/dev/null; then
+        kill -TERM "$rec"
+        for _ in 1 2 3 4 5 6 7 8 9 10; do kill -0 "$rec" 2>/dev/null && sleep 0.5; done
+        kill -KILL "$rec" 2>/dev/null
+    fi
+    kill -0 "$server" 2>/dev/null && reap attach
+    wait "$server"
+    src=$?
+    rc="not started"
+    [ -n "$rec" ] && { wait "$rec"; rc=$?; }
+    echo "attach: the server exited $src, gputrace record --pid exited $rc after $((SECONDS - began)) s (limit $t s)" | tee -a "$OUT/verdicts.txt"
+    timeout 30 python3 "$HERE/verdicts.py" "$OUT" "$GPUTRACE" attach 2>&1 | tee -a "$OUT/verdicts.txt"
+    # Whatever still holds GPU memory now (nothing should).
+    timeout 10 nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader 2>/dev/null |
+        grep '^[0-9]' | sed 's/^/attach: still on the GPU: /'
+}
+attach
 
 # Every verdict again, one line each, so the end of the output holds them all (details above and
 # in $OUT/verdicts.txt).

@@ -23,7 +23,7 @@ import sys
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 OOM_STATUSES = {0x51: "NV_ERR_NO_MEMORY", 0x1A: "NV_ERR_INSUFFICIENT_RESOURCES"}
 APIS = ["cudaMalloc", "vmm", "vmm-release-while-mapped", "vmm-ipc", "cudaMallocAsync", "cudaHostAlloc", "cudaHostRegister",
-        "cudaMallocManaged", "oom", "torch", "torch-expandable", "microbench"]
+        "cudaMallocManaged", "oom", "torch", "torch-expandable", "microbench", "attach"]
 SAMPLE_MARGIN_NS = 100_000_000  # a sample's NVML query comes shortly before its record's ts
 
 
@@ -37,6 +37,10 @@ def human(n):
 
 def mib(n):
     return f"{n / MIB:+.0f} MiB"
+
+
+def gib(n):
+    return f"{n / GIB:.2f} GiB"
 
 
 class Run:
@@ -382,13 +386,74 @@ def v_managed_on_device(run):
 
 def v_exit_agrees(run):
     """A normal exit frees everything in the trace a moment before NVML's figure falls: the report
-    must not call the teardown a disagreement (issue 24: 'NVML 17.2 GiB, traced 0 B' on every run)."""
+    must not call the teardown a disagreement (issue 24: 'NVML 17.2 GiB, traced 0 B' on every run).
+    A server met running holds what it loaded before the recording until it is told to stop
+    (`stopping_ns` in its notes): that gap, named as memory from before recording, is no teardown."""
     q = f"{run.api}: a normal exit is no NVML disagreement (nothing reported as NVML >= 1 GiB against 0 B traced)"
     if run.report is None:
         return [(q, None, "no report")]
-    teardown = [d for d in run.report.get("nvml_vs_traced", []) if d.get("traced_bytes") == 0 and d.get("nvml_bytes", 0) >= GIB]
-    listed = "; ".join(f"pid {d['pid']}: NVML {human(d['nvml_bytes'])}, traced 0 B at {d.get('ts', 0) / 1e9:.2f} s" for d in teardown)
-    return [(q, not teardown, listed or f"{len(run.report.get('nvml_vs_traced', []))} disagreement(s), none of them a teardown")]
+    stop = run.notes.get("stopping_ns")
+
+    def before_the_stop(d):
+        return stop is not None and d.get("ts", 0) < run.t(stop) and "before recording" in d.get("why", "")
+
+    listed = run.report.get("nvml_vs_traced", [])
+    teardown = [d for d in listed if d.get("traced_bytes") == 0 and d.get("nvml_bytes", 0) >= GIB and not before_the_stop(d)]
+    said = "; ".join(f"pid {d['pid']}: NVML {human(d['nvml_bytes'])}, traced 0 B at {d.get('ts', 0) / 1e9:.2f} s" for d in teardown)
+    kept = sum(before_the_stop(d) for d in listed)
+    return [(q, not teardown, said or f"{len(listed)} disagreement(s), none of them a teardown"
+             + (f" ({kept} of memory from before recording, before the stop)" if kept else ""))]
+
+
+def v_attach(run):
+    """A PyTorch server met serving (`record --pid` once it had loaded and served a prompt), then a
+    prompt too long for the GPU: a long request on GPU 0, with what it loaded before the attach
+    held by it (issue 24: 'does-not-fit-at-load', its allocations on a `?` GPU row, 1.0 GiB held
+    by the service instead of 17.5 GiB)."""
+    qs = ["attach: the long prompt's OOM is a long request (not does-not-fit-at-load)",
+          "attach: the failure is on GPU 0, and no GPU row of unknown GPU holds the server's memory",
+          "attach: what the server loaded before the attach is held by it on GPU 0 (>= 90% of its weights)"]
+    requests, oom, weights = run.notes.get("requests", []), run.notes.get("oom"), run.notes.get("weights_bytes", 0)
+    start = (run.header or {}).get("monotonic_start_ns")
+    served_before = [r for r in requests if r["status"] == 200 and start is not None and r["ts_end"] < start]
+    asked = ", ".join(f"{r['bytes']} B: {r['status']}{' (before the attach)' if r in served_before else ''}" for r in requests)
+    why = None
+    if not oom:
+        why = "the long prompt did not fail with an OOM in the server" + "".join(f"; {e}" for e in run.notes.get("errors", [])[:2])
+    elif not served_before:
+        why = "no prompt was served before the recording began: the server was not met serving"
+    elif run.report is None:
+        why = "no report"
+    if why:
+        return [(q, None, f"{why} (prompts {asked or 'none'})") for q in qs]
+    def fields_of(d):
+        return (d.get("evidence") or {}).get("fields") or {}
+
+    # The long prompt's failure, by its size (the caching allocator rounds to 2 MiB), else the first.
+    headline = run.report.get("diagnosis") or {}
+    d = next((x for x in run.report.get("diagnoses", []) if oom["asked"] <= (fields_of(x).get("failed_bytes") or 0) <= oom["asked"] + 2 * MIB),
+             headline)
+    fields = fields_of(d)
+    said = (d.get("evidence") or {}).get("text", "")[:240]
+    first = "" if d == headline else f" (the report's first diagnosis is another: {headline.get('category')})"
+    out = [(qs[0], d.get("category") == "long-request",
+            f"{d.get('category')} ({d.get('symptom')}){first}: {fields.get('requests_in_flight')} request(s) in flight in "
+            f"{fields.get('phase')}, {gib(fields.get('failed_bytes') or 0)} refused; the server asked {gib(oom['asked'])} for "
+            f"{oom['bytes']} bytes after {len(served_before)} prompt(s) served before the attach (prompts {asked}); report: {said}")]
+
+    def row(g):
+        label = g.get("gpu") if g.get("gpu") is not None else ("one of " + ", ".join(map(str, g["one_of"])) if g.get("one_of") else "?")
+        return (f"GPU {label}: held before {gib(g.get('held_before_bytes', 0))}, peak {gib(g.get('peak_bytes', 0))}, "
+                f"{g.get('failed_allocations', 0)} failed, pids {g.get('pids', [])}")
+
+    rows = run.report.get("gpus", [])
+    unknown = [g for g in rows if g.get("gpu") is None and (g.get("held_before_bytes") or g.get("peak_bytes") or g.get("failed_allocations"))]
+    out.append((qs[1], d.get("gpu") == 0 and not unknown, f"the failure on GPU {d.get('gpu')}; " + "; ".join(map(row, rows))))
+    held = fields.get("service_bytes") or 0
+    out.append((qs[2], fields.get("gpu") == 0 and held >= 0.9 * weights > 0,
+                f"held by this service on GPU {fields.get('gpu')}: {gib(held)}, weights loaded before the attach {gib(weights)} "
+                f"(torch reserved {gib(run.notes.get('reserved_after_load', 0))} after the load, {gib(oom.get('reserved', 0))} at the OOM)"))
+    return out
 
 
 def v_overhead(traced, untraced):
@@ -413,6 +478,7 @@ SPECIFIC = {
     "torch-expandable": [v_nvml, v_exit_agrees],
     "oom": [v_oom],
     "microbench": [],
+    "attach": [v_attach, v_exit_agrees],
 }
 
 
@@ -679,6 +745,54 @@ def self_test():
     expect("teardown called a disagreement", v_exit_agrees(synth("torch", [ctx], report=lag)), False)
     own = {"nvml_vs_traced": [{"pid": 4242, "ts": 10**9, "nvml_bytes": GIB + 500 * MIB, "traced_bytes": GIB, "why": "..."}]}
     expect("the context's own is no teardown", v_exit_agrees(synth("torch", [ctx], report=own)), True)
+    # Attached to a server that loaded 16 GiB and served (issue 24): the long prompt's OOM is a long
+    # request on GPU 0, its weights held by it; or, as before the fix, does not fit at load, on a
+    # `?` row, 1 GiB held.
+    zero, per = 10**12, 800 * KIB
+    served = [{"bytes": b, "asked": b * per, "status": st, "ts": zero + t * 10**9, "ts_end": zero + t * 10**9 + 10**8}
+              for b, st, t in [(300, 200, -5), (300, 200, 2), (4800, 200, 3), (204800, 500, 4), (300, 200, 5)]]
+    oom = {"bytes": 204800, "asked": 204800 * per, "reserved": 20 * GIB}
+    notes = {"weights_bytes": 16 * GIB, "reserved_after_load": 16 * GIB, "requests": served, "oom": oom, "stopping_ns": zero + 9 * 10**9}
+
+    def attached(category="long-request", gpu=0, held=int(17.5 * GIB), unknown_row=False):
+        rows = [{"gpu": 0, "held_before_bytes": int(16.8 * GIB), "peak_bytes": 4 * GIB, "failed_allocations": 2, "pids": [4242]}]
+        if unknown_row:
+            rows = [dict(rows[0], peak_bytes=0, failed_allocations=0, pids=[]), {"gpu": None, "held_before_bytes": 0, "peak_bytes": 4 * GIB,
+                                                                                "failed_allocations": 2, "pids": [4242]}]
+        fields = {"gpu": gpu, "service_bytes": held, "failed_bytes": 204800 * per, "phase": "prefill", "requests_in_flight": 1}
+        d = {"category": category, "symptom": "failed-allocation", "gpu": gpu, "evidence": {"fields": fields, "text": "..."}}
+        return {"fd_filter": {"impostors": 0}, "gpus": rows, "nvml_vs_traced": [], "diagnosis": d, "diagnoses": [d]}
+
+    for i in range(3):
+        expect(f"attach: all right ({i})", v_attach(synth("attach", notes=notes, report=attached())), True, i)
+    expect("attach: does not fit at load", v_attach(synth("attach", notes=notes, report=attached("does-not-fit-at-load"))), False, 0)
+    # The long prompt's failure is judged, found by its size, whatever failed before it.
+    small = {"category": "does-not-fit-at-load", "gpu": 0, "evidence": {"fields": {"gpu": 0, "failed_bytes": 2 * MIB}}}
+    death = {"category": "inconclusive", "gpu": None, "evidence": {"fields": {"gpu": None, "failed_bytes": None}}}
+    report = attached()
+    report = dict(report, diagnosis=small, diagnoses=[small, death] + report["diagnoses"])
+    expect("attach: the long prompt's failure after another", v_attach(synth("attach", notes=notes, report=report)), True, 0)
+    misjudged = attached("does-not-fit-at-load")
+    misjudged = dict(misjudged, diagnosis=small, diagnoses=[small] + misjudged["diagnoses"])
+    expect("attach: the long prompt's failure, misjudged, after another", v_attach(synth("attach", notes=notes, report=misjudged)), False, 0)
+    on_unknown = attached(gpu=None, held=GIB, unknown_row=True)
+    expect("attach: on a `?` row", v_attach(synth("attach", notes=notes, report=on_unknown)), False, 1)
+    expect("attach: on a `?` row, not held on GPU 0", v_attach(synth("attach", notes=notes, report=on_unknown)), False, 2)
+    expect("attach: failed on GPU 0, a `?` row beside", v_attach(synth("attach", notes=notes, report=attached(unknown_row=True))), False, 1)
+    expect("attach: held below the weights", v_attach(synth("attach", notes=notes, report=attached(held=GIB))), False, 2)
+    expect("attach: held, the weights' 90%", v_attach(synth("attach", notes=notes, report=attached(held=int(14.5 * GIB)))), True, 2)
+    no_oom = dict(notes, oom=None, errors=["204800 bytes: RuntimeError: CUDA error"])
+    expect("attach: the long prompt served", v_attach(synth("attach", notes=no_oom, report=attached())), None, 0)
+    late = dict(notes, requests=served[1:])
+    expect("attach: nothing served before the attach", v_attach(synth("attach", notes=late, report=attached())), None, 2)
+    # Its exit: the gap of memory from before the recording, until the stop, is no teardown; a
+    # 0 B traced after the stop is.
+    gap = {"pid": 4242, "ts": 2 * 10**9, "nvml_bytes": int(16.8 * GIB), "traced_bytes": 0,
+           "why": "it allocated memory before recording began, which no traced ioctl shows"}
+    for name, entry, want in [("memory from before recording, before the stop", gap, True),
+                              ("0 B traced after the stop", dict(gap, ts=9 * 10**9 + 5 * 10**8), False),
+                              ("misnamed before the stop", dict(gap, why="..."), False)]:
+        expect(f"attach: {name}", v_exit_agrees(synth("attach", notes=notes, report={"nvml_vs_traced": [entry]})), want)
     # The tracer's own checks.
     run = synth("cudaMalloc", [ctx], [], [], extra=[{"ts": 50, "ev": "undecodable", "fd": 5, "cmd": 0x2a, "reason": "fault"}])
     expect("undecodable", v_decoded(run), False)

@@ -1,6 +1,7 @@
 """One way real programs get GPU memory, run under `gputrace record` (see check-real-driver.sh).
 
     python3 workload.py API OUT.json
+    python3 workload.py ask PORT BYTES  # one POST of BYTES bytes to the `attach` server; prints its status
     python3 workload.py --libs          # which libcudart and libcuda it would use, and their versions
 
 Everything but the torch workloads calls the CUDA libraries through ctypes, so it needs no
@@ -15,21 +16,29 @@ CUDA call is checked; a failure ends the workload with its name in `notes.why`, 
 
 APIs: cudaMalloc, cudaMallocAsync, vmm (cuMemCreate/cuMemMap), vmm-release-while-mapped, vmm-ipc
 (export to a POSIX fd and import back), cudaHostAlloc, cudaHostRegister, cudaMallocManaged,
-torch, torch-expandable, oom, microbench (torch when importable, else cudart).
+torch, torch-expandable, oom, microbench (torch when importable, else cudart), and attach: a
+PyTorch server, started untraced, that `gputrace record --pid` attaches to once it serves (its port
+in OUT.json.port once it listens; SIGTERM ends it normally).
 """
 import ctypes
 import ctypes.util
 import glob
+import http.client
 import json
 import mmap
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 MIB, GIB = 1 << 20, 1 << 30
 CHECKPOINT_S = 0.8  # longer than the recorder's NVML sampling period (500 ms)
+# The attach server: what it loads before it listens, and the GPU memory a request costs per byte
+# of its body: a 300-byte prompt holds 234 MiB, one of 200 KiB asks 156 GiB (past an H200's 141).
+ATTACH_WEIGHTS = 16 * GIB
+ATTACH_PER_BYTE = 800 << 10
 
 
 # ---- The driver API's structures (cuda.h, CUDA 12/13) ----
@@ -490,6 +499,76 @@ class Workload:
                 rt.call("cudaFree", p)
         self.notes["us_per_alloc_free"] = (time.perf_counter() - start) / n * 1e6
 
+    # ---- a server met running (`record --pid`) ----
+
+    def run_attach(self):
+        """Loads ATTACH_WEIGHTS on cuda:0, then listens on 127.0.0.1 (a port of the kernel's
+        choosing, written to OUT.json.port once listening: the shell waits for it) and serves
+        each POST, one at a time, until SIGTERM; then releases everything and returns."""
+        import http.server
+        import torch
+        self.notes["torch"] = f"{torch.__version__} (CUDA {torch.version.cuda})"
+        weights = [torch.full((GIB,), 1, dtype=torch.uint8, device="cuda:0") for _ in range(ATTACH_WEIGHTS // GIB)]
+        torch.cuda.synchronize()
+        self.notes.update(weights_bytes=ATTACH_WEIGHTS, per_byte=ATTACH_PER_BYTE, reserved_after_load=torch.cuda.memory_reserved(),
+                          requests=[])
+        w = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            timeout = 30  # a client that never sends does not hold the only thread
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                status, text = w.serve(torch, len(body))
+                answer = text.encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "text/plain")
+                self.send_header("Content-Length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+
+        server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+
+        def stop(signum, frame):
+            # shutdown() waits for serve_forever(), which runs in this (the main) thread.
+            self.notes["stopping_ns"] = time.monotonic_ns()
+            threading.Thread(target=server.shutdown).start()
+
+        signal.signal(signal.SIGTERM, stop)
+        self.notes["port"] = server.server_port
+        self.save()
+        with open(self.out_path + ".port.tmp", "w") as f:
+            f.write(str(server.server_port))
+        os.replace(self.out_path + ".port.tmp", self.out_path + ".port")
+        server.serve_forever(poll_interval=0.2)
+        server.server_close()
+        del weights
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+        self.notes["reserved_at_exit"] = torch.cuda.memory_reserved()
+
+    def serve(self, torch, n):
+        """One request of n bytes: ATTACH_PER_BYTE a byte of GPU memory, filled (a kernel) and
+        freed to the caching allocator. An OOM answers 500, and serving goes on."""
+        asked, began = n * ATTACH_PER_BYTE, time.monotonic_ns()
+        try:
+            x = torch.empty(asked, dtype=torch.uint8, device="cuda:0")
+            x.fill_(1)
+            torch.cuda.synchronize()
+            del x
+            status, text = 200, f"served {n} bytes\n"
+        except torch.cuda.OutOfMemoryError as e:
+            free, total = torch.cuda.mem_get_info()
+            self.notes["oom"] = {"bytes": n, "asked": asked, "error": str(e).splitlines()[0][:300], "free": free, "total": total,
+                                 "allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved()}
+            status, text = 500, "CUDA out of memory\n"
+        except Exception as e:  # said in the notes and the answer; the server goes on
+            self.notes.setdefault("errors", []).append(f"{n} bytes: {type(e).__name__}: {e}"[:300])
+            status, text = 500, f"{type(e).__name__}\n"
+        self.notes["requests"].append({"bytes": n, "asked": asked, "status": status, "ts": began, "ts_end": time.monotonic_ns()})
+        self.save()
+        return status, text
+
     def run(self):
         method = getattr(self, "run_" + self.api.replace("-", "_"), None)
         if method is None:
@@ -513,10 +592,28 @@ def libs():
         print(f"libcuda: not loadable ({e})")
 
 
+def ask(port, n):
+    """One POST of n bytes to the attach server, as a client would send a prompt: 0 when served."""
+    conn, began = http.client.HTTPConnection("127.0.0.1", port, timeout=60), time.monotonic()
+    try:
+        conn.request("POST", "/v1/completions", body=b"a" * n, headers={"Content-Type": "text/plain"})
+        answer = conn.getresponse()
+        text = answer.read().decode(errors="replace").strip()[:120]
+    except (OSError, http.client.HTTPException) as e:
+        print(f"attach: asked {n} bytes: no answer ({type(e).__name__}: {e})", flush=True)
+        return 2
+    finally:
+        conn.close()
+    print(f"attach: asked {n} bytes: HTTP {answer.status} in {time.monotonic() - began:.2f} s: {text}", flush=True)
+    return 0 if answer.status == 200 else 1
+
+
 def main(argv):
     if argv[1:] == ["--libs"]:
         libs()
         return 0
+    if len(argv) == 4 and argv[1] == "ask":
+        return ask(int(argv[2]), int(argv[3]))
     if len(argv) != 3:
         print(__doc__, file=sys.stderr)
         return 2
