@@ -169,29 +169,7 @@ impl Diagnoser<'_> {
         let new_capacity = settings.capacity.unwrap_or(capacity);
         let weights_after = settings.quantize.map_or(weights, |q| weights / 16 * u64::from(q.clamp(1, 16)));
         let recorded_util = family.reserve().map(|(name, default)| flag(engine, &[name]).and_then(|v| v.parse().ok()).unwrap_or(default));
-        let kv_after = match (recorded_util, family.context()) {
-            // An engine that reserves a fraction of the card fills it: the KV cache takes what
-            // the weights leave of the new budget.
-            (Some(util), _) => {
-                let budget = |u: f64, c: u64| (u * c as f64) as i128;
-                let after =
-                    budget(settings.utilization.unwrap_or(util), new_capacity) - budget(util, capacity) + kv as i128 + weights as i128
-                        - weights_after as i128;
-                after.max(0) as u64
-            }
-            // One sized by the context: in proportion to it.
-            (None, Some((_, names))) => match (settings.max_context, flag(engine, names).and_then(|v| v.parse::<u64>().ok())) {
-                (Some(new), Some(now)) if now > 0 => (kv as f64 * new as f64 / now as f64) as u64,
-                (Some(_), None) => {
-                    return Err(format!(
-                        "the recorded command line does not say its context ({}): the KV cache cannot be scaled",
-                        names.join(", ")
-                    ))
-                }
-                _ => kv,
-            },
-            _ => kv,
-        };
+        let kv_after = kv_after(engine, family, settings, recorded_util, Load { weights, kv, weights_after }, (capacity, new_capacity))?;
         // Room for requests changes by what the load gives back, and the card's growth.
         let shift = weights as i128 + kv as i128 - weights_after as i128 - kv_after as i128 + new_capacity as i128 - capacity as i128;
         let start = self.start();
@@ -262,6 +240,47 @@ impl Diagnoser<'_> {
         }
         Ok(outcome)
     }
+}
+
+/// What the service loads, as recorded and with its weights after the change.
+struct Load {
+    weights: u64,
+    kv: u64,
+    weights_after: u64,
+}
+
+/// The KV cache under the changed settings, from the recorded one.
+fn kv_after(
+    engine: &[String],
+    family: ServerFamily,
+    settings: &Settings,
+    recorded_util: Option<f64>,
+    load: Load,
+    (capacity, new_capacity): (u64, u64),
+) -> Result<u64, String> {
+    let Load { weights, kv, weights_after } = load;
+    Ok(match (recorded_util, family.context()) {
+        // An engine that reserves a fraction of the card fills it: the KV cache takes what the
+        // weights leave of the new budget.
+        (Some(util), _) => {
+            let budget = |u: f64, c: u64| (u * c as f64) as i128;
+            let after = budget(settings.utilization.unwrap_or(util), new_capacity) - budget(util, capacity) + kv as i128 + weights as i128
+                - weights_after as i128;
+            after.max(0) as u64
+        }
+        // One sized by the context: in proportion to it.
+        (None, Some((_, names))) => match (settings.max_context, flag(engine, names).and_then(|v| v.parse::<u64>().ok())) {
+            (Some(new), Some(now)) if now > 0 => (kv as f64 * new as f64 / now as f64) as u64,
+            (Some(_), None) => {
+                return Err(format!(
+                    "the recorded command line does not say its context ({}): the KV cache cannot be scaled",
+                    names.join(", ")
+                ))
+            }
+            _ => kv,
+        },
+        _ => kv,
+    })
 }
 
 /// The admitted requests replayed from their starts against the room at each (starts never go

@@ -12,7 +12,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 
-use super::{AllocId, FileId, Model, Request};
+use super::{AllocId, Allocation, FileId, Model, Request};
 use crate::abi::class;
 use crate::event::{Alloc, Device, Event, Record};
 
@@ -258,51 +258,48 @@ impl<'a> Snapshot<'a> {
                     self.done.insert((place.0, place.2));
                     place
                 }
-                None => {
-                    let client = match (held, primary) {
-                        (Some((held_client, _)), _) => held_client,
-                        (None, Some((client, _))) => client,
-                        (None, None) if model.clients.contains_key(&a.client) => a.client,
-                        (None, None) => {
-                            let client = self.stand_in(None);
-                            self.push(
-                                self.at,
-                                0,
-                                Event::Object {
-                                    fd: -1,
-                                    client,
-                                    parent: client,
-                                    object: client,
-                                    class: class::ROOT_CLIENT,
-                                    status: 0,
-                                    gpu: None,
-                                },
-                            );
-                            client
-                        }
-                    };
-                    let device = self.stand_in(Some(client));
-                    // Memory no handle refers to (released, held by a mapping, an export or a
-                    // fabric object): its stand-in goes at its release's time, which it keeps.
-                    if let (None, Some(released)) = (primary, a.released) {
-                        if let Some(last) = self.stand_ins.last_mut() {
-                            last.2 = released;
-                        }
-                    }
-                    let event =
-                        Event::Object { fd: -1, client, parent: client, object: device, class: class::DEVICE, status: 0, gpu: a.gpu };
-                    self.push(self.at, 0, event);
-                    let handle = match primary {
-                        Some((c, h)) if c == client => h,
-                        _ => self.next_handle(),
-                    };
-                    (client, device, handle)
-                }
+                None => self.stand_in_place(a, held, primary),
             };
             self.made.insert(id, (client, handle));
             let holds = held.map(|(_, h)| h);
             self.out.push(Record::new(a.ts, a.pid, a.tid, Event::Alloc(Alloc { holds, ..alloc(-1, client, parent, handle, None) })));
         }
+    }
+
+    /// Where memory goes that cannot be written in place: under a stand-in device of its GPU, in
+    /// the client of the memory a fabric object holds, its own handle's client, or a stand-in
+    /// client; then moved to its place with the other handles.
+    fn stand_in_place(&mut self, a: &Allocation, held: Option<(u32, u32)>, primary: Option<(u32, u32)>) -> (u32, u32, u32) {
+        let model = self.model;
+        let client = match (held, primary) {
+            (Some((held_client, _)), _) => held_client,
+            (None, Some((client, _))) => client,
+            (None, None) if model.clients.contains_key(&a.client) => a.client,
+            (None, None) => {
+                let client = self.stand_in(None);
+                self.push(
+                    self.at,
+                    0,
+                    Event::Object { fd: -1, client, parent: client, object: client, class: class::ROOT_CLIENT, status: 0, gpu: None },
+                );
+                client
+            }
+        };
+        let device = self.stand_in(Some(client));
+        // Memory no handle refers to (released, held by a mapping, an export or a
+        // fabric object): its stand-in goes at its release's time, which it keeps.
+        if let (None, Some(released)) = (primary, a.released) {
+            if let Some(last) = self.stand_ins.last_mut() {
+                last.2 = released;
+            }
+        }
+        let event = Event::Object { fd: -1, client, parent: client, object: device, class: class::DEVICE, status: 0, gpu: a.gpu };
+        self.push(self.at, 0, event);
+        let handle = match primary {
+            Some((c, h)) if c == client => h,
+            _ => self.next_handle(),
+        };
+        (client, device, handle)
     }
 
     fn next_handle(&mut self) -> u32 {
