@@ -64,7 +64,8 @@ fn holds(p: &Pair) -> f64 {
 fn pairs_hold(server: &str) {
     let _root = as_root();
     let llama = server == "llama";
-    let (cap, fix_cap, past_cap) = if llama { ("--parallel", "5", "6") } else { ("--max-num-seqs", "17", "18") };
+    // llama-server's own spelling, `-np`, which whatif takes as --parallel.
+    let (cap, fix_cap, past_cap) = if llama { ("-np", "5", "6") } else { ("--max-num-seqs", "17", "18") };
     let (context, fits_context, past_context) = if llama { ("-c", "14928", "16929") } else { ("--max-model-len", "34560", "45000") };
     let (model_8bit, bigger_card, smaller_card) = if llama { ("15", "32", "20") } else { ("48", "120", "60") };
     // llama's KV cache scales with its context: the recording says it.
@@ -74,6 +75,7 @@ fn pairs_hold(server: &str) {
     let quantized = format!("--model-gib {model_8bit}");
     // The recorded model (14 or 16 GiB) at 8-bit beside the concurrent burst.
     let serving_8bit = format!("--model-gib {}", if llama { 7 } else { 8 });
+    let both_fixes = format!("{context} {fits_context} {cap} {fix_cap}");
     let pairs = [
         Pair {
             server,
@@ -133,8 +135,26 @@ fn pairs_hold(server: &str) {
             rerun: ("concurrent-load", &[("GPUTRACE_SERVER_ARGS", &serving_8bit)]),
             fits: llama,
         },
+        // Two settings at once: the context that fits and the concurrency cap.
+        Pair {
+            server,
+            recorded: ("long-request", context_given),
+            setting: &[context, fits_context, cap, fix_cap],
+            rerun: ("long-request", &[("GPUTRACE_SERVER_ARGS", &both_fixes)]),
+            fits: true,
+        },
     ];
-    let times: Vec<f64> = pairs.iter().map(holds).collect();
+    // vLLM's model (96 GiB) at 4 bits: 24 GiB (llama's 30 would be 7.5, which the fake server
+    // cannot load).
+    let four_bits = [Pair {
+        server,
+        recorded: ("does-not-fit-at-load", &[]),
+        setting: &["--quantize", "4"],
+        rerun: ("probe", &[("GPUTRACE_SERVER_ARGS", "--model-gib 24"), ("GPUTRACE_LOAD", "--sequential 16")]),
+        fits: true,
+    }];
+    let four_bits = if llama { &four_bits[..0] } else { &four_bits[..] };
+    let times: Vec<f64> = pairs.iter().chain(four_bits).map(holds).collect();
     eprintln!("{server}: whatif took {:.1} ms at most ({} pairs)", times.iter().copied().fold(0.0, f64::max) * 1e3, times.len());
 }
 

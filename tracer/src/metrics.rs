@@ -352,12 +352,13 @@ fn headroom(t: &mut Text, r: &Report) {
     t.family(
         name,
         "gauge",
-        "How many more requests a server's own concurrency limit lets in at once than memory fits (present while it does).",
+        "How far a server's own limit is past what memory fits, in its unit: requests at once (bounds concurrency), prompt tokens (context, batch-tokens); present while it is.",
     );
     for (h, _) in &rows {
         for l in &h.limits_exceeded {
             let limit = format!("{} {}", l.setting, l.value);
-            t.sample(name, &[("service", &h.service), ("limit", &limit)], l.value.saturating_sub(l.fits) as f64);
+            let bounds = serde_json::to_value(l.bounds).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default();
+            t.sample(name, &[("service", &h.service), ("limit", &limit), ("bounds", &bounds)], l.value.saturating_sub(l.fits) as f64);
         }
     }
 }

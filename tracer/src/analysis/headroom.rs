@@ -15,7 +15,7 @@ use std::collections::{BTreeMap, HashSet};
 use serde::Serialize;
 
 use super::diagnosis::Diagnoser;
-use super::server::{flag, ServerFamily};
+use super::server::{flag_named, ServerFamily};
 use super::sweep::{in_time_order, merged, LiveChanges};
 use super::{is_completion, Phase, Service};
 use crate::event::Memory;
@@ -68,11 +68,43 @@ pub struct Moment {
 /// A server's limit that lets in more than memory takes.
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
 pub struct Limit {
-    /// As the server's command line names it: `--max-num-seqs`, `-np`.
+    /// As the server's command line names it: `--max-num-seqs`, `-np`, `--max-model-len`.
     pub setting: String,
     pub value: u64,
-    /// What memory takes of the largest requests seen, at once.
+    pub bounds: Bound,
+    /// What memory takes, in the limit's unit: requests of the largest size served at once, or
+    /// prompt tokens (at [`BYTES_PER_TOKEN`]) alone or in one batch.
     pub fits: u64,
+    /// The value to set: what fits, less the allocator's margin for tokens.
+    pub cap: u64,
+}
+
+/// What a server's limit bounds.
+#[derive(Clone, Copy, Debug, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum Bound {
+    /// Requests served at once (`--max-num-seqs`, `-np`).
+    Concurrency,
+    /// One request's context, in tokens (`--max-model-len`, `-c`).
+    Context,
+    /// The tokens of one batch, every request's together (`--max-num-batched-tokens`).
+    BatchTokens,
+}
+
+impl Limit {
+    /// What it lets in against what memory takes, and the value to set.
+    pub fn text(&self) -> String {
+        let (setting, value, fits, cap) = (&self.setting, self.value, self.fits, self.cap);
+        match self.bounds {
+            Bound::Concurrency => format!("`{setting} {value}` lets {value} run at once; memory fits {fits} of the largest served: cap at {cap}"),
+            Bound::Context => format!(
+                "`{setting} {value}` lets in a prompt of {value} tokens; memory fits one of {fits} alone (at {BYTES_PER_TOKEN} bytes a token): set it to {cap}"
+            ),
+            Bound::BatchTokens => format!(
+                "`{setting} {value}` lets {value} tokens into one batch; memory fits {fits} at once (at {BYTES_PER_TOKEN} bytes a token): set it to {cap}"
+            ),
+        }
+    }
 }
 
 impl Headroom {
@@ -100,10 +132,7 @@ impl Headroom {
             line += &format!("; at its tightest, at {:.2} s, {}", self.tightest.ts as f64 / 1e9, at(&self.tightest));
         }
         for l in &self.limits_exceeded {
-            line += &format!(
-                ". `{} {}` lets {} run at once; memory fits {} of the largest served: cap at {}",
-                l.setting, l.value, l.value, l.fits, l.fits
-            );
+            line += &format!(". {}", l.text());
         }
         line
     }
@@ -387,18 +416,30 @@ impl<'a> Diagnoser<'a> {
             measured_alone: cost.alone,
             largest_request_bytes: largest,
             request_cost_bytes: cost.of(largest),
-            limits_exceeded: limits(self.engine(service), now.unwrap_or(tightest).fit_at_once),
+            limits_exceeded: limits(self.engine(service), &cost, &now.unwrap_or(tightest)),
             now,
             tightest,
         })
     }
 }
 
-/// The engine's concurrency limit where its command line sets one and it lets in more than fit.
-fn limits(engine: &[String], fits: u64) -> Vec<Limit> {
-    let Some((_, names)) = ServerFamily::of(engine).concurrency() else {
-        return Vec::new();
-    };
-    let given = names.iter().find_map(|n| flag(engine, &[n]).and_then(|v| v.parse::<u64>().ok()).map(|v| (n, v)));
-    given.filter(|&(_, value)| value > fits).map(|(name, value)| Limit { setting: name.to_string(), value, fits }).into_iter().collect()
+/// The engine's limits its command line sets that let in more than memory takes at `at`: requests
+/// at once against what fit then, one request's context and one batch's tokens against the
+/// prompt that fits in the room then.
+fn limits(engine: &[String], cost: &Cost, at: &Moment) -> Vec<Limit> {
+    let family = ServerFamily::of(engine);
+    let (tokens, context) = cost.context(at.room_bytes);
+    let checks = [
+        (Bound::Concurrency, family.concurrency().map(|(_, names)| names), at.fit_at_once, at.fit_at_once),
+        (Bound::Context, family.context().map(|(_, names)| names), tokens, context),
+        (Bound::BatchTokens, family.batch_tokens(), tokens, context),
+    ];
+    checks
+        .into_iter()
+        .filter_map(|(bounds, names, fits, cap)| {
+            let (setting, value) = flag_named(engine, names?)?;
+            let value = value.parse::<u64>().ok()?;
+            (value > fits).then(|| Limit { setting: setting.to_string(), value, bounds, fits, cap })
+        })
+        .collect()
 }

@@ -87,6 +87,17 @@ impl ServerFamily {
         })
     }
 
+    /// The names of the setting that caps the tokens of one batch, every request's together
+    /// (what the engine sizes its activations for).
+    pub fn batch_tokens(self) -> Option<&'static [&'static str]> {
+        match self {
+            ServerFamily::Vllm => Some(&["--max-num-batched-tokens"]),
+            ServerFamily::Tgi => Some(&["--max-batch-total-tokens"]),
+            ServerFamily::Sglang => Some(&["--max-prefill-tokens"]),
+            ServerFamily::LlamaCpp | ServerFamily::Ollama | ServerFamily::Unknown => None,
+        }
+    }
+
     /// The setting that shards a model over several GPUs (tensor parallelism), and the names its
     /// current value may be given under.
     pub fn sharding(self) -> Option<(Setting, &'static [&'static str])> {
@@ -113,8 +124,16 @@ impl ServerFamily {
 /// The value of `--flag V` or `--flag=V` on a command line, under any of `names`: the last
 /// given, as the servers' parsers take it.
 pub fn flag(command: &[String], names: &[&str]) -> Option<String> {
+    flag_named(command, names).map(|(_, value)| value)
+}
+
+/// [`flag`], with the name it was given under.
+pub fn flag_named<'n>(command: &[String], names: &[&'n str]) -> Option<(&'n str, String)> {
     command.iter().enumerate().rev().find_map(|(i, a)| {
-        names.iter().find_map(|n| if a == n { command.get(i + 1).cloned() } else { a.strip_prefix(&format!("{n}=")).map(String::from) })
+        names.iter().find_map(|&n| {
+            let value = if a == n { command.get(i + 1).cloned() } else { a.strip_prefix(&format!("{n}=")).map(String::from) };
+            value.map(|v| (n, v))
+        })
     })
 }
 
@@ -124,6 +143,14 @@ mod tests {
 
     fn argv(s: &str) -> Vec<String> {
         s.split(' ').map(String::from).collect()
+    }
+
+    #[test]
+    fn a_setting_given_twice_is_its_last_under_any_of_its_names() {
+        let command = argv("llama-server -m m.gguf -np 5 --parallel 64 -c 4096");
+        assert_eq!(flag_named(&command, &["-np", "--parallel"]), Some(("--parallel", "64".to_string())));
+        assert_eq!(flag_named(&argv("x --ctx-size=8192 -c 4096"), &["-c", "--ctx-size"]), Some(("-c", "4096".to_string())));
+        assert_eq!(flag(&argv("x -c"), &["-c"]), None, "a flag with no value");
     }
 
     #[test]

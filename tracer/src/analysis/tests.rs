@@ -1,4 +1,5 @@
 use super::diagnosis::{Category, Diagnoser, Symptom};
+use super::headroom::{Bound, Limit};
 use super::*;
 use crate::event::{Alloc, Device, Event, Record, Seen, Via};
 use crate::trace::{Gpu, Header, HolderAtStart, PriorUse};
@@ -591,7 +592,8 @@ fn headroom_counts_requests_of_the_largest_size_by_what_one_cost_alone() {
 fn a_limit_above_what_memory_fits_is_named_with_the_cap() {
     let mut t = serving(&["--max-num-seqs", "256"]);
     let [h] = &headroom(&mut t, &[])[..] else { panic!() };
-    assert_eq!(h.limits_exceeded, [super::headroom::Limit { setting: "--max-num-seqs".into(), value: 256, fits: 40 }]);
+    let concurrency = |value, fits| Limit { setting: "--max-num-seqs".into(), value, bounds: Bound::Concurrency, fits, cap: fits };
+    assert_eq!(h.limits_exceeded, [concurrency(256, 40)]);
     assert!(
         h.text().contains("`--max-num-seqs 256` lets 256 run at once; memory fits 40 of the largest served: cap at 40"),
         "{}",
@@ -599,6 +601,33 @@ fn a_limit_above_what_memory_fits_is_named_with_the_cap() {
     );
     let mut t = serving(&["--max-num-seqs", "32"]);
     assert!(headroom(&mut t, &[])[0].limits_exceeded.is_empty(), "32 fit");
+}
+
+/// One request's context and one batch's tokens against the prompt that fits in the room: 20 GiB
+/// at 64 KiB a byte received is 320,000 bytes, 80,000 tokens at 4 bytes a token.
+#[test]
+fn a_context_or_batch_limit_past_the_prompt_that_fits_is_named_with_the_value_to_set() {
+    let flags = ["--max-num-seqs", "256", "--max-model-len", "131072", "--max-num-batched-tokens=100000"];
+    let mut t = serving(&flags);
+    let [h] = &headroom(&mut t, &[])[..] else { panic!() };
+    let limit = |setting: &str, value, bounds, fits, cap| Limit { setting: setting.into(), value, bounds, fits, cap };
+    assert_eq!(
+        h.limits_exceeded,
+        [
+            limit("--max-num-seqs", 256, Bound::Concurrency, 40, 40),
+            limit("--max-model-len", 131_072, Bound::Context, 80_000, 77_600),
+            limit("--max-num-batched-tokens", 100_000, Bound::BatchTokens, 80_000, 77_600),
+        ]
+    );
+    let text = h.text();
+    assert!(
+        text.contains("`--max-model-len 131072` lets in a prompt of 131072 tokens; memory fits one of 80000 alone (at 4 bytes a token): set it to 77600")
+            && text.contains("`--max-num-batched-tokens 100000` lets 100000 tokens into one batch; memory fits 80000 at once"),
+        "{text}"
+    );
+    // At or under what fits: nothing said.
+    let mut t = serving(&["--max-model-len", "80000", "--max-num-batched-tokens", "8192"]);
+    assert!(headroom(&mut t, &[])[0].limits_exceeded.is_empty());
 }
 
 #[test]
