@@ -113,12 +113,15 @@ fn the_dashboard_and_the_alerts_use_only_metrics_that_exist() {
     assert!(used > 15, "the dashboard and rules query our metrics ({used})");
 }
 
-/// `promtool check rules` accepts the alert rules.
+/// `promtool check rules` accepts the alert rules, and their unit tests pass: the warnings before
+/// an OOM fire on gputrace's series once held for their `for`, not before, with their text.
 #[test]
 #[ignore = "needs promtool, which `sudo cargo xtask test` installs (Debian's prometheus)"]
 fn promtool_accepts_the_alert_rules() {
-    let out = Command::new("promtool").args(["check", "rules"]).arg(deploy("prometheus/gputrace-rules.yaml")).output().expect("promtool");
-    assert!(out.status.success(), "{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    for (what, file) in [("check", "prometheus/gputrace-rules.yaml"), ("test", "prometheus/gputrace-rules.test.yaml")] {
+        let out = Command::new("promtool").args([what, "rules"]).arg(deploy(file)).output().expect("promtool");
+        assert!(out.status.success(), "{what}: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    }
 }
 
 /// The DaemonSet and its namespace validate, strictly, against Kubernetes' own schemas, offline.
