@@ -98,7 +98,12 @@ pub fn dist(which: Option<&str>) -> Result<PathBuf> {
         files.push(Placed { from: source(doc), deb: format!("usr/share/doc/gputrace/{leaf}"), tarball: doc.into(), mode: 0o644 });
     }
     // The fleet's manifests: examples for the admin, not installed anywhere that acts on them.
-    for manifest in ["kubernetes/daemonset.yaml", "prometheus/gputrace-rules.yaml", "grafana/gputrace-dashboard.json"] {
+    for manifest in [
+        "kubernetes/daemonset.yaml",
+        "prometheus/gputrace-rules.yaml",
+        "prometheus/gputrace-rules.test.yaml",
+        "grafana/gputrace-dashboard.json",
+    ] {
         files.push(Placed {
             from: source(&format!("deploy/{manifest}")),
             deb: format!("usr/share/doc/gputrace/examples/{manifest}"),
