@@ -8,12 +8,14 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 
+use crate::analysis::diagnosis::Diagnoser;
+use crate::analysis::headroom::Headroom;
 use crate::model::Model;
 use crate::privileges::Needs;
 use crate::probe::Counters;
 use crate::report::{FdFilter, Loss, Report};
 use crate::session::{End, Sink};
-use crate::trace::Writer;
+use crate::trace::{Header, Writer};
 use crate::units::bytes;
 
 pub struct Options {
@@ -46,6 +48,8 @@ pub fn run(opts: Options) -> Result<Outcome> {
             // A recording on a terminal shows a status line; a watch logs in lines.
             status_line: std::io::stderr().is_terminal() && !opts.json,
             last_status: Instant::now(),
+            header: header.clone(),
+            headroom: (Instant::now(), None),
         })
     })?;
     Ok(Outcome { exit_code })
@@ -60,7 +64,13 @@ struct TraceFile {
     idle_ns: u64,
     status_line: bool,
     last_status: Instant,
+    header: Header,
+    /// The tightest service's headroom on the status line, and when it was computed.
+    headroom: (Instant, Option<String>),
 }
+
+/// How often the status line's headroom is computed again: a pass over the allocations.
+const HEADROOM_EVERY: Duration = Duration::from_secs(5);
 
 impl TraceFile {
     /// A write error stops the trace loudly, once; the model (and so the closing report) goes
@@ -80,6 +90,9 @@ impl TraceFile {
             let name = p.command.first().map(|c| c.rsplit('/').next().unwrap_or(c)).unwrap_or("?");
             line += &format!(" · {} {}: {}", p.pid, crate::units::one_line(name), bytes(p.usage.physical_live()));
         }
+        if let Some(headroom) = &self.headroom.1 {
+            line += &format!(" · {headroom}");
+        }
         if model.lost_records > 0 {
             line += &format!(" · LOST {}", model.lost_records);
         }
@@ -88,6 +101,21 @@ impl TraceFile {
         eprint!("\r\x1b[2K{line}");
         let _ = std::io::stderr().flush();
     }
+}
+
+/// For the status line: the serving service with the fewest more requests fitting now, in a few
+/// words ("headroom vllm GPU 0: 16 more, 142.0 KiB alone"); with a limit past it, the cap.
+fn tightest(headroom: &[Headroom]) -> Option<String> {
+    let h = headroom.iter().filter(|h| h.now.is_some()).min_by_key(|h| h.now.map(|m| (m.more_requests, m.room_bytes)))?;
+    let now = h.now?;
+    let name = h.service.split_whitespace().next().map_or("?", |c| c.rsplit('/').next().unwrap_or(c));
+    let gpu = h.gpu.map(|g| format!(" GPU {g}")).unwrap_or_default();
+    let mut text =
+        format!("headroom {}{gpu}: {} more, {} alone", crate::units::one_line(name), now.more_requests, bytes(now.largest_fitting_request_bytes));
+    if let Some(l) = h.limits_exceeded.first() {
+        text += &format!(" (set {} {})", l.setting, l.cap);
+    }
+    Some(text)
 }
 
 impl Sink for TraceFile {
@@ -116,6 +144,9 @@ impl Sink for TraceFile {
         }
         if self.status_line && self.last_status.elapsed() >= Duration::from_millis(250) {
             self.last_status = Instant::now();
+            if self.headroom.0.elapsed() >= HEADROOM_EVERY {
+                self.headroom = (Instant::now(), tightest(&Diagnoser::new(&self.header, model, 0).headroom()));
+            }
             self.status_line(model);
         }
     }
@@ -207,4 +238,44 @@ fn default_output() -> PathBuf {
         tm.tm_min,
         tm.tm_sec
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::analysis::headroom::{Bound, Limit, Moment};
+
+    fn headroom(service: &str, more: Option<u64>) -> Headroom {
+        let moment = |more_requests| Moment {
+            ts: 1,
+            room_bytes: 8 << 30,
+            in_flight: 1,
+            fit_at_once: more_requests + 1,
+            more_requests,
+            largest_fitting_request_bytes: 142 << 10,
+        };
+        Headroom {
+            service: service.into(),
+            pid: 7,
+            gpu: Some(0),
+            measured_pool_bytes: 1 << 29,
+            measured_request_bytes: 8_000,
+            measured_alone: true,
+            largest_request_bytes: 8_000,
+            request_cost_bytes: 1 << 29,
+            now: more.map(moment),
+            tightest: moment(0),
+            limits_exceeded: vec![],
+        }
+    }
+
+    #[test]
+    fn the_status_line_shows_the_service_with_the_least_headroom_now() {
+        assert_eq!(tightest(&[]), None);
+        assert_eq!(tightest(&[headroom("gone", None)]), None, "a server gone has no headroom now");
+        let mut tight = headroom("/usr/bin/vllm serve m --max-num-seqs 256", Some(3));
+        tight.limits_exceeded = vec![Limit { setting: "--max-num-seqs".into(), value: 256, bounds: Bound::Concurrency, fits: 4, cap: 4 }];
+        let shown = tightest(&[headroom("llama-server -m m", Some(16)), tight, headroom("gone", None)]);
+        assert_eq!(shown.as_deref(), Some("headroom vllm GPU 0: 3 more, 142.0 KiB alone (set --max-num-seqs 4)"));
+    }
 }
