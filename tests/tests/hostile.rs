@@ -58,8 +58,12 @@ fn serving_watch(name: &str, host: &str) -> (Guard, u16, PathBuf) {
 
 /// `bash -c SCRIPT` inside the fake GPU's namespace, with D (the scratch directory), G
 /// (gputrace), H (hostile-user), W (fake-workload) and PORT (a free port) in its environment.
+/// In a process group of its own, led by the launcher for as long as the script runs: doctor
+/// calls a holder whose group leader is gone orphaned, and the harness's group (a test run
+/// started in the background of a shell that has exited) is not the question.
 fn on_fake_gpu(script: &str, dir: &Path, port: u16) -> Output {
     Command::new(env!("CARGO_BIN_EXE_fakegpu"))
+        .process_group(0)
         .args(["run", "--", "bash", "-c", script])
         .env("D", dir)
         .env("G", gputrace_bin())

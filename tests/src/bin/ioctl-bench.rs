@@ -2,6 +2,8 @@
 //! `ioctl-bench CASE COUNT` prints nanoseconds per call.
 //! - read-zero, write-null: a 1-byte read of /dev/zero, write to /dev/null (not a socket: the
 //!   cost of gputrace's read/write programs to everything that is not a followed connection);
+//! - open-close: open and close /dev/null (what every process pays gputrace's openat and close
+//!   programs: not an NVIDIA path, not a followed fd);
 //! - null-plain: TCGETS on /dev/null, the commonest non-NVIDIA ioctl;
 //! - null-nvidia-looking: an RM_ALLOC command word on /dev/null (asked about once, then one lookup);
 //! - fake-gpu-free: RM_FREE of a handle that does not exist on the fake GPU's nvidiactl (a traced
@@ -39,6 +41,20 @@ fn main() {
         println!("{:.1}", start.elapsed().as_nanos() as f64 / count as f64);
         return;
     }
+    if args.first().is_some_and(|a| a == "open-close") {
+        let path = std::ffi::CString::new("/dev/null").unwrap();
+        // SAFETY: open(2) of a C string that outlives it, and close(2) of what it returned.
+        let call = || unsafe { libc::close(libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC)) };
+        for _ in 0..1000 {
+            call();
+        }
+        let start = Instant::now();
+        for _ in 0..count {
+            call();
+        }
+        println!("{:.1}", start.elapsed().as_nanos() as f64 / count as f64);
+        return;
+    }
     let (path, cmd) = match args.first().map(String::as_str) {
         Some("null-plain") => ("/dev/null", 0x5401u32),
         Some("null-nvidia-looking") => ("/dev/null", rm_cmd(esc::RM_ALLOC, 48)),
@@ -48,7 +64,7 @@ fn main() {
             ("/dev/nvidiactl", rm_cmd(esc::RM_FREE, 16))
         }
         _ => {
-            eprintln!("usage: ioctl-bench null-plain|null-nvidia-looking|fake-gpu-free|file-nvidiactl|read-zero|write-null [COUNT]");
+            eprintln!("usage: ioctl-bench null-plain|null-nvidia-looking|fake-gpu-free|file-nvidiactl|read-zero|write-null|open-close [COUNT]");
             std::process::exit(2);
         }
     };
