@@ -110,8 +110,12 @@ fn tightest(headroom: &[Headroom]) -> Option<String> {
     let now = h.now?;
     let name = h.service.split_whitespace().next().map_or("?", |c| c.rsplit('/').next().unwrap_or(c));
     let gpu = h.gpu.map(|g| format!(" GPU {g}")).unwrap_or_default();
-    let mut text =
-        format!("headroom {}{gpu}: {} more, {} alone", crate::units::one_line(name), now.more_requests, bytes(now.largest_fitting_request_bytes));
+    let mut text = format!(
+        "headroom {}{gpu}: {} more, {} alone",
+        crate::units::one_line(name),
+        now.more_requests,
+        bytes(now.largest_fitting_request_bytes)
+    );
     if let Some(l) = h.limits_exceeded.first() {
         text += &format!(" (set {} {})", l.setting, l.cap);
     }

@@ -64,7 +64,9 @@ fn main() {
             ("/dev/nvidiactl", rm_cmd(esc::RM_FREE, 16))
         }
         _ => {
-            eprintln!("usage: ioctl-bench null-plain|null-nvidia-looking|fake-gpu-free|file-nvidiactl|read-zero|write-null|open-close [COUNT]");
+            eprintln!(
+                "usage: ioctl-bench null-plain|null-nvidia-looking|fake-gpu-free|file-nvidiactl|read-zero|write-null|open-close [COUNT]"
+            );
             std::process::exit(2);
         }
     };
