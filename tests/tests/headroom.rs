@@ -62,16 +62,9 @@ fn predictions_hold(server: &str, limit: &str) {
     assert_eq!(exceeded["setting"], setting, "{server}: {h:#}");
     assert_eq!(exceeded["value"].as_u64().unwrap(), value.parse::<u64>().unwrap());
     assert_eq!(exceeded["fits"].as_u64().unwrap(), fits);
-    // llama's context (24,000 tokens) is past the prompt that fits alone: said too, in tokens of
-    // the largest request that fits, with the value to set (3% under it).
-    if server == "llama" {
-        let limits = h["limits_exceeded"].as_array().unwrap();
-        let context = limits.iter().find(|l| l["bounds"] == "context").unwrap_or_else(|| panic!("no context limit: {h:#}"));
-        let tokens = context["fits"].as_u64().unwrap();
-        assert_eq!((context["setting"].as_str(), context["value"].as_u64()), (Some("--ctx"), Some(24_000)), "{h:#}");
-        assert!(tokens * 4 <= largest && largest - tokens * 4 < 4_000, "{tokens} tokens against {largest} bytes: {h:#}");
-        assert_eq!(context["cap"].as_u64().unwrap(), (tokens as f64 * 0.97) as u64, "{h:#}");
-    }
+    // llama's --ctx is its slots' context together, not one request's: never checked as one.
+    let bounds: Vec<&Value> = h["limits_exceeded"].as_array().unwrap().iter().map(|l| &l["bounds"]).collect();
+    assert!(server != "llama" || !bounds.iter().any(|b| *b == "context"), "{h:#}");
 
     // The largest request seen was the warm-up's 2048-token one: that many at once fit; two
     // more break the server.

@@ -355,10 +355,15 @@ fn headroom(t: &mut Text, r: &Report) {
         "How far a server's own limit is past what memory fits, in its unit: requests at once (bounds concurrency), prompt tokens (context, batch-tokens); present while it is.",
     );
     for (h, _) in &rows {
+        let gpu = h.gpu.map_or_else(|| "unknown".to_string(), |g| g.to_string());
         for l in &h.limits_exceeded {
             let limit = format!("{} {}", l.setting, l.value);
             let bounds = serde_json::to_value(l.bounds).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default();
-            t.sample(name, &[("service", &h.service), ("limit", &limit), ("bounds", &bounds)], l.value.saturating_sub(l.fits) as f64);
+            t.sample(
+                name,
+                &[("service", &h.service), ("gpu", &gpu), ("limit", &limit), ("bounds", &bounds)],
+                l.value.saturating_sub(l.fits) as f64,
+            );
         }
     }
 }

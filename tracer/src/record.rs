@@ -49,7 +49,7 @@ pub fn run(opts: Options) -> Result<Outcome> {
             status_line: std::io::stderr().is_terminal() && !opts.json,
             last_status: Instant::now(),
             header: header.clone(),
-            headroom: (Instant::now(), None),
+            headroom: (Instant::now() + HEADROOM_EVERY, None),
         })
     })?;
     Ok(Outcome { exit_code })
@@ -65,11 +65,13 @@ struct TraceFile {
     status_line: bool,
     last_status: Instant,
     header: Header,
-    /// The tightest service's headroom on the status line, and when it was computed.
+    /// The tightest service's headroom on the status line, and when to compute it again.
     headroom: (Instant, Option<String>),
 }
 
-/// How often the status line's headroom is computed again: a pass over the allocations.
+/// How often the status line's headroom is computed again (a pass over the allocations, on the
+/// loop that drains the kernel): every 5 s, or 20 times as long as it last took, whichever is
+/// longer, so a long recording's growing model never keeps the loop busy.
 const HEADROOM_EVERY: Duration = Duration::from_secs(5);
 
 impl TraceFile {
@@ -90,11 +92,12 @@ impl TraceFile {
             let name = p.command.first().map(|c| c.rsplit('/').next().unwrap_or(c)).unwrap_or("?");
             line += &format!(" · {} {}: {}", p.pid, crate::units::one_line(name), bytes(p.usage.physical_live()));
         }
-        if let Some(headroom) = &self.headroom.1 {
-            line += &format!(" · {headroom}");
-        }
+        // Lost records first: a narrow terminal cuts the line's end.
         if model.lost_records > 0 {
             line += &format!(" · LOST {}", model.lost_records);
+        }
+        if let Some(headroom) = &self.headroom.1 {
+            line += &format!(" · {headroom}");
         }
         let width = terminal_width();
         let line: String = crate::units::for_terminal(&line).chars().take(width.saturating_sub(1)).collect();
@@ -148,8 +151,10 @@ impl Sink for TraceFile {
         }
         if self.status_line && self.last_status.elapsed() >= Duration::from_millis(250) {
             self.last_status = Instant::now();
-            if self.headroom.0.elapsed() >= HEADROOM_EVERY {
-                self.headroom = (Instant::now(), tightest(&Diagnoser::new(&self.header, model, 0).headroom()));
+            if Instant::now() >= self.headroom.0 {
+                let began = Instant::now();
+                let shown = tightest(&Diagnoser::new(&self.header, model, 0).headroom());
+                self.headroom = (Instant::now() + HEADROOM_EVERY.max(began.elapsed() * 20), shown);
             }
             self.status_line(model);
         }

@@ -429,9 +429,12 @@ impl<'a> Diagnoser<'a> {
 fn limits(engine: &[String], cost: &Cost, at: &Moment) -> Vec<Limit> {
     let family = ServerFamily::of(engine);
     let (tokens, context) = cost.context(at.room_bytes);
+    // llama-server's -c is the context of all its slots together (each has -c / -np, unless the
+    // build unifies them): not one request's, so not checked as one.
+    let context_names = family.context().map(|(_, names)| names).filter(|_| family != ServerFamily::LlamaCpp);
     let checks = [
         (Bound::Concurrency, family.concurrency().map(|(_, names)| names), at.fit_at_once, at.fit_at_once),
-        (Bound::Context, family.context().map(|(_, names)| names), tokens, context),
+        (Bound::Context, context_names, tokens, context),
         (Bound::BatchTokens, family.batch_tokens(), tokens, context),
     ];
     checks
@@ -439,7 +442,8 @@ fn limits(engine: &[String], cost: &Cost, at: &Moment) -> Vec<Limit> {
         .filter_map(|(bounds, names, fits, cap)| {
             let (setting, value) = flag_named(engine, names?)?;
             let value = value.parse::<u64>().ok()?;
-            (value > fits).then(|| Limit { setting: setting.to_string(), value, bounds, fits, cap })
+            // A cap of nothing (no room at all) is no value a server takes: the headroom says it.
+            (value > fits && cap > 0).then(|| Limit { setting: setting.to_string(), value, bounds, fits, cap })
         })
         .collect()
 }
