@@ -9,7 +9,7 @@ struct Opening {
     path: [u8; PATH_MAX],
 }
 #[map]
-static OPENS: LruHashMap<u64, Opening> = LruHashMap::with_max_entries(1 << 12, 0);
+static OPENS: HashMap<u64, Opening> = HashMap::with_max_entries(1 << 12, 0);
 
 #[derive(Clone, Copy)]
 struct Duping {
@@ -18,7 +18,14 @@ struct Duping {
     state: u8,
 }
 #[map]
-static DUPS: LruHashMap<u64, Duping> = LruHashMap::with_max_entries(1 << 12, 0);
+static DUPS: HashMap<u64, Duping> = HashMap::with_max_entries(1 << 12, 0);
+
+/// Forgets what an exiting thread's open or dup left for its exit (see `take`).
+#[inline(always)]
+pub(crate) fn forget_thread(pid_tgid: u64) {
+    let _ = OPENS.remove(&pid_tgid);
+    let _ = DUPS.remove(&pid_tgid);
+}
 
 const O_CLOEXEC: i32 = 0o2000000;
 const F_DUPFD: u64 = 0;
@@ -59,13 +66,13 @@ fn classify(path: &[u8; PATH_MAX]) -> Option<u8> {
     None
 }
 
-/// `path_arg` and `flags_arg`: which syscall arguments they are (openat has a directory first).
-fn open_enter(ctx: &TracePointContext, path_arg: usize, flags_arg: usize) -> u32 {
+/// `filename` and `flags`: the syscall's arguments (openat has a directory first; the callers
+/// read them, at offsets the verifier sees are constant).
+fn open_enter(filename: u64, flags: i32) -> u32 {
     let pid_tgid = bpf_get_current_pid_tgid();
     if !is_traced((pid_tgid >> 32) as u32) {
         return 0;
     }
-    let filename = sys_arg(ctx, path_arg);
     // Every process's opens come here: eight bytes tell almost all of them apart before the
     // path is copied whole. (A path that ends within eight bytes of unmapped memory is shorter
     // than any NVIDIA one, so a failed read is never one.)
@@ -73,7 +80,7 @@ fn open_enter(ctx: &TracePointContext, path_arg: usize, flags_arg: usize) -> u32
     if !read_user(head.as_mut_ptr(), 8, filename, 8) || head != *b"/dev/nvi" {
         return 0;
     }
-    let mut opening = Opening { flags: sys_arg(ctx, flags_arg) as i32, device: 0, path: [0; PATH_MAX] };
+    let mut opening = Opening { flags, device: 0, path: [0; PATH_MAX] };
     if unsafe { bpf_probe_read_user_str_bytes(filename as *const u8, &mut opening.path) }.is_err() {
         return 0;
     }
@@ -90,12 +97,12 @@ fn open_enter(ctx: &TracePointContext, path_arg: usize, flags_arg: usize) -> u32
 
 #[tracepoint]
 pub fn openat_enter(ctx: TracePointContext) -> u32 {
-    open_enter(&ctx, 1, 2)
+    open_enter(sys_arg(&ctx, 1), sys_arg(&ctx, 2) as i32)
 }
 
 #[tracepoint]
 pub fn open_enter_legacy(ctx: TracePointContext) -> u32 {
-    open_enter(&ctx, 0, 1)
+    open_enter(sys_arg(&ctx, 0), sys_arg(&ctx, 1) as i32)
 }
 
 #[tracepoint]
@@ -141,8 +148,10 @@ pub fn open_exit(ctx: TracePointContext) -> u32 {
 pub(crate) fn forget_fd(tgid: u32, fd: u32) {
     let key = FdKey { tgid, fd };
     let state = unsafe { FDS.get(&key) }.copied();
-    let inheriting = || unsafe { TRACED.get(&tgid) } == Some(&traced::INHERITING);
-    if (state.is_some() || inheriting()) && own_file_table() {
+    // Every process's closes come here: the process's state is looked up once, and only for an
+    // fd not followed.
+    let inheriting = state.is_none() && unsafe { TRACED.get(&tgid) } == Some(&traced::INHERITING);
+    if (state.is_none() && !inheriting) || own_file_table() {
         return;
     }
     match state {
@@ -154,11 +163,7 @@ pub(crate) fn forget_fd(tgid: u32, fd: u32) {
                 send_fd_record(kind::CONN_CLOSE, fd as i64, 0, 0);
             }
         }
-        None => {
-            if inheriting() {
-                send_fd_record(kind::CLOSE, fd as i64, 1, 0);
-            }
-        }
+        None => send_fd_record(kind::CLOSE, fd as i64, 1, 0),
     }
 }
 

@@ -12,10 +12,15 @@ struct Inflight {
     device: u8,
     flags: u8,
 }
-/// Entry state kept until the syscall exits, keyed by pid_tgid. LRU so a thread killed inside a
-/// syscall cannot leak entries.
+/// Entry state kept until the syscall exits, keyed by pid_tgid.
 #[map]
-static IOCTLS: LruHashMap<u64, Inflight> = LruHashMap::with_max_entries(1 << 14, 0);
+static IOCTLS: HashMap<u64, Inflight> = HashMap::with_max_entries(1 << 14, 0);
+
+/// Forgets what an exiting thread's ioctl left for its exit (see `take`).
+#[inline(always)]
+pub(crate) fn forget_thread(pid_tgid: u64) {
+    let _ = IOCTLS.remove(&pid_tgid);
+}
 
 /// Per UVM command, the bytes to copy for the running driver version (written by userspace).
 #[map]

@@ -13,8 +13,9 @@ use aya_ebpf::{
         bpf_probe_read_user_str_bytes, generated::bpf_probe_read_user,
     },
     macros::{map, tracepoint},
-    maps::{Array, CgroupArray, HashMap, LruHashMap, PerCpuArray, RingBuf},
+    maps::{Array, CgroupArray, HashMap, PerCpuArray, RingBuf},
     programs::TracePointContext,
+    EbpfContext,
 };
 // Diagnostics (`--kernel-log`): userspace sets AYA_LOG_LEVEL to 0 unless asked, so each costs
 // one global read, and only on the failure paths where they sit.
@@ -52,10 +53,12 @@ fn bump(index: u32) {
     }
 }
 
-/// What a syscall's entry left for its exit, forgotten as it is taken (LRU maps, so a thread
-/// killed inside a syscall cannot leak entries).
+/// What a syscall's entry left for its exit, forgotten as it is taken. Plain hash maps, not LRU
+/// ones (whose insert cost a followed escape about 45 ns): every syscall whose entry fired exits
+/// through its exit tracepoint, a killed thread's too, and a thread's exit forgets whatever it
+/// left (`process_exit`), so no entry outlives its thread.
 #[inline(always)]
-fn take<T: Copy>(map: &LruHashMap<u64, T>, key: u64) -> Option<T> {
+fn take<T: Copy>(map: &HashMap<u64, T>, key: u64) -> Option<T> {
     let value = unsafe { map.get(&key) }.copied()?;
     let _ = map.remove(&key);
     Some(value)
@@ -131,12 +134,12 @@ fn is_nvidia(state: u8) -> bool {
     matches!(state, device::CTL | device::GPU | device::UVM)
 }
 
+/// A field of the tracepoint's record at `offset`: a load from the context the verifier allows
+/// (aligned, past the common header's first 8 bytes, read only), not a helper call, which every
+/// program paid several times a run.
 #[inline(always)]
-fn arg<T>(ctx: &TracePointContext, offset: usize) -> T
-where
-    T: Default,
-{
-    unsafe { ctx.read_at::<T>(offset) }.unwrap_or_default()
+fn arg<T: Copy>(ctx: &TracePointContext, offset: usize) -> T {
+    unsafe { (ctx.as_ptr() as *const u8).add(offset).cast::<T>().read() }
 }
 
 /// Argument `n` (from 0) of a `sys_enter_*` record: 8 bytes each, after the common header and
