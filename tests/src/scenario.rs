@@ -421,9 +421,10 @@ fn scenario_inside(t: &Tools, name: &str, server: &str) -> Result<()> {
         }
         "concurrent-load" => {
             let (one, wave) = if llama { ("3000", "8x3000") } else { ("2048", "24x2048") };
-            // Each with its concurrency limit above what memory takes (vLLM's default).
-            let cap: [&str; 2] = if llama { ["--parallel", "8"] } else { ["--max-num-seqs", "256"] };
-            t.serve(server, port, &cap, &["--sequential", one], &["--concurrent", wave])
+            // Each with its concurrency limit above what memory takes (vLLM's default); llama's
+            // slots on one unified cache, each able to take the whole context.
+            let cap: &[&str] = if llama { &["--parallel", "8", "--kv-unified"] } else { &["--max-num-seqs", "256"] };
+            t.serve(server, port, cap, &["--sequential", one], &["--concurrent", wave])
         }
         "held-by-other-process" => {
             // The earlier server, not recorded: it is what the recorder finds already there.

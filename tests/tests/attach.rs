@@ -182,6 +182,13 @@ fn concurrency(server: &str, slack: u64) {
         let (fewest, most) = (truth[0].as_u64().unwrap(), truth[1].as_u64().unwrap());
         assert!((fewest..=most).contains(&traced), "{server}: {traced} requests seen in flight, the server had {truth}");
     }
+    // Met late with no request measured alone since, the cap is said to be an estimate.
+    let fields = |r: &Value| r["diagnosis"]["fix"]["fields"].clone();
+    assert_eq!(fields(&start)["met_serving_unmeasured"], false, "{server}: traced from the start");
+    for seen in &late {
+        let f = fields(seen);
+        assert_eq!(f["met_serving_unmeasured"].as_bool(), f["per_request_measured_alone"].as_bool().map(|alone| !alone), "{server}: {f:#}");
+    }
 }
 
 #[test]

@@ -46,7 +46,7 @@ fn tokens_within(bytes: u64) -> u64 {
 fn predictions_hold(server: &str, limit: &str) {
     let _root = as_root();
     // llama's context admits the largest tries (the fake refuses a prompt past it with a 400).
-    let flags = if server == "llama" { format!("--ctx 24000 {limit}") } else { limit.to_string() };
+    let flags = if server == "llama" { format!("--ctx 24000 {limit} --kv-unified") } else { limit.to_string() };
     let base = probe(server, &flags, &format!("--sequential {WARMUP}"));
     assert_eq!(verdict(&base), "none", "{server}: the warm-up alone fails nothing: {:#}", base["diagnosis"]);
     let h = &base["headroom"][0];
@@ -62,9 +62,21 @@ fn predictions_hold(server: &str, limit: &str) {
     assert_eq!(exceeded["setting"], setting, "{server}: {h:#}");
     assert_eq!(exceeded["value"].as_u64().unwrap(), value.parse::<u64>().unwrap());
     assert_eq!(exceeded["fits"].as_u64().unwrap(), fits);
-    // llama's --ctx is its slots' context together, not one request's: never checked as one.
-    let bounds: Vec<&Value> = h["limits_exceeded"].as_array().unwrap().iter().map(|l| &l["bounds"]).collect();
-    assert!(server != "llama" || !bounds.iter().any(|b| *b == "context"), "{h:#}");
+    // llama's 64 slots share one unified cache: one request may take all of --ctx, which is
+    // more than fits alone; the value to set is what fits, less 3%.
+    let context = h["limits_exceeded"].as_array().unwrap().iter().find(|l| l["bounds"] == "context");
+    if server == "llama" {
+        let context = context.unwrap_or_else(|| panic!("{h:#}"));
+        let (tokens, cap) = (context["fits"].as_u64().unwrap(), context["cap"].as_u64().unwrap());
+        assert_eq!(
+            (context["setting"].as_str(), context["value"].as_u64(), context["slots"].as_u64()),
+            (Some("--ctx"), Some(24000), Some(1))
+        );
+        assert!(tokens < 24000 && cap == (tokens as f64 * 0.97) as u64, "{context:#}");
+        assert!((tokens * 4).abs_diff(largest) <= largest / 50, "{tokens} tokens fit, {largest} bytes alone: {context:#}");
+    } else {
+        assert!(context.is_none(), "no context limit given: {h:#}");
+    }
 
     // The largest request seen was the warm-up's 2048-token one: that many at once fit; two
     // more break the server.

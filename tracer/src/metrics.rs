@@ -362,7 +362,7 @@ fn headroom(t: &mut Text, r: &Report) {
             t.sample(
                 name,
                 &[("service", &h.service), ("gpu", &gpu), ("limit", &limit), ("bounds", &bounds)],
-                l.value.saturating_sub(l.fits) as f64,
+                l.lets_in().saturating_sub(l.fits) as f64,
             );
         }
     }

@@ -48,10 +48,14 @@ struct Args {
     port: u16,
     model_gib: u64,
     util: f64,
-    /// llama: the context (`--ctx`, `-c`), shared by the slots, and the slots served at once
-    /// (`--parallel`, `-np`); a request waits for a free slot.
+    /// llama: the context (`--ctx`, `-c`), and the slots served at once (`--parallel`, `-np`);
+    /// a request waits for a free slot.
     ctx: u64,
     parallel: u64,
+    /// llama: the longest prompt one slot takes: as llama-server, `ctx / parallel` when
+    /// `--parallel` is given, unless the KV cache is unified (`--kv-unified`); with `--parallel`
+    /// left to its default (auto, unified), all of `ctx`.
+    slot_ctx: u64,
     /// vLLM: the most requests batched at once, and the longest prompt admitted (longer ones
     /// are refused with a 400, as vLLM does).
     max_num_seqs: u64,
@@ -81,6 +85,14 @@ fn parse_args() -> Args {
         util: value("--util").and_then(|v| v.parse().ok()).unwrap_or(0.9),
         ctx: value_of(&["--ctx", "-c"]).and_then(|v| v.parse().ok()).unwrap_or(16384),
         parallel: value_of(&["--parallel", "-np"]).and_then(|v| v.parse().ok()).unwrap_or(4),
+        slot_ctx: {
+            let ctx = value_of(&["--ctx", "-c"]).and_then(|v| v.parse().ok()).unwrap_or(16384);
+            let unified = raw.iter().any(|a| a == "--kv-unified" || a == "-kvu");
+            match value_of(&["--parallel", "-np"]).and_then(|v| v.parse::<u64>().ok()) {
+                Some(n) if !unified => ctx / n.max(1),
+                _ => ctx,
+            }
+        },
         max_num_seqs: value("--max-num-seqs").and_then(|v| v.parse().ok()).unwrap_or(256),
         max_model_len: value("--max-model-len").and_then(|v| v.parse().ok()),
         helper: raw.iter().any(|a| a == "--helper"),
@@ -498,7 +510,7 @@ fn llama(args: &Args, truth: Arc<Truth>) -> ExitCode {
     let slots = Arc::new((Mutex::new(args.parallel.max(1)), std::sync::Condvar::new()));
     {
         let (ready, gpu, pool, in_flight, truth) = (ready.clone(), gpu.clone(), pool.clone(), in_flight.clone(), truth.clone());
-        let (ctx, act) = (args.ctx, model.activation_per_token);
+        let (ctx, act) = (args.slot_ctx, model.activation_per_token);
         std::thread::spawn(move || {
             for stream in listener.incoming() {
                 let Ok(mut stream) = stream else { continue };

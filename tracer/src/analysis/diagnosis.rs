@@ -714,6 +714,8 @@ impl<'a> Diagnoser<'a> {
             /// [`BYTES_PER_TOKEN`]; null when no request's cost was measured.
             largest_fitting_request_bytes: Option<u64>,
             context_tokens: Option<u64>,
+            /// llama-server's slots that share the setting's value (1: it is one request's).
+            context_slots: u64,
             flag: &'s str,
         }
         let culprit = one_much_larger(&case.in_flight).or_else(|| case.in_flight.first().copied());
@@ -723,12 +725,16 @@ impl<'a> Diagnoser<'a> {
         let room = self.room_for_requests(case);
         let fits = room.cost.map(|c| c.fits(room.bytes));
         let (prompt_tokens, tokens) = room.cost.map(|c| c.context(room.bytes)).unzip();
+        let slots = case.family.context_slots(case.engine, None);
         let (setting, how) = match case.family.context() {
             Some((setting, names)) => {
                 let now = flag(case.engine, names).unwrap_or_else(|| "its default".into());
+                let shared = if slots > 1 { format!(", shared by its {slots} slots") } else { String::new() };
                 let how = match tokens {
-                    Some(tokens) => format!(" to about {tokens} tokens ({}, now {now})", setting.with(tokens)),
-                    None => format!(" ({}, now {now})", setting.name()),
+                    Some(tokens) => {
+                        format!(" to about {tokens} tokens a request ({}, now {now}{shared})", setting.with(tokens.saturating_mul(slots)))
+                    }
+                    None => format!(" ({}, now {now}{shared})", setting.name()),
                 };
                 (setting.name(), how)
             }
@@ -755,6 +761,7 @@ impl<'a> Diagnoser<'a> {
             largest_served_request_bytes: served.unwrap_or(0),
             largest_fitting_request_bytes: fits,
             context_tokens: tokens,
+            context_slots: slots,
             flag: setting,
         };
         Said::new(fields, text)
@@ -781,6 +788,9 @@ impl<'a> Diagnoser<'a> {
             in_flight: u64,
             bytes_per_request: u64,
             per_request_measured_alone: bool,
+            /// Met serving, with no request measured alone since: what its allocator kept from
+            /// earlier requests counts as held before tracing, not as room, and is in no share.
+            met_serving_unmeasured: bool,
             room_bytes: u64,
             max_concurrency: u64,
             flag: String,
@@ -795,8 +805,14 @@ impl<'a> Diagnoser<'a> {
         let setting = case.family.concurrency().map_or_else(|| format!("the server's concurrency limit at {cap}"), |(s, _)| s.with(cap));
         let alone = room.cost.is_some_and(|c| c.alone);
         let how = if alone { "one request alone needed" } else { "the batch needed, per request," };
+        let met_serving = !alone && self.before_tracing(case.service, case.failure.ts, case.evidence.gpu) > 0;
+        let estimate = if met_serving {
+            " The cost is the batch's share: gputrace met the server serving and measured no request alone since, and what its allocator kept from earlier requests counts as held, so the cap may be one or two off; the first request served alone while traced measures it."
+        } else {
+            ""
+        };
         let text = format!(
-            "{n} requests were in flight; {how} {}, and {} was free for requests: cap concurrency at {cap} ({setting}, or LiteLLM max_parallel_requests: {cap} in front of it).",
+            "{n} requests were in flight; {how} {}, and {} was free for requests: cap concurrency at {cap} ({setting}, or LiteLLM max_parallel_requests: {cap} in front of it).{estimate}",
             bytes(per_request),
             bytes(room.bytes)
         );
@@ -804,6 +820,7 @@ impl<'a> Diagnoser<'a> {
             in_flight: n,
             bytes_per_request: per_request,
             per_request_measured_alone: alone,
+            met_serving_unmeasured: met_serving,
             room_bytes: room.bytes,
             max_concurrency: cap,
             flag: setting,

@@ -75,8 +75,10 @@ pub struct Limit {
     /// What memory takes, in the limit's unit: requests of the largest size served at once, or
     /// prompt tokens (at [`BYTES_PER_TOKEN`]) alone or in one batch.
     pub fits: u64,
-    /// The value to set: what fits, less the allocator's margin for tokens.
+    /// The value to set: what fits, less the allocator's margin for tokens (times the slots).
     pub cap: u64,
+    /// llama-server's slots that share a context's value: each request has `value / slots`.
+    pub slots: u64,
 }
 
 /// What a server's limit bounds.
@@ -92,11 +94,21 @@ pub enum Bound {
 }
 
 impl Limit {
+    /// What it lets in, in the unit of `fits`: a slot's share of a shared context.
+    pub fn lets_in(&self) -> u64 {
+        self.value / self.slots.max(1)
+    }
+
     /// What it lets in against what memory takes, and the value to set.
     pub fn text(&self) -> String {
         let (setting, value, fits, cap) = (&self.setting, self.value, self.fits, self.cap);
+        let slots = self.slots;
         match self.bounds {
             Bound::Concurrency => format!("`{setting} {value}` lets {value} run at once; memory fits {fits} of the largest served: cap at {cap}"),
+            Bound::Context if slots > 1 => format!(
+                "`{setting} {value}` lets each of its {slots} slots take a prompt of {} tokens; memory fits one of {fits} alone (at {BYTES_PER_TOKEN} bytes a token): set it to {cap}",
+                self.lets_in()
+            ),
             Bound::Context => format!(
                 "`{setting} {value}` lets in a prompt of {value} tokens; memory fits one of {fits} alone (at {BYTES_PER_TOKEN} bytes a token): set it to {cap}"
             ),
@@ -429,21 +441,21 @@ impl<'a> Diagnoser<'a> {
 fn limits(engine: &[String], cost: &Cost, at: &Moment) -> Vec<Limit> {
     let family = ServerFamily::of(engine);
     let (tokens, context) = cost.context(at.room_bytes);
-    // llama-server's -c is the context of all its slots together (each has -c / -np, unless the
-    // build unifies them): not one request's, so not checked as one.
-    let context_names = family.context().map(|(_, names)| names).filter(|_| family != ServerFamily::LlamaCpp);
+    // llama-server's -c may be its slots' context together: each request's is its share.
+    let slots = family.context_slots(engine, None);
     let checks = [
-        (Bound::Concurrency, family.concurrency().map(|(_, names)| names), at.fit_at_once, at.fit_at_once),
-        (Bound::Context, context_names, tokens, context),
-        (Bound::BatchTokens, family.batch_tokens(), tokens, context),
+        (Bound::Concurrency, family.concurrency().map(|(_, names)| names), at.fit_at_once, at.fit_at_once, 1),
+        (Bound::Context, family.context().map(|(_, names)| names), tokens, context, slots),
+        (Bound::BatchTokens, family.batch_tokens(), tokens, context, 1),
     ];
     checks
         .into_iter()
-        .filter_map(|(bounds, names, fits, cap)| {
+        .filter_map(|(bounds, names, fits, cap, slots)| {
             let (setting, value) = flag_named(engine, names?)?;
             let value = value.parse::<u64>().ok()?;
+            let limit = Limit { setting: setting.to_string(), value, bounds, fits, cap: cap.saturating_mul(slots), slots };
             // A cap of nothing (no room at all) is no value a server takes: the headroom says it.
-            (value > fits && cap > 0).then(|| Limit { setting: setting.to_string(), value, bounds, fits, cap })
+            (limit.lets_in() > fits && cap > 0).then_some(limit)
         })
         .collect()
 }

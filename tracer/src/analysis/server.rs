@@ -74,6 +74,26 @@ impl ServerFamily {
         })
     }
 
+    /// How many parts one request's context is of the context setting: llama-server splits `-c`
+    /// over its slots when `-np` is given (each slot gets `-c / -np`), unless the KV cache is
+    /// unified (`-kvu`); with `-np` left to its default, the cache is unified and one request may
+    /// take all of it (llama.cpp 16736, 17997). 1 for every other family, or `changed` slots
+    /// where a what-if sets `-np`.
+    pub fn context_slots(self, command: &[String], changed: Option<u64>) -> u64 {
+        if self != ServerFamily::LlamaCpp {
+            return 1;
+        }
+        let has = |names: &[&str]| command.iter().any(|a| names.contains(&a.as_str()));
+        let given = flag(command, &["-np", "--parallel"]).and_then(|v| v.parse::<i64>().ok()).filter(|&n| n > 0);
+        let unified = has(&["-kvu", "--kv-unified"]) || (given.is_none() && changed.is_none() && !has(&["-no-kvu", "--no-kv-unified"]));
+        match changed.or(given.map(|n| n as u64)) {
+            _ if unified => 1,
+            Some(n) => n.max(1),
+            // Auto's four slots, the cache split by `--no-kv-unified`.
+            None => 4,
+        }
+    }
+
     /// The setting that caps requests served at once, and the names its current value may be
     /// given under.
     pub fn concurrency(self) -> Option<(Setting, &'static [&'static str])> {
@@ -173,6 +193,22 @@ mod tests {
         let c = argv("vllm serve m --max-num-seqs 256 --max-num-seqs=8");
         assert_eq!(flag(&c, &["--max-num-seqs"]).as_deref(), Some("8"));
         assert_eq!(flag(&argv("llama-server --parallel 8 -np 5"), &["-np", "--parallel"]).as_deref(), Some("5"));
+    }
+
+    /// llama-server's context is its slots' together when `-np` is given and the cache is not
+    /// unified; one request's otherwise.
+    #[test]
+    fn llama_server_splits_its_context_over_the_slots_it_is_given() {
+        let slots = |line: &str, changed| ServerFamily::of(&argv(line)).context_slots(&argv(line), changed);
+        assert_eq!(slots("llama-server -c 32768 -np 4", None), 4);
+        assert_eq!(slots("llama-server -c 32768 --parallel=8", None), 8);
+        assert_eq!(slots("llama-server -c 32768 -np 4 -kvu", None), 1, "a unified cache");
+        assert_eq!(slots("llama-server -c 32768", None), 1, "auto: four slots on one unified cache");
+        assert_eq!(slots("llama-server -c 32768 --no-kv-unified", None), 4, "auto's four slots, split");
+        assert_eq!(slots("llama-server -c 32768 -np -1", None), 1, "-1 is auto");
+        assert_eq!(slots("llama-server -c 32768", Some(6)), 6, "-np given by a what-if splits it");
+        assert_eq!(slots("llama-server -c 32768 -np 4 --kv-unified", Some(6)), 1);
+        assert_eq!(slots("vllm serve m --max-num-seqs 8", None), 1);
     }
 
     #[test]

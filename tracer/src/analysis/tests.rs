@@ -190,6 +190,13 @@ fn several_alike_in_flight_is_concurrent_load() {
     let cap = d.fix.fields["max_concurrency"].as_u64().unwrap();
     assert!((1..8).contains(&cap), "a cap below what failed: {cap}");
     assert!(d.fix.text.contains("--max-num-seqs") && d.fix.text.contains("max_parallel_requests"), "{}", d.fix.text);
+    assert_eq!(d.fix.fields["met_serving_unmeasured"], false, "traced from its start");
+    // Met serving (NVML's 4 GiB for the engine from before tracing), no request measured alone
+    // since: the cap is the batch's share, and said to be an estimate.
+    let d = &t.diagnose(80 * GIB, &[(ENGINE, 4 * GIB)], 0)[0];
+    assert_eq!(d.category, Category::ConcurrentLoad);
+    assert_eq!(d.fix.fields["met_serving_unmeasured"], true);
+    assert!(d.fix.text.contains("the cap may be one or two off"), "{}", d.fix.text);
 }
 
 #[test]
@@ -562,6 +569,20 @@ fn serving(command_flags: &[&str]) -> Trace {
     t
 }
 
+/// [`serving`], the server a llama-server.
+fn llama_serving(command_flags: &[&str]) -> Trace {
+    let mut t = serving(command_flags);
+    for r in &mut t.0 {
+        if let Event::Process { command, .. } = &mut r.event {
+            command.retain(|w| w != "serve");
+            for w in command.iter_mut().filter(|w| *w == "vllm") {
+                *w = "llama-server".into();
+            }
+        }
+    }
+    t
+}
+
 fn headroom(t: &mut Trace, prior: &[(u32, u64)]) -> Vec<super::headroom::Headroom> {
     t.0.sort_by_key(|r| r.ts);
     let model = Model::from_records(&t.0);
@@ -592,7 +613,8 @@ fn headroom_counts_requests_of_the_largest_size_by_what_one_cost_alone() {
 fn a_limit_above_what_memory_fits_is_named_with_the_cap() {
     let mut t = serving(&["--max-num-seqs", "256"]);
     let [h] = &headroom(&mut t, &[])[..] else { panic!() };
-    let concurrency = |value, fits| Limit { setting: "--max-num-seqs".into(), value, bounds: Bound::Concurrency, fits, cap: fits };
+    let concurrency =
+        |value, fits| Limit { setting: "--max-num-seqs".into(), value, bounds: Bound::Concurrency, fits, cap: fits, slots: 1 };
     assert_eq!(h.limits_exceeded, [concurrency(256, 40)]);
     assert!(
         h.text().contains("`--max-num-seqs 256` lets 256 run at once; memory fits 40 of the largest served: cap at 40"),
@@ -610,7 +632,7 @@ fn a_context_or_batch_limit_past_the_prompt_that_fits_is_named_with_the_value_to
     let flags = ["--max-num-seqs", "256", "--max-model-len", "131072", "--max-num-batched-tokens=100000"];
     let mut t = serving(&flags);
     let [h] = &headroom(&mut t, &[])[..] else { panic!() };
-    let limit = |setting: &str, value, bounds, fits, cap| Limit { setting: setting.into(), value, bounds, fits, cap };
+    let limit = |setting: &str, value, bounds, fits, cap| Limit { setting: setting.into(), value, bounds, fits, cap, slots: 1 };
     assert_eq!(
         h.limits_exceeded,
         [
@@ -628,6 +650,43 @@ fn a_context_or_batch_limit_past_the_prompt_that_fits_is_named_with_the_value_to
     // At or under what fits: nothing said.
     let mut t = serving(&["--max-model-len", "80000", "--max-num-batched-tokens", "8192"]);
     assert!(headroom(&mut t, &[])[0].limits_exceeded.is_empty());
+}
+
+/// llama-server's `-c` given with `-np` is its slots' together: a slot's share is checked, and
+/// the value to set is what fits times the slots. Unified, or with `-np` left to auto, it is one
+/// request's.
+#[test]
+fn llama_servers_context_is_checked_per_slot() {
+    let llama = |flags: &[&str]| headroom(&mut llama_serving(flags), &[]).remove(0).limits_exceeded;
+    let context = |value, slots, cap| Limit { setting: "-c".into(), value, bounds: Bound::Context, fits: 80_000, cap, slots };
+    // 8 slots of 100,000 tokens each: past the 80,000 that fit; -c 620,800 gives each 77,600.
+    assert_eq!(llama(&["-c", "800000", "-np", "8"]), [context(800_000, 8, 620_800)]);
+    let limits = llama(&["-c", "800000", "-np", "8"]);
+    assert!(
+        limits[0].text().contains("`-c 800000` lets each of its 8 slots take a prompt of 100000 tokens; memory fits one of 80000 alone")
+            && limits[0].text().ends_with("set it to 620800"),
+        "{}",
+        limits[0].text()
+    );
+    // 8 slots of 40,000: each fits. (The concurrency check is the other half: -np 8 fits 40.)
+    assert!(llama(&["-c", "320000", "-np", "8"]).is_empty());
+    // One request may take the whole -c: unified, or -np left to auto.
+    assert_eq!(llama(&["-c", "320000", "-np", "8", "-kvu"]), [context(320_000, 1, 77_600)]);
+    assert_eq!(llama(&["--ctx-size", "100000"]).len(), 1);
+}
+
+/// The long-request fix for a llama-server whose `-c` its 4 slots share: the prompt that fits
+/// is one slot's share, so the `-c` to set is 4 times it.
+#[test]
+fn the_long_request_fix_for_llama_names_the_context_its_slots_share() {
+    let mut t = llama_serving(&["-c", "800000", "-np", "4"]);
+    t.request(8, 600 * MS, 400_000, None);
+    t.alloc(610 * MS, ENGINE, 25 * GIB, 0x51);
+    let d = &t.diagnose(80 * GIB, &[], 0)[0];
+    assert_eq!(d.category, Category::LongRequest);
+    // 20 GiB of room at 64 KiB a byte: 80,000 tokens, less 3%.
+    assert_eq!((d.fix.fields["context_tokens"].as_u64(), d.fix.fields["context_slots"].as_u64()), (Some(77_600), Some(4)));
+    assert!(d.fix.text.contains("about 77600 tokens a request (-c 310400, now 800000, shared by its 4 slots)"), "{}", d.fix.text);
 }
 
 #[test]
@@ -772,6 +831,35 @@ fn what_a_request_costs_outlives_the_window() {
         (after[0].request_cost_bytes, after[0].now.map(|n| n.fit_at_once)),
         (whole[0].request_cost_bytes, whole[0].now.map(|n| n.fit_at_once))
     );
+}
+
+/// llama-server's `-c` given with `-np` is shared by the slots: a what-if of either admits a
+/// request up to a slot's share (its prompts of 2,000 and 1,000 tokens, at 4 bytes a token).
+#[test]
+fn whatif_of_llama_admits_a_slots_share_of_its_context() {
+    let mut t = llama_serving(&["-c", "8000", "-np", "2"]);
+    let refused = |t: &mut Trace, max_context, max_concurrency| {
+        let settings = super::whatif::Settings { max_context, max_concurrency, ..Default::default() };
+        whatif(t, settings).refused
+    };
+    // 4 slots of 8,000: 2,000 each, both admitted; 8 slots: 1,000 each, the long one refused.
+    assert_eq!(refused(&mut t, None, Some(4)), 0);
+    assert_eq!(refused(&mut t, None, Some(8)), 1);
+    // -c 3,000 over the recorded 2 slots: 1,500 each.
+    assert_eq!(refused(&mut t, Some(3_000), None), 1);
+    assert_eq!(refused(&mut t, Some(4_000), None), 0);
+    // The search's context is one request's, and the setting that gives it names the slots.
+    let searched = whatif(&mut t, super::whatif::Settings { max_concurrency: Some(4), ..Default::default() });
+    let s = searched.search.unwrap();
+    assert_eq!(s.context_slots, 4);
+    assert!(
+        searched.text().contains(&format!("a context setting of {}, shared by 4 slots", s.max_context_tokens * 4)),
+        "{}",
+        searched.text()
+    );
+    // A unified cache: each request may take all of it.
+    let mut unified = llama_serving(&["-c", "8000", "-np", "2", "--kv-unified"]);
+    assert_eq!(refused(&mut unified, None, Some(8)), 0);
 }
 
 /// Odd settings and odd traces answer, never panic: a cap past any count is no cap; a request of

@@ -29,7 +29,7 @@ pub struct Settings {
     /// Requests served at once (`--max-num-seqs`, `-np`): later ones wait for a place.
     pub max_concurrency: Option<u64>,
     /// The longest prompt admitted, in tokens (`--max-model-len`, `-c`); for llama.cpp also the
-    /// KV cache's size.
+    /// KV cache's size, which its slots share when `-np` is given (each admits its share).
     pub max_context: Option<u64>,
     /// vLLM's `--gpu-memory-utilization`, SGLang's `--mem-fraction-static`.
     pub utilization: Option<f64>,
@@ -76,7 +76,9 @@ pub struct Outcome {
 #[derive(Clone, Copy, Debug, Serialize)]
 pub struct Search {
     pub max_concurrency: u64,
+    /// One request's; llama-server's `-c` is that times the slots that share it.
     pub max_context_tokens: u64,
+    pub context_slots: u64,
 }
 
 /// Why a replay cannot be made of a trace.
@@ -131,8 +133,14 @@ impl Outcome {
             ),
         };
         if let Some(s) = &self.search {
+            let shared = match s.context_slots {
+                1 => String::new(),
+                slots => {
+                    format!(" a request (a context setting of {}, shared by {slots} slots)", s.max_context_tokens.saturating_mul(slots))
+                }
+            };
             out += &format!(
-                "\nSEARCH: at most {} requests of the largest size at once; a context of at most {} tokens.",
+                "\nSEARCH: at most {} requests of the largest size at once; a context of at most {} tokens{shared}.",
                 s.max_concurrency, s.max_context_tokens
             );
         }
@@ -218,7 +226,9 @@ impl Diagnoser<'_> {
             return Ok(outcome);
         };
         let replayed = replayed(&requests);
-        let admitted: Vec<&Replayed> = replayed.iter().filter(|r| settings.max_context.is_none_or(|l| cost.tokens(r.bytes) <= l)).collect();
+        let slots = family.context_slots(engine, settings.max_concurrency.filter(|_| family == ServerFamily::LlamaCpp));
+        let admits = request_context(engine, family, settings, slots);
+        let admitted: Vec<&Replayed> = replayed.iter().filter(|r| admits.is_none_or(|l| cost.tokens(r.bytes) <= l)).collect();
         outcome.refused = replayed.len() - admitted.len();
         let starts = schedule(&admitted, settings.max_concurrency);
         let books = self.books(service, gpu, pool).ok_or("the GPU's size is not in the trace: give it with --capacity")?;
@@ -235,11 +245,24 @@ impl Diagnoser<'_> {
             // Of the largest request served (one that failed says nothing of what is served).
             let tightest = starts.iter().map(|s| room(*s)).min().unwrap_or(0).max(0) as u64;
             let largest = requests.iter().filter(|r| r.first_data_at.is_some()).map(|r| r.bytes_in).max().unwrap_or(0);
-            outcome.search =
-                Some(Search { max_concurrency: tightest / cost.of(largest).max(1), max_context_tokens: cost.context(tightest).1 });
+            outcome.search = Some(Search {
+                max_concurrency: tightest / cost.of(largest).max(1),
+                max_context_tokens: cost.context(tightest).1,
+                context_slots: slots,
+            });
         }
         Ok(outcome)
     }
+}
+
+/// The longest prompt one request is admitted with under the settings, in tokens: the context
+/// tried, or where only llama-server's slots change, the recorded one; a slot's share of it.
+/// None: as recorded (what was refused then is not in the trace's completions).
+fn request_context(engine: &[String], family: ServerFamily, settings: &Settings, slots: u64) -> Option<u64> {
+    let recorded = || family.context().and_then(|(_, names)| flag(engine, names)).and_then(|v| v.parse::<u64>().ok());
+    let slots_changed = family == ServerFamily::LlamaCpp && settings.max_concurrency.is_some();
+    let context = settings.max_context.or_else(|| recorded().filter(|_| slots_changed))?;
+    Some(context / slots.max(1))
 }
 
 /// What the service loads, as recorded and with its weights after the change.
