@@ -128,8 +128,9 @@ enum Command {
         #[arg(long = "max-num-seqs", visible_aliases = ["parallel", "max-running-requests", "max-concurrent-requests"], value_name = "N")]
         max_concurrency: Option<u64>,
         /// The longest prompt admitted, in tokens; for llama-server also its KV cache's size (vLLM
-        /// --max-model-len, llama-server -c or --ctx-size, SGLang --context-length)
-        #[arg(short = 'c', long = "max-model-len", visible_aliases = ["ctx-size", "context-length"], value_name = "TOKENS")]
+        /// --max-model-len, llama-server -c or --ctx-size, SGLang --context-length); 32k is 32,000,
+        /// 32K 32,768, as vLLM reads them
+        #[arg(short = 'c', long = "max-model-len", visible_aliases = ["ctx-size", "context-length"], value_name = "TOKENS", value_parser = tokens)]
         max_context: Option<u64>,
         /// The fraction of the card an engine reserves (vLLM --gpu-memory-utilization, SGLang
         /// --mem-fraction-static)
@@ -288,6 +289,12 @@ fn fraction(text: &str) -> Result<f64, String> {
     } else {
         Err(format!("{value} is not a fraction of the card: give one above 0 and at most 1 (0.9)"))
     }
+}
+
+/// A context as vLLM takes it: 131072, 32k (32,000), 32K (32,768).
+fn tokens(text: &str) -> Result<u64, String> {
+    gputrace::analysis::server::count(text)
+        .ok_or_else(|| format!("{text:?} is not a number of tokens: give one as 131072, 32k (32,000) or 32K (32,768)"))
 }
 
 fn whatif(path: &std::path::Path, settings: &gputrace::analysis::whatif::Settings, search: bool, json: bool) -> anyhow::Result<ExitCode> {

@@ -15,7 +15,7 @@ use std::collections::{BTreeMap, HashSet};
 use serde::Serialize;
 
 use super::diagnosis::Diagnoser;
-use super::server::{flag_named, ServerFamily};
+use super::server::{count, flag_named, ServerFamily};
 use super::sweep::{in_time_order, merged, LiveChanges};
 use super::{is_completion, Phase, Service};
 use crate::event::Memory;
@@ -452,7 +452,7 @@ fn limits(engine: &[String], cost: &Cost, at: &Moment) -> Vec<Limit> {
         .into_iter()
         .filter_map(|(bounds, names, fits, cap, slots)| {
             let (setting, value) = flag_named(engine, names?)?;
-            let value = value.parse::<u64>().ok()?;
+            let value = count(&value)?;
             let limit = Limit { setting: setting.to_string(), value, bounds, fits, cap: cap.saturating_mul(slots), slots };
             // A cap of nothing (no room at all) is no value a server takes: the headroom says it.
             (limit.lets_in() > fits && cap > 0).then_some(limit)

@@ -157,6 +157,35 @@ pub fn flag_named<'n>(command: &[String], names: &[&'n str]) -> Option<(&'n str,
     })
 }
 
+/// A count as a server's parser takes it: digits, or vLLM's human-readable forms (`32k` is
+/// 32,000 and `25.6k` 25,600, lowercase decimal; `32K` is 32,768, uppercase binary, whole
+/// numbers only). None for anything else, `auto` included, and past u64.
+pub fn count(value: &str) -> Option<u64> {
+    let value = value.trim();
+    let (number, suffix) = value.split_at(value.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(value.len()));
+    if number.is_empty() || number.starts_with('.') || number.ends_with('.') || number.matches('.').count() > 1 {
+        return None;
+    }
+    let decimal = |power: i32| {
+        let n = number.parse::<f64>().ok()? * 1000f64.powi(power);
+        (n < u64::MAX as f64).then_some(n as u64)
+    };
+    // Whole numbers only (a point fails to parse), as vLLM takes them.
+    let binary = |shift: u32| number.parse::<u64>().ok()?.checked_mul(1 << shift);
+    match suffix {
+        "" => binary(0),
+        "k" => decimal(1),
+        "m" => decimal(2),
+        "g" => decimal(3),
+        "t" => decimal(4),
+        "K" => binary(10),
+        "M" => binary(20),
+        "G" => binary(30),
+        "T" => binary(40),
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -171,6 +200,20 @@ mod tests {
         assert_eq!(flag_named(&command, &["-np", "--parallel"]), Some(("--parallel", "64".to_string())));
         assert_eq!(flag_named(&argv("x --ctx-size=8192 -c 4096"), &["-c", "--ctx-size"]), Some(("-c", "4096".to_string())));
         assert_eq!(flag(&argv("x -c"), &["-c"]), None, "a flag with no value");
+    }
+
+    /// vLLM's `--max-model-len 32k` is 32,000 tokens, `32K` 32,768; odd values are no count.
+    #[test]
+    fn counts_are_read_as_the_servers_read_them() {
+        assert_eq!(count("131072"), Some(131_072));
+        assert_eq!(count("32k"), Some(32_000));
+        assert_eq!(count("25.6k"), Some(25_600));
+        assert_eq!(count("32K"), Some(32_768));
+        assert_eq!(count("1m"), Some(1_000_000));
+        assert_eq!(count("2G"), Some(2 << 30));
+        for odd in ["", "k", "auto", "-1", "1.5K", "1.2.3k", ".5k", "5.k", "32x", "+5", "18446744073709551615K", "99999999999999999999t"] {
+            assert_eq!(count(odd), None, "{odd:?}");
+        }
     }
 
     #[test]

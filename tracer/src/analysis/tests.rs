@@ -650,6 +650,9 @@ fn a_context_or_batch_limit_past_the_prompt_that_fits_is_named_with_the_value_to
     // At or under what fits: nothing said.
     let mut t = serving(&["--max-model-len", "80000", "--max-num-batched-tokens", "8192"]);
     assert!(headroom(&mut t, &[])[0].limits_exceeded.is_empty());
+    // As vLLM reads them: 128K is 131,072 tokens, 80k is 80,000 (fits).
+    let mut t = serving(&["--max-model-len", "128K", "--max-num-batched-tokens", "80k"]);
+    assert_eq!(headroom(&mut t, &[])[0].limits_exceeded, [limit("--max-model-len", 131_072, Bound::Context, 80_000, 77_600)]);
 }
 
 /// llama-server's `-c` given with `-np` is its slots' together: a slot's share is checked, and

@@ -17,7 +17,7 @@ use std::collections::BinaryHeap;
 use serde::Serialize;
 
 use super::diagnosis::{Category, Diagnoser};
-use super::server::{flag, ServerFamily};
+use super::server::{count, flag, ServerFamily};
 use super::{Phase, Service};
 use crate::event::Memory;
 use crate::model::Request;
@@ -259,7 +259,7 @@ impl Diagnoser<'_> {
 /// tried, or where only llama-server's slots change, the recorded one; a slot's share of it.
 /// None: as recorded (what was refused then is not in the trace's completions).
 fn request_context(engine: &[String], family: ServerFamily, settings: &Settings, slots: u64) -> Option<u64> {
-    let recorded = || family.context().and_then(|(_, names)| flag(engine, names)).and_then(|v| v.parse::<u64>().ok());
+    let recorded = || family.context().and_then(|(_, names)| flag(engine, names)).and_then(|v| count(&v));
     let slots_changed = family == ServerFamily::LlamaCpp && settings.max_concurrency.is_some();
     let context = settings.max_context.or_else(|| recorded().filter(|_| slots_changed))?;
     Some(context / slots.max(1))
@@ -292,7 +292,7 @@ fn kv_after(
             after.max(0) as u64
         }
         // One sized by the context: in proportion to it.
-        (None, Some((_, names))) => match (settings.max_context, flag(engine, names).and_then(|v| v.parse::<u64>().ok())) {
+        (None, Some((_, names))) => match (settings.max_context, flag(engine, names).and_then(|v| count(&v))) {
             (Some(new), Some(now)) if now > 0 => (kv as f64 * new as f64 / now as f64) as u64,
             (Some(_), None) => {
                 return Err(format!(
