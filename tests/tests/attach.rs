@@ -87,7 +87,10 @@ fn in_flight_by_truth(path: &std::path::Path) -> Option<(u64, u64)> {
     let count = |end: usize, event: &str| {
         notes[..end].iter().filter(|n| n["event"] == event && (event != "read" || n["path"] == "/v1/completions")).count() as u64
     };
-    Some((count(began, "read").saturating_sub(count(failed, "done")), count(failed, "read").saturating_sub(count(began, "done"))))
+    // A read noted after the failure, before the server's last note, may have returned before it:
+    // a thread notes its read after parsing the request, and the failing one may note first.
+    let last = notes[failed..].iter().position(|n| n["event"] == "fatal").map_or(notes.len(), |p| failed + p);
+    Some((count(began, "read").saturating_sub(count(failed, "done")), count(last, "read").saturating_sub(count(began, "done"))))
 }
 
 /// The service's command line without its run's own port and paths.
@@ -184,10 +187,10 @@ fn concurrency(server: &str, slack: u64) {
     }
     // Met late with no request measured alone since, the cap is said to be an estimate.
     let fields = |r: &Value| r["diagnosis"]["fix"]["fields"].clone();
-    assert_eq!(fields(&start)["met_serving_unmeasured"], false, "{server}: traced from the start");
+    assert_eq!(fields(&start)["cap_estimated"], false, "{server}: traced from the start");
     for seen in &late {
         let f = fields(seen);
-        assert_eq!(f["met_serving_unmeasured"].as_bool(), f["per_request_measured_alone"].as_bool().map(|alone| !alone), "{server}: {f:#}");
+        assert_eq!(f["cap_estimated"].as_bool(), f["per_request_measured_alone"].as_bool().map(|alone| !alone), "{server}: {f:#}");
     }
 }
 

@@ -9,7 +9,7 @@ struct Opening {
     path: [u8; PATH_MAX],
 }
 #[map]
-static OPENS: HashMap<u64, Opening> = HashMap::with_max_entries(1 << 12, 0);
+static OPENS: LruHashMap<u64, Opening> = LruHashMap::with_max_entries(1 << 12, 0);
 
 #[derive(Clone, Copy)]
 struct Duping {
@@ -18,14 +18,7 @@ struct Duping {
     state: u8,
 }
 #[map]
-static DUPS: HashMap<u64, Duping> = HashMap::with_max_entries(1 << 12, 0);
-
-/// Forgets what an exiting thread's open or dup left for its exit (see `take`).
-#[inline(always)]
-pub(crate) fn forget_thread(pid_tgid: u64) {
-    let _ = OPENS.remove(&pid_tgid);
-    let _ = DUPS.remove(&pid_tgid);
-}
+static DUPS: LruHashMap<u64, Duping> = LruHashMap::with_max_entries(1 << 12, 0);
 
 const O_CLOEXEC: i32 = 0o2000000;
 const F_DUPFD: u64 = 0;

@@ -12,15 +12,10 @@ struct Inflight {
     device: u8,
     flags: u8,
 }
-/// Entry state kept until the syscall exits, keyed by pid_tgid.
+/// Entry state kept until the syscall exits, keyed by pid_tgid. LRU so a thread killed inside a
+/// syscall cannot leak entries.
 #[map]
-static IOCTLS: HashMap<u64, Inflight> = HashMap::with_max_entries(1 << 14, 0);
-
-/// Forgets what an exiting thread's ioctl left for its exit (see `take`).
-#[inline(always)]
-pub(crate) fn forget_thread(pid_tgid: u64) {
-    let _ = IOCTLS.remove(&pid_tgid);
-}
+static IOCTLS: LruHashMap<u64, Inflight> = LruHashMap::with_max_entries(1 << 14, 0);
 
 /// Per UVM command, the bytes to copy for the running driver version (written by userspace).
 #[map]

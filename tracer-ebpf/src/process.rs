@@ -46,10 +46,6 @@ pub fn process_exec(ctx: TracePointContext) -> u32 {
 pub fn process_exit(ctx: TracePointContext) -> u32 {
     let pid_tgid = bpf_get_current_pid_tgid();
     let tgid = (pid_tgid >> 32) as u32;
-    // What this thread's syscalls left for their exits (none, unless one never returned).
-    crate::ioctl::forget_thread(pid_tgid);
-    crate::fds::forget_thread(pid_tgid);
-    crate::sockets::forget_thread(pid_tgid);
     let group_dead_at = CONFIG.get(0).map_or(0, |c| c.group_dead_at) as usize;
     let whole_process = match group_dead_at {
         // Kernels whose records do not say (6.1): the thread group leader's exit stands for it.

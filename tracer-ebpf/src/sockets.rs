@@ -11,13 +11,7 @@ static CONN_PIDS: Array<u8> = Array::with_max_entries(CONN_SLOTS, 0);
 
 /// A read on an accepted connection, until it returns.
 #[map]
-static READS: HashMap<u64, Reading> = HashMap::with_max_entries(1 << 12, 0);
-
-/// Forgets what an exiting thread's read left for its exit (see `take`).
-#[inline(always)]
-pub(crate) fn forget_thread(pid_tgid: u64) {
-    let _ = READS.remove(&pid_tgid);
-}
+static READS: LruHashMap<u64, Reading> = LruHashMap::with_max_entries(1 << 12, 0);
 
 #[tracepoint]
 pub fn bind_enter(ctx: TracePointContext) -> u32 {

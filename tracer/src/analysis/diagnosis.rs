@@ -788,9 +788,10 @@ impl<'a> Diagnoser<'a> {
             in_flight: u64,
             bytes_per_request: u64,
             per_request_measured_alone: bool,
-            /// Met serving, with no request measured alone since: what its allocator kept from
-            /// earlier requests counts as held before tracing, not as room, and is in no share.
-            met_serving_unmeasured: bool,
+            /// A batch's share, not one request measured alone, of a service that held memory
+            /// before tracing began: what its allocator cached then counts as held, not as room,
+            /// and is in no share, so the cap is an estimate.
+            cap_estimated: bool,
             room_bytes: u64,
             max_concurrency: u64,
             flag: String,
@@ -805,9 +806,9 @@ impl<'a> Diagnoser<'a> {
         let setting = case.family.concurrency().map_or_else(|| format!("the server's concurrency limit at {cap}"), |(s, _)| s.with(cap));
         let alone = room.cost.is_some_and(|c| c.alone);
         let how = if alone { "one request alone needed" } else { "the batch needed, per request," };
-        let met_serving = !alone && self.before_tracing(case.service, case.failure.ts, case.evidence.gpu) > 0;
-        let estimate = if met_serving {
-            " The cost is the batch's share: gputrace met the server serving and measured no request alone since, and what its allocator kept from earlier requests counts as held, so the cap may be one or two off; the first request served alone while traced measures it."
+        let estimated = !alone && self.before_tracing(case.service, case.failure.ts, case.evidence.gpu) > 0;
+        let estimate = if estimated {
+            " This cap is an estimate: the cost is a batch's share, and the server held memory before tracing began, so what its allocator cached from earlier requests is counted as held instead of as room, and is in no share; it is off by about as many requests as that cache holds. The first request served alone while traced measures the cost."
         } else {
             ""
         };
@@ -820,7 +821,7 @@ impl<'a> Diagnoser<'a> {
             in_flight: n,
             bytes_per_request: per_request,
             per_request_measured_alone: alone,
-            met_serving_unmeasured: met_serving,
+            cap_estimated: estimated,
             room_bytes: room.bytes,
             max_concurrency: cap,
             flag: setting,

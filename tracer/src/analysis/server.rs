@@ -76,21 +76,23 @@ impl ServerFamily {
 
     /// How many parts one request's context is of the context setting: llama-server splits `-c`
     /// over its slots when `-np` is given (each slot gets `-c / -np`), unless the KV cache is
-    /// unified (`-kvu`); with `-np` left to its default, the cache is unified and one request may
-    /// take all of it (llama.cpp 16736, 17997). 1 for every other family, or `changed` slots
-    /// where a what-if sets `-np`.
+    /// unified (`-kvu`, the last of it and `-no-kvu` counting); with `-np` left to its default
+    /// (auto), the server turns the unified cache on and one request may take all of it
+    /// (llama.cpp 16736, 17997). 1 for every other family; `changed` slots where a what-if sets
+    /// `-np`.
     pub fn context_slots(self, command: &[String], changed: Option<u64>) -> u64 {
         if self != ServerFamily::LlamaCpp {
             return 1;
         }
-        let has = |names: &[&str]| command.iter().any(|a| names.contains(&a.as_str()));
         let given = flag(command, &["-np", "--parallel"]).and_then(|v| v.parse::<i64>().ok()).filter(|&n| n > 0);
-        let unified = has(&["-kvu", "--kv-unified"]) || (given.is_none() && changed.is_none() && !has(&["-no-kvu", "--no-kv-unified"]));
+        let unified = command.iter().rev().find_map(|a| match a.as_str() {
+            "-kvu" | "--kv-unified" => Some(true),
+            "-no-kvu" | "--no-kv-unified" => Some(false),
+            _ => None,
+        });
         match changed.or(given.map(|n| n as u64)) {
-            _ if unified => 1,
-            Some(n) => n.max(1),
-            // Auto's four slots, the cache split by `--no-kv-unified`.
-            None => 4,
+            Some(n) if unified != Some(true) => n.max(1),
+            _ => 1,
         }
     }
 
@@ -247,7 +249,9 @@ mod tests {
         assert_eq!(slots("llama-server -c 32768 --parallel=8", None), 8);
         assert_eq!(slots("llama-server -c 32768 -np 4 -kvu", None), 1, "a unified cache");
         assert_eq!(slots("llama-server -c 32768", None), 1, "auto: four slots on one unified cache");
-        assert_eq!(slots("llama-server -c 32768 --no-kv-unified", None), 4, "auto's four slots, split");
+        assert_eq!(slots("llama-server -c 32768 --no-kv-unified", None), 1, "auto turns the unified cache on");
+        assert_eq!(slots("llama-server -c 32768 -np 4 -kvu -no-kvu", None), 4, "the last of -kvu and -no-kvu");
+        assert_eq!(slots("llama-server -c 32768 -np 4 -no-kvu --kv-unified", None), 1);
         assert_eq!(slots("llama-server -c 32768 -np -1", None), 1, "-1 is auto");
         assert_eq!(slots("llama-server -c 32768", Some(6)), 6, "-np given by a what-if splits it");
         assert_eq!(slots("llama-server -c 32768 -np 4 --kv-unified", Some(6)), 1);

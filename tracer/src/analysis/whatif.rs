@@ -259,7 +259,8 @@ impl Diagnoser<'_> {
 /// tried, or where only llama-server's slots change, the recorded one; a slot's share of it.
 /// None: as recorded (what was refused then is not in the trace's completions).
 fn request_context(engine: &[String], family: ServerFamily, settings: &Settings, slots: u64) -> Option<u64> {
-    let recorded = || family.context().and_then(|(_, names)| flag(engine, names)).and_then(|v| count(&v));
+    // `-c 0` is the model's own context: not known here.
+    let recorded = || family.context().and_then(|(_, names)| flag(engine, names)).and_then(|v| count(&v)).filter(|&c| c > 0);
     let slots_changed = family == ServerFamily::LlamaCpp && settings.max_concurrency.is_some();
     let context = settings.max_context.or_else(|| recorded().filter(|_| slots_changed))?;
     Some(context / slots.max(1))
