@@ -78,20 +78,24 @@ fn parse_args() -> Args {
     let value = |flag: &str| value_of(&[flag]);
     let server = value("--server").unwrap_or_else(|| "vllm".into());
     let default_model = if server == "llama" { 14 } else { 16 };
+    let ctx = value_of(&["--ctx", "-c"]).and_then(|v| v.parse().ok()).unwrap_or(16384);
+    let given_parallel = value_of(&["--parallel", "-np"]).and_then(|v| v.parse::<u64>().ok());
+    // The last of --kv-unified and --no-kv-unified.
+    let unified = raw.iter().rev().find_map(|a| match a.as_str() {
+        "--kv-unified" | "-kvu" => Some(true),
+        "--no-kv-unified" | "-no-kvu" => Some(false),
+        _ => None,
+    });
     Args {
         role: value("--role").unwrap_or_else(|| "api".into()),
         port: value("--port").and_then(|v| v.parse().ok()).unwrap_or(8000),
         model_gib: value("--model-gib").and_then(|v| v.parse().ok()).unwrap_or(default_model),
         util: value("--util").and_then(|v| v.parse().ok()).unwrap_or(0.9),
-        ctx: value_of(&["--ctx", "-c"]).and_then(|v| v.parse().ok()).unwrap_or(16384),
-        parallel: value_of(&["--parallel", "-np"]).and_then(|v| v.parse().ok()).unwrap_or(4),
-        slot_ctx: {
-            let ctx = value_of(&["--ctx", "-c"]).and_then(|v| v.parse().ok()).unwrap_or(16384);
-            let unified = raw.iter().any(|a| a == "--kv-unified" || a == "-kvu");
-            match value_of(&["--parallel", "-np"]).and_then(|v| v.parse::<u64>().ok()) {
-                Some(n) if !unified => ctx / n.max(1),
-                _ => ctx,
-            }
+        ctx,
+        parallel: given_parallel.unwrap_or(4),
+        slot_ctx: match given_parallel {
+            Some(n) if unified != Some(true) => ctx / n.max(1),
+            _ => ctx,
         },
         max_num_seqs: value("--max-num-seqs").and_then(|v| v.parse().ok()).unwrap_or(256),
         max_model_len: value("--max-model-len").and_then(|v| v.parse().ok()),

@@ -226,7 +226,7 @@ impl Diagnoser<'_> {
             return Ok(outcome);
         };
         let replayed = replayed(&requests);
-        let slots = family.context_slots(engine, settings.max_concurrency.filter(|_| family == ServerFamily::LlamaCpp));
+        let slots = family.context_slots(engine, settings.max_concurrency);
         let admits = request_context(engine, family, settings, slots);
         let admitted: Vec<&Replayed> = replayed.iter().filter(|r| admits.is_none_or(|l| cost.tokens(r.bytes) <= l)).collect();
         outcome.refused = replayed.len() - admitted.len();
@@ -256,13 +256,13 @@ impl Diagnoser<'_> {
 }
 
 /// The longest prompt one request is admitted with under the settings, in tokens: the context
-/// tried, or where only llama-server's slots change, the recorded one; a slot's share of it.
+/// tried, or where only the slots that split it change (`-np`), the recorded one; a slot's
+/// share of it.
 /// None: as recorded (what was refused then is not in the trace's completions).
 fn request_context(engine: &[String], family: ServerFamily, settings: &Settings, slots: u64) -> Option<u64> {
     // `-c 0` is the model's own context: not known here.
     let recorded = || family.context().and_then(|(_, names)| flag(engine, names)).and_then(|v| count(&v)).filter(|&c| c > 0);
-    let slots_changed = family == ServerFamily::LlamaCpp && settings.max_concurrency.is_some();
-    let context = settings.max_context.or_else(|| recorded().filter(|_| slots_changed))?;
+    let context = settings.max_context.or_else(|| recorded().filter(|_| slots > 1 && settings.max_concurrency.is_some()))?;
     Some(context / slots.max(1))
 }
 
