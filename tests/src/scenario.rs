@@ -383,9 +383,44 @@ fn wait_for_exit(child: &mut Child, limit: Duration) -> Result<()> {
     bail!("still running after {limit:?}")
 }
 
+/// A LiteLLM proxy in front of the server for as long as the scenario runs (GPUTRACE_LITELLM=N:
+/// its deployment's `max_parallel_requests`): a script named `litellm` that only waits, with a
+/// config that sends to the server's port. It forwards nothing: the load goes to the server.
+struct LiteLlm(Child);
+
+impl LiteLlm {
+    fn start(dir: &Path, port: u16) -> Result<Option<LiteLlm>> {
+        let Ok(limit) = std::env::var("GPUTRACE_LITELLM") else { return Ok(None) };
+        let config = dir.join("litellm.yaml");
+        std::fs::write(
+            &config,
+            format!(
+                "model_list:\n  - model_name: local\n    litellm_params:\n      model: hosted_vllm/fake\n      api_base: http://localhost:{port}/v1\n      max_parallel_requests: {limit}\n"
+            ),
+        )?;
+        let program = dir.join("litellm");
+        std::fs::write(&program, "#!/bin/sh\nsleep 3600\n")?;
+        std::fs::set_permissions(&program, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
+        let mut proxy = Command::new(&program);
+        proxy.arg("--config").arg(&config).process_group(0).stdout(Stdio::null());
+        let child = proxy.spawn().context("starting the LiteLLM stand-in")?;
+        std::fs::write(dir.join("litellm.pid"), child.id().to_string())?;
+        Ok(Some(LiteLlm(child)))
+    }
+}
+
+impl Drop for LiteLlm {
+    fn drop(&mut self) {
+        // SAFETY: killpg(2) of the process group this scenario started.
+        unsafe { libc::killpg(self.0.id() as i32, libc::SIGKILL) };
+        let _ = self.0.wait();
+    }
+}
+
 fn scenario_inside(t: &Tools, name: &str, server: &str) -> Result<()> {
     let llama = server == "llama";
     let port = 8000 + (std::process::id() % 1000) as u16;
+    let _proxy = LiteLlm::start(&t.dir, port)?;
     let limit = Duration::from_secs(60);
     match name {
         "clean" | PROBE => {

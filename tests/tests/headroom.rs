@@ -106,3 +106,36 @@ fn vllm_headroom_predicts_its_breaking_points() {
 fn llama_headroom_predicts_its_breaking_points() {
     predictions_hold("llama", "--parallel 64");
 }
+
+/// A LiteLLM proxy in front of the server, its deployment's `max_parallel_requests` past what
+/// fits: the headroom names it with the value to set (the server sets no limit of its own), and
+/// a concurrent-load failure's fix names the deployment and its config.
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn a_litellm_proxy_in_front_is_checked_and_named() {
+    let _root = as_root();
+    let dir = scenario("probe", "vllm", &[("GPUTRACE_LOAD", &format!("--sequential {WARMUP}")), ("GPUTRACE_LITELLM", "256")]);
+    let (base, proxy) = (summary(&dir), std::fs::read_to_string(dir.join("litellm.pid")).unwrap());
+    let config = dir.join("litellm.yaml").display().to_string();
+    let h = &base["headroom"][0];
+    let fits = h["tightest"]["fit_at_once"].as_u64().unwrap();
+    let [limit] = h["limits_exceeded"].as_array().unwrap().as_slice() else { panic!("one limit past what fits: {h:#}") };
+    assert_eq!((limit["setting"].as_str(), limit["value"].as_u64()), (Some("LiteLLM max_parallel_requests"), Some(256)), "{h:#}");
+    assert_eq!((limit["fits"].as_u64(), limit["cap"].as_u64()), (Some(fits), Some(fits)), "{h:#}");
+    assert_eq!(limit["proxy"]["pid"].as_u64().unwrap().to_string(), proxy.trim(), "{h:#}");
+    assert_eq!(limit["proxy"]["config"].as_str(), Some(config.as_str()), "{h:#}");
+
+    let dir = scenario("concurrent-load", "vllm", &[("GPUTRACE_LITELLM", "64")]);
+    let failed = summary(&dir);
+    assert_eq!(verdict(&failed), "concurrent-load", "{:#}", failed["diagnosis"]);
+    let fix = &failed["diagnosis"]["fix"];
+    let cap = fix["fields"]["max_concurrency"].as_u64().unwrap();
+    let front = &fix["fields"]["litellm_deployments"][0];
+    assert_eq!((front["model"].as_str(), front["max_parallel_requests"].as_u64()), (Some("local"), Some(64)), "{fix:#}");
+    let text = fix["text"].as_str().unwrap();
+    assert!(
+        text.contains(&format!("`max_parallel_requests: {cap}` for LiteLLM (pid ")) && text.contains("deployment `local` (now 64"),
+        "{text}"
+    );
+    eprintln!("vllm: LiteLLM's 256 named against {fits} that fit; the concurrent-load fix: {text}");
+}

@@ -363,6 +363,18 @@ pub enum Event {
     ConnClose {
         conn: u64,
     },
+    /// A LiteLLM proxy (the record's pid, not itself traced) and the deployments its config
+    /// routes to: found by a scan of /proc off the event path, again when they change (at most
+    /// once a minute); with no deployments, it is gone.
+    Proxy {
+        /// Its (real) uid: a proxy is tied only to servers of its own user, or root's proxy to any.
+        #[serde(default)]
+        uid: u32,
+        command: Vec<String>,
+        /// The config file as its command line names it.
+        config: String,
+        deployments: Vec<Deployment>,
+    },
     /// The kernel's OOM killer chose this process (the record's pid) as its victim.
     OomKill,
     /// An explicit phase mark for the record's pid (`gputrace mark`): its service is in `phase`
@@ -373,6 +385,24 @@ pub enum Event {
     /// What NVML and the host said at this moment (sampled a few times a second, off the event
     /// path): the driver's own accounting, beside the traced allocations. Pid 0.
     Sample(Sample),
+}
+
+/// One entry of a LiteLLM config's `model_list`: where it sends requests, and how many at once.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Deployment {
+    /// `model_name`: what clients ask for.
+    pub model: String,
+    /// `api_base`'s host and port.
+    pub host: String,
+    pub port: u16,
+    /// The requests LiteLLM lets through to it at once, as LiteLLM computes it: its
+    /// `max_parallel_requests`, else its `rpm`, else its `tpm` / 1000 × 6, else the router's
+    /// `default_max_parallel_requests`; None: no limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_parallel_requests: Option<u64>,
+    /// The key that value came from.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub limit_from: String,
 }
 
 /// Where a process runs: its control group, the container and Kubernetes pod that names, and its

@@ -15,6 +15,7 @@ pub mod files;
 pub mod flight;
 pub mod gpus;
 pub mod http;
+pub mod litellm;
 pub mod mark;
 pub mod metrics;
 pub mod model;

@@ -169,6 +169,21 @@ pub struct Process {
     fds: HashMap<i32, FdRef>,
 }
 
+/// A LiteLLM proxy: its command line, config, and the deployments it names (see
+/// [`Event::Proxy`]).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Proxy {
+    /// When its config was last read as this.
+    pub ts: u64,
+    pub uid: u32,
+    pub command: Vec<String>,
+    pub config: String,
+    pub deployments: Vec<crate::event::Deployment>,
+}
+
+/// Proxies kept: a trace naming more (a crafted one) keeps the first.
+const MAX_PROXIES: usize = 256;
+
 /// A process met running: what it had when tracing began.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct Attached {
@@ -222,6 +237,8 @@ pub struct Model {
     pub marks: Vec<(u64, u32, String)>,
     /// What NVML and the host said while recording, in time order.
     pub samples: Vec<(u64, crate::event::Sample)>,
+    /// LiteLLM proxies met, by pid: what their configs said last.
+    pub proxies: BTreeMap<u32, Proxy>,
     pub undecodable: u64,
     pub lost_records: u64,
     /// NVIDIA fds held in all processes now, and those not followed for being past the bound.
@@ -521,6 +538,17 @@ impl Model {
             }
             Event::Mark { phase } => self.marks.push((ts, pid, phase.clone())),
             Event::Sample(sample) => self.samples.push((ts, sample.clone())),
+            Event::Proxy { deployments, .. } if deployments.is_empty() => {
+                self.proxies.remove(&pid);
+            }
+            Event::Proxy { uid, command, config, deployments } => {
+                if self.proxies.len() < MAX_PROXIES || self.proxies.contains_key(&pid) {
+                    // A crafted trace's proxy keeps what a scan would have.
+                    let deployments = deployments.iter().take(crate::litellm::MAX_DEPLOYMENTS).cloned().collect();
+                    let proxy = Proxy { ts, uid: *uid, command: command.clone(), config: config.clone(), deployments };
+                    self.proxies.insert(pid, proxy);
+                }
+            }
         }
     }
 

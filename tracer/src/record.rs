@@ -283,8 +283,15 @@ mod tests {
         assert_eq!(tightest(&[]), None);
         assert_eq!(tightest(&[headroom("gone", None)]), None, "a server gone has no headroom now");
         let mut tight = headroom("/usr/bin/vllm serve m --max-num-seqs 256", Some(3));
-        tight.limits_exceeded =
-            vec![Limit { setting: "--max-num-seqs".into(), value: 256, bounds: Bound::Concurrency, fits: 4, cap: 4, slots: 1 }];
+        tight.limits_exceeded = vec![Limit {
+            setting: "--max-num-seqs".into(),
+            value: 256,
+            bounds: Bound::Concurrency,
+            fits: 4,
+            cap: 4,
+            slots: 1,
+            proxy: None,
+        }];
         let shown = tightest(&[headroom("llama-server -m m", Some(16)), tight, headroom("gone", None)]);
         assert_eq!(shown.as_deref(), Some("headroom vllm GPU 0: 3 more, 142.0 KiB alone (set --max-num-seqs 4)"));
     }

@@ -111,6 +111,15 @@ pub fn request_line(line: &str) -> String {
 pub fn record(r: &mut Record) {
     match &mut r.event {
         Event::Process { command: c, .. } | Event::Exec { command: c } => *c = command(c),
+        // The port stays: it is what ties a deployment to the server listening on it.
+        Event::Proxy { command: c, config, deployments, .. } => {
+            *c = command(c);
+            *config = HIDDEN.to_string();
+            for d in deployments {
+                d.model = HIDDEN.to_string();
+                d.host = HIDDEN.to_string();
+            }
+        }
         Event::Received { request: Some(line), .. } => *line = request_line(line),
         Event::Sample(sample) => {
             for p in &mut sample.processes {

@@ -4,6 +4,7 @@
 //! sink that writes a trace file and prints its summary, `watch` one that keeps a flight
 //! recorder and answers its own asks (HTTP, SIGUSR1); each is its own module, above this one.
 
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
@@ -101,6 +102,9 @@ type KernelLog = AsyncFd<aya_log::EbpfLogger<probe::KernelLog>>;
 
 /// How often NVML and the host's memory are sampled into the trace.
 const SAMPLE_EVERY: Duration = Duration::from_millis(500);
+/// A proxy's config is read again this often: a change to it is seen within this.
+const PROXY_SCAN_EVERY: Duration = Duration::from_secs(5);
+const PROXY_RESEND_EVERY: Duration = Duration::from_secs(60);
 
 /// A cgroup v2 directory, opened for the kernel's cgroup array; refused with the reason a user
 /// can act on when it is not one.
@@ -342,6 +346,10 @@ impl<S: Sink> Session<S> {
         let (mark_tx, mut mark_rx) = tokio::sync::mpsc::channel::<MarkRequest>(MAX_CONNECTIONS);
         let mut tick = tokio::time::interval(Duration::from_millis(100));
         let mut sample_rx = sampler()?;
+        // A whole host's proxies where the whole host is traced; else (a command, pids, a
+        // cgroup) only the invoking user's own: other users' configs stay out of their trace.
+        let proxy_owner = if opts.all { None } else { Some(self.user.as_ref().map_or(0, |u| u.uid)) };
+        let mut proxy_rx = proxy_scanner(proxy_owner)?;
         // Attached with --pid and nothing launched: done when every attached process is gone.
         let mut attached: Vec<u32> = if child.is_none() && !opts.all { opts.pids.clone() } else { Vec::new() };
         let mut signals_to_command = 0;
@@ -403,6 +411,10 @@ impl<S: Sink> Session<S> {
                     }
                 }
                 Some((ts, sample)) = sample_rx.recv() => self.emit(Record::new(ts, 0, 0, Event::Sample(sample))),
+                Some(proxy) = proxy_rx.recv() => {
+                    let event = Event::Proxy { uid: proxy.uid, command: proxy.command, config: proxy.config, deployments: proxy.deployments };
+                    self.emit_now(proxy.pid, event);
+                }
                 stop = stops.next() => {
                     let stop = stop?;
                     // A command is waited for: the signal is passed on (unless it already got it)
@@ -509,6 +521,45 @@ fn sampler() -> Result<tokio::sync::mpsc::Receiver<(u64, Sample)>> {
         })
         .context("starting the sampler thread")?;
     Ok(sample_rx)
+}
+
+/// LiteLLM proxies (of `owner` only, where given), scanned for on a thread of their own every
+/// [`PROXY_SCAN_EVERY`]: each one new, or whose config now says something else (at most once a
+/// [`PROXY_RESEND_EVERY`]: a config rewritten in a loop cannot flood the window), is sent; one
+/// gone is sent with no deployments. A read that hangs (a config on a FUSE mount of the proxy's
+/// user) stops only this scan.
+fn proxy_scanner(owner: Option<u32>) -> Result<tokio::sync::mpsc::Receiver<crate::litellm::Proxy>> {
+    let (tx, rx) = tokio::sync::mpsc::channel(crate::litellm::MAX_PROXIES);
+    std::thread::Builder::new()
+        .name("gputrace-proxies".into())
+        .spawn(move || {
+            let mut sent: HashMap<u32, (Instant, crate::litellm::Proxy)> = HashMap::new();
+            let mut said = HashSet::new();
+            loop {
+                let found = crate::litellm::scan(owner, &mut said);
+                let gone: Vec<u32> = sent.keys().filter(|pid| !found.iter().any(|p| p.pid == **pid)).copied().collect();
+                let mut out: Vec<crate::litellm::Proxy> = Vec::new();
+                for pid in gone {
+                    let (_, last) = sent.remove(&pid).expect("listed");
+                    out.push(crate::litellm::Proxy { deployments: Vec::new(), ..last });
+                }
+                for proxy in found {
+                    let due = sent.get(&proxy.pid).is_none_or(|(at, last)| *last != proxy && at.elapsed() >= PROXY_RESEND_EVERY);
+                    if due {
+                        sent.insert(proxy.pid, (Instant::now(), proxy.clone()));
+                        out.push(proxy);
+                    }
+                }
+                for proxy in out {
+                    if tx.blocking_send(proxy).is_err() {
+                        return;
+                    }
+                }
+                std::thread::sleep(PROXY_SCAN_EVERY);
+            }
+        })
+        .context("starting the LiteLLM proxy scan")?;
+    Ok(rx)
 }
 
 /// What the trace says of itself and of the machine before the first record: clocks, driver,

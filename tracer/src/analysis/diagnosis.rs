@@ -374,6 +374,11 @@ impl<'a> Diagnoser<'a> {
     }
 
     /// The engine's command line: the first process of the service with one.
+    /// The LiteLLM deployments that send their requests to `service`.
+    pub(super) fn fronting(&self, service: &Service) -> Vec<super::proxy::Front> {
+        super::proxy::fronting(self.model, &self.services.list, service)
+    }
+
     pub(super) fn engine(&self, service: &Service) -> &'a [String] {
         let root = &self.model.processes[&service.root].command;
         let in_service = self.model.processes.values().filter(|p| service.pids.contains(&p.pid));
@@ -796,6 +801,9 @@ impl<'a> Diagnoser<'a> {
             max_concurrency: u64,
             flag: String,
             litellm_max_parallel_requests: u64,
+            /// The LiteLLM deployments met that send to this server, where to set it.
+            #[serde(skip_serializing_if = "Vec::is_empty")]
+            litellm_deployments: Vec<super::proxy::Front>,
         }
         let room = self.room_for_requests(case);
         let n = case.in_flight.len().max(1) as u64;
@@ -812,8 +820,21 @@ impl<'a> Diagnoser<'a> {
         } else {
             ""
         };
+        let fronts = self.fronting(case.service);
+        let litellm = if fronts.is_empty() {
+            format!("LiteLLM max_parallel_requests: {cap} in front of it")
+        } else {
+            let each: Vec<String> = fronts
+                .iter()
+                .map(|f| {
+                    let now = f.max_parallel_requests.map_or_else(|| "no limit".to_string(), |v| format!("{v} by its `{}`", f.limit_from));
+                    format!("{} (now {now})", f.name())
+                })
+                .collect();
+            format!("`max_parallel_requests: {cap}` for {}, which sends to its port", each.join(" and for "))
+        };
         let text = format!(
-            "{n} requests were in flight; {how} {}, and {} was free for requests: cap concurrency at {cap} ({setting}, or LiteLLM max_parallel_requests: {cap} in front of it).{estimate}",
+            "{n} requests were in flight; {how} {}, and {} was free for requests: cap concurrency at {cap} ({setting}, or {litellm}).{estimate}",
             bytes(per_request),
             bytes(room.bytes)
         );
@@ -826,6 +847,7 @@ impl<'a> Diagnoser<'a> {
             max_concurrency: cap,
             flag: setting,
             litellm_max_parallel_requests: cap,
+            litellm_deployments: fronts,
         };
         Said::new(fields, text)
     }

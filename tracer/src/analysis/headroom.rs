@@ -15,6 +15,7 @@ use std::collections::{BTreeMap, HashSet};
 use serde::Serialize;
 
 use super::diagnosis::Diagnoser;
+use super::proxy::Front;
 use super::server::{count, flag_named, ServerFamily};
 use super::sweep::{in_time_order, merged, LiveChanges};
 use super::{is_completion, Phase, Service};
@@ -79,6 +80,9 @@ pub struct Limit {
     pub cap: u64,
     /// llama-server's slots that share a context's value: each request has `value / slots`.
     pub slots: u64,
+    /// Set in a LiteLLM proxy's config, not on the server's command line.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub proxy: Option<Front>,
 }
 
 /// What a server's limit bounds.
@@ -104,6 +108,15 @@ impl Limit {
         let (setting, value, fits, cap) = (&self.setting, self.value, self.fits, self.cap);
         let slots = self.slots;
         match self.bounds {
+            Bound::Concurrency if self.proxy.is_some() => {
+                let front = self.proxy.as_ref().expect("matched");
+                format!(
+                    "{} lets {value} requests at once through to it (by its `{}`, on port {}); memory fits {fits} of the largest served: set `max_parallel_requests: {cap}` there",
+                    front.name(),
+                    front.limit_from,
+                    front.port
+                )
+            }
             Bound::Concurrency => format!("`{setting} {value}` lets {value} run at once; memory fits {fits} of the largest served: cap at {cap}"),
             Bound::Context if slots > 1 => format!(
                 "`{setting} {value}` lets each of its {slots} slots take a prompt of {} tokens; memory fits one of {fits} alone (at {BYTES_PER_TOKEN} bytes a token): set it to {cap}",
@@ -428,7 +441,7 @@ impl<'a> Diagnoser<'a> {
             measured_alone: cost.alone,
             largest_request_bytes: largest,
             request_cost_bytes: cost.of(largest),
-            limits_exceeded: limits(self.engine(service), &cost, &now.unwrap_or(tightest)),
+            limits_exceeded: limits(self.engine(service), &self.fronting(service), &cost, &now.unwrap_or(tightest)),
             now,
             tightest,
         })
@@ -438,7 +451,7 @@ impl<'a> Diagnoser<'a> {
 /// The engine's limits its command line sets that let in more than memory takes at `at`: requests
 /// at once against what fit then, one request's context and one batch's tokens against the
 /// prompt that fits in the room then.
-fn limits(engine: &[String], cost: &Cost, at: &Moment) -> Vec<Limit> {
+fn limits(engine: &[String], fronts: &[Front], cost: &Cost, at: &Moment) -> Vec<Limit> {
     let family = ServerFamily::of(engine);
     let (tokens, context) = cost.context(at.room_bytes);
     // llama-server's -c may be its slots' context together: each request's is its share.
@@ -448,14 +461,27 @@ fn limits(engine: &[String], cost: &Cost, at: &Moment) -> Vec<Limit> {
         (Bound::Context, family.context().map(|(_, names)| names), tokens, context, slots),
         (Bound::BatchTokens, family.batch_tokens(), tokens, context, 1),
     ];
-    checks
+    let mut exceeded: Vec<Limit> = checks
         .into_iter()
         .filter_map(|(bounds, names, fits, cap, slots)| {
             let (setting, value) = flag_named(engine, names?)?;
             let value = count(&value)?;
-            let limit = Limit { setting: setting.to_string(), value, bounds, fits, cap: cap.saturating_mul(slots), slots };
+            let limit = Limit { setting: setting.to_string(), value, bounds, fits, cap: cap.saturating_mul(slots), slots, proxy: None };
             // A cap of nothing (no room at all) is no value a server takes: the headroom says it.
             (limit.lets_in() > fits && cap > 0).then_some(limit)
         })
-        .collect()
+        .collect();
+    // A proxy's limit matters where the server's own lets in more than fits (or it sets none,
+    // and its default may): a server that caps itself queues what a proxy lets through.
+    let own = family.concurrency().and_then(|(_, names)| flag_named(engine, names)).and_then(|(_, v)| count(&v));
+    if own.is_none_or(|own| own > at.fit_at_once) && at.fit_at_once > 0 {
+        let proxies = fronts.iter().filter_map(|f| {
+            let value = f.max_parallel_requests.filter(|&n| n > at.fit_at_once)?;
+            let setting = format!("LiteLLM {}", f.limit_from);
+            let (fits, cap) = (at.fit_at_once, at.fit_at_once);
+            Some(Limit { setting, value, bounds: Bound::Concurrency, fits, cap, slots: 1, proxy: Some(f.clone()) })
+        });
+        exceeded.extend(proxies);
+    }
+    exceeded
 }

@@ -6,6 +6,7 @@ pub mod diagnosis;
 pub mod headroom;
 pub mod holders;
 pub mod nvml;
+pub mod proxy;
 pub mod server;
 pub mod sweep;
 pub mod usage;

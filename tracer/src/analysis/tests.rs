@@ -614,7 +614,7 @@ fn a_limit_above_what_memory_fits_is_named_with_the_cap() {
     let mut t = serving(&["--max-num-seqs", "256"]);
     let [h] = &headroom(&mut t, &[])[..] else { panic!() };
     let concurrency =
-        |value, fits| Limit { setting: "--max-num-seqs".into(), value, bounds: Bound::Concurrency, fits, cap: fits, slots: 1 };
+        |value, fits| Limit { setting: "--max-num-seqs".into(), value, bounds: Bound::Concurrency, fits, cap: fits, slots: 1, proxy: None };
     assert_eq!(h.limits_exceeded, [concurrency(256, 40)]);
     assert!(
         h.text().contains("`--max-num-seqs 256` lets 256 run at once; memory fits 40 of the largest served: cap at 40"),
@@ -625,6 +625,88 @@ fn a_limit_above_what_memory_fits_is_named_with_the_cap() {
     assert!(headroom(&mut t, &[])[0].limits_exceeded.is_empty(), "32 fit");
 }
 
+/// A LiteLLM proxy (pid 500) whose config sends `local` to port 8000 with this limit (None: none).
+fn litellm(t: &mut Trace, port: u16, limit: Option<u64>) {
+    let deployment = crate::event::Deployment {
+        model: "local".into(),
+        host: "localhost".into(),
+        port,
+        max_parallel_requests: limit,
+        limit_from: "max_parallel_requests".into(),
+    };
+    let command = vec!["litellm".into(), "--config".into(), "/srv/litellm.yaml".into()];
+    t.at(150 * MS, 500, Event::Proxy { uid: 0, command, config: "/srv/litellm.yaml".into(), deployments: vec![deployment] });
+}
+
+#[test]
+fn a_litellm_limit_past_what_fits_is_named_where_the_server_sets_none_that_fits() {
+    let mut t = serving(&[]);
+    litellm(&mut t, 8000, Some(50));
+    let [h] = &headroom(&mut t, &[])[..] else { panic!() };
+    let [l] = &h.limits_exceeded[..] else { panic!("{:?}", h.limits_exceeded) };
+    assert_eq!((l.setting.as_str(), l.value, l.fits, l.cap, l.bounds), ("LiteLLM max_parallel_requests", 50, 40, 40, Bound::Concurrency));
+    assert_eq!(l.proxy.as_ref().map(|p| (p.pid, p.port)), Some((500, 8000)));
+    assert!(
+        h.text().contains(
+            "LiteLLM (pid 500 of uid 0, /srv/litellm.yaml) deployment `local` lets 50 requests at once through to it (by its `max_parallel_requests`, on port 8000); memory fits 40 of the largest served: set `max_parallel_requests: 40` there"
+        ),
+        "{}",
+        h.text()
+    );
+    // The server's own limit past what fits too: both named.
+    let mut t = serving(&["--max-num-seqs", "256"]);
+    litellm(&mut t, 8000, Some(50));
+    assert_eq!(headroom(&mut t, &[])[0].limits_exceeded.len(), 2);
+    // A server that caps itself within what fits queues what the proxy lets through.
+    let mut t = serving(&["--max-num-seqs", "32"]);
+    litellm(&mut t, 8000, Some(50));
+    assert!(headroom(&mut t, &[])[0].limits_exceeded.is_empty());
+    // Another user's proxy says nothing of this server (root's would).
+    let mut t = serving(&[]);
+    t.at(1, API, Event::Place(crate::event::Place { uid: Some(1000), ..Default::default() }));
+    let deployment = crate::event::Deployment {
+        model: "x".into(),
+        host: "h".into(),
+        port: 8000,
+        max_parallel_requests: Some(99),
+        limit_from: "rpm".into(),
+    };
+    t.at(150 * MS, 600, Event::Proxy { uid: 2000, command: vec![], config: "c".into(), deployments: vec![deployment] });
+    assert!(headroom(&mut t, &[])[0].limits_exceeded.is_empty());
+    // Within what fits, no limit at all, or another port: nothing said.
+    for (port, limit) in [(8000, Some(40)), (8000, None), (9000, Some(50))] {
+        let mut t = serving(&[]);
+        litellm(&mut t, port, limit);
+        assert!(headroom(&mut t, &[])[0].limits_exceeded.is_empty(), "{port} {limit:?}");
+    }
+}
+
+#[test]
+fn a_concurrent_load_fix_names_the_litellm_deployment_in_front() {
+    let mut t = Trace::vllm(60 * GIB);
+    t.request(6, 150 * MS, 8_000, Some(180 * MS));
+    t.at(190 * MS, API, Event::ConnClose { conn: 6 });
+    for conn in 7..15 {
+        t.request(conn, 200 * MS, 8_000, None);
+    }
+    litellm(&mut t, 8000, Some(64));
+    t.alloc(210 * MS, ENGINE, 24 * GIB, 0x51);
+    let d = &t.diagnose(80 * GIB, &[], 0)[0];
+    assert_eq!(d.category, Category::ConcurrentLoad);
+    let cap = d.fix.fields["max_concurrency"].as_u64().unwrap();
+    let expected = format!(
+        "`max_parallel_requests: {cap}` for LiteLLM (pid 500 of uid 0, /srv/litellm.yaml) deployment `local` (now 64 by its `max_parallel_requests`), which sends to its port"
+    );
+    assert!(d.fix.text.contains(&expected), "{}", d.fix.text);
+    assert_eq!(d.fix.fields["litellm_deployments"][0]["pid"], 500);
+    // Two services listening on the port: no deployment is tied to either.
+    t.at(1, 700, Event::Process { ppid: 1, seen: Seen::Running, command: vec!["other".into()] });
+    t.at(2, 700, Event::Attached { listening: vec![8000], gpus: vec![] });
+    t.alloc(3, 700, GIB, 0);
+    let d = &t.diagnose(80 * GIB, &[], 0)[0];
+    assert!(d.fix.text.contains("LiteLLM max_parallel_requests:") && d.fix.fields.get("litellm_deployments").is_none(), "{}", d.fix.text);
+}
+
 /// One request's context and one batch's tokens against the prompt that fits in the room: 20 GiB
 /// at 64 KiB a byte received is 320,000 bytes, 80,000 tokens at 4 bytes a token.
 #[test]
@@ -632,7 +714,8 @@ fn a_context_or_batch_limit_past_the_prompt_that_fits_is_named_with_the_value_to
     let flags = ["--max-num-seqs", "256", "--max-model-len", "131072", "--max-num-batched-tokens=100000"];
     let mut t = serving(&flags);
     let [h] = &headroom(&mut t, &[])[..] else { panic!() };
-    let limit = |setting: &str, value, bounds, fits, cap| Limit { setting: setting.into(), value, bounds, fits, cap, slots: 1 };
+    let limit =
+        |setting: &str, value, bounds, fits, cap| Limit { setting: setting.into(), value, bounds, fits, cap, slots: 1, proxy: None };
     assert_eq!(
         h.limits_exceeded,
         [
@@ -661,7 +744,7 @@ fn a_context_or_batch_limit_past_the_prompt_that_fits_is_named_with_the_value_to
 #[test]
 fn llama_servers_context_is_checked_per_slot() {
     let llama = |flags: &[&str]| headroom(&mut llama_serving(flags), &[]).remove(0).limits_exceeded;
-    let context = |value, slots, cap| Limit { setting: "-c".into(), value, bounds: Bound::Context, fits: 80_000, cap, slots };
+    let context = |value, slots, cap| Limit { setting: "-c".into(), value, bounds: Bound::Context, fits: 80_000, cap, slots, proxy: None };
     // 8 slots of 100,000 tokens each: past the 80,000 that fit; -c 620,800 gives each 77,600.
     assert_eq!(llama(&["-c", "800000", "-np", "8"]), [context(800_000, 8, 620_800)]);
     let limits = llama(&["-c", "800000", "-np", "8"]);

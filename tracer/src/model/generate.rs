@@ -107,6 +107,18 @@ fn process_or_file(kind: u8, b: &mut Bytes, pid: u32, fd: i32) -> Event {
             command: vec![format!("p{pid}")],
         },
         // A process met running: what it listened on and the GPUs it held then.
+        1 if b.one_in(5) => Event::Proxy {
+            uid: 0,
+            command: vec!["litellm".into()],
+            config: format!("c{pid}.yaml"),
+            deployments: vec![crate::event::Deployment {
+                model: "m".into(),
+                host: "h".into(),
+                port: 8000,
+                max_parallel_requests: Some(b.pick(64).into()),
+                limit_from: "rpm".into(),
+            }],
+        },
         1 if b.one_in(3) => Event::Attached { listening: if b.one_in(2) { vec![8000] } else { vec![] }, gpus: vec![b.pick(3)] },
         1 => Event::Exec { command: vec![format!("e{pid}")] },
         2 => Event::Exit { code: Some(i32::from(b.u8())) },

@@ -8,7 +8,8 @@
 //! What is gone is left out: exited processes that own no live memory, freed allocations, ended
 //! requests (but the first answered one of each process, and those before their first data when
 //! a live allocation was made: what a request costs is measured from them), failures, all marks
-//! but each process's latest, all samples but the latest.
+//! but each process's latest, all samples but the latest. LiteLLM proxies are kept as their
+//! configs were last read.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 
@@ -41,6 +42,7 @@ impl Model {
         s.shares();
         s.requests();
         s.marks_and_sample();
+        s.proxies();
         s.finish();
         s.out
     }
@@ -503,6 +505,14 @@ impl<'a> Snapshot<'a> {
         }
         if let Some((ts, sample)) = self.model.samples.last() {
             self.push(*ts, 0, Event::Sample(sample.clone()));
+        }
+    }
+
+    fn proxies(&mut self) {
+        for (&pid, p) in &self.model.proxies {
+            let event =
+                Event::Proxy { uid: p.uid, command: p.command.clone(), config: p.config.clone(), deployments: p.deployments.clone() };
+            self.out.push(Record::new(p.ts, pid, 0, event));
         }
     }
 

@@ -74,6 +74,18 @@ fn every_event(v: [u64; 8], s: [String; 2]) -> Vec<Event> {
         Event::Undecodable { fd, cmd: a, reason: s[1].clone() },
         Event::Attached { listening: vec![a as u16, 8000], gpus: vec![b, 0] },
         Event::Mark { phase: s[0].clone() },
+        Event::Proxy {
+            uid: b,
+            command: vec![s[0].clone(), "--config".into()],
+            config: s[1].clone(),
+            deployments: vec![Deployment {
+                model: s[0].clone(),
+                host: s[1].clone(),
+                port: a as u16,
+                max_parallel_requests: some(x),
+                limit_from: "rpm".into(),
+            }],
+        },
         Event::Sample(Sample {
             gpus: vec![GpuUse { gpu: a, used_bytes: x }],
             processes: vec![ProcessUse { pid: b, gpu: 0, used_bytes: some(y), command: vec![s[1].clone()] }],
