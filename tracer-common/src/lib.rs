@@ -142,6 +142,12 @@ pub struct KernelOffsets {
     /// `files_struct.count` plus one (it is the struct's first member): how many tasks share a
     /// file table; 0 when unknown.
     pub files_count_plus_one: u32,
+    /// `task_struct.mm`, `mm_struct.arg_start` and `arg_end`: where an exec's argv lies in its
+    /// new memory; 0 when unknown (userspace reads /proc/PID/cmdline instead).
+    pub task_mm: u32,
+    pub mm_arg_start: u32,
+    pub mm_arg_end: u32,
+    pub _pad: u32,
 }
 
 #[repr(C)]
@@ -215,7 +221,16 @@ pub struct FdRecord {
 pub struct ExecRecord {
     pub header: Header,
     pub filename: [u8; 64],
+    /// The argv the new program was given, NUL-separated: the first `args_len` bytes of it
+    /// (`args_len` 0: unknown), all of it when `args_whole` is 1.
+    pub args_len: u32,
+    pub args_whole: u32,
+    pub args: [u8; EXEC_ARGS],
 }
+
+/// Bytes of an exec's argv its record carries (a power of two: the kernel side masks lengths
+/// with it less one).
+pub const EXEC_ARGS: usize = 1024;
 
 /// A read on a followed connection, from its enter to its exit (the READS map, by pid_tgid).
 /// Userspace writes one for a thread met already blocked in such a read when it attaches.

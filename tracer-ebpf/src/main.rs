@@ -23,7 +23,7 @@ use aya_log_ebpf::warn;
 use tracer_common::{
     alloc, control, control_params_size, device, escape, ioc_nr, ioc_size, ioctl_flag, kind, rm_cmd, rm_command_traced, rm_escape_traced,
     stat, traced, u32_at, u64_at, uvm_command_traced, xfer, Config, ExecRecord, FdKey, FdRecord, Header, IoctlRecord, KernelOffsets,
-    OpenRecord, Reading, SockRecord, UvmWindow, CLASS_PARAMS_MAX, CONN_SLOTS, PARAMS_MAX, PATH_MAX, SOCK_HEAD_MAX,
+    OpenRecord, Reading, SockRecord, UvmWindow, CLASS_PARAMS_MAX, CONN_SLOTS, EXEC_ARGS, PARAMS_MAX, PATH_MAX, SOCK_HEAD_MAX,
 };
 
 #[map]

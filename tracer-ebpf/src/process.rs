@@ -37,8 +37,37 @@ pub fn process_exec(ctx: TracePointContext) -> u32 {
     let data_loc: u32 = arg(&ctx, EXEC_FILENAME_LOC);
     let src = unsafe { (aya_ebpf::EbpfContext::as_ptr(&ctx) as *const u8).add((data_loc & 0xffff) as usize) };
     let _ = unsafe { bpf_probe_read_kernel_str_bytes(src, &mut record.filename) };
+    read_argv(record);
     entry.submit(wake_for(kind::EXEC));
     0
+}
+
+/// The new program's argv, from `current->mm->arg_start..arg_end` (exec has just copied it
+/// there): a program that exits at once is still named by its command line, which /proc can no
+/// longer give once userspace reads the record.
+#[inline(always)]
+fn read_argv(record: &mut ExecRecord) {
+    record.args_len = 0;
+    record.args_whole = 0;
+    let Some(o) = OFFSETS.get(0) else { return };
+    if o.task_mm == 0 || o.mm_arg_end == 0 {
+        return;
+    }
+    let mm = read_pointer(unsafe { bpf_get_current_task() } + o.task_mm as u64);
+    if mm == 0 {
+        return;
+    }
+    let (start, end) = (read_pointer(mm + o.mm_arg_start as u64), read_pointer(mm + o.mm_arg_end as u64));
+    let total = end.wrapping_sub(start);
+    if start == 0 || total == 0 || total > 1 << 20 {
+        return;
+    }
+    // Never past arg_end: the environment follows it.
+    let len = total.min(EXEC_ARGS as u64 - 1) & (EXEC_ARGS as u64 - 1);
+    if unsafe { bpf_probe_read_user(record.args.as_mut_ptr() as *mut _, len as u32, start as *const _) } == 0 {
+        record.args_len = len as u32;
+        record.args_whole = (len == total) as u32;
+    }
 }
 
 /// Runs for every thread that exits; only the end of the whole process counts.

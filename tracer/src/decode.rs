@@ -74,6 +74,10 @@ pub enum RawKind {
     },
     Exec {
         filename: String,
+        /// The argv it was given, as far as the kernel side could read it (empty: unknown), and
+        /// whether that is all of it.
+        argv: Vec<String>,
+        argv_whole: bool,
     },
     /// The whole process is gone; `status` as wait(2) would give it, where the kernel's BTF let
     /// the kernel side read it.
@@ -181,7 +185,12 @@ pub fn parse_record(bytes: &[u8]) -> Result<Raw, DecodeError> {
         kind::FORK => RawKind::Fork { child: fd_record()?.a as u32 },
         kind::EXEC => {
             let r: ExecRecord = read(bytes, k)?;
-            RawKind::Exec { filename: c_string(&r.filename) }
+            let args = &r.args[..(r.args_len as usize).min(r.args.len())];
+            RawKind::Exec {
+                filename: c_string(&r.filename),
+                argv: crate::procfs::argv(args),
+                argv_whole: r.args_whole == 1 && !args.is_empty(),
+            }
         }
         kind::EXIT => {
             let r = fd_record()?;

@@ -338,7 +338,10 @@ impl<R: Resolver> FileTable<R> {
     }
 
     /// exec closes close-on-exec fds and drops the kernel's negative answers (asked again if used).
-    pub fn exec(&mut self, pid: u32, filename: &str, updates: &mut Vec<KernelUpdate>) -> Event {
+    /// Its command is the argv the kernel side read at the exec when it read all of it (a program
+    /// that fails at once is gone from /proc by now), else /proc's, else what part the kernel
+    /// read, else the file it ran.
+    pub fn exec(&mut self, pid: u32, filename: &str, argv: Vec<String>, argv_whole: bool, updates: &mut Vec<KernelUpdate>) -> Event {
         for fd in self.fds_of(pid) {
             let keep = matches!(self.fds.get(&(pid, fd)), Some(Answer::Nvidia { cloexec: false, .. }));
             if !keep {
@@ -346,7 +349,12 @@ impl<R: Resolver> FileTable<R> {
                 updates.push(KernelUpdate::ForgetFd { pid, fd });
             }
         }
-        let command = self.resolver.command(pid).unwrap_or_else(|| vec![filename.to_string()]);
+        let command = match self.resolver.command(pid) {
+            _ if argv_whole => argv,
+            Some(read) if read != [procfs::UNREADABLE] || argv.is_empty() => read,
+            _ if !argv.is_empty() => argv,
+            _ => vec![filename.to_string()],
+        };
         Event::Exec { command }
     }
 
@@ -584,7 +592,11 @@ mod tests {
             matches!((self.fds.get(&a), self.fds.get(&b)), (Some(x), Some(y)) if x.1 == y.1)
         }
         fn command(&self, pid: u32) -> Option<Vec<String>> {
-            Some(vec![format!("cmd{pid}")])
+            match pid {
+                GONE => None,
+                LATE => Some(vec![procfs::UNREADABLE.to_string()]),
+                _ => Some(vec![format!("cmd{pid}")]),
+            }
         }
         fn parent(&self, _pid: u32) -> Option<u32> {
             Some(1)
@@ -607,6 +619,10 @@ mod tests {
             self.blocked.clone()
         }
     }
+
+    /// A process already gone from /proc, and one whose command line cannot be read in time.
+    const GONE: u32 = 900;
+    const LATE: u32 = 901;
 
     fn table(fds: &[((u32, i32), &str, u32)]) -> FileTable<FakeProc> {
         let mut proc = FakeProc::default();
@@ -784,11 +800,32 @@ mod tests {
         let mut updates = vec![];
         t.answer(10, (5, true), 0, &mut updates);
         updates.clear();
-        t.exec(10, "/bin/next", &mut updates);
+        t.exec(10, "/bin/next", vec![], false, &mut updates);
         assert!(updates.contains(&KernelUpdate::ForgetFd { pid: 10, fd: 5 }));
         assert!(updates.contains(&KernelUpdate::ForgetFd { pid: 10, fd: 7 }));
         assert!(!updates.contains(&KernelUpdate::ForgetFd { pid: 10, fd: 6 }));
         assert_eq!(t.device(10, 6), Some(Device::Ctl));
+    }
+
+    /// The command an exec is named by: the kernel's argv when whole, even where /proc could
+    /// answer (it may already show a later exec's); /proc's over a part of it; a part over
+    /// nothing; the file run when nothing else is known.
+    #[test]
+    fn an_exec_is_named_by_the_argv_the_kernel_read() {
+        let mut t = table(&[]);
+        let mut updates = vec![];
+        let argv = || vec!["fake-server".to_string(), "--server".to_string(), "llama".to_string()];
+        let command = |e: Event| match e {
+            Event::Exec { command } => command,
+            e => panic!("{e:?}"),
+        };
+        assert_eq!(command(t.exec(10, "/bin/fake-server", argv(), true, &mut updates)), argv());
+        assert_eq!(command(t.exec(GONE, "/bin/fake-server", argv(), true, &mut updates)), argv());
+        assert_eq!(command(t.exec(10, "/bin/fake-server", argv(), false, &mut updates)), ["cmd10"]);
+        assert_eq!(command(t.exec(GONE, "/bin/fake-server", argv(), false, &mut updates)), argv());
+        assert_eq!(command(t.exec(LATE, "/bin/fake-server", argv(), false, &mut updates)), argv());
+        assert_eq!(command(t.exec(LATE, "/bin/fake-server", vec![], false, &mut updates)), [procfs::UNREADABLE]);
+        assert_eq!(command(t.exec(GONE, "/bin/fake-server", vec![], false, &mut updates)), ["/bin/fake-server"]);
     }
 
     #[test]
@@ -799,7 +836,7 @@ mod tests {
         let mut updates = vec![];
         t.close_range(10, 3, u32::MAX, CLOSE_RANGE_CLOEXEC, &mut updates);
         assert!(updates.is_empty());
-        t.exec(10, "x", &mut updates);
+        t.exec(10, "x", vec![], false, &mut updates);
         assert_eq!(t.device(10, 3), None, "marked close-on-exec by close_range");
         let mut t = table(&[]);
         t.opened(10, 3, Device::Ctl, false, 0);

@@ -69,8 +69,8 @@ impl<R: Resolver> Pipeline<R> {
                     push(child, Event::Place(place), None);
                 }
             }
-            RawKind::Exec { filename } => {
-                push(pid, self.files.exec(pid, &filename, updates), None);
+            RawKind::Exec { filename, argv, argv_whole } => {
+                push(pid, self.files.exec(pid, &filename, argv, argv_whole, updates), None);
                 if let Some(place) = self.files.place_if_new(pid, None) {
                     push(pid, Event::Place(place), None);
                 }

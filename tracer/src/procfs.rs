@@ -265,6 +265,12 @@ pub fn parent(pid: u32) -> Option<u32> {
 /// What a command line that could not be read in time is shown as.
 pub const UNREADABLE: &str = "unknown (unreadable)";
 
+/// An argv as the kernel keeps it (NUL-separated, as /proc/PID/cmdline gives it): its non-empty
+/// arguments.
+pub fn argv(raw: &[u8]) -> Vec<String> {
+    raw.split(|&b| b == 0).filter(|a| !a.is_empty()).map(|a| String::from_utf8_lossy(a).into_owned()).collect()
+}
+
 /// Its argv, at most [`MAX_COMMAND`] bytes of it; None when gone or empty (a kernel thread).
 /// Read within [`mm::DEADLINE`]: past it (the process holds its own memory lock, see [`mm`]),
 /// the command is [`UNREADABLE`].
@@ -273,7 +279,7 @@ pub fn command(pid: u32) -> Option<Vec<String>> {
         mm::Read::Done(raw) => raw?,
         mm::Read::Late => return Some(vec![UNREADABLE.to_string()]),
     };
-    let args: Vec<String> = raw.split(|&b| b == 0).filter(|a| !a.is_empty()).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
+    let args = argv(&raw);
     (!args.is_empty()).then_some(args)
 }
 

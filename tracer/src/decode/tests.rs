@@ -573,3 +573,38 @@ fn rm_share_is_decoded_with_its_policy() {
         tracer_common::rm_command_traced(rm_cmd(escape::RM_SHARE, 24)) && !tracer_common::rm_command_traced(rm_cmd(escape::RM_SHARE, 28))
     );
 }
+
+fn exec_record_bytes(args: &[u8], args_len: u32, args_whole: u32) -> Vec<u8> {
+    let mut r = ExecRecord {
+        header: Header { kind: kind::EXEC, tgid: 100, tid: 100, _pad: 0, ts_ns: 5_000 },
+        filename: [0; 64],
+        args_len,
+        args_whole,
+        args: [0; tracer_common::EXEC_ARGS],
+    };
+    r.filename[..12].copy_from_slice(b"/bin/server\0");
+    r.args[..args.len()].copy_from_slice(args);
+    let bytes = unsafe { std::slice::from_raw_parts(&r as *const ExecRecord as *const u8, size_of::<ExecRecord>()) };
+    bytes.to_vec()
+}
+
+/// An exec's argv as the kernel read it: only its first `args_len` bytes count (an empty
+/// argument dropped, as /proc's are), whole only when the kernel says so and read something; a
+/// length past the buffer is cut to it, never a panic; a short record is an error.
+#[test]
+fn an_exec_carries_its_argv() {
+    let exec = |bytes: &[u8]| match parse_record(bytes).unwrap().kind {
+        RawKind::Exec { filename, argv, argv_whole } => (filename, argv, argv_whole),
+        k => panic!("{k:?}"),
+    };
+    let (filename, argv, whole) = exec(&exec_record_bytes(b"server\0--port\0\08000\0HOME=/root", 20, 1));
+    assert_eq!((filename.as_str(), argv, whole), ("/bin/server", vec!["server".to_string(), "--port".into(), "8000".into()], true));
+    let (_, argv, whole) = exec(&exec_record_bytes(b"server\0--po", 11, 0));
+    assert_eq!((argv, whole), (vec!["server".to_string(), "--po".into()], false));
+    let (_, argv, whole) = exec(&exec_record_bytes(b"", 0, 1));
+    assert_eq!((argv, whole), (vec![], false), "nothing read is not a whole argv");
+    let (_, argv, _) = exec(&exec_record_bytes(b"a", u32::MAX, 1));
+    assert_eq!(argv, ["a"]);
+    let bytes = exec_record_bytes(b"a", 1, 1);
+    assert!(parse_record(&bytes[..bytes.len() - 1]).is_err());
+}
