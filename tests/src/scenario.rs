@@ -383,26 +383,33 @@ fn wait_for_exit(child: &mut Child, limit: Duration) -> Result<()> {
     bail!("still running after {limit:?}")
 }
 
-/// A LiteLLM proxy in front of the server for as long as the scenario runs (GPUTRACE_LITELLM=N:
-/// its deployment's `max_parallel_requests`): a script named `litellm` that only waits, with a
-/// config that sends to the server's port. It forwards nothing: the load goes to the server.
+/// A LiteLLM proxy in front of the server for as long as the scenario runs (GPUTRACE_LITELLM=N
+/// or N,M,...: each deployment's `max_parallel_requests`, the first named `local`, the others
+/// `local-2`...; GPUTRACE_LITELLM_WORKERS=W: its `--num_workers`): a script named `litellm` that
+/// only waits, with a config that sends each to the server's port. It forwards nothing: the
+/// load goes to the server.
 struct LiteLlm(Child);
 
 impl LiteLlm {
     fn start(dir: &Path, port: u16) -> Result<Option<LiteLlm>> {
-        let Ok(limit) = std::env::var("GPUTRACE_LITELLM") else { return Ok(None) };
+        let Ok(limits) = std::env::var("GPUTRACE_LITELLM") else { return Ok(None) };
         let config = dir.join("litellm.yaml");
-        std::fs::write(
-            &config,
-            format!(
-                "model_list:\n  - model_name: local\n    litellm_params:\n      model: hosted_vllm/fake\n      api_base: http://localhost:{port}/v1\n      max_parallel_requests: {limit}\n"
-            ),
-        )?;
+        let mut yaml = String::from("model_list:\n");
+        for (i, limit) in limits.split(',').enumerate() {
+            let name = if i == 0 { "local".to_string() } else { format!("local-{}", i + 1) };
+            yaml += &format!(
+                "  - model_name: {name}\n    litellm_params:\n      model: hosted_vllm/fake\n      api_base: http://localhost:{port}/v1\n      max_parallel_requests: {limit}\n"
+            );
+        }
+        std::fs::write(&config, yaml)?;
         let program = dir.join("litellm");
         std::fs::write(&program, "#!/bin/sh\nsleep 3600\n")?;
         std::fs::set_permissions(&program, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
         let mut proxy = Command::new(&program);
         proxy.arg("--config").arg(&config).process_group(0).stdout(Stdio::null());
+        if let Ok(workers) = std::env::var("GPUTRACE_LITELLM_WORKERS") {
+            proxy.args(["--num_workers", &workers]);
+        }
         let child = proxy.spawn().context("starting the LiteLLM stand-in")?;
         std::fs::write(dir.join("litellm.pid"), child.id().to_string())?;
         Ok(Some(LiteLlm(child)))

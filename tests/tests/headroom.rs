@@ -122,8 +122,29 @@ fn a_litellm_proxy_in_front_is_checked_and_named() {
     let [limit] = h["limits_exceeded"].as_array().unwrap().as_slice() else { panic!("one limit past what fits: {h:#}") };
     assert_eq!((limit["setting"].as_str(), limit["value"].as_u64()), (Some("LiteLLM max_parallel_requests"), Some(256)), "{h:#}");
     assert_eq!((limit["fits"].as_u64(), limit["cap"].as_u64()), (Some(fits), Some(fits)), "{h:#}");
-    assert_eq!(limit["proxy"]["pid"].as_u64().unwrap().to_string(), proxy.trim(), "{h:#}");
-    assert_eq!(limit["proxy"]["config"].as_str(), Some(config.as_str()), "{h:#}");
+    assert_eq!(limit["proxies"][0]["pid"].as_u64().unwrap().to_string(), proxy.trim(), "{h:#}");
+    assert_eq!(limit["proxies"][0]["config"].as_str(), Some(config.as_str()), "{h:#}");
+
+    // Two deployments to the server, each within what fits, in each of a proxy's 2 workers: 4
+    // counts together past it, one limit with each one's share to set.
+    let each = fits / 2;
+    let env = [
+        ("GPUTRACE_LOAD", format!("--sequential {WARMUP}")),
+        ("GPUTRACE_LITELLM", format!("{each},{each}")),
+        ("GPUTRACE_LITELLM_WORKERS", "2".into()),
+    ];
+    let dir = scenario("probe", "vllm", &env.iter().map(|(k, v)| (*k, v.as_str())).collect::<Vec<_>>());
+    let h = &summary(&dir)["headroom"][0];
+    let fits = h["tightest"]["fit_at_once"].as_u64().unwrap();
+    let [limit] = h["limits_exceeded"].as_array().unwrap().as_slice() else { panic!("one limit for both: {h:#}") };
+    assert_eq!((limit["value"].as_u64(), limit["proxies"].as_array().map(Vec::len)), (Some(4 * each), Some(2)), "{h:#}");
+    let out = std::process::Command::new(common::gputrace_bin()).arg("report").arg(dir.join("run.trace")).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(each <= fits && 4 * each > fits, "the scenario's premise: {each} of {fits}");
+    let share = (fits / 4).max(1);
+    eprintln!("vllm: two deployments of {each} in 2 workers each, against {fits} that fit: set {share} in each");
+    eprintln!("{}", text.lines().find(|l| l.contains("LiteLLM")).unwrap_or_default());
+    assert!(text.contains(&format!("set `max_parallel_requests: {share}` in each (each worker keeps its own count)")), "{text}");
 
     let dir = scenario("concurrent-load", "vllm", &[("GPUTRACE_LITELLM", "64")]);
     let failed = summary(&dir);

@@ -290,7 +290,7 @@ mod tests {
             fits: 4,
             cap: 4,
             slots: 1,
-            proxy: None,
+            proxies: vec![],
         }];
         let shown = tightest(&[headroom("llama-server -m m", Some(16)), tight, headroom("gone", None)]);
         assert_eq!(shown.as_deref(), Some("headroom vllm GPU 0: 3 more, 142.0 KiB alone (set --max-num-seqs 4)"));

@@ -821,6 +821,8 @@ impl<'a> Diagnoser<'a> {
             ""
         };
         let fronts = self.fronting(case.service);
+        // Deployments in front count together, each worker of a proxy on its own: each gets a share.
+        let litellm_cap = super::proxy::share(&fronts, cap);
         let litellm = if fronts.is_empty() {
             format!("LiteLLM max_parallel_requests: {cap} in front of it")
         } else {
@@ -831,7 +833,12 @@ impl<'a> Diagnoser<'a> {
                     format!("{} (now {now})", f.name())
                 })
                 .collect();
-            format!("`max_parallel_requests: {cap}` for {}, which sends to its port", each.join(" and for "))
+            let (sends, together) = match (fronts.len(), fronts.iter().map(|f| f.workers).sum::<u64>()) {
+                (1, 1) => ("sends to its port", String::new()),
+                (1, _) => ("sends to its port", format!(": {cap} together over its workers")),
+                (_, _) => ("send to its port", format!(": {cap} together")),
+            };
+            format!("`max_parallel_requests: {litellm_cap}` for {}, which {sends}{together}", each.join(" and for "))
         };
         let text = format!(
             "{n} requests were in flight; {how} {}, and {} was free for requests: cap concurrency at {cap} ({setting}, or {litellm}).{estimate}",
@@ -846,7 +853,7 @@ impl<'a> Diagnoser<'a> {
             room_bytes: room.bytes,
             max_concurrency: cap,
             flag: setting,
-            litellm_max_parallel_requests: cap,
+            litellm_max_parallel_requests: litellm_cap,
             litellm_deployments: fronts,
         };
         Said::new(fields, text)

@@ -80,9 +80,10 @@ pub struct Limit {
     pub cap: u64,
     /// llama-server's slots that share a context's value: each request has `value / slots`.
     pub slots: u64,
-    /// Set in a LiteLLM proxy's config, not on the server's command line.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub proxy: Option<Front>,
+    /// Set in the configs of the LiteLLM deployments in front of the server (the value is what
+    /// they let through together), not on its command line.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub proxies: Vec<Front>,
 }
 
 /// What a server's limit bounds.
@@ -108,13 +109,21 @@ impl Limit {
         let (setting, value, fits, cap) = (&self.setting, self.value, self.fits, self.cap);
         let slots = self.slots;
         match self.bounds {
-            Bound::Concurrency if self.proxy.is_some() => {
-                let front = self.proxy.as_ref().expect("matched");
+            Bound::Concurrency if !self.proxies.is_empty() => {
+                let fronts = &self.proxies;
+                let each: Vec<String> = fronts
+                    .iter()
+                    .map(|f| {
+                        let workers = if f.workers > 1 { format!(" in each of {} workers", f.workers) } else { String::new() };
+                        format!("{} ({} by its `{}`{workers}, on port {})", f.name(), f.max_parallel_requests.unwrap_or(0), f.limit_from, f.port)
+                    })
+                    .collect();
+                let (verb, place) = if fronts.len() > 1 { ("let", "in each") } else { ("lets", "there") };
+                let counts = if fronts.iter().any(|f| f.workers > 1) { " (each worker keeps its own count)" } else { "" };
                 format!(
-                    "{} lets {value} requests at once through to it (by its `{}`, on port {}); memory fits {fits} of the largest served: set `max_parallel_requests: {cap}` there",
-                    front.name(),
-                    front.limit_from,
-                    front.port
+                    "{} {verb} {value} requests at once through to it; memory fits {fits} of the largest served: set `max_parallel_requests: {}` {place}{counts}",
+                    each.join(" and "),
+                    super::proxy::share(fronts, cap)
                 )
             }
             Bound::Concurrency => format!("`{setting} {value}` lets {value} run at once; memory fits {fits} of the largest served: cap at {cap}"),
@@ -466,7 +475,8 @@ fn limits(engine: &[String], fronts: &[Front], cost: &Cost, at: &Moment) -> Vec<
         .filter_map(|(bounds, names, fits, cap, slots)| {
             let (setting, value) = flag_named(engine, names?)?;
             let value = count(&value)?;
-            let limit = Limit { setting: setting.to_string(), value, bounds, fits, cap: cap.saturating_mul(slots), slots, proxy: None };
+            let limit =
+                Limit { setting: setting.to_string(), value, bounds, fits, cap: cap.saturating_mul(slots), slots, proxies: Vec::new() };
             // A cap of nothing (no room at all) is no value a server takes: the headroom says it.
             (limit.lets_in() > fits && cap > 0).then_some(limit)
         })
@@ -474,14 +484,15 @@ fn limits(engine: &[String], fronts: &[Front], cost: &Cost, at: &Moment) -> Vec<
     // A proxy's limit matters where the server's own lets in more than fits (or it sets none,
     // and its default may): a server that caps itself queues what a proxy lets through.
     let own = family.concurrency().and_then(|(_, names)| flag_named(engine, names)).and_then(|(_, v)| count(&v));
-    if own.is_none_or(|own| own > at.fit_at_once) && at.fit_at_once > 0 {
-        let proxies = fronts.iter().filter_map(|f| {
-            let value = f.max_parallel_requests.filter(|&n| n > at.fit_at_once)?;
-            let setting = format!("LiteLLM {}", f.limit_from);
-            let (fits, cap) = (at.fit_at_once, at.fit_at_once);
-            Some(Limit { setting, value, bounds: Bound::Concurrency, fits, cap, slots: 1, proxy: Some(f.clone()) })
-        });
-        exceeded.extend(proxies);
+    // The deployments count together: two that each fit may not together.
+    let through = super::proxy::let_through(fronts).filter(|&n| n > at.fit_at_once);
+    if let Some(value) = through.filter(|_| own.is_none_or(|own| own > at.fit_at_once) && at.fit_at_once > 0) {
+        let mut from: Vec<&str> = fronts.iter().map(|f| f.limit_from.as_str()).collect();
+        from.sort();
+        from.dedup();
+        let setting = format!("LiteLLM {}", from.join(", "));
+        let (fits, cap) = (at.fit_at_once, at.fit_at_once);
+        exceeded.push(Limit { setting, value, bounds: Bound::Concurrency, fits, cap, slots: 1, proxies: fronts.to_vec() });
     }
     exceeded
 }

@@ -27,6 +27,7 @@ fn header(capacity: u64, prior: &[(u32, u64)]) -> Header {
 
 /// A vLLM-like trace: an API server and its engine; the engine allocates `weights` during load,
 /// then the API server listens at 100 ms.
+#[derive(Clone)]
 struct Trace(Vec<Record>, u32);
 
 impl Trace {
@@ -613,8 +614,15 @@ fn headroom_counts_requests_of_the_largest_size_by_what_one_cost_alone() {
 fn a_limit_above_what_memory_fits_is_named_with_the_cap() {
     let mut t = serving(&["--max-num-seqs", "256"]);
     let [h] = &headroom(&mut t, &[])[..] else { panic!() };
-    let concurrency =
-        |value, fits| Limit { setting: "--max-num-seqs".into(), value, bounds: Bound::Concurrency, fits, cap: fits, slots: 1, proxy: None };
+    let concurrency = |value, fits| Limit {
+        setting: "--max-num-seqs".into(),
+        value,
+        bounds: Bound::Concurrency,
+        fits,
+        cap: fits,
+        slots: 1,
+        proxies: vec![],
+    };
     assert_eq!(h.limits_exceeded, [concurrency(256, 40)]);
     assert!(
         h.text().contains("`--max-num-seqs 256` lets 256 run at once; memory fits 40 of the largest served: cap at 40"),
@@ -627,15 +635,55 @@ fn a_limit_above_what_memory_fits_is_named_with_the_cap() {
 
 /// A LiteLLM proxy (pid 500) whose config sends `local` to port 8000 with this limit (None: none).
 fn litellm(t: &mut Trace, port: u16, limit: Option<u64>) {
-    let deployment = crate::event::Deployment {
-        model: "local".into(),
-        host: "localhost".into(),
-        port,
-        max_parallel_requests: limit,
-        limit_from: "max_parallel_requests".into(),
-    };
-    let command = vec!["litellm".into(), "--config".into(), "/srv/litellm.yaml".into()];
-    t.at(150 * MS, 500, Event::Proxy { uid: 0, command, config: "/srv/litellm.yaml".into(), deployments: vec![deployment] });
+    litellm_proxy(t, 500, &[], &[("local", port, limit)]);
+}
+
+/// A LiteLLM proxy with these extra arguments, whose config sends each (model, port, limit).
+fn litellm_proxy(t: &mut Trace, pid: u32, args: &[&str], sends: &[(&str, u16, Option<u64>)]) {
+    let deployments = sends
+        .iter()
+        .map(|&(model, port, limit)| crate::event::Deployment {
+            model: model.into(),
+            host: "localhost".into(),
+            port,
+            max_parallel_requests: limit,
+            limit_from: "max_parallel_requests".into(),
+        })
+        .collect();
+    let mut command: Vec<String> = vec!["litellm".into(), "--config".into(), "/srv/litellm.yaml".into()];
+    command.extend(args.iter().map(|a| a.to_string()));
+    t.at(150 * MS, pid, Event::Proxy { uid: 0, command, config: "/srv/litellm.yaml".into(), deployments });
+}
+
+/// Deployments that each fit but together do not (two model names for one server, a second
+/// proxy, a proxy's workers that each count on their own) are one limit, with a share to set.
+#[test]
+fn litellm_deployments_to_one_server_count_together() {
+    // 40 fit: 25 + 25 do not; each gets 20.
+    let mut t = serving(&[]);
+    litellm_proxy(&mut t, 500, &[], &[("local", 8000, Some(25)), ("alias", 8000, Some(25))]);
+    let [h] = &headroom(&mut t, &[])[..] else { panic!() };
+    let [l] = &h.limits_exceeded[..] else { panic!("{:?}", h.limits_exceeded) };
+    assert_eq!((l.value, l.cap, l.proxies.len()), (50, 40, 2));
+    assert!(h.text().contains("`alias` (25 by its `max_parallel_requests`, on port 8000) let 50 requests at once through to it; memory fits 40 of the largest served: set `max_parallel_requests: 20` in each"), "{}", h.text());
+    // 12 in each of 4 workers: 48, each gets 10.
+    let mut t = serving(&[]);
+    litellm_proxy(&mut t, 500, &["--num_workers", "4"], &[("local", 8000, Some(12))]);
+    let [h] = &headroom(&mut t, &[])[..] else { panic!() };
+    let [l] = &h.limits_exceeded[..] else { panic!("{:?}", h.limits_exceeded) };
+    assert_eq!(l.value, 48);
+    assert!(h.text().contains("/srv/litellm.yaml, 4 workers) deployment `local` (12 by its `max_parallel_requests` in each of 4 workers, on port 8000) lets 48"), "{}", h.text());
+    assert!(h.text().contains("set `max_parallel_requests: 10` there (each worker keeps its own count)"), "{}", h.text());
+    // Two proxies, one of them without a limit: nothing bounds what they send, no LiteLLM limit.
+    let mut t = serving(&[]);
+    litellm_proxy(&mut t, 500, &[], &[("local", 8000, Some(25))]);
+    litellm_proxy(&mut t, 501, &[], &[("other", 8000, None)]);
+    assert!(headroom(&mut t, &[])[0].limits_exceeded.is_empty());
+    // Together within what fits: nothing said.
+    let mut t = serving(&[]);
+    litellm_proxy(&mut t, 500, &[], &[("local", 8000, Some(20))]);
+    litellm_proxy(&mut t, 501, &["--num_workers=2"], &[("other", 8000, Some(10))]);
+    assert!(headroom(&mut t, &[])[0].limits_exceeded.is_empty());
 }
 
 #[test]
@@ -645,10 +693,10 @@ fn a_litellm_limit_past_what_fits_is_named_where_the_server_sets_none_that_fits(
     let [h] = &headroom(&mut t, &[])[..] else { panic!() };
     let [l] = &h.limits_exceeded[..] else { panic!("{:?}", h.limits_exceeded) };
     assert_eq!((l.setting.as_str(), l.value, l.fits, l.cap, l.bounds), ("LiteLLM max_parallel_requests", 50, 40, 40, Bound::Concurrency));
-    assert_eq!(l.proxy.as_ref().map(|p| (p.pid, p.port)), Some((500, 8000)));
+    assert_eq!(l.proxies.iter().map(|p| (p.pid, p.port, p.workers)).collect::<Vec<_>>(), [(500, 8000, 1)]);
     assert!(
         h.text().contains(
-            "LiteLLM (pid 500 of uid 0, /srv/litellm.yaml) deployment `local` lets 50 requests at once through to it (by its `max_parallel_requests`, on port 8000); memory fits 40 of the largest served: set `max_parallel_requests: 40` there"
+            "LiteLLM (pid 500 of uid 0, /srv/litellm.yaml) deployment `local` (50 by its `max_parallel_requests`, on port 8000) lets 50 requests at once through to it; memory fits 40 of the largest served: set `max_parallel_requests: 40` there"
         ),
         "{}",
         h.text()
@@ -699,6 +747,21 @@ fn a_concurrent_load_fix_names_the_litellm_deployment_in_front() {
     );
     assert!(d.fix.text.contains(&expected), "{}", d.fix.text);
     assert_eq!(d.fix.fields["litellm_deployments"][0]["pid"], 500);
+    assert_eq!(d.fix.fields["litellm_max_parallel_requests"].as_u64(), Some(cap));
+    // A second proxy with 3 workers sending there too: the cap is shared over 4 counts.
+    let mut two = t.clone();
+    litellm_proxy(&mut two, 501, &["--num_workers", "3"], &[("other", 8000, Some(64))]);
+    let d = &two.diagnose(80 * GIB, &[], 0)[0];
+    let share = (cap / 4).max(1);
+    assert_eq!(d.fix.fields["litellm_max_parallel_requests"].as_u64(), Some(share));
+    assert!(d.fix.text.contains(&format!("`max_parallel_requests: {share}` for LiteLLM (pid 500")), "{}", d.fix.text);
+    assert!(
+        d.fix.text.contains(&format!(
+            "3 workers) deployment `other` (now 64 by its `max_parallel_requests`), which send to its port: {cap} together"
+        )),
+        "{}",
+        d.fix.text
+    );
     // Two services listening on the port: no deployment is tied to either.
     t.at(1, 700, Event::Process { ppid: 1, seen: Seen::Running, command: vec!["other".into()] });
     t.at(2, 700, Event::Attached { listening: vec![8000], gpus: vec![] });
@@ -715,7 +778,7 @@ fn a_context_or_batch_limit_past_the_prompt_that_fits_is_named_with_the_value_to
     let mut t = serving(&flags);
     let [h] = &headroom(&mut t, &[])[..] else { panic!() };
     let limit =
-        |setting: &str, value, bounds, fits, cap| Limit { setting: setting.into(), value, bounds, fits, cap, slots: 1, proxy: None };
+        |setting: &str, value, bounds, fits, cap| Limit { setting: setting.into(), value, bounds, fits, cap, slots: 1, proxies: vec![] };
     assert_eq!(
         h.limits_exceeded,
         [
@@ -744,7 +807,8 @@ fn a_context_or_batch_limit_past_the_prompt_that_fits_is_named_with_the_value_to
 #[test]
 fn llama_servers_context_is_checked_per_slot() {
     let llama = |flags: &[&str]| headroom(&mut llama_serving(flags), &[]).remove(0).limits_exceeded;
-    let context = |value, slots, cap| Limit { setting: "-c".into(), value, bounds: Bound::Context, fits: 80_000, cap, slots, proxy: None };
+    let context =
+        |value, slots, cap| Limit { setting: "-c".into(), value, bounds: Bound::Context, fits: 80_000, cap, slots, proxies: vec![] };
     // 8 slots of 100,000 tokens each: past the 80,000 that fit; -c 620,800 gives each 77,600.
     assert_eq!(llama(&["-c", "800000", "-np", "8"]), [context(800_000, 8, 620_800)]);
     let limits = llama(&["-c", "800000", "-np", "8"]);
