@@ -721,6 +721,10 @@ impl<'a> Diagnoser<'a> {
             context_tokens: Option<u64>,
             /// llama-server's slots that share the setting's value (1: it is one request's).
             context_slots: u64,
+            /// No request's cost was measured (met serving): the figures are estimates from what
+            /// the failing request needed at least.
+            #[serde(skip_serializing_if = "std::ops::Not::not")]
+            fits_estimated: bool,
             flag: &'s str,
         }
         let culprit = one_much_larger(&case.in_flight).or_else(|| case.in_flight.first().copied());
@@ -728,8 +732,17 @@ impl<'a> Diagnoser<'a> {
         let served_before = |r: &&Request| case.service.pids.contains(&r.pid) && r.first_data_at.is_some_and(|d| d < case.failure.ts);
         let served = self.model.requests.iter().filter(served_before).map(|r| r.bytes_in).max();
         let room = self.room_for_requests(case);
-        let fits = room.cost.map(|c| c.fits(room.bytes));
-        let (prompt_tokens, tokens) = room.cost.map(|c| c.context(room.bytes)).unzip();
+        // Met serving, with no request measured since: the failing request, alone in flight, needed
+        // at least what it grew the pool by and what it was refused: an estimate of its cost.
+        let least = match (room.cost, culprit, case.failure.bytes, case.in_flight.len()) {
+            (None, Some(r), Some(refused), 1) => {
+                self.pool(case.service, case.evidence.gpu).least_need(r.arrived, case.failure.ts, refused, r.bytes_in)
+            }
+            _ => None,
+        };
+        let cost = room.cost.or(least);
+        let fits = cost.map(|c| c.fits(room.bytes));
+        let (prompt_tokens, tokens) = cost.map(|c| c.context(room.bytes)).unzip();
         let slots = case.family.context_slots(case.engine, None);
         let (setting, how) = match case.family.context() {
             Some((setting, names)) => {
@@ -752,6 +765,14 @@ impl<'a> Diagnoser<'a> {
             ),
             _ => String::new(),
         };
+        let why = match least {
+            Some(c) => format!(
+                "{why}. No request was measured since tracing began: this is an estimate from what the failing one needed at least ({} for its {}: what it allocated in prefill and the allocation refused; what it would have asked for after and what it reused from before tracing are not in it), and a request served while traced measures it",
+                bytes(c.pool_bytes),
+                bytes(c.received)
+            ),
+            None => why,
+        };
         // Attached to a server already serving, the prompts it served before are not in the trace.
         let against = match served {
             Some(served) => format!("while prompts up to {} were served", bytes(served)),
@@ -767,6 +788,7 @@ impl<'a> Diagnoser<'a> {
             largest_fitting_request_bytes: fits,
             context_tokens: tokens,
             context_slots: slots,
+            fits_estimated: least.is_some(),
             flag: setting,
         };
         Said::new(fields, text)

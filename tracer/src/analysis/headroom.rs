@@ -273,6 +273,22 @@ impl Pool<'_> {
         self.live.at(ts)
     }
 
+    /// What a request that failed alone in prefill needed at least: what it grew the pool by
+    /// since it arrived, and the allocation it was refused. A cost from it is an estimate, for a
+    /// server met serving with no request measured since: the request would have asked for more
+    /// after, and may have reused what the allocator cached before tracing; its bytes that are
+    /// no prompt count as prompt.
+    pub(super) fn least_need(&self, arrived: u64, failed_at: u64, refused: u64, received: u64) -> Option<Cost> {
+        let need = self.at(failed_at).saturating_sub(self.at(arrived)).saturating_add(refused);
+        (received > 0 && need > 0).then(|| Cost {
+            per_byte: need as f64 / received as f64,
+            overhead_bytes: 0,
+            pool_bytes: need,
+            received,
+            alone: true,
+        })
+    }
+
     /// The cost from the pool's highest mark reached with one request alone in prefill (a
     /// batch's requests may not all have asked yet), else with several; only marks whose
     /// requests all finished their prefill (a request that failed had not asked for all it

@@ -910,6 +910,47 @@ fn two_sizes_measured_alone_make_a_line_and_the_context_that_fits() {
     assert!(d.fix.text.contains("--max-model-len 77600") && d.fix.text.contains("about 80000 tokens"), "{}", d.fix.text);
 }
 
+/// A long request that fails with no request measured before it (a server met serving): the
+/// context is estimated from what it needed at least, said to be an estimate. 25 GiB refused
+/// for 400,000 bytes, 20 GiB of room: 320,000 bytes fit, 80,000 tokens, less 3%.
+#[test]
+fn a_long_request_with_none_measured_before_is_estimated_from_itself() {
+    let mut t = Trace::vllm(60 * GIB);
+    t.request(8, 600 * MS, 400_000, None);
+    t.alloc(610 * MS, ENGINE, 25 * GIB, 0x51);
+    let d = &t.clone().diagnose(80 * GIB, &[], 0)[0];
+    assert_eq!(d.category, Category::LongRequest);
+    assert_eq!(
+        (d.fix.fields["largest_fitting_request_bytes"].as_u64(), d.fix.fields["context_tokens"].as_u64()),
+        (Some(320_000), Some(77_600))
+    );
+    assert_eq!(d.fix.fields["fits_estimated"], true);
+    assert!(
+        d.fix.text.contains("--max-model-len 77600")
+            && d.fix.text.contains("this is an estimate from what the failing one needed at least (25.0 GiB for its 390.6 KiB"),
+        "{}",
+        d.fix.text
+    );
+    // What it grew the pool by in prefill counts too: 5 GiB allocated, then 20 refused.
+    let mut t = Trace::vllm(60 * GIB);
+    t.request(8, 600 * MS, 400_000, None);
+    t.alloc(605 * MS, ENGINE, 5 * GIB, 0);
+    t.alloc(610 * MS, ENGINE, 20 * GIB, 0x51);
+    let d = &t.diagnose(80 * GIB, &[], 0)[0];
+    assert_eq!(
+        (d.fix.fields["largest_fitting_request_bytes"].as_u64(), d.fix.fields["fits_estimated"].as_bool()),
+        (Some(320_000), Some(true))
+    );
+    // With another request in flight beside it, nothing is made up.
+    let mut t = Trace::vllm(60 * GIB);
+    t.request(7, 590 * MS, 8_000, None);
+    t.request(8, 600 * MS, 400_000, None);
+    t.alloc(610 * MS, ENGINE, 25 * GIB, 0x51);
+    let d = &t.diagnose(80 * GIB, &[], 0)[0];
+    assert_eq!(d.category, Category::LongRequest);
+    assert!(d.fix.fields["context_tokens"].is_null() && d.fix.fields.get("fits_estimated").is_none(), "{}", d.fix.fields);
+}
+
 fn whatif(t: &mut Trace, settings: super::whatif::Settings) -> super::whatif::Outcome {
     t.0.sort_by_key(|r| r.ts);
     let model = Model::from_records(&t.0);
