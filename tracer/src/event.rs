@@ -403,6 +403,11 @@ pub struct Deployment {
     /// The key that value came from.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub limit_from: String,
+    /// Whether its host is the proxy's own (loopback, `localhost`, an address of its network
+    /// namespace): false for an address that is not, which names another machine; None for a
+    /// name, which is not resolved.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub local: Option<bool>,
 }
 
 /// Where a process runs: its control group, the container and Kubernetes pod that names, and its

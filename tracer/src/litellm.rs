@@ -156,7 +156,7 @@ pub fn deployments(config: &str) -> Vec<Deployment> {
                 Some((Some(n), key)) if n > 0 => (Some(n), key),
                 _ => (None, ""),
             };
-            Some(Deployment { model: e.model, host, port, max_parallel_requests, limit_from: limit_from.into() })
+            Some(Deployment { model: e.model, host, port, max_parallel_requests, limit_from: limit_from.into(), local: None })
         })
         .collect()
 }
@@ -191,6 +191,18 @@ fn host_and_port(url: &str) -> Option<(String, u16)> {
         None => return None,
     };
     (!host.is_empty()).then(|| (host.chars().take(MAX_TEXT).collect(), port))
+}
+
+/// Whether `host` is the proxy's own machine, given the addresses of its network namespace:
+/// `localhost` and loopback or unspecified addresses are, any other address is not unless it is
+/// one of them; a name is not known (None: it is not resolved).
+pub fn locality(host: &str, local: &[std::net::IpAddr]) -> Option<bool> {
+    let name = host.trim_end_matches('.').to_ascii_lowercase();
+    if name == "localhost" || name.ends_with(".localhost") {
+        return Some(true);
+    }
+    let address: std::net::IpAddr = name.split('%').next()?.parse().ok()?;
+    Some(address.is_loopback() || address.is_unspecified() || local.contains(&address))
 }
 
 /// Who a process is for file access, from /proc/PID/status: its uid, gid and groups, where its
@@ -381,7 +393,15 @@ pub fn scan(owner: Option<u32>, said: &mut std::collections::HashSet<(u32, Strin
         let Some(command) = procfs::command(pid).filter(|c| is_proxy(c)) else { continue };
         let Some(config) = config_arg(&command).map(String::from) else { continue };
         match credentials(pid).and_then(|who| Ok((who.uid, read_config(pid, &config)?))) {
-            Ok((uid, text)) => found.push(Proxy { pid, uid, deployments: deployments(&text), command, config }),
+            Ok((uid, text)) => {
+                // Addresses as the proxy sees them: its own network namespace's.
+                let addresses = procfs::local_addresses(pid);
+                let mut deployments = deployments(&text);
+                for d in &mut deployments {
+                    d.local = locality(&d.host, &addresses);
+                }
+                found.push(Proxy { pid, uid, deployments, command, config })
+            }
             Err(why) => {
                 if said.len() < MAX_PROXIES * 4 && said.insert((pid, why.clone())) {
                     eprintln!(

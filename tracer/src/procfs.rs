@@ -60,6 +60,41 @@ pub fn read_bounded(path: &str, limit: u64) -> Option<String> {
     Some(String::from_utf8_lossy(&raw).into_owned())
 }
 
+/// The IP addresses local to the network namespace `pid` is in: IPv4 from its view of
+/// `net/fib_trie` (each address followed by `/32 host LOCAL`), IPv6 from `net/if_inet6`. At
+/// most [`MAX_LOCAL_ADDRESSES`]; empty where unreadable.
+pub fn local_addresses(pid: u32) -> Vec<std::net::IpAddr> {
+    let trie = read_bounded(&format!("/proc/{pid}/net/fib_trie"), 1 << 20).unwrap_or_default();
+    let inet6 = read_bounded(&format!("/proc/{pid}/net/if_inet6"), 1 << 20).unwrap_or_default();
+    parse_local_addresses(&trie, &inet6)
+}
+
+/// Local addresses kept for one namespace: a host with more is not told apart past them.
+pub const MAX_LOCAL_ADDRESSES: usize = 4096;
+
+fn parse_local_addresses(fib_trie: &str, if_inet6: &str) -> Vec<std::net::IpAddr> {
+    let mut found = Vec::new();
+    let mut last: Option<std::net::Ipv4Addr> = None;
+    for line in fib_trie.lines() {
+        let line = line.trim_start();
+        if let Some(address) = line.strip_prefix("|-- ") {
+            last = address.trim().parse().ok();
+        } else if line.starts_with("/32 host LOCAL") {
+            found.extend(last.take().map(std::net::IpAddr::V4));
+        }
+    }
+    for line in if_inet6.lines() {
+        let Some(hex) = line.split_whitespace().next().filter(|h| h.len() == 32) else { continue };
+        if let Ok(bits) = u128::from_str_radix(hex, 16) {
+            found.push(std::net::IpAddr::V6(bits.into()));
+        }
+    }
+    found.sort();
+    found.dedup();
+    found.truncate(MAX_LOCAL_ADDRESSES);
+    found
+}
+
 /// Its control group path, where a container shows: the first that names a container (on a
 /// hybrid host Docker's may be in the v1 hierarchies only), else cgroup v2's, else the first.
 pub fn cgroup(pid: u32) -> Option<String> {
@@ -588,6 +623,17 @@ fn descendants(roots: &[u32], parents: &[(u32, u32)]) -> Vec<u32> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn local_addresses_from_fib_trie_and_if_inet6() {
+        let trie = "Main:\n  +-- 0.0.0.0/0 3 0 5\n     |-- 0.0.0.0\n        /0 universe UNICAST\n           |-- 127.0.0.1\n              /32 host LOCAL\n           |-- 192.0.2.0\n              /24 link UNICAST\n           |-- 192.0.2.2\n              /32 host LOCAL\n        |-- 192.0.2.255\n           /32 link BROADCAST\nLocal:\n           |-- 192.0.2.2\n              /32 host LOCAL\n           |-- nonsense\n              /32 host LOCAL\n";
+        let inet6 = "fd000000000000000000000000000002 04 40 00 82     eth0\n00000000000000000000000000000001 01 80 10 80       lo\nzz 01\n";
+        let found = super::parse_local_addresses(trie, inet6);
+        let want: Vec<std::net::IpAddr> = ["127.0.0.1", "192.0.2.2", "::1", "fd00::2"].iter().map(|a| a.parse().unwrap()).collect();
+        assert_eq!(found.len(), 4, "{found:?}");
+        assert!(want.iter().all(|a| found.contains(a)), "{found:?}");
+        assert!(super::parse_local_addresses("", "").is_empty());
+    }
+
     use super::*;
 
     #[test]

@@ -1,7 +1,8 @@
 //! The LiteLLM deployments that send their requests to a service: a proxy's config names a host
-//! and port, the service listens on that port. The host is not checked (a name in a cluster's
-//! DNS cannot be resolved from a trace): a port two services listen on ties no deployment to
-//! either.
+//! and port, the service listens on that port. A host that is an address of another machine (as
+//! the proxy saw its own when it was read) ties nothing; a name is not resolved (a name in a
+//! cluster's DNS cannot be from a trace), so its port alone ties it: a port two services listen
+//! on ties no deployment to either.
 
 use serde::Serialize;
 
@@ -93,7 +94,10 @@ pub fn fronting(model: &Model, services: &[Service], service: &Service) -> Vec<F
         .iter()
         .flat_map(|(&pid, proxy)| proxy.deployments.iter().map(move |d| (pid, proxy, d)))
         .filter(|(_, proxy, d)| {
-            own.contains(&d.port) && !others.contains(&d.port) && (proxy.uid == 0 || user.is_none_or(|u| u == proxy.uid))
+            own.contains(&d.port)
+                && !others.contains(&d.port)
+                && d.local != Some(false)
+                && (proxy.uid == 0 || user.is_none_or(|u| u == proxy.uid))
         })
         .map(|(pid, proxy, d)| Front {
             pid,

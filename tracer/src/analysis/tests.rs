@@ -648,6 +648,7 @@ fn litellm_proxy(t: &mut Trace, pid: u32, args: &[&str], sends: &[(&str, u16, Op
             port,
             max_parallel_requests: limit,
             limit_from: "max_parallel_requests".into(),
+            local: None,
         })
         .collect();
     let mut command: Vec<String> = vec!["litellm".into(), "--config".into(), "/srv/litellm.yaml".into()];
@@ -718,9 +719,25 @@ fn a_litellm_limit_past_what_fits_is_named_where_the_server_sets_none_that_fits(
         port: 8000,
         max_parallel_requests: Some(99),
         limit_from: "rpm".into(),
+        local: None,
     };
     t.at(150 * MS, 600, Event::Proxy { uid: 2000, command: vec![], config: "c".into(), deployments: vec![deployment] });
     assert!(headroom(&mut t, &[])[0].limits_exceeded.is_empty());
+    // A deployment to another machine's address at the same port (read as the proxy saw its
+    // own) is not this server's; one to the proxy's own address, or to a name, is.
+    for (local, tied) in [(Some(false), false), (Some(true), true), (None, true)] {
+        let mut t = serving(&[]);
+        let deployment = crate::event::Deployment {
+            model: "remote".into(),
+            host: "10.0.0.12".into(),
+            port: 8000,
+            max_parallel_requests: Some(99),
+            limit_from: "rpm".into(),
+            local,
+        };
+        t.at(150 * MS, 600, Event::Proxy { uid: 0, command: vec![], config: "c".into(), deployments: vec![deployment] });
+        assert_eq!(headroom(&mut t, &[])[0].limits_exceeded.len(), usize::from(tied), "{local:?}");
+    }
     // Within what fits, no limit at all, or another port: nothing said.
     for (port, limit) in [(8000, Some(40)), (8000, None), (9000, Some(50))] {
         let mut t = serving(&[]);

@@ -56,6 +56,7 @@ general_settings:
         port,
         max_parallel_requests: n,
         limit_from: from.into(),
+        local: None,
     };
     assert_eq!(
         deployments(config),
@@ -165,4 +166,35 @@ fn a_config_that_is_no_regular_file_is_refused_without_blocking() {
     std::fs::write(&fifo, vec![b' '; MAX_CONFIG as usize + 1]).unwrap();
     assert!(read_config(std::process::id(), fifo.to_str().unwrap()).unwrap_err().contains("larger than"));
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A deployment's host against the proxy's own addresses: loopback and `localhost` are its own,
+/// an address of its namespace is, another address is another machine's, a name is unknown.
+#[test]
+fn a_host_is_the_proxys_own_or_another_machines() {
+    let own: Vec<std::net::IpAddr> = ["192.0.2.2", "fd00::2"].iter().map(|a| a.parse().unwrap()).collect();
+    for host in [
+        "localhost",
+        "LOCALHOST.",
+        "api.localhost",
+        "127.0.0.1",
+        "127.8.9.1",
+        "::1",
+        "0.0.0.0",
+        "::",
+        "192.0.2.2",
+        "fd00::2",
+        "fe80::1%eth0",
+    ] {
+        let want = if host.starts_with("fe80") { Some(false) } else { Some(true) };
+        assert_eq!(locality(host, &own), want, "{host}");
+    }
+    for host in ["10.0.0.12", "192.0.2.3", "2001:db8::1"] {
+        assert_eq!(locality(host, &own), Some(false), "{host}");
+    }
+    for host in ["gpu-node-2", "vllm.default.svc.cluster.local", "", "%", "1.2.3.4.5"] {
+        assert_eq!(locality(host, &own), None, "{host}");
+    }
+    // The URL's bracketed IPv6 reaches here without its brackets.
+    assert_eq!(host_and_port("http://[::1]:8000/v1").map(|(h, _)| locality(&h, &[])), Some(Some(true)));
 }

@@ -117,6 +117,7 @@ fn process_or_file(kind: u8, b: &mut Bytes, pid: u32, fd: i32) -> Event {
                 port: 8000,
                 max_parallel_requests: Some(b.pick(64).into()),
                 limit_from: "rpm".into(),
+                local: if b.one_in(2) { None } else { Some(b.one_in(2)) },
             }],
         },
         1 if b.one_in(3) => Event::Attached { listening: if b.one_in(2) { vec![8000] } else { vec![] }, gpus: vec![b.pick(3)] },

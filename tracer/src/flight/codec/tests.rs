@@ -84,6 +84,7 @@ fn every_event(v: [u64; 8], s: [String; 2]) -> Vec<Event> {
                 port: a as u16,
                 max_parallel_requests: some(x),
                 limit_from: "rpm".into(),
+                local: Some(a % 2 == 0),
             }],
         },
         Event::Sample(Sample {
