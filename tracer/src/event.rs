@@ -374,6 +374,10 @@ pub enum Event {
         /// The config file as its command line names it.
         config: String,
         deployments: Vec<Deployment>,
+        /// Its worker processes, counted when read (uvicorn's spawned workers, gunicorn's forks
+        /// of it): each keeps its own count of a deployment's requests. None: none seen.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        workers: Option<u64>,
     },
     /// The kernel's OOM killer chose this process (the record's pid) as its victim.
     OomKill,

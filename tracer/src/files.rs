@@ -339,8 +339,9 @@ impl<R: Resolver> FileTable<R> {
 
     /// exec closes close-on-exec fds and drops the kernel's negative answers (asked again if used).
     /// Its command is the argv the kernel side read at the exec when it read all of it (a program
-    /// that fails at once is gone from /proc by now), else /proc's, else what part the kernel
-    /// read, else the file it ran.
+    /// that fails at once is gone from /proc by now), else /proc's where it begins with the part
+    /// the kernel read (not a later exec's, nor a reused pid's), else that part, else the file it
+    /// ran.
     pub fn exec(&mut self, pid: u32, filename: &str, argv: Vec<String>, argv_whole: bool, updates: &mut Vec<KernelUpdate>) -> Event {
         for fd in self.fds_of(pid) {
             let keep = matches!(self.fds.get(&(pid, fd)), Some(Answer::Nvidia { cloexec: false, .. }));
@@ -351,9 +352,10 @@ impl<R: Resolver> FileTable<R> {
         }
         let command = match self.resolver.command(pid) {
             _ if argv_whole => argv,
-            Some(read) if read != [procfs::UNREADABLE] || argv.is_empty() => read,
+            Some(read) if read != [procfs::UNREADABLE] && read.starts_with(&argv) => read,
             _ if !argv.is_empty() => argv,
-            _ => vec![filename.to_string()],
+            Some(read) => read,
+            None => vec![filename.to_string()],
         };
         Event::Exec { command }
     }
@@ -808,8 +810,9 @@ mod tests {
     }
 
     /// The command an exec is named by: the kernel's argv when whole, even where /proc could
-    /// answer (it may already show a later exec's); /proc's over a part of it; a part over
-    /// nothing; the file run when nothing else is known.
+    /// answer (it may already show a later exec's); /proc's over a part it begins with, the part
+    /// over /proc's when it does not; a part over nothing; the file run when nothing else is
+    /// known.
     #[test]
     fn an_exec_is_named_by_the_argv_the_kernel_read() {
         let mut t = table(&[]);
@@ -821,7 +824,10 @@ mod tests {
         };
         assert_eq!(command(t.exec(10, "/bin/fake-server", argv(), true, &mut updates)), argv());
         assert_eq!(command(t.exec(GONE, "/bin/fake-server", argv(), true, &mut updates)), argv());
-        assert_eq!(command(t.exec(10, "/bin/fake-server", argv(), false, &mut updates)), ["cmd10"]);
+        assert_eq!(command(t.exec(10, "/bin/fake-server", vec!["cmd10".into()], false, &mut updates)), ["cmd10"]);
+        // /proc shows another program's: the part the kernel read is this exec's.
+        assert_eq!(command(t.exec(10, "/bin/fake-server", argv(), false, &mut updates)), argv());
+        assert_eq!(command(t.exec(10, "/bin/fake-server", vec![], false, &mut updates)), ["cmd10"]);
         assert_eq!(command(t.exec(GONE, "/bin/fake-server", argv(), false, &mut updates)), argv());
         assert_eq!(command(t.exec(LATE, "/bin/fake-server", argv(), false, &mut updates)), argv());
         assert_eq!(command(t.exec(LATE, "/bin/fake-server", vec![], false, &mut updates)), [procfs::UNREADABLE]);

@@ -193,15 +193,15 @@ fn host_and_port(url: &str) -> Option<(String, u16)> {
     (!host.is_empty()).then(|| (host.chars().take(MAX_TEXT).collect(), port))
 }
 
-/// Whether `host` is the proxy's own machine, given the addresses of its network namespace:
-/// `localhost` and loopback or unspecified addresses are, any other address is not unless it is
-/// one of them; a name is not known (None: it is not resolved).
+/// Whether `host` is on this machine, given the addresses `local` holds: `localhost` and
+/// loopback or unspecified addresses are, any other address is not unless it is one of them
+/// (an IPv4-mapped IPv6 address as its IPv4 one); a name is not known (None: it is not resolved).
 pub fn locality(host: &str, local: &[std::net::IpAddr]) -> Option<bool> {
     let name = host.trim_end_matches('.').to_ascii_lowercase();
     if name == "localhost" || name.ends_with(".localhost") {
         return Some(true);
     }
-    let address: std::net::IpAddr = name.split('%').next()?.parse().ok()?;
+    let address = name.split('%').next()?.parse::<std::net::IpAddr>().ok()?.to_canonical();
     Some(address.is_loopback() || address.is_unspecified() || local.contains(&address))
 }
 
@@ -370,13 +370,45 @@ pub struct Proxy {
     pub command: Vec<String>,
     pub config: String,
     pub deployments: Vec<Deployment>,
+    /// Its worker processes (see [`crate::event::Event::Proxy`]'s).
+    pub workers: Option<u64>,
+}
+
+/// Whether a command is a worker Python's multiprocessing spawned (uvicorn's `--workers`): its
+/// parent is the program it works for.
+fn is_spawned_worker(command: &[String]) -> bool {
+    command.iter().any(|a| a == "--multiprocessing-fork")
+}
+
+/// The proxies that are not a worker forked from another (gunicorn's workers show their master's
+/// command line), each with its workers counted: the spawned workers under it and the proxies
+/// of the same config forked from it. `parent` gives each pid's.
+fn fold_workers(mut found: Vec<Proxy>, spawned: &[u32], parent: impl Fn(u32) -> Option<u32>) -> Vec<Proxy> {
+    let masters: Vec<(u32, String)> = found.iter().map(|p| (p.pid, p.config.clone())).collect();
+    let forked: Vec<(u32, u32)> = found
+        .iter()
+        .filter_map(|p| {
+            let up = parent(p.pid)?;
+            masters.iter().any(|(pid, config)| *pid == up && *config == p.config).then_some((p.pid, up))
+        })
+        .collect();
+    let spawned_by: Vec<u32> = spawned.iter().filter_map(|&pid| parent(pid)).collect();
+    found.retain(|p| !forked.iter().any(|(pid, _)| *pid == p.pid));
+    for p in &mut found {
+        let workers = forked.iter().filter(|(_, up)| *up == p.pid).count() + spawned_by.iter().filter(|&&up| up == p.pid).count();
+        p.workers = (workers > 0).then_some(workers as u64);
+    }
+    found
 }
 
 /// The LiteLLM proxies running now (those of `owner` only, where given), with the deployments
 /// their configs name; at most [`MAX_PROXIES`]. A config that cannot be read is said once on
 /// stderr per (pid, reason), through `said`.
 pub fn scan(owner: Option<u32>, said: &mut std::collections::HashSet<(u32, String)>) -> Vec<Proxy> {
-    let mut found = Vec::new();
+    let (mut found, mut spawned) = (Vec::new(), Vec::new());
+    // Every namespace's addresses, read once a scan where a deployment names an address that is
+    // not its proxy's.
+    let mut host_wide: Option<Option<Vec<std::net::IpAddr>>> = None;
     for pid in procfs::all_pids() {
         if found.len() >= MAX_PROXIES {
             break;
@@ -390,17 +422,34 @@ pub fn scan(owner: Option<u32>, said: &mut std::collections::HashSet<(u32, Strin
         if owner.is_some_and(|uid| procfs::owner(pid) != Some(uid)) {
             continue;
         }
-        let Some(command) = procfs::command(pid).filter(|c| is_proxy(c)) else { continue };
+        let Some(command) = procfs::command(pid) else { continue };
+        if is_spawned_worker(&command) {
+            if spawned.len() < MAX_PROXIES * 64 {
+                spawned.push(pid);
+            }
+            continue;
+        }
+        if !is_proxy(&command) {
+            continue;
+        }
         let Some(config) = config_arg(&command).map(String::from) else { continue };
         match credentials(pid).and_then(|who| Ok((who.uid, read_config(pid, &config)?))) {
             Ok((uid, text)) => {
-                // Addresses as the proxy sees them: its own network namespace's.
-                let addresses = procfs::local_addresses(pid);
                 let mut deployments = deployments(&text);
+                // An address is the proxy's own (its network namespace's), else another
+                // namespace's here (a container's, the host's from a container), else another
+                // machine's; unknown where the namespaces cannot all be read.
+                let own = procfs::local_addresses(pid);
                 for d in &mut deployments {
-                    d.local = locality(&d.host, &addresses);
+                    d.local = match locality(&d.host, own.as_deref().unwrap_or_default()) {
+                        Some(false) if own.is_none() => None,
+                        Some(false) => {
+                            host_wide.get_or_insert_with(procfs::host_addresses).as_deref().and_then(|all| locality(&d.host, all))
+                        }
+                        judged => judged,
+                    };
                 }
-                found.push(Proxy { pid, uid, deployments, command, config })
+                found.push(Proxy { pid, uid, deployments, command, config, workers: None })
             }
             Err(why) => {
                 if said.len() < MAX_PROXIES * 4 && said.insert((pid, why.clone())) {
@@ -412,7 +461,7 @@ pub fn scan(owner: Option<u32>, said: &mut std::collections::HashSet<(u32, Strin
             }
         }
     }
-    found
+    fold_workers(found, &spawned, procfs::parent)
 }
 
 #[cfg(test)]

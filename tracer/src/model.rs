@@ -179,6 +179,7 @@ pub struct Proxy {
     pub command: Vec<String>,
     pub config: String,
     pub deployments: Vec<crate::event::Deployment>,
+    pub workers: Option<u64>,
 }
 
 /// Proxies kept: a trace naming more (a crafted one) keeps the first.
@@ -541,11 +542,11 @@ impl Model {
             Event::Proxy { deployments, .. } if deployments.is_empty() => {
                 self.proxies.remove(&pid);
             }
-            Event::Proxy { uid, command, config, deployments } => {
+            Event::Proxy { uid, command, config, deployments, workers } => {
                 if self.proxies.len() < MAX_PROXIES || self.proxies.contains_key(&pid) {
                     // A crafted trace's proxy keeps what a scan would have.
                     let deployments = deployments.iter().take(crate::litellm::MAX_DEPLOYMENTS).cloned().collect();
-                    let proxy = Proxy { ts, uid: *uid, command: command.clone(), config: config.clone(), deployments };
+                    let proxy = Proxy { ts, uid: *uid, command: command.clone(), config: config.clone(), deployments, workers: *workers };
                     self.proxies.insert(pid, proxy);
                 }
             }

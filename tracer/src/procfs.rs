@@ -61,16 +61,47 @@ pub fn read_bounded(path: &str, limit: u64) -> Option<String> {
 }
 
 /// The IP addresses local to the network namespace `pid` is in: IPv4 from its view of
-/// `net/fib_trie` (each address followed by `/32 host LOCAL`), IPv6 from `net/if_inet6`. At
-/// most [`MAX_LOCAL_ADDRESSES`]; empty where unreadable.
-pub fn local_addresses(pid: u32) -> Vec<std::net::IpAddr> {
-    let trie = read_bounded(&format!("/proc/{pid}/net/fib_trie"), 1 << 20).unwrap_or_default();
-    let inet6 = read_bounded(&format!("/proc/{pid}/net/if_inet6"), 1 << 20).unwrap_or_default();
-    parse_local_addresses(&trie, &inet6)
+/// `net/fib_trie` (each address followed by `/32 host LOCAL`), IPv6 from `net/if_inet6`. None
+/// where they cannot all be known (unreadable, or past [`MAX_NET_FILE`] or
+/// [`MAX_LOCAL_ADDRESSES`]).
+pub fn local_addresses(pid: u32) -> Option<Vec<std::net::IpAddr>> {
+    let trie = read_bounded(&format!("/proc/{pid}/net/fib_trie"), MAX_NET_FILE + 1)?;
+    let inet6 = read_bounded(&format!("/proc/{pid}/net/if_inet6"), MAX_NET_FILE + 1).unwrap_or_default();
+    if trie.len() as u64 > MAX_NET_FILE || inet6.len() as u64 > MAX_NET_FILE {
+        return None;
+    }
+    Some(parse_local_addresses(&trie, &inet6)).filter(|found| found.len() < MAX_LOCAL_ADDRESSES)
 }
 
-/// Local addresses kept for one namespace: a host with more is not told apart past them.
-pub const MAX_LOCAL_ADDRESSES: usize = 4096;
+/// The addresses of every network namespace on the host (one process's view of each: another
+/// of the namespace's is tried where one has gone), or None where one could not be read or
+/// there are more than [`MAX_NAMESPACES`].
+pub fn host_addresses() -> Option<Vec<std::net::IpAddr>> {
+    let mut read = std::collections::HashMap::new();
+    let mut all = Vec::new();
+    for pid in all_pids() {
+        let Ok(namespace) = std::fs::read_link(format!("/proc/{pid}/ns/net")) else { continue };
+        let done = read.entry(namespace).or_insert(false);
+        if *done {
+            continue;
+        }
+        if let Some(found) = local_addresses(pid) {
+            *done = true;
+            all.extend(found);
+        }
+        if read.len() > MAX_NAMESPACES {
+            return None;
+        }
+    }
+    read.values().all(|&done| done).then_some(all)
+}
+
+/// Network namespaces [`host_addresses`] reads at most.
+const MAX_NAMESPACES: usize = 512;
+/// Bytes of a namespace's fib_trie or if_inet6 read at most.
+const MAX_NET_FILE: u64 = 1 << 20;
+/// Local addresses of one namespace told apart at most.
+const MAX_LOCAL_ADDRESSES: usize = 4096;
 
 fn parse_local_addresses(fib_trie: &str, if_inet6: &str) -> Vec<std::net::IpAddr> {
     let mut found = Vec::new();
@@ -91,7 +122,6 @@ fn parse_local_addresses(fib_trie: &str, if_inet6: &str) -> Vec<std::net::IpAddr
     }
     found.sort();
     found.dedup();
-    found.truncate(MAX_LOCAL_ADDRESSES);
     found
 }
 
@@ -628,6 +658,11 @@ mod tests {
         let trie = "Main:\n  +-- 0.0.0.0/0 3 0 5\n     |-- 0.0.0.0\n        /0 universe UNICAST\n           |-- 127.0.0.1\n              /32 host LOCAL\n           |-- 192.0.2.0\n              /24 link UNICAST\n           |-- 192.0.2.2\n              /32 host LOCAL\n        |-- 192.0.2.255\n           /32 link BROADCAST\nLocal:\n           |-- 192.0.2.2\n              /32 host LOCAL\n           |-- nonsense\n              /32 host LOCAL\n";
         let inet6 = "fd000000000000000000000000000002 04 40 00 82     eth0\n00000000000000000000000000000001 01 80 10 80       lo\nzz 01\n";
         let found = super::parse_local_addresses(trie, inet6);
+        assert!(
+            super::local_addresses(std::process::id()).is_some_and(|own| own.iter().any(|a| a.is_loopback())),
+            "this process's namespace has loopback"
+        );
+        assert!(super::host_addresses().is_some_and(|all| all.iter().any(|a| a.is_loopback())), "the host's namespaces have loopback");
         let want: Vec<std::net::IpAddr> = ["127.0.0.1", "192.0.2.2", "::1", "fd00::2"].iter().map(|a| a.parse().unwrap()).collect();
         assert_eq!(found.len(), 4, "{found:?}");
         assert!(want.iter().all(|a| found.contains(a)), "{found:?}");

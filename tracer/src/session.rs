@@ -412,7 +412,8 @@ impl<S: Sink> Session<S> {
                 }
                 Some((ts, sample)) = sample_rx.recv() => self.emit(Record::new(ts, 0, 0, Event::Sample(sample))),
                 Some(proxy) = proxy_rx.recv() => {
-                    let event = Event::Proxy { uid: proxy.uid, command: proxy.command, config: proxy.config, deployments: proxy.deployments };
+                    let (uid, command, config, deployments, workers) = (proxy.uid, proxy.command, proxy.config, proxy.deployments, proxy.workers);
+                    let event = Event::Proxy { uid, command, config, deployments, workers };
                     self.emit_now(proxy.pid, event);
                 }
                 stop = stops.next() => {

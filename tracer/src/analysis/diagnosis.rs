@@ -860,7 +860,8 @@ impl<'a> Diagnoser<'a> {
                 (1, _) => ("sends to its port", format!(": {cap} together over its workers")),
                 (_, _) => ("send to its port", format!(": {cap} together")),
             };
-            format!("`max_parallel_requests: {litellm_cap}` for {}, which {sends}{together}", each.join(" and for "))
+            let past = super::proxy::past_any_share(&fronts, cap);
+            format!("`max_parallel_requests: {litellm_cap}` for {}, which {sends}{together}{past}", each.join(" and for "))
         };
         let text = format!(
             "{n} requests were in flight; {how} {}, and {} was free for requests: cap concurrency at {cap} ({setting}, or {litellm}).{estimate}",

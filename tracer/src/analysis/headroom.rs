@@ -121,9 +121,10 @@ impl Limit {
                 let (verb, place) = if fronts.len() > 1 { ("let", "in each") } else { ("lets", "there") };
                 let counts = if fronts.iter().any(|f| f.workers > 1) { " (each worker keeps its own count)" } else { "" };
                 format!(
-                    "{} {verb} {value} requests at once through to it; memory fits {fits} of the largest served: set `max_parallel_requests: {}` {place}{counts}",
+                    "{} {verb} {value} requests at once through to it; memory fits {fits} of the largest served: set `max_parallel_requests: {}` {place}{counts}{}",
                     each.join(" and "),
-                    super::proxy::share(fronts, cap)
+                    super::proxy::share(fronts, cap),
+                    super::proxy::past_any_share(fronts, cap)
                 )
             }
             Bound::Concurrency => format!("`{setting} {value}` lets {value} run at once; memory fits {fits} of the largest served: cap at {cap}"),

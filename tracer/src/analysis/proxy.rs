@@ -22,8 +22,8 @@ pub struct Front {
     /// The requests it lets through at once (see [`crate::event::Deployment`]); None: no limit.
     pub max_parallel_requests: Option<u64>,
     pub limit_from: String,
-    /// The proxy's workers (`--num_workers`, 1 where its command line sets none): each keeps its
-    /// own count of a deployment's requests.
+    /// The proxy's workers (those counted when it was read, else its `--num_workers`, else 1):
+    /// each keeps its own count of a deployment's requests.
     pub workers: u64,
 }
 
@@ -50,7 +50,22 @@ pub fn let_through(fronts: &[Front]) -> Option<u64> {
 /// The `max_parallel_requests` that keeps them within `cap` all together: each deployment in
 /// each worker an equal share, at least one.
 pub fn share(fronts: &[Front], cap: u64) -> u64 {
-    (cap / fronts.iter().map(|f| f.workers).sum::<u64>().max(1)).max(1)
+    (cap / counts(fronts).max(1)).max(1)
+}
+
+/// The counts kept of what is let through: each deployment's in each of its proxy's workers.
+pub fn counts(fronts: &[Front]) -> u64 {
+    fronts.iter().map(|f| f.workers).sum()
+}
+
+/// Where even a share of one in each lets more through than `cap`: what to say of it.
+pub fn past_any_share(fronts: &[Front], cap: u64) -> String {
+    let counts = counts(fronts);
+    if counts > cap {
+        format!(" (even that lets {counts} through, one in each of {counts} counts, past the {cap} that fit: fewer deployments or workers)")
+    } else {
+        String::new()
+    }
 }
 
 /// Most workers a proxy is taken to run: a larger `--num_workers` is read as this many.
@@ -107,7 +122,7 @@ pub fn fronting(model: &Model, services: &[Service], service: &Service) -> Vec<F
             port: d.port,
             max_parallel_requests: d.max_parallel_requests,
             limit_from: d.limit_from.clone(),
-            workers: workers(&proxy.command),
+            workers: proxy.workers.filter(|&n| n > 0).map_or_else(|| workers(&proxy.command), |n| n.min(MAX_WORKERS)),
         })
         .collect()
 }
@@ -150,5 +165,7 @@ mod tests {
         assert_eq!(share(&[front(Some(10), 1), front(Some(12), 4)], 17), 3, "17 over 5 counts");
         assert_eq!(share(&[front(Some(10), 8)], 3), 1, "never 0");
         assert_eq!(share(&[], 3), 3);
+        assert!(past_any_share(&[front(Some(10), 8)], 3).contains("even that lets 8 through, one in each of 8 counts, past the 3 that fit"));
+        assert_eq!(past_any_share(&[front(Some(10), 3)], 3), "");
     }
 }

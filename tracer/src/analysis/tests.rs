@@ -653,7 +653,7 @@ fn litellm_proxy(t: &mut Trace, pid: u32, args: &[&str], sends: &[(&str, u16, Op
         .collect();
     let mut command: Vec<String> = vec!["litellm".into(), "--config".into(), "/srv/litellm.yaml".into()];
     command.extend(args.iter().map(|a| a.to_string()));
-    t.at(150 * MS, pid, Event::Proxy { uid: 0, command, config: "/srv/litellm.yaml".into(), deployments });
+    t.at(150 * MS, pid, Event::Proxy { uid: 0, command, config: "/srv/litellm.yaml".into(), deployments, workers: None });
 }
 
 /// Deployments that each fit but together do not (two model names for one server, a second
@@ -675,6 +675,20 @@ fn litellm_deployments_to_one_server_count_together() {
     assert_eq!(l.value, 48);
     assert!(h.text().contains("/srv/litellm.yaml, 4 workers) deployment `local` (12 by its `max_parallel_requests` in each of 4 workers, on port 8000) lets 48"), "{}", h.text());
     assert!(h.text().contains("set `max_parallel_requests: 10` there (each worker keeps its own count)"), "{}", h.text());
+    // Workers counted when it was read stand over the command line's: 3 of 20 are 60.
+    let mut t = serving(&[]);
+    let deployment = crate::event::Deployment {
+        model: "local".into(),
+        host: "localhost".into(),
+        port: 8000,
+        max_parallel_requests: Some(20),
+        limit_from: "rpm".into(),
+        local: Some(true),
+    };
+    let command = vec!["litellm".into(), "--num_workers".into(), "8".into()];
+    t.at(150 * MS, 500, Event::Proxy { uid: 0, command, config: "c".into(), deployments: vec![deployment], workers: Some(3) });
+    let [h] = &headroom(&mut t, &[])[..] else { panic!() };
+    assert_eq!(h.limits_exceeded.iter().map(|l| l.value).collect::<Vec<_>>(), [60]);
     // Two proxies, one of them without a limit: nothing bounds what they send, no LiteLLM limit.
     let mut t = serving(&[]);
     litellm_proxy(&mut t, 500, &[], &[("local", 8000, Some(25))]);
@@ -721,7 +735,7 @@ fn a_litellm_limit_past_what_fits_is_named_where_the_server_sets_none_that_fits(
         limit_from: "rpm".into(),
         local: None,
     };
-    t.at(150 * MS, 600, Event::Proxy { uid: 2000, command: vec![], config: "c".into(), deployments: vec![deployment] });
+    t.at(150 * MS, 600, Event::Proxy { uid: 2000, command: vec![], config: "c".into(), deployments: vec![deployment], workers: None });
     assert!(headroom(&mut t, &[])[0].limits_exceeded.is_empty());
     // A deployment to another machine's address at the same port (read as the proxy saw its
     // own) is not this server's; one to the proxy's own address, or to a name, is.
@@ -735,7 +749,7 @@ fn a_litellm_limit_past_what_fits_is_named_where_the_server_sets_none_that_fits(
             limit_from: "rpm".into(),
             local,
         };
-        t.at(150 * MS, 600, Event::Proxy { uid: 0, command: vec![], config: "c".into(), deployments: vec![deployment] });
+        t.at(150 * MS, 600, Event::Proxy { uid: 0, command: vec![], config: "c".into(), deployments: vec![deployment], workers: None });
         assert_eq!(headroom(&mut t, &[])[0].limits_exceeded.len(), usize::from(tied), "{local:?}");
     }
     // Within what fits, no limit at all, or another port: nothing said.

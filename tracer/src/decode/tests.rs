@@ -599,10 +599,15 @@ fn an_exec_carries_its_argv() {
     };
     let (filename, argv, whole) = exec(&exec_record_bytes(b"server\0--port\0\08000\0HOME=/root", 20, 1));
     assert_eq!((filename.as_str(), argv, whole), ("/bin/server", vec!["server".to_string(), "--port".into(), "8000".into()], true));
-    let (_, argv, whole) = exec(&exec_record_bytes(b"server\0--po", 11, 0));
-    assert_eq!((argv, whole), (vec!["server".to_string(), "--po".into()], false));
+    // A part keeps only the arguments it holds whole: never `--max-num-seqs 25` of 2560.
+    let (_, argv, whole) = exec(&exec_record_bytes(b"server\0--max-num-seqs\x0025", 22, 0));
+    assert_eq!((argv, whole), (vec!["server".to_string(), "--max-num-seqs".into()], false));
+    let (_, argv, whole) = exec(&exec_record_bytes(b"server-with-a-long-name", 23, 0));
+    assert_eq!((argv, whole), (vec![], false));
     let (_, argv, whole) = exec(&exec_record_bytes(b"", 0, 1));
     assert_eq!((argv, whole), (vec![], false), "nothing read is not a whole argv");
+    let (_, argv, whole) = exec(&exec_record_bytes(b"\0", 1, 1));
+    assert_eq!((argv, whole), (vec![], false), "an argv of one empty argument names nothing");
     let (_, argv, _) = exec(&exec_record_bytes(b"a", u32::MAX, 1));
     assert_eq!(argv, ["a"]);
     let bytes = exec_record_bytes(b"a", 1, 1);

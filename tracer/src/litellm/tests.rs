@@ -189,6 +189,8 @@ fn a_host_is_the_proxys_own_or_another_machines() {
         let want = if host.starts_with("fe80") { Some(false) } else { Some(true) };
         assert_eq!(locality(host, &own), want, "{host}");
     }
+    assert_eq!(locality("::ffff:127.0.0.1", &[]), Some(true), "IPv4-mapped loopback");
+    assert_eq!(locality("::ffff:192.0.2.2", &own), Some(true));
     for host in ["10.0.0.12", "192.0.2.3", "2001:db8::1"] {
         assert_eq!(locality(host, &own), Some(false), "{host}");
     }
@@ -197,4 +199,28 @@ fn a_host_is_the_proxys_own_or_another_machines() {
     }
     // The URL's bracketed IPv6 reaches here without its brackets.
     assert_eq!(host_and_port("http://[::1]:8000/v1").map(|(h, _)| locality(&h, &[])), Some(Some(true)));
+}
+
+/// gunicorn's workers are forks that show their master's command line: one proxy, its workers
+/// counted; uvicorn's are spawned Pythons under it. A proxy of another config under it is its own.
+#[test]
+fn workers_fold_into_the_proxy_they_work_for() {
+    let proxy = |pid: u32, config: &str| Proxy {
+        pid,
+        uid: 0,
+        command: vec!["litellm".into(), "--config".into(), config.into()],
+        config: config.into(),
+        deployments: vec![],
+        workers: None,
+    };
+    let parents = [(11, 10), (12, 10), (20, 10), (30, 20), (31, 20), (32, 99), (10, 1)];
+    let parent = |pid: u32| parents.iter().find(|(p, _)| *p == pid).map(|(_, up)| *up);
+    let found = vec![proxy(10, "a.yaml"), proxy(11, "a.yaml"), proxy(12, "a.yaml"), proxy(20, "b.yaml")];
+    let folded = fold_workers(found, &[30, 31, 32], parent);
+    let seen: Vec<(u32, Option<u64>)> = folded.iter().map(|p| (p.pid, p.workers)).collect();
+    assert_eq!(seen, [(10, Some(2)), (20, Some(2))]);
+    let alone = fold_workers(vec![proxy(10, "a.yaml")], &[], parent);
+    assert_eq!(alone[0].workers, None);
+    assert!(is_spawned_worker(&argv("python3 -c from multiprocessing.spawn import spawn_main --multiprocessing-fork")));
+    assert!(!is_spawned_worker(&argv("python3 -c from multiprocessing.resource_tracker import main;main(5)")));
 }

@@ -119,6 +119,7 @@ fn process_or_file(kind: u8, b: &mut Bytes, pid: u32, fd: i32) -> Event {
                 limit_from: "rpm".into(),
                 local: if b.one_in(2) { None } else { Some(b.one_in(2)) },
             }],
+            workers: b.one_in(2).then(|| b.pick(8).into()),
         },
         1 if b.one_in(3) => Event::Attached { listening: if b.one_in(2) { vec![8000] } else { vec![] }, gpus: vec![b.pick(3)] },
         1 => Event::Exec { command: vec![format!("e{pid}")] },

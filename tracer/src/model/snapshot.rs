@@ -510,8 +510,13 @@ impl<'a> Snapshot<'a> {
 
     fn proxies(&mut self) {
         for (&pid, p) in &self.model.proxies {
-            let event =
-                Event::Proxy { uid: p.uid, command: p.command.clone(), config: p.config.clone(), deployments: p.deployments.clone() };
+            let event = Event::Proxy {
+                uid: p.uid,
+                command: p.command.clone(),
+                config: p.config.clone(),
+                deployments: p.deployments.clone(),
+                workers: p.workers,
+            };
             self.out.push(Record::new(p.ts, pid, 0, event));
         }
     }

@@ -86,6 +86,7 @@ fn every_event(v: [u64; 8], s: [String; 2]) -> Vec<Event> {
                 limit_from: "rpm".into(),
                 local: Some(a % 2 == 0),
             }],
+            workers: some(x),
         },
         Event::Sample(Sample {
             gpus: vec![GpuUse { gpu: a, used_bytes: x }],
