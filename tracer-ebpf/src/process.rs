@@ -62,8 +62,11 @@ fn read_argv(record: &mut ExecRecord) {
     if start == 0 || total == 0 || total > 1 << 20 {
         return;
     }
-    // Never past arg_end: the environment follows it.
-    let len = total.min(EXEC_ARGS as u64 - 1) & (EXEC_ARGS as u64 - 1);
+    // Never past arg_end: the environment follows it. The mask is applied to what a volatile
+    // read gives back, so the compiler keeps it: a verifier before 5.11 bounds the length only by
+    // it (it does not carry a bound checked on one register to a copy of it).
+    let len = total.min(EXEC_ARGS as u64 - 1);
+    let len = unsafe { core::ptr::read_volatile(&len) } & (EXEC_ARGS as u64 - 1);
     if unsafe { bpf_probe_read_user(record.args.as_mut_ptr() as *mut _, len as u32, start as *const _) } == 0 {
         record.args_len = len as u32;
         record.args_whole = (len == total) as u32;
