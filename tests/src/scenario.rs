@@ -70,6 +70,9 @@ struct Tools {
     /// The watch started after the server warmed up (GPUTRACE_ATTACH=late with
     /// GPUTRACE_WATCH_DUMPS), to stop when the scenario is over.
     late_watch: std::cell::RefCell<Option<Child>>,
+    /// The LiteLLM stand-in in front of the server: (the server's port, the proxy's). The load
+    /// for that server goes through it.
+    proxied: std::cell::Cell<Option<(u16, u16)>>,
 }
 
 impl Tools {
@@ -83,6 +86,7 @@ impl Tools {
             dir: dir.to_path_buf(),
             nvml: nvml.to_string(),
             late_watch: std::cell::RefCell::new(None),
+            proxied: std::cell::Cell::new(None),
         })
     }
 
@@ -200,7 +204,7 @@ impl Tools {
             self.load(server, port, warmup)?;
             let go = self.dir.join("send");
             let mut pending = Command::new(&self.load)
-                .args(["--server", server, "--port", &port.to_string(), "--ready-timeout-s", "20", "--truth"])
+                .args(["--server", server, "--port", &self.load_port(port).to_string(), "--ready-timeout-s", "20", "--truth"])
                 .arg(self.dir.join("workload.jsonl"))
                 .args(then)
                 .arg("--send-after")
@@ -247,9 +251,15 @@ impl Tools {
         }
     }
 
+    /// Where the load for the server on `port` is sent: the LiteLLM stand-in in front of it, if
+    /// one is.
+    fn load_port(&self, port: u16) -> u16 {
+        self.proxied.get().filter(|(server, _)| *server == port).map_or(port, |(_, proxy)| proxy)
+    }
+
     fn load(&self, server: &str, port: u16, args: &[&str]) -> Result<()> {
         let status = Command::new(&self.load)
-            .args(["--server", server, "--port", &port.to_string(), "--ready-timeout-s", "20", "--truth"])
+            .args(["--server", server, "--port", &self.load_port(port).to_string(), "--ready-timeout-s", "20", "--truth"])
             .arg(self.dir.join("workload.jsonl"))
             .args(args)
             .stdout(log(&self.dir, "load.log"))
@@ -385,13 +395,14 @@ fn wait_for_exit(child: &mut Child, limit: Duration) -> Result<()> {
 
 /// A LiteLLM proxy in front of the server for as long as the scenario runs (GPUTRACE_LITELLM=N
 /// or N,M,...: each deployment's `max_parallel_requests`, the first named `local`, the others
-/// `local-2`...; GPUTRACE_LITELLM_WORKERS=W: its `--num_workers`): a script named `litellm` that
-/// only waits, with a config that sends each to the server's port. It forwards nothing: the
-/// load goes to the server.
+/// `local-2`...; GPUTRACE_LITELLM_WORKERS=W: its `--num_workers`): the stand-in `litellm`
+/// beside this binary, with a config that sends each to the server's port, on a port of its
+/// own that the load is sent to; it lets the first deployment's limit through at once.
 struct LiteLlm(Child);
 
 impl LiteLlm {
-    fn start(dir: &Path, port: u16) -> Result<Option<LiteLlm>> {
+    /// The proxy, and the port it listens on.
+    fn start(dir: &Path, port: u16) -> Result<Option<(LiteLlm, u16)>> {
         let Ok(limits) = std::env::var("GPUTRACE_LITELLM") else { return Ok(None) };
         let config = dir.join("litellm.yaml");
         let mut yaml = String::from("model_list:\n");
@@ -402,17 +413,17 @@ impl LiteLlm {
             );
         }
         std::fs::write(&config, yaml)?;
-        let program = dir.join("litellm");
-        std::fs::write(&program, "#!/bin/sh\nsleep 3600\n")?;
-        std::fs::set_permissions(&program, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
-        let mut proxy = Command::new(&program);
-        proxy.arg("--config").arg(&config).process_group(0).stdout(Stdio::null());
+        let here = std::env::current_exe()?.parent().ok_or_else(|| anyhow!("no directory"))?.to_path_buf();
+        let listen = port + 1000;
+        let mut proxy = Command::new(here.join("litellm"));
+        proxy.arg("--config").arg(&config).args(["--port", &listen.to_string()]).process_group(0).stdout(Stdio::null());
+        proxy.stderr(log(dir, "litellm.log"));
         if let Ok(workers) = std::env::var("GPUTRACE_LITELLM_WORKERS") {
             proxy.args(["--num_workers", &workers]);
         }
         let child = proxy.spawn().context("starting the LiteLLM stand-in")?;
         std::fs::write(dir.join("litellm.pid"), child.id().to_string())?;
-        Ok(Some(LiteLlm(child)))
+        Ok(Some((LiteLlm(child), listen)))
     }
 }
 
@@ -427,7 +438,10 @@ impl Drop for LiteLlm {
 fn scenario_inside(t: &Tools, name: &str, server: &str) -> Result<()> {
     let llama = server == "llama";
     let port = 8000 + (std::process::id() % 1000) as u16;
-    let _proxy = LiteLlm::start(&t.dir, port)?;
+    let _proxy = LiteLlm::start(&t.dir, port)?.map(|(proxy, listen)| {
+        t.proxied.set(Some((port, listen)));
+        proxy
+    });
     let limit = Duration::from_secs(60);
     match name {
         "clean" | PROBE => {

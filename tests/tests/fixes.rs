@@ -57,6 +57,36 @@ fn llama_concurrency_cap_closes_the_loop() {
     concurrency_cap_closes_the_loop("llama");
 }
 
+/// A LiteLLM proxy in front of the server (the stand-in, which lets its deployment's
+/// `max_parallel_requests` through at once and queues the rest, as LiteLLM does), its limit
+/// past what fits: the value the concurrent-load fix names for it serves the burst through it;
+/// one more fails it again.
+fn litellm_cap_closes_the_loop(server: &str) {
+    let _root = as_root();
+    let through = |limit: u64| [("GPUTRACE_LITELLM", limit.to_string())];
+    let (failed, _) = run("concurrent-load", server, &through(64));
+    assert_eq!(verdict(&failed), "concurrent-load", "{server}: {:#}", failed["diagnosis"]);
+    assert_eq!(fix(&failed)["litellm_deployments"][0]["max_parallel_requests"].as_u64(), Some(64), "{:#}", fix(&failed));
+    let cap = fix(&failed)["litellm_max_parallel_requests"].as_u64().unwrap();
+    let (capped, _) = run("concurrent-load", server, &through(cap));
+    assert_eq!(verdict(&capped), "none", "{server}: max_parallel_requests {cap} serves the burst: {:#}", capped["diagnosis"]);
+    let (past, _) = run("concurrent-load", server, &through(cap + 1));
+    assert_eq!(verdict(&past), "concurrent-load", "{server}: max_parallel_requests {} fails: {:#}", cap + 1, past["diagnosis"]);
+    eprintln!("{server}: LiteLLM's max_parallel_requests {cap} serves the burst, {} fails", cap + 1);
+}
+
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn vllm_litellm_cap_closes_the_loop() {
+    litellm_cap_closes_the_loop("vllm");
+}
+
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn llama_litellm_cap_closes_the_loop() {
+    litellm_cap_closes_the_loop("llama");
+}
+
 /// The context the fix names (`--max-model-len N`, `-c N`): the long prompt is refused cleanly;
 /// a prompt of that length is served; with the context 10% past it, a prompt that long fails.
 fn context_closes_the_loop(server: &str) {
