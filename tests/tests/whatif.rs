@@ -37,8 +37,11 @@ struct Pair<'a> {
 
 fn holds(p: &Pair) -> f64 {
     let base = run(p.recorded.0, p.server, p.recorded.1);
-    let (outcome, took) = whatif(&base.join("run.trace"), p.setting);
     let what = format!("{} {} {:?}", p.server, p.recorded.0, p.setting);
+    // Replayed unchanged, the recording comes out as it was recorded.
+    let (unchanged, _) = whatif(&base.join("run.trace"), &[]);
+    assert_eq!(unchanged["category"], summary(&base)["diagnosis"]["category"], "{what}: replayed unchanged: {unchanged:#}");
+    let (outcome, took) = whatif(&base.join("run.trace"), p.setting);
     assert_eq!(outcome["category"] == "none", p.fits, "{what}: whatif says {:#}", outcome);
     let again = summary(&run(p.rerun.0, p.server, p.rerun.1));
     let failed = again["diagnosis"]["category"] != "none";
@@ -154,7 +157,29 @@ fn pairs_hold(server: &str) {
         fits: true,
     }];
     let four_bits = if llama { &four_bits[..0] } else { &four_bits[..] };
-    let times: Vec<f64> = pairs.iter().chain(four_bits).map(holds).collect();
+    // The model that did not fit one card, sharded over two (each holds half: vLLM's 48 GiB of
+    // 96 on an 80 GiB card, llama's 15 of 30 on a 24 GiB one), run again on a pair of GPUs.
+    let sharded_flags = if llama { "--model-gib 30 --tensor-split 1,1" } else { "--model-gib 96 --tensor-parallel-size 2" };
+    // And on a pair of cards too small for half of it (12 and 40 GiB): it still fails loading.
+    let (split, small_card) = if llama { ("--tensor-split 1,1", "12") } else { ("--tensor-parallel-size 2", "40") };
+    let small = format!("{small_card}GiB");
+    let sharded = [
+        Pair {
+            server,
+            recorded: ("does-not-fit-at-load", &[]),
+            setting: &["--tensor-parallel", "2"],
+            rerun: ("probe", &[("GPUTRACE_TP", "2"), ("GPUTRACE_SERVER_ARGS", sharded_flags), ("GPUTRACE_LOAD", "--sequential 16")]),
+            fits: true,
+        },
+        Pair {
+            server,
+            recorded: ("does-not-fit-at-load", &[]),
+            setting: &["--tensor-parallel", "2", "--capacity", &small],
+            rerun: ("does-not-fit-at-load", &[("GPUTRACE_TP", "2"), ("GPUTRACE_SERVER_ARGS", split), ("GPUTRACE_VIDEO_GIB", small_card)]),
+            fits: false,
+        },
+    ];
+    let times: Vec<f64> = pairs.iter().chain(four_bits).chain(&sharded).map(holds).collect();
     eprintln!("{server}: whatif took {:.1} ms at most ({} pairs)", times.iter().copied().fold(0.0, f64::max) * 1e3, times.len());
 }
 

@@ -142,6 +142,11 @@ enum Command {
         /// The card's size: 80GiB, 141GiB
         #[arg(long, value_name = "BYTES", value_parser = gputrace::units::parse_bytes)]
         capacity: Option<u64>,
+        /// The GPUs the model is sharded over (vLLM --tensor-parallel-size, SGLang --tp-size, TGI
+        /// --num-shard; llama-server's --tensor-split entries): each holds its share of the
+        /// weights and of what a request costs
+        #[arg(long, visible_aliases = ["tensor-parallel-size", "tp-size", "num-shard"], value_name = "N", value_parser = clap::value_parser!(u64).range(1..=gputrace::analysis::whatif::MAX_TENSOR_PARALLEL))]
+        tensor_parallel: Option<u64>,
         /// Also find the largest concurrency and context that fit under these settings
         #[arg(long)]
         search: bool,
@@ -393,8 +398,9 @@ fn main() -> ExitCode {
         }
         Command::Export { trace, format, output, judging } => export(trace, format, output, judging).map(|()| ExitCode::SUCCESS),
         Command::Report { trace, json, judging } => print_report(trace, json, judging).map(|()| ExitCode::SUCCESS),
-        Command::Whatif { trace, max_concurrency, max_context, utilization, quantize, capacity, search, json } => {
-            let settings = gputrace::analysis::whatif::Settings { max_concurrency, max_context, utilization, quantize, capacity };
+        Command::Whatif { trace, max_concurrency, max_context, utilization, quantize, capacity, tensor_parallel, search, json } => {
+            let settings =
+                gputrace::analysis::whatif::Settings { max_concurrency, max_context, utilization, quantize, capacity, tensor_parallel };
             whatif(&trace, &settings, search, json)
         }
         Command::Generate { what } => generate(what).map(|()| ExitCode::SUCCESS),

@@ -1033,6 +1033,65 @@ fn whatif_of_a_reserving_engine_moves_its_kv_cache() {
     let smaller = whatif(&mut t, super::whatif::Settings { utilization: Some(0.8), ..Default::default() });
     assert_eq!(smaller.kv_after_bytes, 56 * GIB - 8 * GIB);
     assert!(smaller.search.unwrap().max_concurrency > before + 10, "{}", smaller.text());
+    // Sharded over 2 GPUs: each holds half the weights (its KV cache takes the rest of the
+    // budget) and half of what a request costs, so twice as many fit at once.
+    let sharded = whatif(&mut t, super::whatif::Settings { tensor_parallel: Some(2), ..Default::default() });
+    assert_eq!((sharded.weights_after_bytes, sharded.kv_after_bytes), (8 * GIB, 64 * GIB), "{}", sharded.text());
+    let twice = sharded.search.unwrap().max_concurrency;
+    assert!(twice.abs_diff(2 * before) <= 1, "{twice} against {before}: {}", sharded.text());
+    assert!(sharded.text().contains("on each of the 2 GPUs it is sharded over serves"), "{}", sharded.text());
+    let same = whatif(&mut t, super::whatif::Settings { tensor_parallel: Some(1), ..Default::default() });
+    assert_eq!((same.weights_after_bytes, same.search.unwrap().max_concurrency), (16 * GIB, before), "as recorded");
+}
+
+/// vLLM that failed loading a model in chunks of one size (as a layer's tensors repeat): the
+/// chunks are weights, not its KV cache (allocated once the weights are in), so the replay of
+/// the recording fails as it did, and quantized or sharded over 2 GPUs it loads.
+#[test]
+fn whatif_of_a_load_that_failed_counts_its_chunks_as_weights() {
+    let mut t = Trace::vllm(0);
+    t.0.retain(|r| !matches!(r.event, Event::Alloc(_) | Event::Listen { .. }));
+    for i in 0..160 {
+        t.alloc(10 + i, ENGINE, GIB / 2, 0);
+    }
+    t.alloc(200, ENGINE, GIB / 2, 0x51);
+    let recorded = whatif(&mut t, super::whatif::Settings::default());
+    assert_eq!(
+        (recorded.category, recorded.weights_bytes, recorded.kv_bytes),
+        (Category::DoesNotFitAtLoad, 80 * GIB + GIB / 2, 0),
+        "{}",
+        recorded.text()
+    );
+    for settings in [
+        super::whatif::Settings { quantize: Some(8), ..Default::default() },
+        super::whatif::Settings { tensor_parallel: Some(2), ..Default::default() },
+    ] {
+        let fits = whatif(&mut t, settings.clone());
+        // 0.9 of 80 GiB, less 40.25 GiB of weights, is its KV cache.
+        assert_eq!(
+            (fits.category, fits.weights_after_bytes, fits.kv_after_bytes),
+            (Category::None, 40 * GIB + GIB / 4, 72 * GIB - 40 * GIB - GIB / 4),
+            "{settings:?}: {}",
+            fits.text()
+        );
+    }
+}
+
+/// A model recorded on 2 GPUs (`--tensor-parallel-size 2`; llama's `--tensor-split 1,1`) tried
+/// on 1: each byte a shard held is held twice over; a KV cache sized by the context too.
+#[test]
+fn whatif_reads_the_recorded_sharding() {
+    let mut t = serving(&["--tensor-parallel-size", "2"]);
+    for conn in 10..20 {
+        t.request(conn, 600 * MS, 8_000, Some(700 * MS));
+        t.at(800 * MS, API, Event::ConnClose { conn });
+    }
+    let recorded = whatif(&mut t, super::whatif::Settings::default());
+    assert_eq!(recorded.category, Category::None, "{}", recorded.text());
+    let one = whatif(&mut t, super::whatif::Settings { tensor_parallel: Some(1), ..Default::default() });
+    assert_eq!(one.weights_after_bytes, 2 * recorded.weights_bytes, "{}", one.text());
+    let (before, after) = (recorded.search.unwrap().max_concurrency, one.search.map_or(0, |s| s.max_concurrency));
+    assert!(after < before, "{after} at once on one GPU against {before} on 2: {}", one.text());
 }
 
 /// A watch's window moves on past the request that measured what a request costs: its

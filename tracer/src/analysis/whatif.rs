@@ -37,7 +37,16 @@ pub struct Settings {
     pub quantize: Option<u32>,
     /// The card's size.
     pub capacity: Option<u64>,
+    /// GPUs the model is sharded over (`--tensor-parallel-size`; llama-server's `--tensor-split`
+    /// entries): each holds that share of the weights, and of what a request costs, and of a KV
+    /// cache sized by the context; an engine that reserves a fraction of each card fills what
+    /// its weights leave.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tensor_parallel: Option<u64>,
 }
+
+/// Most GPUs a model is taken to be sharded over.
+pub const MAX_TENSOR_PARALLEL: u64 = 1024;
 
 /// What the replay found.
 #[derive(Clone, Debug, Serialize)]
@@ -99,7 +108,12 @@ struct Replayed {
 
 impl Outcome {
     pub fn text(&self) -> String {
-        let gpu = self.gpu.map(|g| format!(" on GPU {g}")).unwrap_or_default();
+        let gpu = match (self.gpu, self.settings.tensor_parallel) {
+            (Some(g), Some(n)) => format!(" on GPU {g} (one of the {n} it is sharded over)"),
+            (None, Some(n)) => format!(" on each of the {n} GPUs it is sharded over"),
+            (Some(g), None) => format!(" on GPU {g}"),
+            (None, None) => String::new(),
+        };
         let at_least = if self.load_complete { "" } else { "at least " };
         let load = format!(
             "{at_least}weights {} -> {}, KV cache {} -> {}",
@@ -170,14 +184,28 @@ impl Diagnoser<'_> {
         let family = ServerFamily::of(engine);
         let requests = self.services.completions(service);
         let pool = self.pool(service, gpu);
-        let cost = pool.cost(&requests);
-        let (weights, kv, load_complete) = self.load_parts(service, gpu, family);
+        // Sharded over more (or fewer) GPUs, each holds that much less (more) of what one held.
+        let recorded_shards = shards(engine, family);
+        let shard = |b: u64| settings.tensor_parallel.map_or(b, |n| (b as u128 * recorded_shards as u128 / n.max(1) as u128) as u64);
+        let per_byte = recorded_shards as f64 / settings.tensor_parallel.unwrap_or(recorded_shards).max(1) as f64;
+        let cost = pool.cost(&requests).map(|c| super::headroom::Cost { per_byte: c.per_byte * per_byte, ..c });
+        let (weights, kv, loaded) = self.load_parts(service, gpu, family);
         // An engine that reserves a fraction of the card loads that much, whatever its weights.
-        let load_complete = load_complete || family.reserve().is_some();
+        let load_complete = loaded || family.reserve().is_some();
         let new_capacity = settings.capacity.unwrap_or(capacity);
-        let weights_after = settings.quantize.map_or(weights, |q| weights / 16 * u64::from(q.clamp(1, 16)));
+        let weights_after = shard(settings.quantize.map_or(weights, |q| weights / 16 * u64::from(q.clamp(1, 16))));
         let recorded_util = family.reserve().map(|(name, default)| flag(engine, &[name]).and_then(|v| v.parse().ok()).unwrap_or(default));
-        let kv_after = kv_after(engine, family, settings, recorded_util, Load { weights, kv, weights_after }, (capacity, new_capacity))?;
+        let kv_after = kv_after(
+            engine,
+            family,
+            settings,
+            recorded_util,
+            Load { weights, kv, weights_after, failed: !loaded },
+            (capacity, new_capacity),
+        )?;
+        // A KV cache sized by the context is split over the shards too; a reserved one fills the
+        // budget, which is each card's.
+        let kv_after = if recorded_util.is_some() { kv_after } else { shard(kv_after) };
         // Room for requests changes by what the load gives back, and the card's growth.
         let shift = weights as i128 + kv as i128 - weights_after as i128 - kv_after as i128 + new_capacity as i128 - capacity as i128;
         let start = self.start();
@@ -255,6 +283,15 @@ impl Diagnoser<'_> {
     }
 }
 
+/// The GPUs the recorded command line shards the model over (1 where it says none).
+fn shards(engine: &[String], family: ServerFamily) -> u64 {
+    let Some((_, names)) = family.sharding() else { return 1 };
+    let Some(value) = flag(engine, names) else { return 1 };
+    // llama-server's --tensor-split 3,1: a proportion per GPU; others give a count.
+    let n = if family == ServerFamily::LlamaCpp { value.split(',').count() as u64 } else { count(&value).unwrap_or(1) };
+    n.clamp(1, MAX_TENSOR_PARALLEL)
+}
+
 /// The longest prompt one request is admitted with under the settings, in tokens: the context
 /// tried, or where only the slots that split it change (`-np`), the recorded one; a slot's
 /// share of it.
@@ -271,6 +308,8 @@ struct Load {
     weights: u64,
     kv: u64,
     weights_after: u64,
+    /// The recorded load failed: it had no KV cache yet.
+    failed: bool,
 }
 
 /// The KV cache under the changed settings, from the recorded one.
@@ -282,14 +321,19 @@ fn kv_after(
     load: Load,
     (capacity, new_capacity): (u64, u64),
 ) -> Result<u64, String> {
-    let Load { weights, kv, weights_after } = load;
+    let Load { weights, kv, weights_after, failed } = load;
     Ok(match (recorded_util, family.context()) {
         // An engine that reserves a fraction of the card fills it: the KV cache takes what the
         // weights leave of the new budget.
         (Some(util), _) => {
             let budget = |u: f64, c: u64| (u * c as f64) as i128;
-            let after = budget(settings.utilization.unwrap_or(util), new_capacity) - budget(util, capacity) + kv as i128 + weights as i128
-                - weights_after as i128;
+            let new_budget = budget(settings.utilization.unwrap_or(util), new_capacity);
+            // A load that failed had none: what the weights leave of the budget; else the
+            // recorded one, moved by what the budget and the weights moved.
+            let after = match failed {
+                true => new_budget - weights_after as i128,
+                false => new_budget - budget(util, capacity) + kv as i128 + weights as i128 - weights_after as i128,
+            };
             after.max(0) as u64
         }
         // One sized by the context: in proportion to it.
@@ -349,8 +393,8 @@ fn replay_requests(
 impl Diagnoser<'_> {
     /// What the service loaded on `gpu`, live when it began serving (or when it failed): its
     /// KV cache (an engine that reserves a fraction of the card: the largest run of four or more
-    /// identical blocks; llama.cpp: its second largest buffer, after the model's) and the rest,
-    /// counted as weights with what a failed load still asked for.
+    /// identical blocks, none where the load failed; llama.cpp: its second largest buffer, after
+    /// the model's) and the rest, counted as weights with what a failed load still asked for.
     fn load_parts(&self, service: &Service, gpu: Option<u32>, family: ServerFamily) -> (u64, u64, bool) {
         let failed_at_load =
             self.model.failures.iter().find(|f| service.pids.contains(&f.pid) && self.services.phase(service, f.ts) == Phase::Load);
@@ -366,6 +410,12 @@ impl Diagnoser<'_> {
         sizes.sort_unstable_by(|a, b| b.cmp(a));
         let total = sizes.iter().copied().fold(0, u64::saturating_add).saturating_add(failed_at_load.map_or(0, |f| f.bytes));
         let kv = if family.reserve().is_some() {
+            // The KV cache is allocated once the weights are in: a load that failed had not got
+            // there, and its runs of identical blocks are weights (a model loaded in chunks of
+            // one size, a layer's tensors repeated).
+            if failed_at_load.is_some() {
+                return (total, 0, false);
+            }
             let runs = sizes.chunk_by(|a, b| a == b).filter(|run| run.len() >= 4);
             runs.map(|run| run[0].saturating_mul(run.len() as u64)).max().unwrap_or(0)
         } else if family == ServerFamily::LlamaCpp {
