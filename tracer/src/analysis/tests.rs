@@ -1077,6 +1077,52 @@ fn whatif_of_a_load_that_failed_counts_its_chunks_as_weights() {
     }
 }
 
+/// vLLM that failed allocating its KV cache (identical blocks after a model of other sizes):
+/// its weights were all in, the blocks are its KV cache.
+#[test]
+fn whatif_of_a_load_that_failed_in_its_kv_cache() {
+    let mut t = Trace::vllm(0);
+    t.0.retain(|r| !matches!(r.event, Event::Alloc(_) | Event::Listen { .. }));
+    t.alloc(10, ENGINE, 16 * GIB, 0);
+    for i in 0..4 {
+        t.alloc(20 + i, ENGINE, 7 * GIB, 0);
+    }
+    t.alloc(200, ENGINE, 7 * GIB, 0x51);
+    let recorded = whatif(&mut t, super::whatif::Settings::default());
+    assert_eq!((recorded.weights_bytes, recorded.kv_bytes, recorded.weights_at_least), (16 * GIB, 28 * GIB, false), "{}", recorded.text());
+    // Chunks of one size from the start are weights, known only as at least.
+    let mut t = Trace::vllm(0);
+    t.0.retain(|r| !matches!(r.event, Event::Alloc(_) | Event::Listen { .. }));
+    for i in 0..8 {
+        t.alloc(10 + i, ENGINE, 7 * GIB, 0);
+    }
+    t.alloc(200, ENGINE, 7 * GIB, 0x51);
+    let recorded = whatif(&mut t, super::whatif::Settings::default());
+    assert_eq!((recorded.weights_bytes, recorded.kv_bytes, recorded.weights_at_least), (63 * GIB, 0, true), "{}", recorded.text());
+    assert!(recorded.text().contains("at least weights 63.0 GiB"), "{}", recorded.text());
+}
+
+/// The sharding a command line records: a count, llama's proportions above 0 (`,` or `/`), and
+/// without them llama splits over the GPUs it used.
+#[test]
+fn whatif_reads_how_many_gpus_a_command_line_shards_over() {
+    let shards = |command: &str, gpus| {
+        let argv: Vec<String> = command.split(' ').map(String::from).collect();
+        super::whatif::shards(&argv, super::server::ServerFamily::of(&argv), gpus)
+    };
+    assert_eq!(shards("vllm serve m --tensor-parallel-size 4", 1), 4);
+    assert_eq!(shards("vllm serve m -tp 2", 8), 2);
+    assert_eq!(shards("vllm serve m", 8), 1);
+    assert_eq!(shards("vllm serve m -tp 0", 1), 1);
+    assert_eq!(shards("vllm serve m -tp 99999999", 1), super::whatif::MAX_TENSOR_PARALLEL);
+    assert_eq!(shards("llama-server -m m --tensor-split 1,1", 1), 2);
+    assert_eq!(shards("llama-server -m m -ts 3/1", 1), 2);
+    assert_eq!(shards("llama-server -m m -ts 1,0", 2), 1, "0: no share on that GPU");
+    assert_eq!(shards("llama-server -m m -ts x,y", 2), 1);
+    assert_eq!(shards("llama-server -m m", 3), 3, "every GPU it used");
+    assert_eq!(shards("llama-server -m m", 0), 1);
+}
+
 /// A model recorded on 2 GPUs (`--tensor-parallel-size 2`; llama's `--tensor-split 1,1`) tried
 /// on 1: each byte a shard held is held twice over; a KV cache sized by the context too.
 #[test]

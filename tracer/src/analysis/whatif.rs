@@ -72,6 +72,10 @@ pub struct Outcome {
     /// reserves a fraction of the card, which it fills): the figures, and the peak, are then at
     /// least.
     pub load_complete: bool,
+    /// The weights are at least these (the load failed before they were all in): a verdict
+    /// that they fit may not hold.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub weights_at_least: bool,
     pub weights_bytes: u64,
     pub kv_bytes: u64,
     pub weights_after_bytes: u64,
@@ -109,12 +113,13 @@ struct Replayed {
 impl Outcome {
     pub fn text(&self) -> String {
         let gpu = match (self.gpu, self.settings.tensor_parallel) {
-            (Some(g), Some(n)) => format!(" on GPU {g} (one of the {n} it is sharded over)"),
+            (Some(g), Some(1)) => format!(" on GPU {g}, the one it is on"),
+            (Some(g), Some(n)) => format!(" on GPU {g} (one of the {n} it is sharded over; the others' holders are not judged)"),
             (None, Some(n)) => format!(" on each of the {n} GPUs it is sharded over"),
             (Some(g), None) => format!(" on GPU {g}"),
             (None, None) => String::new(),
         };
-        let at_least = if self.load_complete { "" } else { "at least " };
+        let at_least = if self.load_complete && !self.weights_at_least { "" } else { "at least " };
         let load = format!(
             "{at_least}weights {} -> {}, KV cache {} -> {}",
             bytes(self.weights_bytes),
@@ -185,24 +190,23 @@ impl Diagnoser<'_> {
         let requests = self.services.completions(service);
         let pool = self.pool(service, gpu);
         // Sharded over more (or fewer) GPUs, each holds that much less (more) of what one held.
-        let recorded_shards = shards(engine, family);
-        let shard = |b: u64| settings.tensor_parallel.map_or(b, |n| (b as u128 * recorded_shards as u128 / n.max(1) as u128) as u64);
+        let recorded_shards = shards(engine, family, self.gpus_of(service).len() as u64);
+        let shard = |b: u64| {
+            let sharded = |n: u64| u64::try_from(b as u128 * recorded_shards as u128 / n.max(1) as u128).unwrap_or(u64::MAX);
+            settings.tensor_parallel.map_or(b, sharded)
+        };
         let per_byte = recorded_shards as f64 / settings.tensor_parallel.unwrap_or(recorded_shards).max(1) as f64;
         let cost = pool.cost(&requests).map(|c| super::headroom::Cost { per_byte: c.per_byte * per_byte, ..c });
-        let (weights, kv, loaded) = self.load_parts(service, gpu, family);
-        // An engine that reserves a fraction of the card loads that much, whatever its weights.
-        let load_complete = loaded || family.reserve().is_some();
+        let LoadParts { weights, kv, weights_known, failed } = self.load_parts(service, gpu, family);
+        // An engine that reserves a fraction of the card loads that much, whatever its weights
+        // (which, where its load failed before they were in, are at least those: whether they
+        // fit is then not known for sure).
+        let load_complete = weights_known || family.reserve().is_some();
         let new_capacity = settings.capacity.unwrap_or(capacity);
         let weights_after = shard(settings.quantize.map_or(weights, |q| weights / 16 * u64::from(q.clamp(1, 16))));
         let recorded_util = family.reserve().map(|(name, default)| flag(engine, &[name]).and_then(|v| v.parse().ok()).unwrap_or(default));
-        let kv_after = kv_after(
-            engine,
-            family,
-            settings,
-            recorded_util,
-            Load { weights, kv, weights_after, failed: !loaded },
-            (capacity, new_capacity),
-        )?;
+        let kv_after =
+            kv_after(engine, family, settings, recorded_util, Load { weights, kv, weights_after, failed }, (capacity, new_capacity))?;
         // A KV cache sized by the context is split over the shards too; a reserved one fills the
         // budget, which is each card's.
         let kv_after = if recorded_util.is_some() { kv_after } else { shard(kv_after) };
@@ -221,6 +225,7 @@ impl Diagnoser<'_> {
             peak_bytes: 0,
             refused: 0,
             load_complete,
+            weights_at_least: !weights_known,
             weights_bytes: weights,
             kv_bytes: kv,
             weights_after_bytes: weights_after,
@@ -283,12 +288,19 @@ impl Diagnoser<'_> {
     }
 }
 
-/// The GPUs the recorded command line shards the model over (1 where it says none).
-fn shards(engine: &[String], family: ServerFamily) -> u64 {
+/// The GPUs the recorded command line shards the model over: its count; llama-server's
+/// `--tensor-split 3,1` (or `3/1`), a proportion per GPU, those above 0; without one, llama-server
+/// splits over every GPU it sees: `gpus`, those the service allocated on. 1 where unknown.
+pub(super) fn shards(engine: &[String], family: ServerFamily, gpus: u64) -> u64 {
     let Some((_, names)) = family.sharding() else { return 1 };
-    let Some(value) = flag(engine, names) else { return 1 };
-    // llama-server's --tensor-split 3,1: a proportion per GPU; others give a count.
-    let n = if family == ServerFamily::LlamaCpp { value.split(',').count() as u64 } else { count(&value).unwrap_or(1) };
+    let n = match (flag(engine, names), family) {
+        (Some(split), ServerFamily::LlamaCpp) => {
+            split.split([',', '/']).filter(|p| p.trim().parse::<f64>().is_ok_and(|v| v > 0.0)).count() as u64
+        }
+        (None, ServerFamily::LlamaCpp) => gpus,
+        (Some(value), _) => count(&value).unwrap_or(1),
+        (None, _) => 1,
+    };
     n.clamp(1, MAX_TENSOR_PARALLEL)
 }
 
@@ -308,7 +320,7 @@ struct Load {
     weights: u64,
     kv: u64,
     weights_after: u64,
-    /// The recorded load failed: it had no KV cache yet.
+    /// The recorded load failed: its KV cache, if any, was not all in.
     failed: bool,
 }
 
@@ -328,8 +340,8 @@ fn kv_after(
         (Some(util), _) => {
             let budget = |u: f64, c: u64| (u * c as f64) as i128;
             let new_budget = budget(settings.utilization.unwrap_or(util), new_capacity);
-            // A load that failed had none: what the weights leave of the budget; else the
-            // recorded one, moved by what the budget and the weights moved.
+            // A load that failed had not all of it: what the weights leave of the budget; else
+            // the recorded one, moved by what the budget and the weights moved.
             let after = match failed {
                 true => new_budget - weights_after as i128,
                 false => new_budget - budget(util, capacity) + kv as i128 + weights as i128 - weights_after as i128,
@@ -393,9 +405,9 @@ fn replay_requests(
 impl Diagnoser<'_> {
     /// What the service loaded on `gpu`, live when it began serving (or when it failed): its
     /// KV cache (an engine that reserves a fraction of the card: the largest run of four or more
-    /// identical blocks, none where the load failed; llama.cpp: its second largest buffer, after
-    /// the model's) and the rest, counted as weights with what a failed load still asked for.
-    fn load_parts(&self, service: &Service, gpu: Option<u32>, family: ServerFamily) -> (u64, u64, bool) {
+    /// identical blocks; llama.cpp: its second largest buffer, after the model's) and the rest,
+    /// counted as weights with what a failed load still asked for.
+    fn load_parts(&self, service: &Service, gpu: Option<u32>, family: ServerFamily) -> LoadParts {
         let failed_at_load =
             self.model.failures.iter().find(|f| service.pids.contains(&f.pid) && self.services.phase(service, f.ts) == Phase::Load);
         let moment = service.ready_at.or(failed_at_load.map(|f| f.ts)).unwrap_or(self.model.last_ts);
@@ -407,24 +419,38 @@ impl Diagnoser<'_> {
             .filter(|a| a.ts <= moment && a.freed.is_none_or(|(f, _)| f > moment) && self.services.phase(service, a.ts) == Phase::Load)
             .map(|a| a.bytes)
             .collect();
+        let first = sizes.first().copied();
         sizes.sort_unstable_by(|a, b| b.cmp(a));
-        let total = sizes.iter().copied().fold(0, u64::saturating_add).saturating_add(failed_at_load.map_or(0, |f| f.bytes));
-        let kv = if family.reserve().is_some() {
-            // The KV cache is allocated once the weights are in: a load that failed had not got
-            // there, and its runs of identical blocks are weights (a model loaded in chunks of
-            // one size, a layer's tensors repeated).
-            if failed_at_load.is_some() {
-                return (total, 0, false);
-            }
+        let failed = failed_at_load.is_some();
+        let live = sizes.iter().copied().fold(0, u64::saturating_add);
+        let total = live.saturating_add(failed_at_load.map_or(0, |f| f.bytes));
+        if family.reserve().is_some() {
             let runs = sizes.chunk_by(|a, b| a == b).filter(|run| run.len() >= 4);
-            runs.map(|run| run[0].saturating_mul(run.len() as u64)).max().unwrap_or(0)
-        } else if family == ServerFamily::LlamaCpp {
-            sizes.get(1).copied().unwrap_or(0)
-        } else {
-            0
-        };
-        (total.saturating_sub(kv), kv, failed_at_load.is_none())
+            let run = runs.max_by_key(|run| run[0].saturating_mul(run.len() as u64));
+            // The KV cache comes once the weights are in. A load that failed while a run of the
+            // size its first allocation had was coming in was loading weights in chunks of one
+            // size: no KV cache yet, and the weights at least what was asked.
+            return match run {
+                Some(run) if !failed || Some(run[0]) != first => {
+                    let kv = run[0].saturating_mul(run.len() as u64);
+                    // A failure within the KV cache: the weights were all in.
+                    LoadParts { weights: live.saturating_sub(kv), kv, weights_known: true, failed }
+                }
+                _ => LoadParts { weights: total, kv: 0, weights_known: !failed, failed },
+            };
+        }
+        let kv = if family == ServerFamily::LlamaCpp { sizes.get(1).copied().unwrap_or(0) } else { 0 };
+        LoadParts { weights: total.saturating_sub(kv), kv, weights_known: !failed, failed }
     }
+}
+
+/// A service's load, split: its weights (at least, where not `weights_known`) and KV cache;
+/// `failed`: the load failed before it was all in.
+struct LoadParts {
+    weights: u64,
+    kv: u64,
+    weights_known: bool,
+    failed: bool,
 }
 
 /// The service's requests in arrival order, with their recorded durations.
