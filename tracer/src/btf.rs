@@ -154,13 +154,18 @@ mod tests {
                 types.extend_from_slice(&v.to_le_bytes());
             }
         }
+        with_header(&types, strings)
+    }
+
+    /// A BTF blob of these types and strings: its header, then them.
+    fn with_header(types: &[u8], strings: &[u8]) -> Vec<u8> {
         let mut out = Vec::new();
         out.extend_from_slice(&BTF_MAGIC.to_le_bytes());
         out.extend_from_slice(&[1, 0]);
         for v in [24u32, 0, types.len() as u32, types.len() as u32, strings.len() as u32] {
             out.extend_from_slice(&v.to_le_bytes());
         }
-        out.extend_from_slice(&types);
+        out.extend_from_slice(types);
         out.extend_from_slice(strings);
         out
     }
@@ -186,14 +191,7 @@ mod tests {
         push(&[0, (KIND_STRUCT << 24) | 2, 24, 11, 0, 64, 21, 0, 128]);
         // [2] mm_struct: cpu_bitmap at 0, the anonymous struct [1] at byte 32.
         push(&[1, (KIND_STRUCT << 24) | 2, 64, 29, 0, 0, 0, 1, 256]);
-        let mut out = Vec::new();
-        out.extend_from_slice(&BTF_MAGIC.to_le_bytes());
-        out.extend_from_slice(&[1, 0]);
-        for v in [24u32, 0, types.len() as u32, types.len() as u32, strings.len() as u32] {
-            out.extend_from_slice(&v.to_le_bytes());
-        }
-        out.extend_from_slice(&types);
-        out.extend_from_slice(strings);
+        let out = with_header(&types, strings);
         let found = struct_members(&out, &["mm_struct"]).unwrap();
         assert_eq!(found["mm_struct"]["cpu_bitmap"], 0);
         assert_eq!(found["mm_struct"]["arg_start"], 40);

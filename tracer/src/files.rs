@@ -350,8 +350,11 @@ impl<R: Resolver> FileTable<R> {
                 updates.push(KernelUpdate::ForgetFd { pid, fd });
             }
         }
+        // A whole argv needs no read of /proc (one on every exec, within its deadline).
+        if argv_whole {
+            return Event::Exec { command: argv };
+        }
         let command = match self.resolver.command(pid) {
-            _ if argv_whole => argv,
             Some(read) if read != [procfs::UNREADABLE] && read.starts_with(&argv) => read,
             _ if !argv.is_empty() => argv,
             Some(read) => read,
