@@ -123,6 +123,14 @@ fn spec(args: &Args) -> ModelSpec {
 }
 
 /// Allocates and records it in the ground truth with the phase and the requests in flight.
+/// The server's last note before it dies. It comes a moment after the failure, as a real server's
+/// does (its traceback or backtrace is printed first): a thread whose read returned just before the
+/// failure has noted it by then, so the ground truth holds every request the kernel saw read.
+fn fatal(truth: &Truth, in_flight: usize) {
+    std::thread::sleep(Duration::from_millis(50));
+    truth.note("fatal", json!({"in_flight": in_flight}));
+}
+
 fn alloc(gpu: &mut Gpu, truth: &Truth, path: Path, bytes: u64, phase: &str, in_flight: usize) -> Option<Buffer> {
     match gpu.alloc(path, bytes) {
         Ok(b) => {
@@ -461,7 +469,7 @@ fn serve_batches(gpu: &mut Gpu, truth: &Truth, model: &ModelSpec, rx: Receiver<W
             let grow = (needed - workspace).next_multiple_of(2 * MIB);
             if alloc(gpu, truth, Path::RmAlloc, grow, "prefill", in_flight).is_none() {
                 eprintln!("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {}. EngineCore died.", gib(grow));
-                truth.note("fatal", json!({"in_flight": in_flight}));
+                fatal(truth, in_flight);
                 return ExitCode::from(1);
             }
             workspace += grow;
@@ -653,7 +661,7 @@ fn llama_request(
                 }
                 None => {
                     eprintln!("CUDA error: out of memory\n  current device: 0, in function alloc at ggml-cuda.cu:509\n  cuMemCreate(&handle, reserve_size, &prop, 0)");
-                    truth.note("fatal", json!({"in_flight": now}));
+                    fatal(truth, now);
                     std::process::abort();
                 }
             }
