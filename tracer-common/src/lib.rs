@@ -23,9 +23,10 @@ pub mod device {
     pub const NOT_NVIDIA: u8 = 0xff;
 }
 
-/// Slots of the kernel's "this process holds a followed connection" array, indexed by tgid
-/// modulo its size: set at accept, and by userspace for connections met already accepted.
-pub const CONN_SLOTS: u32 = 1 << 16;
+/// Slots of the kernel's per-process arrays ("ever held a followed connection", "ever had a fd
+/// in FDS"), indexed by tgid modulo their size: set before the fd's entry goes in, by the kernel
+/// or by userspace, never cleared (a shared or reused slot costs only the exact lookup after it).
+pub const PID_SLOTS: u32 = 1 << 16;
 
 /// Record kinds, first field of every ring buffer record.
 pub mod kind {

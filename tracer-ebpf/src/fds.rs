@@ -21,6 +21,8 @@ struct Duping {
 static DUPS: LruHashMap<u64, Duping> = LruHashMap::with_max_entries(1 << 12, 0);
 
 const O_CLOEXEC: i32 = 0o2000000;
+const O_ACCMODE: i32 = 0o3;
+const O_RDWR: i32 = 0o2;
 const F_DUPFD: u64 = 0;
 const F_SETFD: u64 = 2;
 const F_DUPFD_CLOEXEC: u64 = 1030;
@@ -62,11 +64,19 @@ fn classify(path: &[u8; PATH_MAX]) -> Option<u8> {
 /// `filename` and `flags`: the syscall's arguments (openat has a directory first; the callers
 /// read them, at offsets the verifier sees are constant).
 fn open_enter(filename: u64, flags: i32) -> u32 {
+    // NVIDIA's libraries (libcuda, NVML) open its device files read-write, and most opens on a
+    // host are read-only (libraries, configs, /proc): those leave before any read of user memory,
+    // the cost of this program (about 200 ns a read here). A device file opened another way is
+    // still followed: its first NVIDIA-looking ioctl asks userspace what it is, as for a file
+    // opened before tracing.
+    if flags & O_ACCMODE != O_RDWR {
+        return 0;
+    }
     let pid_tgid = bpf_get_current_pid_tgid();
     if !is_traced((pid_tgid >> 32) as u32) {
         return 0;
     }
-    // Every process's opens come here: eight bytes tell almost all of them apart before the
+    // Every process's read-write opens come here: eight bytes tell almost all of them apart before the
     // path is copied whole. (A path that ends within eight bytes of unmapped memory is shorter
     // than any NVIDIA one, so a failed read is never one.)
     let mut head = [0u8; 8];
@@ -84,6 +94,8 @@ fn open_enter(filename: u64, flags: i32) -> u32 {
         return 0;
     }
     opening.device = device;
+    // Set before the entry, as for FDS: the exit looks only where it is set.
+    holds_fds((pid_tgid >> 32) as u32);
     count_refused("OPENS", OPENS.insert(&pid_tgid, &opening, 0));
     0
 }
@@ -101,6 +113,9 @@ pub fn open_enter_legacy(ctx: TracePointContext) -> u32 {
 #[tracepoint]
 pub fn open_exit(ctx: TracePointContext) -> u32 {
     let pid_tgid = bpf_get_current_pid_tgid();
+    if !may_hold_fds((pid_tgid >> 32) as u32) {
+        return 0;
+    }
     let Some(opening) = take(&OPENS, pid_tgid) else {
         return 0;
     };
@@ -115,10 +130,10 @@ pub fn open_exit(ctx: TracePointContext) -> u32 {
     if !nvidia_device_number(opening.device, file) {
         bump(stat::IMPOSTORS);
         // Answered here, so its ioctls never become questions userspace would ask /proc about.
-        let _ = FDS.insert(&key, &device::NOT_NVIDIA, 0);
+        let _ = remember_fd(&key, device::NOT_NVIDIA, 0);
         return 0;
     }
-    count_refused("FDS", FDS.insert(&key, &opening.device, 0));
+    count_refused("FDS", remember_fd(&key, opening.device, 0));
     let record = OpenRecord {
         header: header(kind::OPEN),
         fd: fd as i32,
@@ -139,10 +154,12 @@ pub fn open_exit(ctx: TracePointContext) -> u32 {
 /// thread with a file table of its own: its fd is not the process's.
 #[inline(always)]
 pub(crate) fn forget_fd(tgid: u32, fd: u32) {
+    if !may_hold_fds(tgid) {
+        return;
+    }
     let key = FdKey { tgid, fd };
     let state = unsafe { FDS.get(&key) }.copied();
-    // Every process's closes come here: the process's state is looked up once, and only for an
-    // fd not followed.
+    // The process's state is looked up once, and only for an fd not followed.
     let inheriting = state.is_none() && unsafe { TRACED.get(&tgid) } == Some(&traced::INHERITING);
     if (state.is_none() && !inheriting) || own_file_table() {
         return;
@@ -231,6 +248,10 @@ pub fn fcntl_enter(ctx: TracePointContext) -> u32 {
 #[tracepoint]
 pub fn dup_exit(ctx: TracePointContext) -> u32 {
     let pid_tgid = bpf_get_current_pid_tgid();
+    // Entries are left only for fds in FDS.
+    if !may_hold_fds((pid_tgid >> 32) as u32) {
+        return 0;
+    }
     let Some(duping) = take(&DUPS, pid_tgid) else {
         return 0;
     };
@@ -238,7 +259,7 @@ pub fn dup_exit(ctx: TracePointContext) -> u32 {
     if new_fd < 0 {
         return 0;
     }
-    count_refused("FDS", FDS.insert(&FdKey { tgid: (pid_tgid >> 32) as u32, fd: new_fd as u32 }, &duping.state, 0));
+    count_refused("FDS", remember_fd(&FdKey { tgid: (pid_tgid >> 32) as u32, fd: new_fd as u32 }, duping.state, 0));
     if is_nvidia(duping.state) || duping.state == device::CONN {
         send_fd_record(kind::DUP, duping.old_fd as i64, new_fd, duping.cloexec as i64);
     }

@@ -73,7 +73,7 @@ pub fn ioctl_enter(ctx: TracePointContext) -> u32 {
                 return 0;
             }
             let flag = if known.is_none() { BPF_NOEXIST } else { BPF_EXIST };
-            if FDS.insert(&key, &device::PENDING, flag as u64).is_err() {
+            if remember_fd(&key, device::PENDING, flag as u64).is_err() {
                 return 0;
             }
             bump(stat::QUESTIONS);
@@ -127,6 +127,10 @@ fn control_followed(arg: u64) -> bool {
 #[tracepoint]
 pub fn ioctl_exit(ctx: TracePointContext) -> u32 {
     let pid_tgid = bpf_get_current_pid_tgid();
+    // Entries are left only on fds in FDS: every other process's ioctls end here.
+    if !may_hold_fds((pid_tgid >> 32) as u32) {
+        return 0;
+    }
     let Some(inflight) = take(&IOCTLS, pid_tgid) else {
         return 0;
     };
@@ -324,7 +328,7 @@ fn fill_control(record: &mut IoctlRecord, ret: i64) -> bool {
         record.named_file = file_of(fd);
         if nvidia_device_number(device::CTL, record.named_file) {
             let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
-            let _ = FDS.insert(&FdKey { tgid, fd }, &device::CTL, BPF_NOEXIST as u64);
+            let _ = remember_fd(&FdKey { tgid, fd }, device::CTL, BPF_NOEXIST as u64);
         }
     }
     true

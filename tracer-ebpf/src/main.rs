@@ -23,7 +23,7 @@ use aya_log_ebpf::warn;
 use tracer_common::{
     alloc, control, control_params_size, device, escape, ioc_nr, ioc_size, ioctl_flag, kind, rm_cmd, rm_command_traced, rm_escape_traced,
     stat, traced, u32_at, u64_at, uvm_command_traced, xfer, Config, ExecRecord, FdKey, FdRecord, Header, IoctlRecord, KernelOffsets,
-    OpenRecord, Reading, SockRecord, UvmWindow, CLASS_PARAMS_MAX, CONN_SLOTS, EXEC_ARGS, PARAMS_MAX, PATH_MAX, SOCK_HEAD_MAX,
+    OpenRecord, Reading, SockRecord, UvmWindow, CLASS_PARAMS_MAX, EXEC_ARGS, PARAMS_MAX, PATH_MAX, PID_SLOTS, SOCK_HEAD_MAX,
 };
 
 #[map]
@@ -31,6 +31,34 @@ static EVENTS: RingBuf = RingBuf::with_byte_size(16 << 20, 0);
 /// What each (process, fd) is; absent means never seen.
 #[map]
 static FDS: HashMap<FdKey, u8> = HashMap::with_max_entries(1 << 16, 0);
+/// Processes that ever had an entry in FDS (see PID_SLOTS): every other process's closes end at
+/// this array read, which the kernel inlines, before any hash lookup.
+#[map]
+static FD_PIDS: Array<u8> = Array::with_max_entries(PID_SLOTS, 0);
+
+/// Whether process `tgid` may have entries in FDS, or be inheriting its parent's.
+#[inline(always)]
+fn may_hold_fds(tgid: u32) -> bool {
+    FD_PIDS.get(tgid % PID_SLOTS) == Some(&1)
+}
+
+/// Marks `tgid` as one that may hold followed fds.
+#[inline(always)]
+fn holds_fds(tgid: u32) {
+    if let Some(slot) = FD_PIDS.get_ptr_mut(tgid % PID_SLOTS) {
+        // SAFETY: an array slot, valid for the map's life; a racing write stores the same 1.
+        unsafe { *slot = 1 };
+    }
+}
+
+/// Every insert into FDS: the process's slot is set first, so a close that finds it unset has
+/// no entry to miss.
+#[inline(always)]
+fn remember_fd(key: &FdKey, state: u8, flags: u64) -> Result<(), i32> {
+    holds_fds(key.tgid);
+    FDS.insert(key, &state, flags)
+}
+
 /// Processes being traced (tgid → `traced::*`), unless Config::trace_all.
 #[map]
 static TRACED: HashMap<u32, u8> = HashMap::with_max_entries(1 << 15, 0);
@@ -259,6 +287,11 @@ fn read_file_of(o: &KernelOffsets, fd: u32) -> u64 {
 /// group leader has exited (its table is gone; the survivors' is the process's).
 #[inline(always)]
 fn own_file_table() -> bool {
+    // The group leader (its tid is the tgid) is the process: no read of the task needed.
+    let pid_tgid = bpf_get_current_pid_tgid();
+    if pid_tgid as u32 == (pid_tgid >> 32) as u32 {
+        return false;
+    }
     let Some(o) = OFFSETS.get(0) else { return false };
     if o.task_group_leader == 0 || o.task_files == 0 {
         return false;

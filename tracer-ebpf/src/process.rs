@@ -17,7 +17,16 @@ pub fn task_newtask(ctx: TracePointContext) -> u32 {
         return 0;
     }
     let child: i32 = arg(&ctx, NEWTASK_PID);
-    count_refused("TRACED", TRACED.insert(&(child as u32), &traced::INHERITING, 0));
+    // A child inherits followed fds only from a parent that may hold some: it is marked so its
+    // closes are looked at until userspace has copied them. Any other child's closes stay
+    // outside FDS's lookups from the start.
+    let state = if may_hold_fds(parent) {
+        holds_fds(child as u32);
+        traced::INHERITING
+    } else {
+        traced::YES
+    };
+    count_refused("TRACED", TRACED.insert(&(child as u32), &state, 0));
     send_fd_record(kind::FORK, child as i64, 0, 0);
     0
 }

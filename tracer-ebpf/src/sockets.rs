@@ -7,7 +7,7 @@ use super::*;
 /// never cleared (a reused pid or a shared slot only costs the exact lookup after it), so the
 /// reads and writes of every other process end at one array read, which the kernel inlines.
 #[map]
-static CONN_PIDS: Array<u8> = Array::with_max_entries(CONN_SLOTS, 0);
+static CONN_PIDS: Array<u8> = Array::with_max_entries(PID_SLOTS, 0);
 
 /// A read on an accepted connection, until it returns.
 #[map]
@@ -47,8 +47,8 @@ pub fn accept_exit(ctx: TracePointContext) -> u32 {
     if fd < 0 || !is_traced(tgid) {
         return 0;
     }
-    count_refused("FDS", FDS.insert(&FdKey { tgid, fd: fd as u32 }, &device::CONN, 0));
-    if let Some(slot) = CONN_PIDS.get_ptr_mut(tgid % CONN_SLOTS) {
+    count_refused("FDS", remember_fd(&FdKey { tgid, fd: fd as u32 }, device::CONN, 0));
+    if let Some(slot) = CONN_PIDS.get_ptr_mut(tgid % PID_SLOTS) {
         // SAFETY: an array slot, valid for the map's life; a racing write stores the same 1.
         unsafe { *slot = 1 };
     }
@@ -82,9 +82,14 @@ fn send_sock_io(fd: i32, inbound: bool, len: i64, buf: u64) {
 }
 
 #[inline(always)]
+fn holds_conns(tgid: u32) -> bool {
+    CONN_PIDS.get(tgid % PID_SLOTS) == Some(&1)
+}
+
+#[inline(always)]
 fn conn(fd: u64) -> bool {
     let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
-    if CONN_PIDS.get(tgid % CONN_SLOTS) != Some(&1) {
+    if !holds_conns(tgid) {
         return false;
     }
     (unsafe { FDS.get(&FdKey { tgid, fd: fd as u32 }) }) == Some(&device::CONN)
@@ -103,6 +108,10 @@ pub fn read_enter(ctx: TracePointContext) -> u32 {
 #[tracepoint]
 pub fn read_exit(ctx: TracePointContext) -> u32 {
     let pid_tgid = bpf_get_current_pid_tgid();
+    // Entries are left only on connections, by the kernel or by userspace (after the fd's).
+    if !holds_conns((pid_tgid >> 32) as u32) {
+        return 0;
+    }
     let Some(reading) = take(&READS, pid_tgid) else {
         return 0;
     };

@@ -7,7 +7,7 @@ use aya::maps::{Array, HashMap, MapData, PerCpuArray, RingBuf};
 use aya::programs::TracePoint;
 use aya::Ebpf;
 use thiserror::Error;
-use tracer_common::{device, stat, traced, Config, FdKey, KernelOffsets, Reading, UvmWindow, CONN_SLOTS};
+use tracer_common::{device, stat, traced, Config, FdKey, KernelOffsets, Reading, UvmWindow, PID_SLOTS};
 
 use crate::abi::Layout;
 use crate::tracefs;
@@ -170,6 +170,7 @@ pub struct Probe {
     pub events: Option<RingBuf<MapData>>,
     fds: HashMap<MapData, FdKey, u8>,
     conn_pids: Array<MapData, u8>,
+    fd_pids: Array<MapData, u8>,
     reads: HashMap<MapData, u64, Reading>,
     traced: HashMap<MapData, u32, u8>,
     stats: PerCpuArray<MapData, u64>,
@@ -338,6 +339,7 @@ impl Probe {
         }
         let fds = HashMap::try_from(take(&mut ebpf, "FDS")?).map_err(map_err("FDS"))?;
         let conn_pids = Array::try_from(take(&mut ebpf, "CONN_PIDS")?).map_err(map_err("CONN_PIDS"))?;
+        let fd_pids = Array::try_from(take(&mut ebpf, "FD_PIDS")?).map_err(map_err("FD_PIDS"))?;
         let reads = HashMap::try_from(take(&mut ebpf, "READS")?).map_err(map_err("READS"))?;
         let traced = HashMap::try_from(take(&mut ebpf, "TRACED")?).map_err(map_err("TRACED"))?;
         let stats = PerCpuArray::try_from(take(&mut ebpf, "STATS")?).map_err(map_err("STATS"))?;
@@ -356,6 +358,7 @@ impl Probe {
             events: Some(events),
             fds,
             conn_pids,
+            fd_pids,
             reads,
             traced,
             stats,
@@ -384,9 +387,11 @@ impl Probe {
 
     /// Records what a fd is (the answer to a question, a /proc scan result).
     pub fn set_fd(&mut self, pid: u32, fd: i32, state: u8) -> Result<(), ProbeError> {
-        // A connection met already accepted: its process's slot lets its reads be looked at.
+        // The process's slots first, as the kernel's own inserts do: its closes are looked at,
+        // and a connection met already accepted has its reads looked at.
+        self.fd_pids.set(pid % PID_SLOTS, 1, 0).map_err(map_err("FD_PIDS"))?;
         if state == device::CONN {
-            self.conn_pids.set(pid % CONN_SLOTS, 1, 0).map_err(map_err("CONN_PIDS"))?;
+            self.conn_pids.set(pid % PID_SLOTS, 1, 0).map_err(map_err("CONN_PIDS"))?;
         }
         self.fds.insert(FdKey { tgid: pid, fd: fd as u32 }, state, 0).map_err(map_err("FDS"))
     }
