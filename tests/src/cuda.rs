@@ -46,9 +46,8 @@ pub struct Gpu {
     next_va: u64,
 }
 
-/// Read-write, as NVIDIA's libraries open the device files, unless `read_only`.
-fn open(path: &str, read_only: bool) -> std::io::Result<File> {
-    OpenOptions::new().read(true).write(!read_only).custom_flags(libc::O_CLOEXEC).open(path)
+fn open(path: &str) -> std::io::Result<File> {
+    OpenOptions::new().read(true).write(true).custom_flags(libc::O_CLOEXEC).open(path)
 }
 
 fn ioctl(file: &File, cmd: u32, arg: *mut u8) -> Result<(), Status> {
@@ -73,18 +72,8 @@ impl Gpu {
     /// Opens the device files, asks the driver its version (NV_ESC_CHECK_VERSION_STR, as libcuda
     /// does) and sets up a context on GPU `instance` (its /dev/nvidiaN and its RM device).
     pub fn open(instance: u32) -> Result<Gpu, String> {
-        Self::open_files(instance, false)
-    }
-
-    /// [`Gpu::open`] with the device files opened read-only, which the driver takes ioctls on
-    /// as well (NVIDIA's libraries never do it).
-    pub fn open_read_only(instance: u32) -> Result<Gpu, String> {
-        Self::open_files(instance, true)
-    }
-
-    fn open_files(instance: u32, read_only: bool) -> Result<Gpu, String> {
         let node = format!("/dev/nvidia{instance}");
-        let files = (open("/dev/nvidiactl", read_only), open(&node, read_only), open("/dev/nvidia-uvm", read_only));
+        let files = (open("/dev/nvidiactl"), open(&node), open("/dev/nvidia-uvm"));
         let (Ok(ctl), Ok(gpu_file), Ok(uvm)) = files else {
             return Err(format!("cannot open /dev/nvidiactl, {node} and /dev/nvidia-uvm: run inside `fakegpu run`"));
         };
@@ -353,7 +342,7 @@ impl Gpu {
     /// cuMemExportToShareableHandle (POSIX fd): a fresh nvidiactl file that the driver makes hold
     /// the memory (EXPORT_OBJECT_TO_FD); it lives until that file's last close.
     pub fn export(&self, buffer: &Buffer) -> Result<File, Status> {
-        let share = open("/dev/nvidiactl", false).map_err(|_| IOCTL_FAILED)?;
+        let share = open("/dev/nvidiactl").map_err(|_| IOCTL_FAILED)?;
         let mut p = [0u8; 24];
         put32(&mut p, 0, 1);
         put32(&mut p, 4, self.device);
@@ -378,7 +367,7 @@ impl Gpu {
     /// The same, the way current libcuda does it: EXPORT_OBJECTS_TO_FD, the batched form (2128
     /// bytes), with the one object in slot 0 of a file made for one.
     pub fn export_batched(&self, buffer: &Buffer) -> Result<File, Status> {
-        let share = open("/dev/nvidiactl", false).map_err(|_| IOCTL_FAILED)?;
+        let share = open("/dev/nvidiactl").map_err(|_| IOCTL_FAILED)?;
         let mut p = vec![0u8; 2128];
         put32(&mut p, 0, share.as_raw_fd() as u32);
         put32(&mut p, 4, self.device);

@@ -264,7 +264,7 @@ fn explicit_marks_reach_the_trace_and_override_phases() {
 }
 
 /// A full kernel table is said, never silent: with the table of followed fds shrunk to 16 entries
-/// (GPUTRACE_FDS_ENTRIES), a process opening 31 NVIDIA files (read-write, as libcuda does) has some refused; the summary warns
+/// (GPUTRACE_FDS_ENTRIES), a process opening 31 NVIDIA files has some refused; the summary warns
 /// of it, and with --kernel-log the programs' own diagnostics name the map and the process (off by
 /// default: not a line of them without it).
 #[test]
@@ -274,7 +274,7 @@ fn a_full_kernel_map_is_warned_of_and_logged_with_kernel_log() {
     let dir = scratch("kernel-log");
     let script = r#"for log in plain --kernel-log; do
         flag=; [ "$log" = plain ] || flag=$log
-        GPUTRACE_FDS_ENTRIES=16 "$G" record $flag -o "$D/$log.trace" -- bash -c 'for i in $(seq 31); do exec {fd}<>/dev/nvidiactl; done; echo "pid $$"' > "$D/$log.out" 2> "$D/$log.err" || exit 1
+        GPUTRACE_FDS_ENTRIES=16 "$G" record $flag -o "$D/$log.trace" -- bash -c 'for i in $(seq 31); do exec {fd}</dev/nvidiactl; done; echo "pid $$"' > "$D/$log.out" 2> "$D/$log.err" || exit 1
     done"#;
     let out = in_fake_gpu(&dir, script);
     let read = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap_or_default();

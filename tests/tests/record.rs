@@ -155,69 +155,40 @@ fn check_frees_match(model: &Model, driver: &[DriverLine]) {
 fn every_path_every_driver_version() {
     let _root = as_root();
     for version in fakegpu::abi::VERSIONS {
-        let run = every_path(&format!("paths-{version}"), version, &["paths"]);
+        let run = record(&format!("paths-{version}"), version, &["paths"]);
+        assert_eq!(run.status, 0, "{version}: {}", run.stderr);
+        let (records, model) = run.trace();
+        let driver = run.driver();
+
+        let traced = traced_allocs(&records);
+        assert_eq!(traced, driver_allocs(&driver), "{version}: allocations (pid, kind, bytes, status)");
+        assert_eq!(traced.len(), 7, "{version}: 4 RM allocations, 2 UVM ranges, 1 semaphore pool");
+        let vias: std::collections::BTreeSet<String> = records
+            .iter()
+            .filter_map(|r| match &r.event {
+                Event::Alloc(a) => Some(format!("{:?}", a.via)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(vias.len(), 6, "{version}: every allocation path: {vias:?}");
+        assert!(records.iter().any(|r| matches!(r.event, Event::DupObject { status: 0, .. })), "{version}: the dup");
+        check_frees_match(&model, &driver);
+        assert_eq!(model.live(Memory::Video) + model.live(Memory::System) + model.live(Memory::Virtual), 0, "{version}: all freed at exit");
+
+        // The workload's own account: each allocation it made, with its pid and size.
+        let workload: Vec<serde_json::Value> = read_lines(&run.dir.join("workload.jsonl")).unwrap();
+        for w in workload.iter().filter(|w| w["op"] == "alloc") {
+            let (pid, bytes) = (w["pid"].as_u64().unwrap() as u32, w["bytes"].as_u64().unwrap());
+            assert!(traced.iter().any(|t| t.0 == pid && t.2 == bytes), "{version}: workload alloc {w} not traced");
+        }
+        let summary = run.summary();
+        assert_eq!(summary["loss"]["lost_records"], 0, "{version}");
+        assert_eq!(summary["loss"]["undecodable"], 0, "{version}");
+        let header = Reader::open(&run.dir.join("run.trace")).unwrap().header;
+        assert_eq!(header.driver_version.as_deref(), Some(version), "version read as a real host exposes it");
+        assert_eq!(header.driver_version_source, "/proc/driver/nvidia/version");
         std::fs::remove_dir_all(&run.dir).ok();
     }
-}
-
-/// The kernel side reads the path of read-write opens only (NVIDIA's libraries open the device
-/// files so; most opens on a host are read-only and leave at once): device files opened
-/// read-only are each asked about at their first escape, and every allocation and free, and the
-/// release at exit, are traced as when they were seen opened.
-#[test]
-#[ignore = "needs root: `sudo cargo xtask test` runs it"]
-fn device_files_opened_read_only_are_followed_from_their_first_escape() {
-    let _root = as_root();
-    let run = every_path("paths-read-only", "580.95.05", &["paths", "--read-only"]);
-    let (records, _) = run.trace();
-    assert!(!records.iter().any(|r| matches!(r.event, Event::Open { .. })), "no open of a device file was seen");
-    let found: std::collections::BTreeSet<String> = records
-        .iter()
-        .filter_map(|r| match &r.event {
-            Event::FdFound { device, .. } => Some(format!("{device:?}")),
-            _ => None,
-        })
-        .collect();
-    assert_eq!(found.len(), 3, "nvidiactl, the GPU's file and nvidia-uvm, each found at its first escape: {found:?}");
-    std::fs::remove_dir_all(&run.dir).ok();
-}
-
-/// Records the `paths` workload and checks every allocation path against the driver's and the
-/// workload's own accounts; the run is left for the caller to look at and remove.
-fn every_path(name: &str, version: &str, workload: &[&str]) -> Run {
-    let run = record(name, version, workload);
-    assert_eq!(run.status, 0, "{version}: {}", run.stderr);
-    let (records, model) = run.trace();
-    let driver = run.driver();
-
-    let traced = traced_allocs(&records);
-    assert_eq!(traced, driver_allocs(&driver), "{version}: allocations (pid, kind, bytes, status)");
-    assert_eq!(traced.len(), 7, "{version}: 4 RM allocations, 2 UVM ranges, 1 semaphore pool");
-    let vias: std::collections::BTreeSet<String> = records
-        .iter()
-        .filter_map(|r| match &r.event {
-            Event::Alloc(a) => Some(format!("{:?}", a.via)),
-            _ => None,
-        })
-        .collect();
-    assert_eq!(vias.len(), 6, "{version}: every allocation path: {vias:?}");
-    assert!(records.iter().any(|r| matches!(r.event, Event::DupObject { status: 0, .. })), "{version}: the dup");
-    check_frees_match(&model, &driver);
-    assert_eq!(model.live(Memory::Video) + model.live(Memory::System) + model.live(Memory::Virtual), 0, "{version}: all freed at exit");
-
-    // The workload's own account: each allocation it made, with its pid and size.
-    let workload: Vec<serde_json::Value> = read_lines(&run.dir.join("workload.jsonl")).unwrap();
-    for w in workload.iter().filter(|w| w["op"] == "alloc") {
-        let (pid, bytes) = (w["pid"].as_u64().unwrap() as u32, w["bytes"].as_u64().unwrap());
-        assert!(traced.iter().any(|t| t.0 == pid && t.2 == bytes), "{version}: workload alloc {w} not traced");
-    }
-    let summary = run.summary();
-    assert_eq!(summary["loss"]["lost_records"], 0, "{version}");
-    assert_eq!(summary["loss"]["undecodable"], 0, "{version}");
-    let header = Reader::open(&run.dir.join("run.trace")).unwrap().header;
-    assert_eq!(header.driver_version.as_deref(), Some(version), "version read as a real host exposes it");
-    assert_eq!(header.driver_version_source, "/proc/driver/nvidia/version");
-    run
 }
 
 #[test]

@@ -435,8 +435,7 @@ fn escape_sequences_in_a_trace_never_reach_the_terminal() {
 /// loaded: in a mount namespace of its own, /dev/nvidiactl is the null device (1:3) and
 /// /dev/nvidia-uvm the zero device (1:5). With NVIDIA's majors said to be 195 and, for UVM, 1,
 /// the kernel side follows the second open and not the first; by path alone (no driver, as on the
-/// fake GPU) it follows both. (Opened read-write, as NVIDIA's libraries open them: the kernel side
-/// looks at the path of read-write opens only.)
+/// fake GPU) it follows both.
 #[test]
 #[ignore = "needs root: `sudo cargo xtask test` runs it"]
 fn a_device_mounted_at_an_nvidia_path_is_not_followed() {
@@ -444,7 +443,7 @@ fn a_device_mounted_at_an_nvidia_path_is_not_followed() {
     let _root = as_root();
     let dir = scratch("impostor");
     let script = r#"mount -t tmpfs none /dev && mknod /dev/null c 1 3 && mknod /dev/nvidiactl c 1 3 && mknod /dev/nvidia-uvm c 1 5 &&
-        exec "$0" record -o "$1" -- sh -c 'exec 3<>/dev/nvidiactl 4<>/dev/nvidia-uvm; true'"#;
+        exec "$0" record -o "$1" -- sh -c 'exec 3</dev/nvidiactl 4</dev/nvidia-uvm; true'"#;
     let opened = |majors: &str| {
         let trace = dir.join(format!("{majors}.trace"));
         let out = Command::new("unshare")

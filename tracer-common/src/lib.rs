@@ -120,7 +120,10 @@ pub struct Config {
     /// known by path alone.
     pub nvidia_major: u32,
     pub uvm_major: u32,
-    pub _pad: u32,
+    /// Non-zero from the load until userspace has scanned the processes it met running: a child
+    /// forked meanwhile is marked inheriting whatever its parent's FD_PIDS slot says, since the
+    /// scan may not have set it yet.
+    pub attaching: u32,
 }
 
 /// Where, in the running kernel, `current->files->fdt->fd[n]` is (from its BTF). All zero when

@@ -21,8 +21,6 @@ struct Duping {
 static DUPS: LruHashMap<u64, Duping> = LruHashMap::with_max_entries(1 << 12, 0);
 
 const O_CLOEXEC: i32 = 0o2000000;
-const O_ACCMODE: i32 = 0o3;
-const O_RDWR: i32 = 0o2;
 const F_DUPFD: u64 = 0;
 const F_SETFD: u64 = 2;
 const F_DUPFD_CLOEXEC: u64 = 1030;
@@ -64,19 +62,11 @@ fn classify(path: &[u8; PATH_MAX]) -> Option<u8> {
 /// `filename` and `flags`: the syscall's arguments (openat has a directory first; the callers
 /// read them, at offsets the verifier sees are constant).
 fn open_enter(filename: u64, flags: i32) -> u32 {
-    // NVIDIA's libraries (libcuda, NVML) open its device files read-write, and most opens on a
-    // host are read-only (libraries, configs, /proc): those leave before any read of user memory,
-    // the cost of this program (about 200 ns a read here). A device file opened another way is
-    // still followed: its first NVIDIA-looking ioctl asks userspace what it is, as for a file
-    // opened before tracing.
-    if flags & O_ACCMODE != O_RDWR {
-        return 0;
-    }
     let pid_tgid = bpf_get_current_pid_tgid();
     if !is_traced((pid_tgid >> 32) as u32) {
         return 0;
     }
-    // Every process's read-write opens come here: eight bytes tell almost all of them apart before the
+    // Every process's opens come here: eight bytes tell almost all of them apart before the
     // path is copied whole. (A path that ends within eight bytes of unmapped memory is shorter
     // than any NVIDIA one, so a failed read is never one.)
     let mut head = [0u8; 8];

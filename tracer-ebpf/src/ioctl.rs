@@ -73,11 +73,21 @@ pub fn ioctl_enter(ctx: TracePointContext) -> u32 {
                 return 0;
             }
             let flag = if known.is_none() { BPF_NOEXIST } else { BPF_EXIST };
-            if remember_fd(&key, device::PENDING, flag as u64).is_err() {
-                return 0;
+            match remember_fd(&key, device::PENDING, flag as u64) {
+                Ok(()) => {
+                    bump(stat::QUESTIONS);
+                    (device::PENDING, ioctl_flag::QUESTION)
+                }
+                // Another thread's first call on this fd asked just before: this one is sent
+                // pending, for the same answer.
+                Err(EEXIST) if known.is_none() => (device::PENDING, ioctl_flag::PENDING),
+                // Gone since (closed): nothing to follow.
+                Err(ENOENT) => return 0,
+                Err(e) => {
+                    count_refused("FDS", Err(e));
+                    return 0;
+                }
             }
-            bump(stat::QUESTIONS);
-            (device::PENDING, ioctl_flag::QUESTION)
         }
     };
     let file = if flags == ioctl_flag::QUESTION { file_of(fd as u32) } else { 0 };
@@ -108,6 +118,10 @@ fn repointed(key: &FdKey, state: u8) -> bool {
     bump(stat::IMPOSTORS);
     true
 }
+
+/// bpf_map_update_elem's refusals, negated errnos.
+const EEXIST: i32 = -17;
+const ENOENT: i32 = -2;
 
 const RM_CONTROL_CMD: u32 = rm_cmd(escape::RM_CONTROL, 32);
 

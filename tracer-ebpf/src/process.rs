@@ -17,10 +17,12 @@ pub fn task_newtask(ctx: TracePointContext) -> u32 {
         return 0;
     }
     let child: i32 = arg(&ctx, NEWTASK_PID);
-    // A child inherits followed fds only from a parent that may hold some: it is marked so its
-    // closes are looked at until userspace has copied them. Any other child's closes stay
-    // outside FDS's lookups from the start.
-    let state = if may_hold_fds(parent) {
+    // A child inherits followed fds only from a parent that may hold some (or, while userspace
+    // is still scanning the processes it met running, any parent): it is marked so its closes
+    // are looked at until userspace has copied them. Any other child's closes stay outside FDS's
+    // lookups from the start.
+    let attaching = CONFIG.get(0).is_some_and(|c| c.attaching != 0);
+    let state = if attaching || may_hold_fds(parent) {
         holds_fds(child as u32);
         traced::INHERITING
     } else {

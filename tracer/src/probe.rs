@@ -311,7 +311,7 @@ impl Probe {
             cgroup: cgroup.is_some() as u32,
             nvidia_major: majors.map_or(0, |m| m.nvidia),
             uvm_major: majors.map_or(0, |m| m.uvm),
-            _pad: 0,
+            attaching: 1,
         };
         config.set(0, settings, 0).map_err(map_err("CONFIG"))?;
         let cgroups = match cgroup {
@@ -373,6 +373,13 @@ impl Probe {
     pub fn set_majors(&mut self, majors: Option<crate::devices::Majors>) -> Result<(), ProbeError> {
         self.settings.nvidia_major = majors.map_or(0, |m| m.nvidia);
         self.settings.uvm_major = majors.map_or(0, |m| m.uvm);
+        self.config.set(0, self.settings, 0).map_err(map_err("CONFIG"))
+    }
+
+    /// The processes met running are scanned: from now on a child is marked inheriting only when
+    /// its parent may hold followed fds.
+    pub fn attached(&mut self) -> Result<(), ProbeError> {
+        self.settings.attaching = 0;
         self.config.set(0, self.settings, 0).map_err(map_err("CONFIG"))
     }
 

@@ -309,6 +309,7 @@ impl<S: Sink> Session<S> {
             self.apply_updates(probe)?;
         }
         self.pipeline.files.attached();
+        probe.attached()?;
 
         let what = if opts.all {
             "every process".to_string()

@@ -67,9 +67,8 @@ impl Truth {
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
 
-/// Every allocation path; with `read_only`, on device files opened read-only.
-fn paths(truth: &mut Truth, read_only: bool) -> Result<(), String> {
-    let mut gpu = if read_only { Gpu::open_read_only(0)? } else { Gpu::open(0)? };
+fn paths(truth: &mut Truth) -> Result<(), String> {
+    let mut gpu = Gpu::open(0)?;
     let weights = truth.alloc(&mut gpu, Path::RmAlloc, 2 * GIB).ok_or("RmAlloc failed")?;
     let scratch = truth.alloc(&mut gpu, Path::RmAllocNvos21, 64 * MIB).ok_or("RmAllocNvos21 failed")?;
     let kv = truth.alloc(&mut gpu, Path::VidHeap, GIB).ok_or("VidHeap failed")?;
@@ -512,7 +511,7 @@ fn main() -> ExitCode {
     let batched = args.iter().any(|a| a == "--batched");
     let mut truth = Truth(value("--truth").map(|p| File::create(p).expect("creating the truth file")));
     let result = match args.first().map(String::as_str) {
-        Some("paths") => paths(&mut truth, args.iter().any(|a| a == "--read-only")),
+        Some("paths") => paths(&mut truth),
         Some("fork-holder") => fork_holder(&mut truth, value("--hold-ms").and_then(|v| v.parse().ok()).unwrap_or(500)),
         Some("storm") => storm(value("--count").and_then(|v| v.parse().ok()).unwrap_or(1_000_000)),
         Some("pass-fd") => pass_fd(&mut truth),
@@ -540,7 +539,7 @@ fn main() -> ExitCode {
         Some("reopen") => reopen(),
         Some("oom") => oom(&mut truth, value("--bytes").and_then(|v| parse_bytes(&v)).unwrap_or(1 << 40)),
         _ => Err(
-            "usage: fake-workload paths|fork-holder|storm|oom|hold|vmm|fabric|pass-fd|ipc|repoint|own-table|reopen|classes [--close-first] [--batched] [--multicast] [--read-only] [--truth FILE] [--hold-ms N] [--count N] [--bytes B] [--ms N]"
+            "usage: fake-workload paths|fork-holder|storm|oom|hold|vmm|fabric|pass-fd|ipc|repoint|own-table|reopen|classes [--close-first] [--batched] [--multicast] [--truth FILE] [--hold-ms N] [--count N] [--bytes B] [--ms N]"
                 .into(),
         ),
     };

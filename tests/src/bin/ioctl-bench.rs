@@ -2,10 +2,8 @@
 //! `ioctl-bench CASE COUNT` prints nanoseconds per call.
 //! - read-zero, write-null: a 1-byte read of /dev/zero, write to /dev/null (not a socket: the
 //!   cost of gputrace's read/write programs to everything that is not a followed connection);
-//! - open-close: open and close /dev/null read-only (what every process pays gputrace's openat
-//!   and close programs for most of its opens: not an NVIDIA path, not a followed fd);
-//! - open-rdwr-close: the same read-write, as NVIDIA's libraries open their device files (the
-//!   openat program then reads the path's first bytes);
+//! - open-close: open and close /dev/null (what every process pays gputrace's openat and close
+//!   programs: not an NVIDIA path, not a followed fd);
 //! - null-plain: TCGETS on /dev/null, the commonest non-NVIDIA ioctl;
 //! - null-nvidia-looking: an RM_ALLOC command word on /dev/null (asked about once, then one lookup);
 //! - fake-gpu-free: RM_FREE of a handle that does not exist on the fake GPU's nvidiactl (a traced
@@ -43,11 +41,10 @@ fn main() {
         println!("{:.1}", start.elapsed().as_nanos() as f64 / count as f64);
         return;
     }
-    if let Some(case @ ("open-close" | "open-rdwr-close")) = args.first().map(String::as_str) {
+    if args.first().is_some_and(|a| a == "open-close") {
         let path = std::ffi::CString::new("/dev/null").unwrap();
-        let mode = if case == "open-close" { libc::O_RDONLY } else { libc::O_RDWR };
         // SAFETY: open(2) of a C string that outlives it, and close(2) of what it returned.
-        let call = || unsafe { libc::close(libc::open(path.as_ptr(), mode | libc::O_CLOEXEC)) };
+        let call = || unsafe { libc::close(libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC)) };
         for _ in 0..1000 {
             call();
         }
@@ -68,7 +65,7 @@ fn main() {
         }
         _ => {
             eprintln!(
-                "usage: ioctl-bench null-plain|null-nvidia-looking|fake-gpu-free|file-nvidiactl|read-zero|write-null|open-close|open-rdwr-close [COUNT]"
+                "usage: ioctl-bench null-plain|null-nvidia-looking|fake-gpu-free|file-nvidiactl|read-zero|write-null|open-close [COUNT]"
             );
             std::process::exit(2);
         }
