@@ -54,6 +54,9 @@ pub enum RawKind {
     },
     Close {
         fd: i32,
+        /// The kernel had no entry for it: a close by a child still inheriting its parent's fds
+        /// (any other close the kernel sends, it has forgotten already).
+        inheriting: bool,
     },
     Dup {
         old_fd: i32,
@@ -169,7 +172,10 @@ pub fn parse_record(bytes: &[u8]) -> Result<Raw, DecodeError> {
             let r: OpenRecord = read(bytes, k)?;
             RawKind::Open { fd: r.fd, flags: r.flags, device: device_from_kernel(r.device), path: c_string(&r.path), file: r.file }
         }
-        kind::CLOSE => RawKind::Close { fd: fd_record()?.a as i32 },
+        kind::CLOSE => {
+            let r = fd_record()?;
+            RawKind::Close { fd: r.a as i32, inheriting: r.b != 0 }
+        }
         kind::DUP => {
             let r = fd_record()?;
             RawKind::Dup { old_fd: r.a as i32, new_fd: r.b as i32, cloexec: r.c != 0 }

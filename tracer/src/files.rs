@@ -212,10 +212,16 @@ impl<R: Resolver> FileTable<R> {
         Event::Open { fd, file, device, cloexec }
     }
 
-    pub fn closed(&mut self, pid: u32, fd: i32, updates: &mut Vec<KernelUpdate>) -> Option<Event> {
+    /// A close the kernel sent. It forgot its own entry at the close, and the fd's number may
+    /// have been reused since (an open the kernel already followed): only a close by a child
+    /// still inheriting, for which the kernel had none, forgets the entry the copy of its
+    /// parent's fds made.
+    pub fn closed(&mut self, pid: u32, fd: i32, inheriting: bool, updates: &mut Vec<KernelUpdate>) -> Option<Event> {
         match self.unset((pid, fd)) {
             Some(Answer::Nvidia { .. }) => {
-                updates.push(KernelUpdate::ForgetFd { pid, fd });
+                if inheriting {
+                    updates.push(KernelUpdate::ForgetFd { pid, fd });
+                }
                 Some(Event::Close { fd })
             }
             Some(Answer::NotNvidia) | Some(Answer::Conn { .. }) | None => None,
@@ -792,9 +798,17 @@ mod tests {
         assert!(updates.contains(&KernelUpdate::SetFd { pid: 11, fd: 6, state: device::CTL }));
         assert!(updates.contains(&KernelUpdate::SetFd { pid: 11, fd: 7, state: device::UVM }));
         assert_eq!(updates.last(), Some(&KernelUpdate::Traced { pid: 11 }));
-        // The child's close of an inherited fd is an NVIDIA close.
-        assert_eq!(t.closed(11, 6, &mut updates), Some(Event::Close { fd: 6 }));
-        assert_eq!(t.closed(11, 6, &mut updates), None);
+        // The child's close of an inherited fd is an NVIDIA close; sent while it was inheriting,
+        // the entry the copy made is forgotten.
+        updates.clear();
+        assert_eq!(t.closed(11, 6, true, &mut updates), Some(Event::Close { fd: 6 }));
+        assert_eq!(updates, [KernelUpdate::ForgetFd { pid: 11, fd: 6 }]);
+        assert_eq!(t.closed(11, 6, true, &mut updates), None);
+        // Sent once the copy was in, the kernel forgot its entry itself: a reopen of the number
+        // since keeps the one its open made.
+        updates.clear();
+        assert_eq!(t.closed(11, 7, false, &mut updates), Some(Event::Close { fd: 7 }));
+        assert!(updates.is_empty(), "{updates:?}");
     }
 
     #[test]

@@ -44,8 +44,8 @@ impl<R: Resolver> Pipeline<R> {
                 push(pid, self.files.opened(pid, fd, device, flags & O_CLOEXEC != 0, file), None)
             }
             RawKind::Open { device: None, .. } => {}
-            RawKind::Close { fd } => {
-                if let Some(event) = self.files.closed(pid, fd, updates) {
+            RawKind::Close { fd, inheriting } => {
+                if let Some(event) = self.files.closed(pid, fd, inheriting, updates) {
                     push(pid, event, None);
                 }
             }
