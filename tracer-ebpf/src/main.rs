@@ -36,19 +36,31 @@ static FDS: HashMap<FdKey, u8> = HashMap::with_max_entries(1 << 16, 0);
 #[map]
 static FD_PIDS: Array<u8> = Array::with_max_entries(PID_SLOTS, 0);
 
+/// Whether `tgid`'s slot in one of the per-process arrays (FD_PIDS, CONN_PIDS) is set.
+#[inline(always)]
+fn slot_set(slots: &Array<u8>, tgid: u32) -> bool {
+    slots.get(tgid % PID_SLOTS) == Some(&1)
+}
+
+/// Sets `tgid`'s slot in one of the per-process arrays, before the entry it stands for goes in.
+#[inline(always)]
+fn set_slot(slots: &Array<u8>, tgid: u32) {
+    if let Some(slot) = slots.get_ptr_mut(tgid % PID_SLOTS) {
+        // SAFETY: an array slot, valid for the map's life; a racing write stores the same 1.
+        unsafe { *slot = 1 };
+    }
+}
+
 /// Whether process `tgid` may have entries in FDS, or be inheriting its parent's.
 #[inline(always)]
 fn may_hold_fds(tgid: u32) -> bool {
-    FD_PIDS.get(tgid % PID_SLOTS) == Some(&1)
+    slot_set(&FD_PIDS, tgid)
 }
 
 /// Marks `tgid` as one that may hold followed fds.
 #[inline(always)]
 fn holds_fds(tgid: u32) {
-    if let Some(slot) = FD_PIDS.get_ptr_mut(tgid % PID_SLOTS) {
-        // SAFETY: an array slot, valid for the map's life; a racing write stores the same 1.
-        unsafe { *slot = 1 };
-    }
+    set_slot(&FD_PIDS, tgid)
 }
 
 /// Every insert into FDS: the process's slot is set first, so a close that finds it unset has

@@ -47,11 +47,8 @@ pub fn accept_exit(ctx: TracePointContext) -> u32 {
     if fd < 0 || !is_traced(tgid) {
         return 0;
     }
+    set_slot(&CONN_PIDS, tgid);
     count_refused("FDS", remember_fd(&FdKey { tgid, fd: fd as u32 }, device::CONN, 0));
-    if let Some(slot) = CONN_PIDS.get_ptr_mut(tgid % PID_SLOTS) {
-        // SAFETY: an array slot, valid for the map's life; a racing write stores the same 1.
-        unsafe { *slot = 1 };
-    }
     send_fd_record(kind::ACCEPT, fd, 0, 0);
     0
 }
@@ -83,7 +80,7 @@ fn send_sock_io(fd: i32, inbound: bool, len: i64, buf: u64) {
 
 #[inline(always)]
 fn holds_conns(tgid: u32) -> bool {
-    CONN_PIDS.get(tgid % PID_SLOTS) == Some(&1)
+    slot_set(&CONN_PIDS, tgid)
 }
 
 #[inline(always)]

@@ -122,7 +122,6 @@ fn spec(args: &Args) -> ModelSpec {
     }
 }
 
-/// Allocates and records it in the ground truth with the phase and the requests in flight.
 /// The server's last note before it dies. It comes a moment after the failure, as a real server's
 /// does (its traceback or backtrace is printed first): a thread whose read returned just before the
 /// failure has noted it by then, so the ground truth holds every request the kernel saw read.
@@ -131,6 +130,7 @@ fn fatal(truth: &Truth, in_flight: usize) {
     truth.note("fatal", json!({"in_flight": in_flight}));
 }
 
+/// Allocates and records it in the ground truth with the phase and the requests in flight.
 fn alloc(gpu: &mut Gpu, truth: &Truth, path: Path, bytes: u64, phase: &str, in_flight: usize) -> Option<Buffer> {
     match gpu.alloc(path, bytes) {
         Ok(b) => {
