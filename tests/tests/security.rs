@@ -433,9 +433,10 @@ fn escape_sequences_in_a_trace_never_reach_the_terminal() {
 
 /// A file at an NVIDIA path that is not NVIDIA's device is never followed where the driver is
 /// loaded: in a mount namespace of its own, /dev/nvidiactl is the null device (1:3) and
-/// /dev/nvidia-uvm the zero device (1:5). With NVIDIA's majors said to be 195 and, for UVM, 1,
-/// the kernel side follows the second open and not the first; by path alone (no driver, as on the
-/// fake GPU) it follows both.
+/// /dev/nvidia-uvm the zero device (1:5), both opened for reading and writing (as NVIDIA's
+/// libraries do). With NVIDIA's majors said to be 195 and, for UVM, 1, the kernel side follows
+/// the second open and not the first; by path alone (no driver, as on the fake GPU) it follows
+/// both.
 #[test]
 #[ignore = "needs root: `sudo cargo xtask test` runs it"]
 fn a_device_mounted_at_an_nvidia_path_is_not_followed() {
@@ -443,7 +444,7 @@ fn a_device_mounted_at_an_nvidia_path_is_not_followed() {
     let _root = as_root();
     let dir = scratch("impostor");
     let script = r#"mount -t tmpfs none /dev && mknod /dev/null c 1 3 && mknod /dev/nvidiactl c 1 3 && mknod /dev/nvidia-uvm c 1 5 &&
-        exec "$0" record -o "$1" -- sh -c 'exec 3</dev/nvidiactl 4</dev/nvidia-uvm; true'"#;
+        exec "$0" record -o "$1" -- sh -c 'exec 3<>/dev/nvidiactl 4<>/dev/nvidia-uvm; true'"#;
     let opened = |majors: &str| {
         let trace = dir.join(format!("{majors}.trace"));
         let out = Command::new("unshare")
@@ -470,6 +471,35 @@ fn a_device_mounted_at_an_nvidia_path_is_not_followed() {
     let (devices, err) = opened("off");
     assert_eq!(devices, [Device::Ctl, Device::Uvm], "by path alone: {err}");
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Where the driver's majors are known, an open other than for reading and writing has no path
+/// read: a GPU's device opened read-only (here /dev/nvidia0 is the null device, NVIDIA's major
+/// said to be 1) and a dup of it made before any command are each found by their device number
+/// at their first RM command: the dup, closed right after its one command, with no question
+/// for userspace (whose answer would have come after the close); the first fd with its
+/// close-on-exec flag. Both name one file.
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn a_device_opened_read_only_is_found_by_its_number_at_its_first_command() {
+    use gputrace::event::{Device, Event};
+    let _root = as_root();
+    let (events, err) = record_with_null_uvm("read-only", "read-only", "1,7");
+    assert!(!events.iter().any(|e| matches!(e, Event::Open { .. } | Event::Dup { .. })), "no path was read: {events:?}");
+    let found: Vec<(i32, u64)> = events
+        .iter()
+        .filter_map(|e| match e {
+            Event::FdFound { fd, file, device: Device::Gpu } => Some((*fd, *file)),
+            _ => None,
+        })
+        .collect();
+    let [(dup, dup_file), (gpu, file)] = found[..] else { panic!("the dup and the fd found: {events:?}\n{err}") };
+    assert_eq!(file, dup_file, "one file: {events:?}");
+    assert!(events.iter().any(|e| matches!(e, Event::SetCloexec { fd, cloexec: true } if *fd == gpu)), "{events:?}");
+    assert!(!events.iter().any(|e| matches!(e, Event::SetCloexec { fd, .. } if *fd == dup)), "a dup is not close-on-exec: {events:?}");
+    assert_eq!(events.iter().filter(|e| matches!(e, Event::Free { .. })).count(), 2, "both commands: {events:?}");
+    assert!(events.iter().any(|e| matches!(e, Event::Close { fd } if *fd == dup)), "the dup seen closed: {events:?}");
+    assert!(!err.contains("asked about"), "none asked: {err}");
 }
 
 /// A followed fd closed where no syscall tracepoint sees it (io_uring's close) and its number

@@ -77,6 +77,11 @@ pub mod ioctl_flag {
     pub const CLASS_FAULT: u8 = 8;
     /// The command came wrapped in NV_ESC_IOCTL_XFER_CMD; `escape_cmd` is the inner one.
     pub const XFER: u8 = 16;
+    /// First NVIDIA-looking ioctl on a fd the kernel did not know, which it found NVIDIA's by
+    /// the device number of its file (`device` says which, `file` is that file): no question.
+    pub const BY_NUMBER: u8 = 32;
+    /// With BY_NUMBER: the fd was close-on-exec when the kernel found it.
+    pub const CLOEXEC: u8 = 64;
 }
 
 /// Values of the TRACED map.
@@ -151,7 +156,8 @@ pub struct KernelOffsets {
     pub task_mm: u32,
     pub mm_arg_start: u32,
     pub mm_arg_end: u32,
-    pub _pad: u32,
+    /// `fdtable.close_on_exec`: the bitmap of a table's close-on-exec fds; 0 when unknown.
+    pub fdtable_close_on_exec: u32,
 }
 
 #[repr(C)]

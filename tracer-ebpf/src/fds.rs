@@ -21,6 +21,8 @@ struct Duping {
 static DUPS: LruHashMap<u64, Duping> = LruHashMap::with_max_entries(1 << 12, 0);
 
 const O_CLOEXEC: i32 = 0o2000000;
+const O_ACCMODE: i32 = 0o3;
+const O_RDWR: i32 = 0o2;
 const F_DUPFD: u64 = 0;
 const F_SETFD: u64 = 2;
 const F_DUPFD_CLOEXEC: u64 = 1030;
@@ -62,6 +64,13 @@ fn classify(path: &[u8; PATH_MAX]) -> Option<u8> {
 /// `filename` and `flags`: the syscall's arguments (openat has a directory first; the callers
 /// read them, at offsets the verifier sees are constant).
 fn open_enter(filename: u64, flags: i32) -> u32 {
+    // Where the driver's majors are known, only an open for reading and writing (as NVIDIA's
+    // libraries open its devices) has its path read, the costliest part of this program: a
+    // device opened any other way is found by its device number at its first NVIDIA-looking
+    // ioctl (ioctl::first_call), before anything of it is recorded.
+    if flags & O_ACCMODE != O_RDWR && majors_known() {
+        return 0;
+    }
     let pid_tgid = bpf_get_current_pid_tgid();
     if !is_traced((pid_tgid >> 32) as u32) {
         return 0;

@@ -47,53 +47,78 @@ pub fn ioctl_enter(ctx: TracePointContext) -> u32 {
     }
     // A thread with a file table of its own is checked only once the call would be recorded:
     // other processes' NVIDIA calls (an untraced fd) never pay for it.
-    let (state, flags) = match known {
+    let (state, flags, file) = match known {
         Some(device::PENDING) => {
             if own_file_table() {
                 return 0;
             }
-            (device::PENDING, ioctl_flag::PENDING)
+            (device::PENDING, ioctl_flag::PENDING, 0)
         }
         Some(device::UVM) => {
             if !uvm_command_traced(cmd) || own_file_table() || repointed(&key, device::UVM) {
                 return 0;
             }
-            (device::UVM, 0)
+            (device::UVM, 0, 0)
         }
         Some(state) if state != device::NOT_NVIDIA => {
             if !rm_command_traced(cmd) || own_file_table() || repointed(&key, state) {
                 return 0;
             }
-            (state, 0)
+            (state, 0, 0)
         }
-        // Never seen (inherited, dup'ed before tracing, received over a socket), or once not
-        // NVIDIA and now NVIDIA's device: ask once.
+        // Never seen (inherited, dup'ed before tracing, received over a socket, opened other
+        // than for reading and writing), or once not NVIDIA and now NVIDIA's device.
         _ => {
             if !is_traced(tgid) || own_file_table() {
                 return 0;
             }
-            let flag = if known.is_none() { BPF_NOEXIST } else { BPF_EXIST };
-            match remember_fd(&key, device::PENDING, flag as u64) {
-                Ok(()) => {
-                    bump(stat::QUESTIONS);
-                    (device::PENDING, ioctl_flag::QUESTION)
-                }
-                // Another thread's first call on this fd asked just before: this one is sent
-                // pending, for the same answer.
-                Err(EEXIST) if known.is_none() => (device::PENDING, ioctl_flag::PENDING),
-                // Gone since (closed): nothing to follow.
-                Err(ENOENT) => return 0,
-                Err(e) => {
-                    count_refused("FDS", Err(e));
-                    return 0;
-                }
+            match first_call(&key, known.is_none(), cmd) {
+                Some(first) => first,
+                None => return 0,
             }
         }
     };
-    let file = if flags == ioctl_flag::QUESTION { file_of(fd as u32) } else { 0 };
     let inflight = Inflight { arg: sys_arg(&ctx, 2), file, fd: fd as i32, cmd, device: state, flags };
     count_refused("IOCTLS", IOCTLS.insert(&pid_tgid, &inflight, 0));
     0
+}
+
+/// The first NVIDIA-looking call on a fd the kernel has no answer for (`unseen`: no entry at
+/// all): its state, flags and file, or None when it is not to be recorded. Where the driver's
+/// majors are known, the file's device number says at once what it is: no question for
+/// userspace, whose answer could come after the fd was closed unseen (a dup, used once). Other
+/// files, and every file where the majors are not known, are asked about once.
+#[inline(always)]
+fn first_call(key: &FdKey, unseen: bool, cmd: u32) -> Option<(u8, u8, u64)> {
+    let file = file_of(key.fd);
+    let found = if majors_known() { nvidia_device_of(file) } else { None };
+    let (state, flags) = match found {
+        Some(device) => (device, ioctl_flag::BY_NUMBER | if close_on_exec(key.fd) { ioctl_flag::CLOEXEC } else { 0 }),
+        None => (device::PENDING, ioctl_flag::QUESTION),
+    };
+    let flag = if unseen { BPF_NOEXIST } else { BPF_EXIST };
+    match remember_fd(key, state, flag as u64) {
+        Ok(()) if found.is_none() => bump(stat::QUESTIONS),
+        Ok(()) => {}
+        // Another thread's first call on this fd came just before: this one is sent with what
+        // its own reading found, or pending for the same answer.
+        Err(EEXIST) if unseen && found.is_none() => return Some((device::PENDING, ioctl_flag::PENDING, file)),
+        Err(EEXIST) if unseen => {}
+        // Gone since (closed): nothing to follow.
+        Err(ENOENT) => return None,
+        Err(e) => {
+            count_refused("FDS", Err(e));
+            return None;
+        }
+    }
+    // A device found by number is remembered whatever the command; it is recorded only when
+    // the command is one followed on that device.
+    let followed = match state {
+        device::PENDING => true,
+        device::UVM => uvm_command_traced(cmd),
+        _ => rm_command_traced(cmd),
+    };
+    followed.then_some((state, flags, file))
 }
 
 /// Whether a fd answered not NVIDIA now names NVIDIA's device: its number reused where no

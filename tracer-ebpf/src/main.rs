@@ -271,7 +271,8 @@ fn read_pointer(addr: u64) -> u64 {
     unsafe { bpf_probe_read_kernel(addr as *const u64) }.unwrap_or(0)
 }
 
-fn read_file_of(o: &KernelOffsets, fd: u32) -> u64 {
+/// `current->files->fdt`, where `fd` is within it; 0 otherwise.
+fn fd_table(o: &KernelOffsets, fd: u32) -> u64 {
     let read = read_pointer;
     let task = unsafe { bpf_get_current_task() };
     let files = read(task + o.task_files as u64);
@@ -286,11 +287,35 @@ fn read_file_of(o: &KernelOffsets, fd: u32) -> u64 {
     if fd >= max_fds {
         return 0;
     }
-    let table = read(fdt + o.fdtable_fd as u64);
+    fdt
+}
+
+fn read_file_of(o: &KernelOffsets, fd: u32) -> u64 {
+    let fdt = fd_table(o, fd);
+    if fdt == 0 {
+        return 0;
+    }
+    let table = read_pointer(fdt + o.fdtable_fd as u64);
     if table == 0 {
         return 0;
     }
-    read(table + 8 * fd as u64)
+    read_pointer(table + 8 * fd as u64)
+}
+
+/// Whether the current process's `fd` is close-on-exec (its bit in `fdt->close_on_exec`);
+/// false when it cannot be read.
+fn close_on_exec(fd: u32) -> bool {
+    let Some(o) = OFFSETS.get(0) else { return false };
+    if o.fdtable_close_on_exec == 0 || o.fdtable_fd == 0 {
+        return false;
+    }
+    let fdt = fd_table(o, fd);
+    if fdt == 0 {
+        return false;
+    }
+    let bits = read_pointer(fdt + o.fdtable_close_on_exec as u64);
+    // An array of unsigned longs: 64 bits each on the 64-bit kernels gputrace runs on.
+    bits != 0 && (read_pointer(bits + 8 * (fd / 64) as u64) >> (fd % 64)) & 1 != 0
 }
 
 /// Whether the current thread has a file table of its own (unshare(CLONE_FILES), or a clone
@@ -338,9 +363,16 @@ fn file_table_shared() -> bool {
     count > 1
 }
 
+/// Whether the driver's majors, nvidia's and nvidia-uvm's, are both known: then any file can be
+/// told NVIDIA's or not by its device number.
+#[inline(always)]
+fn majors_known() -> bool {
+    CONFIG.get(0).is_some_and(|c| c.nvidia_major != 0 && c.uvm_major != 0)
+}
+
 /// What NVIDIA device `file` is by its device number alone (nvidiactl, a GPU, or UVM), where
-/// the driver's majors are known: for a fd once answered not NVIDIA whose number may since have
-/// been reused, unseen, for NVIDIA's file.
+/// the driver's majors are known: for a fd never seen opened, and for one once answered not
+/// NVIDIA whose number may since have been reused, unseen, for NVIDIA's file.
 #[inline(always)]
 fn nvidia_device_of(file: u64) -> Option<u8> {
     let c = CONFIG.get(0)?;

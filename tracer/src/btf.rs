@@ -108,7 +108,9 @@ pub fn struct_members(data: &[u8], wanted: &[&str]) -> Result<HashMap<String, Ha
 /// optionally `task_struct.exit_code` (without it exits carry no status), `file.f_inode` and
 /// `inode.i_rdev` (without them opens are judged by path alone) and `task_struct.group_leader`
 /// (without it a thread with a file table of its own is not told apart), `task_struct.mm` and
-/// `mm_struct.arg_start`/`arg_end` (without them an exec's command is read from /proc).
+/// `mm_struct.arg_start`/`arg_end` (without them an exec's command is read from /proc), and
+/// `fdtable.close_on_exec` (without it a fd the kernel finds NVIDIA's by number is taken to
+/// survive an exec).
 pub fn kernel_offsets(data: &[u8]) -> Result<KernelOffsets, String> {
     let found = struct_members(data, &["task_struct", "files_struct", "fdtable", "file", "inode", "mm_struct"])?;
     let get = |s: &str, m: &str| {
@@ -127,7 +129,7 @@ pub fn kernel_offsets(data: &[u8]) -> Result<KernelOffsets, String> {
         task_mm: get("task_struct", "mm").unwrap_or(0),
         mm_arg_start: get("mm_struct", "arg_start").unwrap_or(0),
         mm_arg_end: get("mm_struct", "arg_end").unwrap_or(0),
-        _pad: 0,
+        fdtable_close_on_exec: get("fdtable", "close_on_exec").unwrap_or(0),
     })
 }
 
@@ -216,6 +218,7 @@ mod tests {
         assert!(o.task_files > 0 && o.task_files < 16384, "{o:?}");
         assert!(o.files_fdt < 256 && o.fdtable_fd < 64 && o.fdtable_max_fds < 64, "{o:?}");
         assert_ne!(o.fdtable_fd, o.fdtable_max_fds);
+        assert!(o.fdtable_close_on_exec > 0 && o.fdtable_close_on_exec < 64 && o.fdtable_close_on_exec != o.fdtable_fd, "{o:?}");
         assert!(o.task_exit_code > 0 && o.task_exit_code < 16384 && o.task_exit_code != o.task_files, "{o:?}");
         assert!(o.file_inode > 0 && o.file_inode < 256 && o.inode_rdev > 0 && o.inode_rdev < 1024, "{o:?}");
         assert!(o.task_group_leader > 0 && o.task_group_leader < 16384 && o.task_group_leader != o.task_files, "{o:?}");

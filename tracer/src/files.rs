@@ -438,6 +438,17 @@ impl<R: Resolver> FileTable<R> {
         Some(self.found(pid, fd, device, kernel_file))
     }
 
+    /// A fd the kernel found NVIDIA's by its file's device number at its first call, and holds
+    /// an entry for already: its FdFound event, then its close-on-exec flag when it was set. No
+    /// /proc reading: the fd may be closed by now, and the kernel's word is the device's own.
+    pub fn found_by_number(&mut self, pid: u32, fd: i32, device: Device, cloexec: bool, kernel_file: u64) -> Vec<Event> {
+        let mut events = vec![self.found(pid, fd, device, kernel_file)];
+        if cloexec {
+            events.extend(self.set_cloexec(pid, fd, true));
+        }
+        events
+    }
+
     /// An NVIDIA fd met without its open: names the open file description it shares, if known,
     /// by the kernel's `struct file *`, else by kcmp against the live fds of known files.
     fn found(&mut self, pid: u32, fd: i32, device: Device, kernel_file: u64) -> Event {
@@ -770,6 +781,25 @@ mod tests {
         // A later open that reuses the address is a different file.
         let Event::Open { file: reopened, .. } = t.opened(30, 3, Device::Ctl, false, 0xffff_8880_1234_5600) else { panic!() };
         assert_ne!(reopened, file);
+    }
+
+    /// A fd the kernel found NVIDIA's by its device number needs nothing from /proc: one
+    /// already closed (a dup used once) is found all the same, joined to its file by the
+    /// kernel's `struct file *`; its close-on-exec flag is kept, so an exec closes it.
+    #[test]
+    fn a_fd_found_by_number_needs_no_proc_and_keeps_its_close_on_exec_flag() {
+        let mut t = table(&[]);
+        let file_ptr = 0xffff_8880_4321_0000;
+        let found = t.found_by_number(10, 5, Device::Gpu, true, file_ptr);
+        let [Event::FdFound { fd: 5, file, device: Device::Gpu }, Event::SetCloexec { fd: 5, cloexec: true }] = found[..] else {
+            panic!("{found:?}")
+        };
+        // Gone from /proc already (the table knows no fd 7): the same file, no flag.
+        assert_eq!(t.found_by_number(10, 7, Device::Gpu, false, file_ptr), [Event::FdFound { fd: 7, file, device: Device::Gpu }]);
+        assert_eq!(t.questions_answered, 0, "nothing was asked of /proc");
+        let mut updates = vec![];
+        t.exec(10, "/bin/true", vec!["true".into()], true, &mut updates);
+        assert!(!t.knows_nvidia(10, 5) && t.knows_nvidia(10, 7), "the exec closed the close-on-exec fd only");
     }
 
     /// A server reading through a dup of the accepted fd still has one connection, closed with

@@ -109,6 +109,13 @@ impl<R: Resolver> Pipeline<R> {
         let mut push = |pid: u32, event: Event, raw_bytes: Option<String>| out.push(Record { ts, pid, tid, event, raw: raw_bytes });
         let device = match ioctl.device {
             Some(device) if self.files.knows_nvidia(pid, ioctl.fd) => Some(device),
+            Some(device) if ioctl.flags & ioctl_flag::BY_NUMBER != 0 => {
+                let cloexec = ioctl.flags & ioctl_flag::CLOEXEC != 0;
+                for found in self.files.found_by_number(pid, ioctl.fd, device, cloexec, ioctl.file) {
+                    push(pid, found, None);
+                }
+                Some(device)
+            }
             // Asked, or the kernel still holding an entry userspace has dropped: an exec
             // closed the fd and the program reused its number (a received fd, say) before
             // the kernel heard of the exec. Asked afresh either way.

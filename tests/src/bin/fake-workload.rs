@@ -317,6 +317,22 @@ fn reopen() -> Result<(), String> {
     Ok(())
 }
 
+/// A GPU's device opened for reading only and close-on-exec (std's default), which NVIDIA's
+/// libraries never do, and a dup of it: an RM command on the dup, closed at once, before the
+/// tracer could read anything of it in /proc; then one on the first fd.
+fn read_only() -> Result<(), String> {
+    let gpu = File::open("/dev/nvidia0").map_err(|e| format!("/dev/nvidia0: {e}"))?;
+    // SAFETY: dup(2) of a fd this function holds, and close(2) of what it returned.
+    let dup = unsafe { libc::dup(gpu.as_raw_fd()) };
+    if dup < 0 {
+        return Err(format!("dup: {}", std::io::Error::last_os_error()));
+    }
+    rm_free(dup);
+    unsafe { libc::close(dup) };
+    rm_free(gpu.as_raw_fd());
+    Ok(())
+}
+
 fn oom(truth: &mut Truth, bytes: u64) -> Result<(), String> {
     let mut gpu = Gpu::open(0)?;
     truth.alloc(&mut gpu, Path::RmAlloc, GIB).ok_or("first alloc failed")?;
@@ -537,9 +553,10 @@ fn main() -> ExitCode {
         Some("classes") => classes(&mut truth),
         Some("own-table") => own_table(),
         Some("reopen") => reopen(),
+        Some("read-only") => read_only(),
         Some("oom") => oom(&mut truth, value("--bytes").and_then(|v| parse_bytes(&v)).unwrap_or(1 << 40)),
         _ => Err(
-            "usage: fake-workload paths|fork-holder|storm|oom|hold|vmm|fabric|pass-fd|ipc|repoint|own-table|reopen|classes [--close-first] [--batched] [--multicast] [--truth FILE] [--hold-ms N] [--count N] [--bytes B] [--ms N]"
+            "usage: fake-workload paths|fork-holder|storm|oom|hold|vmm|fabric|pass-fd|ipc|repoint|own-table|reopen|read-only|classes [--close-first] [--batched] [--multicast] [--truth FILE] [--hold-ms N] [--count N] [--bytes B] [--ms N]"
                 .into(),
         ),
     };

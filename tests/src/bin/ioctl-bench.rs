@@ -41,10 +41,13 @@ fn main() {
         println!("{:.1}", start.elapsed().as_nanos() as f64 / count as f64);
         return;
     }
-    if args.first().is_some_and(|a| a == "open-close") {
+    // Opens for reading only (most of a host's), or for reading and writing (as NVIDIA's
+    // libraries open its devices, whose paths the kernel side reads).
+    if let Some(case @ ("open-close" | "open-close-rw")) = args.first().map(String::as_str) {
         let path = std::ffi::CString::new("/dev/null").unwrap();
+        let access = if case == "open-close" { libc::O_RDONLY } else { libc::O_RDWR };
         // SAFETY: open(2) of a C string that outlives it, and close(2) of what it returned.
-        let call = || unsafe { libc::close(libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC)) };
+        let call = || unsafe { libc::close(libc::open(path.as_ptr(), access | libc::O_CLOEXEC)) };
         for _ in 0..1000 {
             call();
         }
@@ -65,7 +68,7 @@ fn main() {
         }
         _ => {
             eprintln!(
-                "usage: ioctl-bench null-plain|null-nvidia-looking|fake-gpu-free|file-nvidiactl|read-zero|write-null|open-close [COUNT]"
+                "usage: ioctl-bench null-plain|null-nvidia-looking|fake-gpu-free|file-nvidiactl|read-zero|write-null|open-close|open-close-rw [COUNT]"
             );
             std::process::exit(2);
         }
