@@ -20,6 +20,10 @@ pub const CTL_INODE: u64 = 2;
 pub const UVM_INODE: u64 = 4;
 /// /dev/nvidiaN is inode GPU_INODES + N.
 pub const GPU_INODES: u64 = 16;
+/// RM_FREE of this handle (no object has it: freeing it is NV_OK) is answered only after half a
+/// second: a call that stays in flight while another thread makes its own (`fake-workload
+/// collide`).
+pub const SLOW_FREE_HANDLE: u32 = 0x5105_0001;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Kind {

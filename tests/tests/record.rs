@@ -277,6 +277,39 @@ fn files_received_over_a_socket_keep_the_senders_memory() {
     std::fs::remove_dir_all(&run.dir).ok();
 }
 
+/// Two threads whose numbers share a slot of the kernel side's calls in flight, inside an RM_FREE
+/// each at the same time (the first one's answered after 500 ms): the second keeps its call
+/// where the slot is taken, and each free is recorded with its own params, by its own thread.
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn two_threads_sharing_a_slot_of_calls_in_flight_each_keep_their_own() {
+    let _root = as_root();
+    let run = record("collide", "580.95.05", &["collide"]);
+    assert_eq!(run.status, 0, "{}", run.stderr);
+    let (records, model) = run.trace();
+    let frees: Vec<(u32, u32, u32)> = records
+        .iter()
+        .filter_map(|r| match r.event {
+            Event::Free { object, status, .. } => Some((r.tid, object, status)),
+            _ => None,
+        })
+        .collect();
+    let [(slow_tid, fakegpu::driver::SLOW_FREE_HANDLE, 0), (tid, object, 0)] = frees[..] else {
+        panic!("the slow free and the buffer's, each with its status: {frees:?}\n{}", run.stderr)
+    };
+    assert_ne!(slow_tid, tid, "two threads: {frees:?}");
+    assert_eq!(slow_tid % tracer_common::CALL_SLOTS, tid % tracer_common::CALL_SLOTS, "one slot: {frees:?}");
+    let freed = model.allocations.iter().find(|a| a.object == object).expect("the buffer's allocation");
+    assert!(freed.freed.is_some(), "the buffer freed: {freed:?}");
+    check_frees_match(&model, &run.driver());
+    let summary = run.summary();
+    assert_eq!(summary["loss"]["lost_records"], 0);
+    // The second thread's call alone waited in the map: the slots' programs were loaded, and the
+    // two calls were in flight at once.
+    assert_eq!(summary["fd_filter"]["calls_in_map"], 1, "{}", run.stderr);
+    std::fs::remove_dir_all(&run.dir).ok();
+}
+
 #[test]
 #[ignore = "needs root: `sudo cargo xtask test` runs it"]
 fn a_million_ioctls_on_other_fds_cost_one_question_each_and_no_events() {

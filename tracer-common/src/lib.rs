@@ -27,6 +27,8 @@ pub mod device {
 /// in FDS"), indexed by tgid modulo their size: set before the fd's entry goes in, by the kernel
 /// or by userspace, never cleared (a shared or reused slot costs only the exact lookup after it).
 pub const PID_SLOTS: u32 = 1 << 16;
+/// Slots of the kernel side's calls in flight, one per thread number modulo this.
+pub const CALL_SLOTS: u32 = 1 << 14;
 
 /// Record kinds, first field of every ring buffer record.
 pub mod kind {
@@ -106,7 +108,10 @@ pub mod stat {
     /// CLONE_FILES), and close_range(CLOSE_RANGE_UNSHARE) on a shared one: their fd numbers are
     /// not their process's, so they are not followed.
     pub const OWN_FILE_TABLE: u32 = 4;
-    pub const COUNT: u32 = 5;
+    /// Followed calls kept for their exit in the LRU map of calls in flight: their thread's slot
+    /// was held by another thread, or the kernel lacks BPF's atomics (then every one).
+    pub const CALLS_IN_MAP: u32 = 5;
+    pub const COUNT: u32 = 6;
 }
 
 /// `Config` array index 0.

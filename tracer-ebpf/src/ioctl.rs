@@ -1,6 +1,11 @@
 //! ioctl enter and exit: the NVIDIA escapes and UVM commands, their params copied to the ring
 //! buffer; an unknown fd with an NVIDIA-looking command is asked about once.
 
+use core::intrinsics::{atomic_cxchg, atomic_xadd, atomic_xchg, atomic_xsub, AtomicOrdering::SeqCst};
+// Words other threads write atomically are read with volatile loads: the bpf targets have no
+// atomic load (a plain one is as atomic for an aligned word).
+use core::ptr::read_volatile;
+
 use super::*;
 
 #[derive(Clone, Copy)]
@@ -12,10 +17,105 @@ struct Inflight {
     device: u8,
     flags: u8,
 }
-/// Entry state kept until the syscall exits, keyed by pid_tgid. LRU so a thread killed inside a
+/// Entry state kept until the syscall exits, keyed by pid_tgid, for a call whose thread's slot
+/// in CALLS is taken (or on a kernel without BPF's atomics). LRU so a thread killed inside a
 /// syscall cannot leak entries.
 #[map]
 static IOCTLS: LruHashMap<u64, Inflight> = LruHashMap::with_max_entries(1 << 14, 0);
+
+/// A call in flight in its thread's slot: `owner` is the thread's pid_tgid while it is inside
+/// the call, 0 when the slot is free.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Slot {
+    owner: u64,
+    call: Inflight,
+}
+/// Calls in flight by thread number modulo CALL_SLOTS: an array, whose lookups the kernel
+/// inlines, where an LRU map's insert, lookup and delete cost a followed escape about 400 ns.
+/// Two threads of the same number modulo are told apart by the atomic claim of `owner`: the
+/// second, while the first is inside its call, keeps its own in IOCTLS.
+#[map]
+static CALLS: Array<Slot> = Array::with_max_entries(CALL_SLOTS, 0);
+
+/// How many calls the slots' programs have kept in IOCTLS: counted up before one is kept there,
+/// down as one is taken. While none is, an exit whose slot is not its own (every ioctl of a
+/// process holding NVIDIA's files that is not followed) looks nothing up. An entry the LRU map
+/// evicts is never counted down: the count errs high, which costs only lookups.
+#[map]
+static SPILLED: Array<u64> = Array::with_max_entries(1, 0);
+
+/// `pid_tgid`'s slot in CALLS, by its thread number.
+#[inline(always)]
+fn slot_of(pid_tgid: u64) -> Option<*mut Slot> {
+    CALLS.get_ptr_mut(pid_tgid as u32 % CALL_SLOTS)
+}
+
+/// Keeps a call for its exit: in its thread's slot when it can claim it (free, or left claimed
+/// by this very thread, whose exit was not seen), else in IOCTLS. `SLOTS` is false where the
+/// kernel refuses BPF's atomics (before 5.12): IOCTLS alone.
+#[inline(always)]
+fn keep<const SLOTS: bool>(pid_tgid: u64, call: &Inflight) {
+    if SLOTS {
+        if let Some(slot) = slot_of(pid_tgid) {
+            // SAFETY: an array value, valid for the map's life, its owner word 8-byte aligned.
+            let (before, _) = unsafe { atomic_cxchg::<u64, { SeqCst }, { SeqCst }>(&raw mut (*slot).owner, 0, pid_tgid) };
+            if before == 0 || before == pid_tgid {
+                // SAFETY: as above; no other thread writes a slot it does not own.
+                unsafe { (*slot).call = *call };
+                return;
+            }
+        }
+        if let Some(spilled) = SPILLED.get_ptr_mut(0) {
+            // SAFETY: an array value, valid for the map's life.
+            unsafe { atomic_xadd::<u64, u64, { SeqCst }>(spilled, 1) };
+        }
+    }
+    bump(stat::CALLS_IN_MAP);
+    count_refused("IOCTLS", IOCTLS.insert(&pid_tgid, call, 0));
+}
+
+/// The call this thread's entry kept, forgotten as it is taken (its slot freed).
+#[inline(always)]
+fn take_call<const SLOTS: bool>(pid_tgid: u64) -> Option<Inflight> {
+    if SLOTS {
+        if let Some(slot) = slot_of(pid_tgid) {
+            // SAFETY: as in keep; only this thread sets the owner to its own pid_tgid.
+            if unsafe { read_volatile(&raw const (*slot).owner) } == pid_tgid {
+                let call = unsafe { (*slot).call };
+                // An atomic exchange, a full barrier: the next owner's writes come after the
+                // reads above on every architecture.
+                unsafe { atomic_xchg::<u64, { SeqCst }>(&raw mut (*slot).owner, 0) };
+                return Some(call);
+            }
+        }
+        let spilled = SPILLED.get_ptr_mut(0)?;
+        // SAFETY: an array value, valid for the map's life; this thread's own count up, if it
+        // kept its call there, came before in its own program order.
+        if unsafe { read_volatile(spilled) } == 0 {
+            return None;
+        }
+        let call = take(&IOCTLS, pid_tgid)?;
+        unsafe { atomic_xsub::<u64, u64, { SeqCst }>(spilled, 1) };
+        return Some(call);
+    }
+    take(&IOCTLS, pid_tgid)
+}
+
+/// Frees the slot of a thread that exits holding it (its call's exit never seen: a run the kernel
+/// skipped), so that no later thread of its number keeps its calls in IOCTLS for good, nor takes
+/// that call for one of its own. Only the owner frees a slot: a plain store.
+#[inline(always)]
+pub(crate) fn forget_call(pid_tgid: u64) {
+    if let Some(slot) = slot_of(pid_tgid) {
+        // SAFETY: as in keep.
+        unsafe {
+            if read_volatile(&raw const (*slot).owner) == pid_tgid {
+                (*slot).owner = 0;
+            }
+        }
+    }
+}
 
 /// Per UVM command, the bytes to copy for the running driver version (written by userspace).
 #[map]
@@ -26,10 +126,22 @@ static CLASS_PARAMS: HashMap<u32, u32> = HashMap::with_max_entries(64, 0);
 
 #[tracepoint]
 pub fn ioctl_enter(ctx: TracePointContext) -> u32 {
-    let cmd = sys_arg(&ctx, 1) as u32;
+    enter::<true>(&ctx)
+}
+
+/// ioctl_enter where the kernel refuses BPF's atomics (before 5.12, 5.18 on arm64): userspace
+/// loads it and ioctl_exit_lru then.
+#[tracepoint]
+pub fn ioctl_enter_lru(ctx: TracePointContext) -> u32 {
+    enter::<false>(&ctx)
+}
+
+#[inline(always)]
+fn enter<const SLOTS: bool>(ctx: &TracePointContext) -> u32 {
+    let cmd = sys_arg(ctx, 1) as u32;
     // RM_CONTROL is the commonest escape: only the exports and imports of objects go on, told
     // by NVOS54's cmd before anything else is looked up.
-    if cmd == RM_CONTROL_CMD && !control_followed(sys_arg(&ctx, 2)) {
+    if cmd == RM_CONTROL_CMD && !control_followed(sys_arg(ctx, 2)) {
         return 0;
     }
     // Every branch below needs an NVIDIA-looking command: arithmetic ends the ioctls of every
@@ -39,7 +151,7 @@ pub fn ioctl_enter(ctx: TracePointContext) -> u32 {
     }
     let pid_tgid = bpf_get_current_pid_tgid();
     let tgid = (pid_tgid >> 32) as u32;
-    let fd = sys_arg(&ctx, 0);
+    let fd = sys_arg(ctx, 0);
     let key = FdKey { tgid, fd: fd as u32 };
     let known = unsafe { FDS.get(&key) }.copied();
     if matches!(known, Some(device::CONN)) || (known == Some(device::NOT_NVIDIA) && !reused_for_nvidia(&key)) {
@@ -78,8 +190,8 @@ pub fn ioctl_enter(ctx: TracePointContext) -> u32 {
             }
         }
     };
-    let inflight = Inflight { arg: sys_arg(&ctx, 2), file, fd: fd as i32, cmd, device: state, flags };
-    count_refused("IOCTLS", IOCTLS.insert(&pid_tgid, &inflight, 0));
+    let inflight = Inflight { arg: sys_arg(ctx, 2), file, fd: fd as i32, cmd, device: state, flags };
+    keep::<SLOTS>(pid_tgid, &inflight);
     0
 }
 
@@ -165,15 +277,26 @@ fn control_followed(arg: u64) -> bool {
 
 #[tracepoint]
 pub fn ioctl_exit(ctx: TracePointContext) -> u32 {
+    exit::<true>(&ctx)
+}
+
+/// ioctl_exit for a kernel that refuses BPF's atomics, with ioctl_enter_lru.
+#[tracepoint]
+pub fn ioctl_exit_lru(ctx: TracePointContext) -> u32 {
+    exit::<false>(&ctx)
+}
+
+#[inline(always)]
+fn exit<const SLOTS: bool>(ctx: &TracePointContext) -> u32 {
     let pid_tgid = bpf_get_current_pid_tgid();
     // Entries are left only on fds in FDS: every other process's ioctls end here.
     if !may_hold_fds((pid_tgid >> 32) as u32) {
         return 0;
     }
-    let Some(inflight) = take(&IOCTLS, pid_tgid) else {
+    let Some(inflight) = take_call::<SLOTS>(pid_tgid) else {
         return 0;
     };
-    let ret = sys_ret(&ctx);
+    let ret = sys_ret(ctx);
     let Some(mut entry) = EVENTS.reserve::<IoctlRecord>(0) else {
         bump(stat::LOST);
         return 0;

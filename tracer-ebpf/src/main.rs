@@ -5,6 +5,9 @@
 //! command arithmetic when the fd is unknown) and one INFLIGHT lookup at exit. Nothing is sent.
 #![no_std]
 #![no_main]
+// BPF's atomic compare-and-exchange (core's atomics lack it on the bpf targets).
+#![feature(core_intrinsics)]
+#![allow(internal_features)]
 
 use aya_ebpf::{
     bindings::{BPF_EXIST, BPF_NOEXIST},
@@ -23,7 +26,7 @@ use aya_log_ebpf::warn;
 use tracer_common::{
     alloc, control, control_params_size, device, escape, ioc_nr, ioc_size, ioctl_flag, kind, rm_cmd, rm_command_traced, rm_escape_traced,
     stat, traced, u32_at, u64_at, uvm_command_traced, xfer, Config, ExecRecord, FdKey, FdRecord, Header, IoctlRecord, KernelOffsets,
-    OpenRecord, Reading, SockRecord, UvmWindow, CLASS_PARAMS_MAX, EXEC_ARGS, PARAMS_MAX, PATH_MAX, PID_SLOTS, SOCK_HEAD_MAX,
+    OpenRecord, Reading, SockRecord, UvmWindow, CALL_SLOTS, CLASS_PARAMS_MAX, EXEC_ARGS, PARAMS_MAX, PATH_MAX, PID_SLOTS, SOCK_HEAD_MAX,
 };
 
 #[map]

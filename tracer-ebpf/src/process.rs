@@ -84,10 +84,12 @@ fn read_argv(record: &mut ExecRecord) {
     }
 }
 
-/// Runs for every thread that exits; only the end of the whole process counts.
+/// Runs for every thread that exits; only the end of the whole process counts, but for the
+/// thread's slot of calls in flight.
 #[tracepoint]
 pub fn process_exit(ctx: TracePointContext) -> u32 {
     let pid_tgid = bpf_get_current_pid_tgid();
+    super::ioctl::forget_call(pid_tgid);
     let tgid = (pid_tgid >> 32) as u32;
     let group_dead_at = CONFIG.get(0).map_or(0, |c| c.group_dead_at) as usize;
     let whole_process = match group_dead_at {

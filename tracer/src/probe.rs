@@ -26,14 +26,21 @@ pub struct Hook {
     /// what it sees has another way in (openat for open, dup3 for dup2 on arm64's syscall table;
     /// close_range from 5.9).
     pub required: bool,
+    /// The program loaded instead where the kernel refuses this one: the ioctl programs keep a
+    /// call in flight with BPF's atomics (5.12 and later), and without them in an LRU map.
+    pub fallback: Option<&'static str>,
 }
 
 const fn hook(program: &'static str, category: &'static str, name: &'static str) -> Hook {
-    Hook { program, category, name, required: true }
+    Hook { program, category, name, required: true, fallback: None }
 }
 
 const fn optional(program: &'static str, category: &'static str, name: &'static str) -> Hook {
-    Hook { program, category, name, required: false }
+    Hook { program, category, name, required: false, fallback: None }
+}
+
+const fn or_else(hook: Hook, fallback: &'static str) -> Hook {
+    Hook { fallback: Some(fallback), ..hook }
 }
 
 /// Programs and the tracepoints they attach to, in attach order: process lifecycle first, so no
@@ -68,8 +75,10 @@ pub const HOOKS: &[Hook] = &[
     hook("write_enter", "syscalls", "sys_enter_sendto"),
     hook("writev_enter", "syscalls", "sys_enter_writev"),
     optional("oom_victim", "oom", "mark_victim"),
-    hook("ioctl_enter", "syscalls", "sys_enter_ioctl"),
-    hook("ioctl_exit", "syscalls", "sys_exit_ioctl"),
+    // The exit first: an exit with no entry seen does nothing, an entry with no exit holds its
+    // thread's slot until the thread ends.
+    or_else(hook("ioctl_exit", "syscalls", "sys_exit_ioctl"), "ioctl_exit_lru"),
+    or_else(hook("ioctl_enter", "syscalls", "sys_enter_ioctl"), "ioctl_enter_lru"),
 ];
 
 #[derive(Debug, Error)]
@@ -180,6 +189,9 @@ pub struct Probe {
     _cgroups: Option<aya::maps::CgroupArray<MapData>>,
     /// With `--kernel-log`: the programs' diagnostics, to flush when its fd is readable.
     pub kernel_log: Option<aya_log::EbpfLogger<KernelLog>>,
+    /// Why the kernel refused the ioctl programs that keep calls in flight in per-thread slots
+    /// (BPF's atomics), when it did: the pair that keeps them in an LRU map runs instead.
+    pub calls_in_map_only: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -194,6 +206,8 @@ pub struct Counters {
     pub impostors: u64,
     /// fd changes and ioctls in threads with a file table of their own: not followed.
     pub own_file_table: u64,
+    /// Followed calls kept in the LRU map of calls in flight, not in their thread's slot.
+    pub calls_in_map: u64,
 }
 
 fn map_err(map: &'static str) -> impl Fn(aya::maps::MapError) -> ProbeError {
@@ -257,22 +271,43 @@ impl log::Log for KernelLog {
 }
 
 /// Loads each hook's program once and attaches it to its tracepoint, skipping the optional
-/// ones this kernel does not have.
-fn attach(ebpf: &mut Ebpf, kernel: &Kernel) -> Result<(), ProbeError> {
+/// ones this kernel does not have. The programs with a fallback go together (the ioctl pair
+/// shares where a call waits for its exit): where the kernel refuses any of them, all fall back,
+/// and the refusal is returned.
+fn attach(ebpf: &mut Ebpf, kernel: &Kernel) -> Result<Option<String>, ProbeError> {
     let mut loaded = std::collections::HashSet::new();
-    for Hook { program, category, name, .. } in HOOKS.iter().filter(|h| !kernel.absent.contains(&format!("{}:{}", h.category, h.name))) {
+    let refused = HOOKS.iter().filter(|h| h.fallback.is_some()).find_map(|h| load(ebpf, h.program, &mut loaded).err());
+    let fall_back = refused.is_some();
+    for Hook { program, category, name, fallback, .. } in
+        HOOKS.iter().filter(|h| !kernel.absent.contains(&format!("{}:{}", h.category, h.name)))
+    {
+        let program = if fall_back { fallback.unwrap_or(*program) } else { *program };
         let attach_err =
             |reason: String| ProbeError::Attach { program: program.to_string(), tracepoint: format!("{category}:{name}"), reason };
-        let tp: &mut TracePoint = ebpf
-            .program_mut(program)
-            .ok_or_else(|| attach_err("the program is missing from the eBPF object".into()))?
-            .try_into()
-            .map_err(|e: aya::programs::ProgramError| attach_err(e.to_string()))?;
-        if loaded.insert(*program) {
-            tp.load().map_err(|e| ProbeError::Load { reason: verifier_message(program, &e), hint: "" })?;
-        }
+        load(ebpf, program, &mut loaded)?;
+        let tp: &mut TracePoint = traced_program(ebpf, program).map_err(attach_err)?;
         tp.attach(category, name).map_err(|e| attach_err(e.to_string()))?;
     }
+    Ok(refused.map(|e| e.to_string()))
+}
+
+/// `program` of the object as a tracepoint program.
+fn traced_program<'a>(ebpf: &'a mut Ebpf, program: &str) -> Result<&'a mut TracePoint, String> {
+    ebpf.program_mut(program)
+        .ok_or_else(|| format!("the program {program} is missing from the eBPF object"))?
+        .try_into()
+        .map_err(|e: aya::programs::ProgramError| e.to_string())
+}
+
+/// Loads `program` into the kernel once, however many tracepoints it is attached to.
+fn load(ebpf: &mut Ebpf, program: &'static str, loaded: &mut std::collections::HashSet<&'static str>) -> Result<(), ProbeError> {
+    if loaded.contains(program) {
+        return Ok(());
+    }
+    let reason = |reason: String| ProbeError::Load { reason, hint: "" };
+    let tp = traced_program(ebpf, program).map_err(reason)?;
+    tp.load().map_err(|e| reason(verifier_message(program, &e)))?;
+    loaded.insert(program);
     Ok(())
 }
 
@@ -352,7 +387,7 @@ impl Probe {
         };
         let events = RingBuf::try_from(take(&mut ebpf, "EVENTS")?).map_err(map_err("EVENTS"))?;
 
-        attach(&mut ebpf, kernel)?;
+        let calls_in_map_only = attach(&mut ebpf, kernel)?;
         Ok(Probe {
             _ebpf: ebpf,
             events: Some(events),
@@ -366,6 +401,7 @@ impl Probe {
             settings,
             _cgroups: cgroups,
             kernel_log,
+            calls_in_map_only,
         })
     }
 
@@ -425,6 +461,7 @@ impl Probe {
             insert_failed: sum(stat::INSERT_FAILED),
             impostors: sum(stat::IMPOSTORS),
             own_file_table: sum(stat::OWN_FILE_TABLE),
+            calls_in_map: sum(stat::CALLS_IN_MAP),
         }
     }
 }

@@ -193,6 +193,7 @@ impl Sink for TraceFile {
             pending_dropped: end.pending_dropped,
             map_inserts_failed: counters.insert_failed,
             impostors: counters.impostors + end.impostors,
+            calls_in_map: counters.calls_in_map,
         };
         if self.json {
             summary.fd_filter = Some(filter);

@@ -94,6 +94,10 @@ pub struct FdFilter {
     pub map_inserts_failed: u64,
     /// Files at NVIDIA's paths that were not NVIDIA's devices (their device number), not followed.
     pub impostors: u64,
+    /// Followed calls kept for their exit in the kernel's LRU map of calls in flight, not in
+    /// their thread's slot (another thread of the same slot was inside a call; or, on a kernel
+    /// without BPF's atomics, every call).
+    pub calls_in_map: u64,
 }
 
 #[derive(Clone, Debug, Serialize)]

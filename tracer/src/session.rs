@@ -156,6 +156,13 @@ pub fn run<S: Sink>(opts: &Options, sink: impl FnOnce(&Header, Option<&User>) ->
     let cgroup = opts.cgroup.as_deref().map(open_cgroup).transpose()?;
     let selection = probe::Selection { trace_all: opts.all, cgroup: cgroup.as_ref(), majors, kernel_log: opts.kernel_log };
     let mut probe = Probe::load(&layout, selection, &kernel)?;
+    if let Some(refusal) = &probe.calls_in_map_only {
+        eprintln!(
+            "gputrace: this kernel refused the ioctl programs that keep each call in flight in its thread's slot (they need BPF's atomics: \
+             Linux 5.12, 5.18 on arm64), so calls wait in an LRU map, about 300 ns more each: {}",
+            refusal.lines().next().unwrap_or_default()
+        );
+    }
     // Once the probes are in: a start the kernel refused leaves no empty trace behind.
     let sink = sink(&header, user.as_ref())?;
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().context("starting the event loop")?;

@@ -366,7 +366,16 @@ fn bpf_program_costs(pinned: &dyn Fn(&str) -> Command) -> Result<()> {
     let trace = std::env::temp_dir().join("gputrace-bench-stats.trace");
     let recorder = start_tracer(Command::new(bin("gputrace")).args(["record", "--all", "-o"]).arg(&trace), "gputrace: tracing", false)?;
     let mut rows = Vec::new();
-    for case in ["null-plain", "null-nvidia-looking", "file-nvidiactl", "read-zero", "write-null", "open-close", "open-close-rw"] {
+    for case in [
+        "null-plain",
+        "null-nvidia-looking",
+        "file-nvidiactl",
+        "file-nvidiactl-control",
+        "read-zero",
+        "write-null",
+        "open-close",
+        "open-close-rw",
+    ] {
         let start = bpf_stats()?;
         run(pinned(case).stdout(Stdio::null()))?;
         let end = bpf_stats()?;

@@ -25,6 +25,10 @@ struct Guest {
     /// The Debian release whose kernel boots: None for the host's own apt sources (bookworm, 6.1),
     /// else one read through a sources list of its own, the host's left as they are.
     suite: Option<&'static str>,
+    /// Whether its kernel refuses the ioctl programs that keep calls in flight in per-thread
+    /// slots (they need BPF's atomics: 5.12, 5.18 on arm64), so that gputrace loads the pair that
+    /// keeps them in an LRU map.
+    calls_in_map: bool,
 }
 
 /// Debian 12's amd64 6.1.
@@ -39,6 +43,7 @@ const X86: Guest = Guest {
     console: "ttyS0",
     host_packages: &["qemu-system-x86", "cpio"],
     suite: None,
+    calls_in_map: false,
 };
 
 const GUESTS: [Guest; 3] = [
@@ -53,11 +58,12 @@ const GUESTS: [Guest; 3] = [
         console: "ttyAMA0",
         host_packages: &["qemu-system-arm", "gcc-aarch64-linux-gnu", "cpio"],
         suite: None,
+        calls_in_map: false,
     },
     X86,
     // Debian 11's 5.10: the oldest kernel the programs are held to (BPF ring buffer 5.8,
     // close_range 5.9), as long-term distributions still run it.
-    Guest { name: "x86-5.10", suite: Some("bullseye"), ..X86 },
+    Guest { name: "x86-5.10", suite: Some("bullseye"), calls_in_map: true, ..X86 },
 ];
 
 /// The scenario recorded in the guest, and the verdict it must get. Without NVML in the guest
@@ -153,6 +159,7 @@ fn init_script() -> String {
          ip link set lo up; insmod /fuse.ko\n\
          echo \"=== kernel: $(uname -m) $(uname -r)\"\n\
          GPUTRACE_DEVICE_MAJORS=195,1 gputrace record --kernel-log -o /tmp/kernel-log.trace -- true > /tmp/kernel-log.txt 2>&1; echo \"=== kernel-log exit: $?\"; tail -3 /tmp/kernel-log.txt\n\
+         if grep -q 'refused the ioctl programs' /tmp/kernel-log.txt; then echo '=== calls in flight: map'; else echo '=== calls in flight: slots'; fi\n\
          fakegpu scenario {name} --server {server} --dir /tmp/run > /tmp/scenario.log 2>&1; echo \"=== scenario exit: $?\"\n\
          tail -5 /tmp/scenario.log\n\
          echo '=== report'; gputrace report --json /tmp/run/run.trace; echo '=== end'\n\
@@ -229,10 +236,19 @@ fn check(guest: &Guest, console: &str) -> Result<String> {
     if !console.contains("=== kernel-log exit: 0") {
         return Err(format!("on {kernel}: gputrace record --kernel-log failed to load or run; console:\n{console}"));
     }
+    let in_map = console.contains("=== calls in flight: map");
+    if in_map != guest.calls_in_map || !(in_map || console.contains("=== calls in flight: slots")) {
+        let expected = if guest.calls_in_map { "an LRU map (no BPF atomics)" } else { "per-thread slots" };
+        return Err(format!("on {kernel}: calls in flight were to wait in {expected}, and did not; console:\n{console}"));
+    }
     if category != EXPECTED || lost != 0 {
         return Err(format!("on {kernel}: verdict {category}, {lost} records lost (expected {EXPECTED}, none lost); console:\n{console}"));
     }
-    Ok(format!("{} ({kernel}): {} {} recorded {events} events, nothing lost, verdict {category}", guest.name, SCENARIO.1, SCENARIO.0))
+    let calls = if in_map { "an LRU map" } else { "per-thread slots" };
+    Ok(format!(
+        "{} ({kernel}): {} {} recorded {events} events, nothing lost, verdict {category}; calls in flight in {calls}",
+        guest.name, SCENARIO.1, SCENARIO.0
+    ))
 }
 
 pub fn vm(which: &str) -> Result<()> {

@@ -333,6 +333,61 @@ fn read_only() -> Result<(), String> {
     Ok(())
 }
 
+/// Two threads whose thread numbers share a slot of the kernel side's calls in flight
+/// (tracer_common::CALL_SLOTS), each inside an RM_FREE at the same time: the first frees the
+/// fake driver's slow handle (answered after 500 ms), the second, 100 ms into it, a buffer of
+/// its own. Both calls are to be recorded, each with its own params.
+fn collide(truth: &mut Truth) -> Result<(), String> {
+    use std::sync::mpsc::channel;
+    let mut gpu = Gpu::open(0)?;
+    let buffer = truth.alloc(&mut gpu, Path::RmAlloc, GIB).ok_or("RmAlloc failed")?;
+    // SAFETY: gettid has no preconditions.
+    let tid = || unsafe { libc::gettid() } as u32;
+    let slot = |tid: u32| tid % tracer_common::CALL_SLOTS;
+    std::thread::scope(|scope| {
+        let gpu = &gpu;
+        let (first_tid, first_go) = (channel(), channel::<()>());
+        let first = scope.spawn(move || {
+            first_tid.0.send(tid()).ok();
+            first_go.1.recv().ok();
+            gpu.free_handle(fakegpu::driver::SLOW_FREE_HANDLE, false)
+        });
+        let first_slot = slot(first_tid.1.recv().map_err(|e| e.to_string())?);
+        // Threads come and go until one gets a number of the first one's slot (the kernel hands
+        // them out in turn, so within CALL_SLOTS of them where pid_max is larger).
+        let (second_go_tx, second_go_rx) = channel::<()>();
+        let mut second_go = Some(second_go_rx);
+        let mut second = None;
+        for _ in 0..4 * tracer_common::CALL_SLOTS {
+            let (mine_tx, mine_rx) = channel();
+            let go = second_go.take().expect("kept until a thread takes it");
+            let buffer = &buffer;
+            let thread = scope.spawn(move || {
+                let mine = slot(tid()) == first_slot;
+                mine_tx.send(mine).ok();
+                if !mine {
+                    return (go, None);
+                }
+                let _ = go.recv();
+                (go, Some(gpu.free(buffer)))
+            });
+            if mine_rx.recv().map_err(|e| e.to_string())? {
+                second = Some(thread);
+                break;
+            }
+            let (go, _) = thread.join().map_err(|_| "a thread panicked")?;
+            second_go = Some(go);
+        }
+        let second = second.ok_or("no thread number shares the first one's slot (is pid_max above CALL_SLOTS?)")?;
+        first_go.0.send(()).ok();
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        second_go_tx.send(()).ok();
+        let (_, freed) = second.join().map_err(|_| "the second thread panicked")?;
+        freed.expect("the sharing thread frees").map_err(|s| format!("the buffer's free failed: {s:?}"))?;
+        first.join().map_err(|_| "the first thread panicked")?.map_err(|s| format!("the slow free failed: {s:?}"))
+    })
+}
+
 fn oom(truth: &mut Truth, bytes: u64) -> Result<(), String> {
     let mut gpu = Gpu::open(0)?;
     truth.alloc(&mut gpu, Path::RmAlloc, GIB).ok_or("first alloc failed")?;
@@ -554,9 +609,10 @@ fn main() -> ExitCode {
         Some("own-table") => own_table(),
         Some("reopen") => reopen(),
         Some("read-only") => read_only(),
+        Some("collide") => collide(&mut truth),
         Some("oom") => oom(&mut truth, value("--bytes").and_then(|v| parse_bytes(&v)).unwrap_or(1 << 40)),
         _ => Err(
-            "usage: fake-workload paths|fork-holder|storm|oom|hold|vmm|fabric|pass-fd|ipc|repoint|own-table|reopen|read-only|classes [--close-first] [--batched] [--multicast] [--truth FILE] [--hold-ms N] [--count N] [--bytes B] [--ms N]"
+            "usage: fake-workload paths|fork-holder|storm|oom|hold|vmm|fabric|pass-fd|ipc|repoint|own-table|reopen|read-only|collide|classes [--close-first] [--batched] [--multicast] [--truth FILE] [--hold-ms N] [--count N] [--bytes B] [--ms N]"
                 .into(),
         ),
     };

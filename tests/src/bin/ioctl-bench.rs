@@ -11,6 +11,8 @@
 //! - file-nvidiactl: RM_FREE on a regular file named /dev/nvidiactl (on a tmpfs over /dev in a
 //!   mount namespace of its own; root): followed and recorded as the real device's would be,
 //!   with no driver behind it (the file answers ENOTTY), so the cost measured is gputrace's alone.
+//! - file-nvidiactl-control: an RM_CONTROL gputrace does not follow (the commonest escape) on the
+//!   same file: what a process holding NVIDIA's files pays for each call not recorded.
 use std::fs::OpenOptions;
 use std::os::fd::AsRawFd;
 use std::time::Instant;
@@ -66,9 +68,14 @@ fn main() {
             file_nvidiactl();
             ("/dev/nvidiactl", rm_cmd(esc::RM_FREE, 16))
         }
+        // NVOS54's cmd (at 8) is 0xdeadbeef below: no control gputrace follows.
+        Some("file-nvidiactl-control") => {
+            file_nvidiactl();
+            ("/dev/nvidiactl", rm_cmd(esc::RM_CONTROL, 32))
+        }
         _ => {
             eprintln!(
-                "usage: ioctl-bench null-plain|null-nvidia-looking|fake-gpu-free|file-nvidiactl|read-zero|write-null|open-close|open-close-rw [COUNT]"
+                "usage: ioctl-bench null-plain|null-nvidia-looking|fake-gpu-free|file-nvidiactl|file-nvidiactl-control|read-zero|write-null|open-close|open-close-rw [COUNT]"
             );
             std::process::exit(2);
         }

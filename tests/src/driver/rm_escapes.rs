@@ -75,6 +75,9 @@ impl Driver {
 
     fn rm_free(&mut self, caller: Caller, p: &mut [u8]) {
         let (root, old) = (get32(p, 0), get32(p, 8));
+        if old == SLOW_FREE_HANDLE {
+            std::thread::sleep(std::time::Duration::from_millis(500));
+        }
         if root == old {
             self.free_client(caller, root, "subtree");
         } else {
