@@ -152,12 +152,35 @@ impl Tools {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
+        // The kernel sends FUSE's RELEASE of its closed files on its own time, and the fake driver
+        // frees their memory only then: the new recording's first NVML reading must not find it
+        // still held, as no real driver would (its release runs in the close).
+        while self.files_open() > 0 {
+            if start.elapsed() > Duration::from_secs(10) {
+                bail!("the fake driver still has {} files open 10 s after pid {pid} was stopped", self.files_open());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
         let rec = self.record_as(&self.server_cmd(server, port, &[]), "after-fix.trace", "after-fix.json")?;
         self.load(server, port, &["--sequential", "512"])?;
         for pid in children(rec.id()) {
             signal(pid, libc::SIGTERM);
         }
         wait_for(rec, Duration::from_secs(60))
+    }
+
+    /// Files the fake driver has seen opened and not yet released, by its log.
+    fn files_open(&self) -> usize {
+        let lines: Vec<crate::truth::DriverLine> = crate::truth::read_lines(&self.dir.join("driver.jsonl")).unwrap_or_default();
+        let mut open = std::collections::HashSet::new();
+        for line in lines {
+            match line.op {
+                crate::truth::DriverOp::Open { handle, .. } => open.insert(handle),
+                crate::truth::DriverOp::Release { handle, .. } => open.remove(&handle),
+                _ => false,
+            };
+        }
+        open.len()
     }
 
     /// `gputrace record --json -o DIR/run.trace --pid PID`, attached to a server already running:
