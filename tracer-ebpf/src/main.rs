@@ -1,8 +1,10 @@
 //! Kernel side of gputrace: syscall and process tracepoints that follow NVIDIA device files and
 //! copy the params of the memory-relevant ioctls into a ring buffer.
 //!
-//! The hot path is an ioctl on a fd that is not an NVIDIA device: one FDS lookup at entry (plus
-//! command arithmetic when the fd is unknown) and one INFLIGHT lookup at exit. Nothing is sent.
+//! The hot path is an ioctl on a fd that is not an NVIDIA device: command arithmetic at entry
+//! (one FDS lookup when the command looks NVIDIA's) and array reads at exit (the process's slot
+//! in FD_PIDS, then the thread's in CALLS; the LRU map only while a call waits there). Nothing
+//! is sent.
 #![no_std]
 #![no_main]
 // BPF's atomic compare-and-exchange (core's atomics lack it on the bpf targets).
