@@ -434,43 +434,32 @@ fn escape_sequences_in_a_trace_never_reach_the_terminal() {
 /// A file at an NVIDIA path that is not NVIDIA's device is never followed where the driver is
 /// loaded: in a mount namespace of its own, /dev/nvidiactl is the null device (1:3) and
 /// /dev/nvidia-uvm the zero device (1:5), both opened for reading and writing (as NVIDIA's
-/// libraries do). With NVIDIA's majors said to be 195 and, for UVM, 1, the kernel side follows
-/// the second open and not the first; by path alone (no driver, as on the fake GPU) it follows
-/// both.
+/// libraries do) and sent a command each. With NVIDIA's majors said to be 195 and, for UVM, 1,
+/// the second file is followed and the first is not; by path alone (no driver, as on the fake
+/// GPU) both are.
 #[test]
 #[ignore = "needs root: `sudo cargo xtask test` runs it"]
 fn a_device_mounted_at_an_nvidia_path_is_not_followed() {
     use gputrace::event::{Device, Event};
     let _root = as_root();
-    let dir = scratch("impostor");
-    let script = r#"mount -t tmpfs none /dev && mknod /dev/null c 1 3 && mknod /dev/nvidiactl c 1 3 && mknod /dev/nvidia-uvm c 1 5 &&
-        exec "$0" record -o "$1" -- sh -c 'exec 3<>/dev/nvidiactl 4<>/dev/nvidia-uvm; true'"#;
-    let opened = |majors: &str| {
-        let trace = dir.join(format!("{majors}.trace"));
-        let out = Command::new("unshare")
-            .args(["--mount", "--propagation", "private", "sh", "-c", script])
-            .arg(gputrace_bin())
-            .arg(&trace)
-            .env("GPUTRACE_DEVICE_MAJORS", majors)
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{}", stderr(&out));
-        let (_, records, _) = gputrace::trace::Reader::read_all(&trace).unwrap();
-        let devices: Vec<Device> = records
+    let nodes = [("nvidiactl", 3), ("nvidia-uvm", 5)];
+    let followed = |majors: &str| {
+        let (events, err) = record_in_namespace("impostor", &nodes, "impostor", majors);
+        let devices: Vec<Device> = events
             .iter()
-            .filter_map(|r| match r.event {
-                Event::Open { device, .. } => Some(device),
+            .filter_map(|e| match e {
+                Event::Open { device, .. } | Event::FdFound { device, .. } => Some(*device),
                 _ => None,
             })
             .collect();
-        (devices, stderr(&out))
+        let commands = events.iter().filter(|e| matches!(e, Event::Free { .. } | Event::UvmFree { .. })).count();
+        (devices, commands, err)
     };
-    let (devices, err) = opened("195,1");
-    assert_eq!(devices, [Device::Uvm], "only the file with the device number said to be UVM's: {err}");
+    let (devices, commands, err) = followed("195,1");
+    assert_eq!((devices, commands), (vec![Device::Uvm], 1), "only the file with the device number said to be UVM's: {err}");
     assert!(err.contains("1 files at NVIDIA's paths were not NVIDIA's devices"), "{err}");
-    let (devices, err) = opened("off");
-    assert_eq!(devices, [Device::Ctl, Device::Uvm], "by path alone: {err}");
-    std::fs::remove_dir_all(&dir).ok();
+    let (devices, commands, err) = followed("off");
+    assert_eq!((devices, commands), (vec![Device::Ctl, Device::Uvm], 2), "by path alone: {err}");
 }
 
 /// Where the driver's majors are known, an open other than for reading and writing has no path
@@ -478,14 +467,14 @@ fn a_device_mounted_at_an_nvidia_path_is_not_followed() {
 /// said to be 1) and a dup of it made before any command are each found by their device number
 /// at their first RM command: the dup, closed right after its one command, with no question
 /// for userspace (whose answer would have come after the close); the first fd with its
-/// close-on-exec flag. Both name one file.
+/// close-on-exec flag. Both name one file. The device opened again for reading and writing is
+/// recorded at its open, as another file, not close-on-exec until ioctl(FIOCLEX) sets it.
 #[test]
 #[ignore = "needs root: `sudo cargo xtask test` runs it"]
 fn a_device_opened_read_only_is_found_by_its_number_at_its_first_command() {
     use gputrace::event::{Device, Event};
     let _root = as_root();
-    let (events, err) = record_with_null_uvm("read-only", "read-only", "1,7");
-    assert!(!events.iter().any(|e| matches!(e, Event::Open { .. } | Event::Dup { .. })), "no path was read: {events:?}");
+    let (events, err) = record_with_null_uvm("by-number", "by-number", "1,7");
     let found: Vec<(i32, u64)> = events
         .iter()
         .filter_map(|e| match e {
@@ -495,11 +484,39 @@ fn a_device_opened_read_only_is_found_by_its_number_at_its_first_command() {
         .collect();
     let [(dup, dup_file), (gpu, file)] = found[..] else { panic!("the dup and the fd found: {events:?}\n{err}") };
     assert_eq!(file, dup_file, "one file: {events:?}");
-    assert!(events.iter().any(|e| matches!(e, Event::SetCloexec { fd, cloexec: true } if *fd == gpu)), "{events:?}");
-    assert!(!events.iter().any(|e| matches!(e, Event::SetCloexec { fd, .. } if *fd == dup)), "a dup is not close-on-exec: {events:?}");
-    assert_eq!(events.iter().filter(|e| matches!(e, Event::Free { .. })).count(), 2, "both commands: {events:?}");
+    let opened: Vec<(u64, bool)> =
+        events.iter().filter_map(|e| if let Event::Open { file, cloexec, .. } = e { Some((*file, *cloexec)) } else { None }).collect();
+    assert!(matches!(opened[..], [(other, false)] if other != file), "only the read-write open is seen opened: {events:?}");
+    assert!(!events.iter().any(|e| matches!(e, Event::Dup { .. })), "{events:?}");
+    let read_write = events.iter().find_map(|e| if let Event::Open { fd, .. } = e { Some(*fd) } else { None });
+    let cloexec: Vec<(i32, bool)> =
+        events.iter().filter_map(|e| if let Event::SetCloexec { fd, cloexec } = e { Some((*fd, *cloexec)) } else { None }).collect();
+    assert_eq!(cloexec, [(gpu, true), (read_write.unwrap(), true)], "a dup is not close-on-exec; ioctl(FIOCLEX) is seen: {events:?}");
+    assert_eq!(events.iter().filter(|e| matches!(e, Event::Free { .. })).count(), 3, "every command: {events:?}");
     assert!(events.iter().any(|e| matches!(e, Event::Close { fd } if *fd == dup)), "the dup seen closed: {events:?}");
     assert!(!err.contains("asked about"), "none asked: {err}");
+}
+
+/// A fd found NVIDIA's by its device number at a command not followed on its device (a UVM
+/// command on a GPU's file) is not taken as known: its next command, an RM one, is recorded
+/// with the file found. The number was /proc/version's before, answered not NVIDIA; userspace's
+/// answer stayed in its table when the kernel forgot the fd at its close, and a later call the
+/// kernel sent as known would have been dropped on it.
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn a_device_whose_first_command_is_not_followed_is_found_at_its_next() {
+    let _root = as_root();
+    one_command_on_a_gpu_found("unfollowed-first", "1,7", "the RM command on the GPU's file");
+}
+
+/// Runs `workload` with `majors` as NVIDIA's (see [`record_with_null_uvm`]): exactly one RM
+/// command (`which`) is to be recorded, on a GPU's file found without its open.
+fn one_command_on_a_gpu_found(workload: &str, majors: &str, which: &str) {
+    use gputrace::event::{Device, Event};
+    let (events, err) = record_with_null_uvm(workload, workload, majors);
+    let frees = events.iter().filter(|e| matches!(e, Event::Free { .. })).count();
+    assert_eq!(frees, 1, "{which}: {events:?}\n{err}");
+    assert!(events.iter().any(|e| matches!(e, Event::FdFound { device: Device::Gpu, .. })), "{events:?}");
 }
 
 /// A followed fd closed where no syscall tracepoint sees it (io_uring's close) and its number
@@ -527,12 +544,19 @@ fn a_followed_fd_reused_behind_the_tracers_back_is_not_followed() {
 /// /dev/nvidia-uvm and /dev/nvidia0 are the null device (1:3), with `majors` as NVIDIA's;
 /// returns the trace's events and the recorder's stderr.
 fn record_with_null_uvm(name: &str, workload: &str, majors: &str) -> (Vec<gputrace::event::Event>, String) {
+    record_in_namespace(name, &[("nvidia-uvm", 3), ("nvidia0", 3)], workload, majors)
+}
+
+/// Runs `fake-workload WORKLOAD` under `gputrace record` in a mount namespace whose /dev holds
+/// `nodes` (name, minor of major 1: 3 is the null device, 5 the zero device), with `majors` as
+/// NVIDIA's; returns the trace's events and the recorder's stderr.
+fn record_in_namespace(name: &str, nodes: &[(&str, u32)], workload: &str, majors: &str) -> (Vec<gputrace::event::Event>, String) {
     let dir = scratch(name);
     let trace = dir.join("run.trace");
-    let script = r#"mount -t tmpfs none /dev && mknod /dev/null c 1 3 && mknod /dev/nvidia-uvm c 1 3 && mknod /dev/nvidia0 c 1 3 &&
-        exec "$0" record -o "$1" -- "$2" "$3""#;
+    let mknod: String = nodes.iter().map(|(node, minor)| format!(" && mknod /dev/{node} c 1 {minor}")).collect();
+    let script = format!(r#"mount -t tmpfs none /dev && mknod /dev/null c 1 3{mknod} && exec "$0" record -o "$1" -- "$2" "$3""#);
     let out = Command::new("unshare")
-        .args(["--mount", "--propagation", "private", "sh", "-c", script])
+        .args(["--mount", "--propagation", "private", "sh", "-c", &script])
         .arg(gputrace_bin())
         .arg(&trace)
         .arg(env!("CARGO_BIN_EXE_fake-workload"))
@@ -573,10 +597,6 @@ fn a_thread_with_a_file_table_of_its_own_does_not_touch_its_process_fds() {
 #[test]
 #[ignore = "needs root: `sudo cargo xtask test` runs it"]
 fn a_fd_reopened_as_nvidia_behind_the_tracers_back_is_followed() {
-    use gputrace::event::{Device, Event};
     let _root = as_root();
-    let (events, err) = record_with_null_uvm("reopen", "reopen", "1,0");
-    let frees = events.iter().filter(|e| matches!(e, Event::Free { .. })).count();
-    assert_eq!(frees, 1, "the command on the reopened file, not the one on /proc/version: {events:?}\n{err}");
-    assert!(events.iter().any(|e| matches!(e, Event::FdFound { device: Device::Gpu, .. })), "{events:?}");
+    one_command_on_a_gpu_found("reopen", "1,0", "the command on the reopened file, not the one on /proc/version");
 }

@@ -228,19 +228,21 @@ pub fn fcntl_enter(ctx: TracePointContext) -> u32 {
     match fcntl_cmd {
         F_DUPFD => dup_enter(&ctx, None, 0),
         F_DUPFD_CLOEXEC => dup_enter(&ctx, None, O_CLOEXEC),
-        F_SETFD => {
-            let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
-            let fd = sys_arg(&ctx, 0) as u32;
-            if let Some(&state) = unsafe { FDS.get(&FdKey { tgid, fd }) } {
-                if is_nvidia(state) && !own_file_table() {
-                    let value = sys_arg(&ctx, 2);
-                    send_fd_record(kind::SET_CLOEXEC, fd as i64, (value & FD_CLOEXEC) as i64, 0);
-                }
-            }
-            0
-        }
+        F_SETFD => set_cloexec(sys_arg(&ctx, 0) as u32, sys_arg(&ctx, 2) & FD_CLOEXEC != 0),
         _ => 0,
     }
+}
+
+/// fcntl(F_SETFD), or ioctl(FIOCLEX/FIONCLEX), on a followed NVIDIA fd: whether an exec closes it.
+#[inline(always)]
+pub(crate) fn set_cloexec(fd: u32, cloexec: bool) -> u32 {
+    let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    if let Some(&state) = unsafe { FDS.get(&FdKey { tgid, fd }) } {
+        if is_nvidia(state) && !own_file_table() {
+            send_fd_record(kind::SET_CLOEXEC, fd as i64, cloexec as i64, 0);
+        }
+    }
+    0
 }
 
 /// Exit of dup, dup2, dup3 and fcntl: the new fd shares the old one's file.

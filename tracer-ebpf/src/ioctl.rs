@@ -139,6 +139,10 @@ pub fn ioctl_enter_lru(ctx: TracePointContext) -> u32 {
 #[inline(always)]
 fn enter<const SLOTS: bool>(ctx: &TracePointContext) -> u32 {
     let cmd = sys_arg(ctx, 1) as u32;
+    // The close-on-exec flag set or cleared by ioctl, as fcntl(F_SETFD) does.
+    if cmd == FIOCLEX || cmd == FIONCLEX {
+        return fds::set_cloexec(sys_arg(ctx, 0) as u32, cmd == FIOCLEX);
+    }
     // RM_CONTROL is the commonest escape: only the exports and imports of objects go on, told
     // by NVOS54's cmd before anything else is looked up.
     if cmd == RM_CONTROL_CMD && !control_followed(sys_arg(ctx, 2)) {
@@ -204,6 +208,14 @@ fn enter<const SLOTS: bool>(ctx: &TracePointContext) -> u32 {
 fn first_call(key: &FdKey, unseen: bool, cmd: u32) -> Option<(u8, u8, u64)> {
     let file = file_of(key.fd);
     let found = if majors_known() { nvidia_device_of(file) } else { None };
+    // A device found by number is remembered only at a command followed on it, whose record
+    // names the fd to userspace: remembered at another, its later calls would reach userspace
+    // as known without its having heard of the fd (and be dropped on an older answer of its
+    // own for that number).
+    let followed = |device| if device == device::UVM { uvm_command_traced(cmd) } else { rm_command_traced(cmd) };
+    if found.is_some_and(|device| !followed(device)) {
+        return None;
+    }
     let (state, flags) = match found {
         Some(device) => (device, ioctl_flag::BY_NUMBER | if close_on_exec(key.fd) { ioctl_flag::CLOEXEC } else { 0 }),
         None => (device::PENDING, ioctl_flag::QUESTION),
@@ -223,14 +235,7 @@ fn first_call(key: &FdKey, unseen: bool, cmd: u32) -> Option<(u8, u8, u64)> {
             return None;
         }
     }
-    // A device found by number is remembered whatever the command; it is recorded only when
-    // the command is one followed on that device.
-    let followed = match state {
-        device::PENDING => true,
-        device::UVM => uvm_command_traced(cmd),
-        _ => rm_command_traced(cmd),
-    };
-    followed.then_some((state, flags, file))
+    Some((state, flags, file))
 }
 
 /// Whether a fd answered not NVIDIA now names NVIDIA's device: its number reused where no
@@ -261,6 +266,9 @@ const EEXIST: i32 = -17;
 const ENOENT: i32 = -2;
 
 const RM_CONTROL_CMD: u32 = rm_cmd(escape::RM_CONTROL, 32);
+/// asm-generic/ioctls.h, on x86 and arm64 alike.
+const FIONCLEX: u32 = 0x5450;
+const FIOCLEX: u32 = 0x5451;
 
 /// bpf_ringbuf_query's flag, from the kernel's uapi.
 const BPF_RB_AVAIL_DATA: u64 = 0;

@@ -39,6 +39,10 @@ pub trait Resolver {
     fn fd_device_number(&self, _pid: u32, _fd: i32) -> Option<(u32, u32)> {
         None
     }
+    /// Whether a fd is close-on-exec; false when the process or fd is gone.
+    fn fd_cloexec(&self, _pid: u32, _fd: i32) -> bool {
+        false
+    }
     /// The identity of a process's network namespace (so a host of processes reads each
     /// namespace's socket table once).
     fn net_namespace(&self, _pid: u32) -> Option<u64> {
@@ -389,15 +393,15 @@ impl<R: Resolver> FileTable<R> {
         (fd, asked): (i32, bool),
         kernel_file: u64,
         updates: &mut Vec<KernelUpdate>,
-    ) -> (Option<Device>, Option<Event>) {
+    ) -> (Option<Device>, Vec<Event>) {
         match self.fds.get(&(pid, fd)).copied() {
             Some(Answer::Nvidia { device, .. }) => {
                 updates.push(KernelUpdate::SetFd { pid, fd, state: kernel_state(device) });
-                return (Some(device), None);
+                return (Some(device), Vec::new());
             }
             Some(Answer::NotNvidia) if !asked => {
                 updates.push(KernelUpdate::SetFd { pid, fd, state: device::NOT_NVIDIA });
-                return (None, None);
+                return (None, Vec::new());
             }
             // A connection the kernel no longer follows under that number: ask /proc afresh.
             Some(Answer::NotNvidia) | Some(Answer::Conn { .. }) | None => {}
@@ -405,53 +409,52 @@ impl<R: Resolver> FileTable<R> {
         self.questions_answered += 1;
         // A fd already gone leaves nothing to answer; the kernel dropped its entry on close.
         let Some(device) = self.nvidia_fd(pid, fd) else {
-            return (None, None);
+            return (None, Vec::new());
         };
         match device {
             None => {
                 self.set((pid, fd), Answer::NotNvidia);
                 updates.push(KernelUpdate::SetFd { pid, fd, state: device::NOT_NVIDIA });
-                (None, None)
+                (None, Vec::new())
             }
             Some(device) => {
-                let event = self.found(pid, fd, device, kernel_file);
+                let cloexec = self.resolver.fd_cloexec(pid, fd);
+                let events = self.found(pid, fd, device, kernel_file, cloexec);
                 updates.push(KernelUpdate::SetFd { pid, fd, state: kernel_state(device) });
-                (Some(device), Some(event))
+                (Some(device), events)
             }
         }
     }
 
     /// A fd that an ioctl's params name (an export's or import's nvidiactl file), known from the
     /// kernel's `struct file *` when no ioctl comes on it: a fd received over a socket is named
-    /// and joined to its file. None when it is known already.
-    pub fn named(&mut self, pid: u32, fd: i32, device: Device, kernel_file: u64, updates: &mut Vec<KernelUpdate>) -> Option<Event> {
+    /// and joined to its file. Nothing when it is known already.
+    pub fn named(&mut self, pid: u32, fd: i32, device: Device, kernel_file: u64, updates: &mut Vec<KernelUpdate>) -> Vec<Event> {
         if fd < 0 || self.knows_nvidia(pid, fd) {
-            return None;
+            return Vec::new();
         }
         // RM checked the file when it took it; one gone since is taken on RM's word, one that
         // is another device now was re-pointed since and is not followed.
         if admitted(self.majors, device, || self.resolver.fd_device_number(pid, fd)) == Some(false) {
             self.impostors += 1;
-            return None;
+            return Vec::new();
         }
         updates.push(KernelUpdate::SetFd { pid, fd, state: kernel_state(device) });
-        Some(self.found(pid, fd, device, kernel_file))
+        let cloexec = self.resolver.fd_cloexec(pid, fd);
+        self.found(pid, fd, device, kernel_file, cloexec)
     }
 
     /// A fd the kernel found NVIDIA's by its file's device number at its first call, and holds
-    /// an entry for already: its FdFound event, then its close-on-exec flag when it was set. No
-    /// /proc reading: the fd may be closed by now, and the kernel's word is the device's own.
+    /// an entry for already, with its close-on-exec bit. No /proc reading: the fd may be closed
+    /// by now, and the kernel's word is the device's own.
     pub fn found_by_number(&mut self, pid: u32, fd: i32, device: Device, cloexec: bool, kernel_file: u64) -> Vec<Event> {
-        let mut events = vec![self.found(pid, fd, device, kernel_file)];
-        if cloexec {
-            events.extend(self.set_cloexec(pid, fd, true));
-        }
-        events
+        self.found(pid, fd, device, kernel_file, cloexec)
     }
 
     /// An NVIDIA fd met without its open: names the open file description it shares, if known,
-    /// by the kernel's `struct file *`, else by kcmp against the live fds of known files.
-    fn found(&mut self, pid: u32, fd: i32, device: Device, kernel_file: u64) -> Event {
+    /// by the kernel's `struct file *`, else by kcmp against the live fds of known files. Its
+    /// FdFound event, then its close-on-exec flag when it is set (an exec closes it).
+    fn found(&mut self, pid: u32, fd: i32, device: Device, kernel_file: u64, cloexec: bool) -> Vec<Event> {
         let by_kernel = self.kernel_files.get(&kernel_file).copied().filter(|_| kernel_file != 0);
         let known = by_kernel.or_else(|| {
             self.fds.iter().find_map(|(&(p, f), a)| match a {
@@ -463,8 +466,10 @@ impl<R: Resolver> FileTable<R> {
         if kernel_file != 0 {
             self.kernel_files.insert(kernel_file, file);
         }
-        self.set((pid, fd), Answer::Nvidia { device, file, cloexec: false });
-        Event::FdFound { fd, file, device }
+        self.set((pid, fd), Answer::Nvidia { device, file, cloexec });
+        let mut events = vec![Event::FdFound { fd, file, device }];
+        events.extend(cloexec.then_some(Event::SetCloexec { fd, cloexec }));
+        events
     }
 
     /// The NVIDIA device a fd is, by its path and its device number, or (where the driver is
@@ -502,7 +507,8 @@ impl<R: Resolver> FileTable<R> {
             if let Some(minor) = gpu_minor_of_path(&path).filter(|_| device == Device::Gpu) {
                 gpus.push(self.gpu_indexes.of_minor(minor));
             }
-            events.push(self.found(pid, fd, device, 0));
+            let cloexec = self.resolver.fd_cloexec(pid, fd);
+            events.extend(self.found(pid, fd, device, 0, cloexec));
             updates.push(KernelUpdate::SetFd { pid, fd, state: kernel_state(device) });
         }
         let (listening, accepted) = if sockets.is_empty() { (Vec::new(), Vec::new()) } else { self.sockets_of(pid, &sockets) };
@@ -579,6 +585,9 @@ impl Resolver for ProcResolver {
     fn fd_device_number(&self, pid: u32, fd: i32) -> Option<(u32, u32)> {
         procfs::fd_device_number(pid, fd)
     }
+    fn fd_cloexec(&self, pid: u32, fd: i32) -> bool {
+        procfs::fd_cloexec(pid, fd).unwrap_or(false)
+    }
     fn net_namespace(&self, pid: u32) -> Option<u64> {
         procfs::net_namespace(pid)
     }
@@ -604,6 +613,8 @@ mod tests {
         sockets: procfs::Sockets,
         /// Threads blocked in a read now: (tid, fd, buffer).
         blocked: Vec<(u32, i32, u64)>,
+        /// Fds that are close-on-exec.
+        cloexec: Vec<(u32, i32)>,
     }
 
     impl Resolver for FakeProc {
@@ -630,6 +641,9 @@ mod tests {
         }
         fn fd_device_number(&self, pid: u32, fd: i32) -> Option<(u32, u32)> {
             self.rdev.get(&(pid, fd)).copied()
+        }
+        fn fd_cloexec(&self, pid: u32, fd: i32) -> bool {
+            self.cloexec.contains(&(pid, fd))
         }
         fn net_namespace(&self, _pid: u32) -> Option<u64> {
             Some(1)
@@ -658,22 +672,22 @@ mod tests {
     fn a_question_is_answered_once_from_proc_then_from_the_mirror() {
         let mut t = table(&[((10, 5), "socket:[99]", 1), ((10, 6), "/dev/nvidiactl", 2)]);
         let mut updates = vec![];
-        assert_eq!(t.answer(10, (5, true), 0, &mut updates), (None, None));
+        assert_eq!(t.answer(10, (5, true), 0, &mut updates), (None, vec![]));
         assert_eq!(updates, vec![KernelUpdate::SetFd { pid: 10, fd: 5, state: device::NOT_NVIDIA }]);
         let (device, event) = t.answer(10, (6, true), 0, &mut updates);
         assert_eq!(device, Some(Device::Ctl));
-        assert!(matches!(event, Some(Event::FdFound { fd: 6, device: Device::Ctl, .. })));
+        assert!(matches!(event[..], [Event::FdFound { fd: 6, device: Device::Ctl, .. }]));
         assert_eq!(t.questions_answered, 2);
         // Pending ioctls that arrive after the answer are settled from the mirror.
         assert_eq!(t.answer(10, (5, false), 0, &mut updates).0, None);
-        assert_eq!(t.answer(10, (6, false), 0, &mut updates), (Some(Device::Ctl), None));
+        assert_eq!(t.answer(10, (6, false), 0, &mut updates), (Some(Device::Ctl), vec![]));
         assert_eq!(t.questions_answered, 2);
         // The kernel asks again about a fd answered not NVIDIA only when it may be stale (its
         // number closed and reused for NVIDIA's file where no tracepoint saw it): /proc again.
         t.resolver.fds.insert((10, 5), ("/dev/nvidiactl".into(), 3));
         let (device, event) = t.answer(10, (5, true), 0, &mut updates);
         assert_eq!(device, Some(Device::Ctl));
-        assert!(matches!(event, Some(Event::FdFound { fd: 5, device: Device::Ctl, .. })));
+        assert!(matches!(event[..], [Event::FdFound { fd: 5, device: Device::Ctl, .. }]));
         assert_eq!(t.questions_answered, 3);
     }
 
@@ -692,7 +706,7 @@ mod tests {
         t.resolver.rdev = HashMap::from([((10, 6), (195, 255)), ((10, 7), (0, 0)), ((10, 8), (509, 0)), ((10, 9), (509, 0))]);
         let mut updates = vec![];
         assert_eq!(t.answer(10, (6, true), 0, &mut updates).0, Some(Device::Ctl));
-        assert_eq!(t.answer(10, (7, true), 0, &mut updates), (None, None), "a FUSE file at /dev/nvidiactl");
+        assert_eq!(t.answer(10, (7, true), 0, &mut updates), (None, vec![]), "a FUSE file at /dev/nvidiactl");
         assert_eq!(updates.last(), Some(&KernelUpdate::SetFd { pid: 10, fd: 7, state: device::NOT_NVIDIA }));
         assert_eq!(t.answer(10, (8, true), 0, &mut updates).0, Some(Device::Uvm));
         assert_eq!(t.answer(10, (9, true), 0, &mut updates).0, None, "UVM's major at a GPU's path");
@@ -724,7 +738,7 @@ mod tests {
         t.set_majors(Some(Majors { nvidia: 195, uvm: 0 }));
         t.resolver.rdev = HashMap::from([((10, 8), (511, 0))]);
         let mut updates = vec![];
-        assert_eq!(t.answer(10, (6, true), 0, &mut updates), (None, None), "its number could not be read: gone");
+        assert_eq!(t.answer(10, (6, true), 0, &mut updates), (None, vec![]), "its number could not be read: gone");
         assert!(updates.is_empty(), "no answer that could go stale");
         assert_eq!(t.answer(10, (8, true), 0, &mut updates).0, Some(Device::Uvm), "UVM loaded since the reading");
         assert_eq!(t.impostors, 0);
@@ -740,19 +754,19 @@ mod tests {
         let mut t = table(&[((10, 7), "/dev/nvidiactl", 2)]);
         t.set_majors(Some(Majors { nvidia: 195, uvm: 509 }));
         let mut updates = vec![];
-        assert!(t.named(10, 5, Device::Ctl, 0xf00, &mut updates).is_some(), "gone: RM checked it");
+        assert!(!t.named(10, 5, Device::Ctl, 0xf00, &mut updates).is_empty(), "gone: RM checked it");
         t.resolver.rdev.insert((10, 7), (1, 3));
-        assert_eq!(t.named(10, 7, Device::Ctl, 0xf08, &mut updates), None, "re-pointed to the null device");
+        assert_eq!(t.named(10, 7, Device::Ctl, 0xf08, &mut updates), [], "re-pointed to the null device");
         assert_eq!(t.impostors, 1);
         t.resolver.rdev.insert((10, 7), (195, 255));
-        assert!(t.named(10, 7, Device::Ctl, 0xf08, &mut updates).is_some());
+        assert!(!t.named(10, 7, Device::Ctl, 0xf08, &mut updates).is_empty());
     }
 
     #[test]
     fn a_gone_fd_gets_no_answer_that_could_go_stale() {
         let mut t = table(&[]);
         let mut updates = vec![];
-        assert_eq!(t.answer(10, (5, true), 0, &mut updates), (None, None));
+        assert_eq!(t.answer(10, (5, true), 0, &mut updates), (None, vec![]));
         assert!(updates.is_empty());
     }
 
@@ -763,9 +777,9 @@ mod tests {
         let Event::Open { file, .. } = t.opened(10, 6, Device::Ctl, false, 0) else { panic!() };
         let mut updates = vec![];
         let (_, found) = t.answer(20, (9, true), 0, &mut updates);
-        assert_eq!(found, Some(Event::FdFound { fd: 9, file, device: Device::Ctl }));
+        assert_eq!(found, [Event::FdFound { fd: 9, file, device: Device::Ctl }]);
         let (_, other) = t.answer(20, (4, true), 0, &mut updates);
-        assert!(matches!(other, Some(Event::FdFound { file: f, .. }) if f != file), "a different description is a different file");
+        assert!(matches!(other[..], [Event::FdFound { file: f, .. }] if f != file), "a different description is a different file");
     }
 
     /// The sender may be gone before the question is answered: the kernel's `struct file *`
@@ -777,10 +791,41 @@ mod tests {
         let mut updates = vec![];
         t.exited(10, &mut updates);
         let (_, found) = t.answer(20, (9, true), 0xffff_8880_1234_5600, &mut updates);
-        assert_eq!(found, Some(Event::FdFound { fd: 9, file, device: Device::Ctl }));
+        assert_eq!(found, [Event::FdFound { fd: 9, file, device: Device::Ctl }]);
         // A later open that reuses the address is a different file.
         let Event::Open { file: reopened, .. } = t.opened(30, 3, Device::Ctl, false, 0xffff_8880_1234_5600) else { panic!() };
         assert_ne!(reopened, file);
+    }
+
+    /// Fds met without their open (held when tracing began, asked about, named by an export)
+    /// take their close-on-exec flag from /proc: an exec closes those that have it, in the mirror
+    /// as in the kernel, and keeps the others.
+    #[test]
+    fn a_fd_met_without_its_open_keeps_its_close_on_exec_flag() {
+        let mut t = table(&[
+            ((10, 5), "/dev/nvidiactl", 1),
+            ((10, 6), "/dev/nvidia0", 2),
+            ((10, 7), "/dev/nvidiactl", 3),
+            ((10, 8), "/dev/nvidiactl", 4),
+        ]);
+        t.resolver.cloexec = vec![(10, 5), (10, 7), (10, 8)];
+        let mut updates = vec![];
+        let scanned = t.scan(10, &mut updates);
+        let set: Vec<(i32, bool)> =
+            scanned.iter().filter_map(|e| if let Event::SetCloexec { fd, cloexec } = e { Some((*fd, *cloexec)) } else { None }).collect();
+        assert_eq!(set, [(5, true), (7, true), (8, true)], "{scanned:?}");
+        // Closed, then met again under the same number (the mirror forgot them).
+        assert_eq!(t.closed(10, 7, false, &mut updates), Some(Event::Close { fd: 7 }));
+        let (_, asked) = t.answer(10, (7, true), 0, &mut updates);
+        assert!(matches!(asked[..], [Event::FdFound { fd: 7, .. }, Event::SetCloexec { fd: 7, cloexec: true }]), "{asked:?}");
+        t.closed(10, 8, false, &mut updates);
+        assert!(matches!(
+            t.named(10, 8, Device::Ctl, 0, &mut updates)[..],
+            [Event::FdFound { fd: 8, .. }, Event::SetCloexec { fd: 8, cloexec: true }]
+        ));
+        updates.clear();
+        t.exec(10, "/bin/true", vec!["true".into()], true, &mut updates);
+        assert_eq!(updates, [5, 7, 8].map(|fd| KernelUpdate::ForgetFd { pid: 10, fd }), "fd 6, not close-on-exec, is kept");
     }
 
     /// A fd the kernel found NVIDIA's by its device number needs nothing from /proc: one

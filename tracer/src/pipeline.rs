@@ -122,7 +122,7 @@ impl<R: Resolver> Pipeline<R> {
             kernel => {
                 let asked = ioctl.flags & ioctl_flag::QUESTION != 0;
                 let (device, found) = self.files.answer(pid, (ioctl.fd, asked), ioctl.file, updates);
-                if let Some(found) = found {
+                for found in found {
                     push(pid, found, None);
                 }
                 if device.is_none() && ioctl.flags & ioctl_flag::PENDING != 0 {
@@ -143,7 +143,7 @@ impl<R: Resolver> Pipeline<R> {
                 | Event::ImportObjects { from_fd: fd, status: 0, .. } => Some(fd),
                 _ => None,
             };
-            if let Some(found) = named.and_then(|fd| self.files.named(pid, fd, Device::Ctl, ioctl.named_file, updates)) {
+            for found in named.map(|fd| self.files.named(pid, fd, Device::Ctl, ioctl.named_file, updates)).unwrap_or_default() {
                 push(pid, found, None);
             }
             let bytes = self.raw.then(|| hex(&ioctl.params, &ioctl.class_params));

@@ -185,6 +185,8 @@ pub struct Probe {
     stats: PerCpuArray<MapData, u64>,
     config: Array<MapData, Config>,
     settings: Config,
+    /// Whether the kernel side can read a file's device number (its offsets are in the BTF).
+    numbers_readable: bool,
     /// Taken out of the object to be filled: held so the programs' reference to it stays valid.
     _cgroups: Option<aya::maps::CgroupArray<MapData>>,
     /// With `--kernel-log`: the programs' diagnostics, to flush when its fd is readable.
@@ -192,6 +194,15 @@ pub struct Probe {
     /// Why the kernel refused the ioctl programs that keep calls in flight in per-thread slots
     /// (BPF's atomics), when it did: the pair that keeps them in an LRU map runs instead.
     pub calls_in_map_only: Option<String>,
+}
+
+/// NVIDIA's majors as the kernel side is told them: none where it cannot read device numbers,
+/// so that it reads the paths of opens rather than leave every device file to a question.
+fn kernel_majors(majors: Option<crate::devices::Majors>, numbers_readable: bool) -> (u32, u32) {
+    match majors {
+        Some(m) if numbers_readable => (m.nvidia, m.uvm),
+        _ => (0, 0),
+    }
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -340,12 +351,19 @@ impl Probe {
 
         let take = |ebpf: &mut Ebpf, name: &'static str| ebpf.take_map(name).ok_or(ProbeError::MissingMap(name));
         let mut config: Array<MapData, Config> = Array::try_from(take(&mut ebpf, "CONFIG")?).map_err(map_err("CONFIG"))?;
+        let offsets = crate::btf::running_kernel_offsets().ok();
+        // The kernel side tells files by their device numbers (and a fd found so by its
+        // close-on-exec bit) only where it can read them; elsewhere it reads every open's path,
+        // and userspace checks numbers in /proc.
+        let numbers_readable =
+            offsets.is_some_and(|o| o.file_inode != 0 && o.inode_rdev != 0 && o.fdtable_fd != 0 && o.fdtable_close_on_exec != 0);
+        let (nvidia_major, uvm_major) = kernel_majors(majors, numbers_readable);
         let settings = Config {
             trace_all: trace_all as u32,
             group_dead_at: kernel.group_dead_at,
             cgroup: cgroup.is_some() as u32,
-            nvidia_major: majors.map_or(0, |m| m.nvidia),
-            uvm_major: majors.map_or(0, |m| m.uvm),
+            nvidia_major,
+            uvm_major,
             attaching: 1,
         };
         config.set(0, settings, 0).map_err(map_err("CONFIG"))?;
@@ -367,10 +385,10 @@ impl Probe {
         for (class, size) in layout.class_params_table() {
             classes.insert(class, size, 0).map_err(map_err("CLASS_PARAMS"))?;
         }
-        let mut offsets: Array<MapData, KernelOffsets> = Array::try_from(take(&mut ebpf, "OFFSETS")?).map_err(map_err("OFFSETS"))?;
+        let mut offsets_map: Array<MapData, KernelOffsets> = Array::try_from(take(&mut ebpf, "OFFSETS")?).map_err(map_err("OFFSETS"))?;
         // Without them the kernel reports no file identity and userspace falls back to kcmp(2).
-        if let Ok(found) = crate::btf::running_kernel_offsets() {
-            offsets.set(0, found, 0).map_err(map_err("OFFSETS"))?;
+        if let Some(found) = offsets {
+            offsets_map.set(0, found, 0).map_err(map_err("OFFSETS"))?;
         }
         let fds = HashMap::try_from(take(&mut ebpf, "FDS")?).map_err(map_err("FDS"))?;
         let conn_pids = Array::try_from(take(&mut ebpf, "CONN_PIDS")?).map_err(map_err("CONN_PIDS"))?;
@@ -399,6 +417,7 @@ impl Probe {
             stats,
             config,
             settings,
+            numbers_readable,
             _cgroups: cgroups,
             kernel_log,
             calls_in_map_only,
@@ -407,8 +426,7 @@ impl Probe {
 
     /// NVIDIA's device numbers, read again since the load (a module loaded later).
     pub fn set_majors(&mut self, majors: Option<crate::devices::Majors>) -> Result<(), ProbeError> {
-        self.settings.nvidia_major = majors.map_or(0, |m| m.nvidia);
-        self.settings.uvm_major = majors.map_or(0, |m| m.uvm);
+        (self.settings.nvidia_major, self.settings.uvm_major) = kernel_majors(majors, self.numbers_readable);
         self.config.set(0, self.settings, 0).map_err(map_err("CONFIG"))
     }
 

@@ -596,6 +596,19 @@ pub fn fd_device_number(pid: u32, fd: i32) -> Option<(u32, u32)> {
     Some(if character { (stx.stx_rdev_major, stx.stx_rdev_minor) } else { (0, 0) })
 }
 
+/// Whether a fd is close-on-exec: /proc/PID/fdinfo/FD's `flags`, in octal, hold O_CLOEXEC when
+/// its bit is set. None when the fd is gone.
+pub fn fd_cloexec(pid: u32, fd: i32) -> Option<bool> {
+    let text = read_bounded(&format!("/proc/{pid}/fdinfo/{fd}"), 4096)?;
+    cloexec_in_fdinfo(&text)
+}
+
+fn cloexec_in_fdinfo(text: &str) -> Option<bool> {
+    let flags = text.lines().find_map(|l| l.strip_prefix("flags:"))?;
+    let flags = u32::from_str_radix(flags.trim(), 8).ok()?;
+    Some(flags & libc::O_CLOEXEC as u32 != 0)
+}
+
 /// The fds a process has open now.
 pub fn open_fds(pid: u32) -> Vec<i32> {
     let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fd")) else { return Vec::new() };
@@ -670,6 +683,25 @@ mod tests {
     }
 
     use super::*;
+
+    /// What an open with and without O_CLOEXEC shows in fdinfo, read from this process; and what
+    /// a damaged or missing flags line gives.
+    #[test]
+    fn a_fds_close_on_exec_flag_from_fdinfo() {
+        use std::os::fd::AsRawFd;
+        let cloexec = std::fs::File::open("/proc/self/stat").unwrap();
+        // SAFETY: open(2) of a C string, closed below.
+        let plain = unsafe { libc::open(c"/proc/self/stat".as_ptr(), libc::O_RDONLY) };
+        assert!(plain >= 0);
+        let pid = std::process::id();
+        assert_eq!((fd_cloexec(pid, cloexec.as_raw_fd()), fd_cloexec(pid, plain)), (Some(true), Some(false)));
+        unsafe { libc::close(plain) };
+        assert_eq!(fd_cloexec(pid, i32::MAX), None, "no such fd");
+        assert_eq!(cloexec_in_fdinfo("pos:\t0\nflags:\t02100002\nmnt_id:\t25\n"), Some(true));
+        assert_eq!(cloexec_in_fdinfo("pos:\t0\nflags:\t0100002\n"), Some(false));
+        assert_eq!(cloexec_in_fdinfo("flags:\t9\n"), None);
+        assert_eq!(cloexec_in_fdinfo("pos:\t0\n"), None);
+    }
 
     #[test]
     fn the_cgroup_that_names_the_container() {

@@ -318,18 +318,60 @@ fn reopen() -> Result<(), String> {
 }
 
 /// A GPU's device opened for reading only and close-on-exec (std's default), which NVIDIA's
-/// libraries never do, and a dup of it: an RM command on the dup, closed at once, before the
-/// tracer could read anything of it in /proc; then one on the first fd.
-fn read_only() -> Result<(), String> {
+/// libraries never do, and a dup of it made before any command: an RM command on the dup, closed
+/// at once (before the tracer could read anything of it in /proc), then one on the first fd.
+/// Then the device opened again for reading and writing without close-on-exec, as NVIDIA's
+/// libraries open it, a command on that, and its close-on-exec flag set by ioctl(FIOCLEX).
+fn by_number() -> Result<(), String> {
     let gpu = File::open("/dev/nvidia0").map_err(|e| format!("/dev/nvidia0: {e}"))?;
-    // SAFETY: dup(2) of a fd this function holds, and close(2) of what it returned.
+    // SAFETY: dup(2) of a fd this function holds, open(2) of a C string, and close(2) of what
+    // they returned.
     let dup = unsafe { libc::dup(gpu.as_raw_fd()) };
     if dup < 0 {
         return Err(format!("dup: {}", std::io::Error::last_os_error()));
     }
     rm_free(dup);
     unsafe { libc::close(dup) };
+    let read_write = unsafe { libc::open(c"/dev/nvidia0".as_ptr(), libc::O_RDWR) };
+    if read_write < 0 {
+        return Err(format!("/dev/nvidia0 for reading and writing: {}", std::io::Error::last_os_error()));
+    }
     rm_free(gpu.as_raw_fd());
+    rm_free(read_write);
+    // Close-on-exec set by ioctl, as fcntl(F_SETFD) sets it.
+    unsafe { libc::ioctl(read_write, libc::FIOCLEX) };
+    unsafe { libc::close(read_write) };
+    Ok(())
+}
+
+/// A fd the tracer answered not NVIDIA (/proc/version, asked about at its first UVM command),
+/// closed, its number taken by a GPU's device opened for reading only; on that, first a command
+/// followed on UVM's device only (not on a GPU's), then an RM command, which is to be recorded.
+fn unfollowed_first() -> Result<(), String> {
+    let fd = std::os::fd::IntoRawFd::into_raw_fd(File::open("/proc/version").map_err(|e| format!("/proc/version: {e}"))?);
+    uvm_free(fd);
+    // The tracer's answer (not NVIDIA) lands before the number is reused.
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    // SAFETY: close(2) of the fd taken above.
+    unsafe { libc::close(fd) };
+    let gpu = File::open("/dev/nvidia0").map_err(|e| format!("/dev/nvidia0: {e}"))?;
+    if gpu.as_raw_fd() != fd {
+        return Err(format!("/dev/nvidia0 got fd {}, not {fd}", gpu.as_raw_fd()));
+    }
+    uvm_free(fd);
+    rm_free(fd);
+    Ok(())
+}
+
+/// /dev/nvidiactl and /dev/nvidia-uvm opened for reading and writing, as NVIDIA's libraries
+/// open them, and a command on each: in the test's mount namespace they are other devices.
+fn impostor() -> Result<(), String> {
+    let open = |path: &str| File::options().read(true).write(true).open(path).map_err(|e| format!("{path}: {e}"));
+    let (ctl, uvm) = (open("/dev/nvidiactl")?, open("/dev/nvidia-uvm")?);
+    rm_free(ctl.as_raw_fd());
+    uvm_free(uvm.as_raw_fd());
+    // Held while the tracer asks /proc about them, as a program holds the files it uses.
+    std::thread::sleep(std::time::Duration::from_millis(300));
     Ok(())
 }
 
@@ -608,11 +650,13 @@ fn main() -> ExitCode {
         Some("classes") => classes(&mut truth),
         Some("own-table") => own_table(),
         Some("reopen") => reopen(),
-        Some("read-only") => read_only(),
+        Some("by-number") => by_number(),
+        Some("impostor") => impostor(),
+        Some("unfollowed-first") => unfollowed_first(),
         Some("collide") => collide(&mut truth),
         Some("oom") => oom(&mut truth, value("--bytes").and_then(|v| parse_bytes(&v)).unwrap_or(1 << 40)),
         _ => Err(
-            "usage: fake-workload paths|fork-holder|storm|oom|hold|vmm|fabric|pass-fd|ipc|repoint|own-table|reopen|read-only|collide|classes [--close-first] [--batched] [--multicast] [--truth FILE] [--hold-ms N] [--count N] [--bytes B] [--ms N]"
+            "usage: fake-workload paths|fork-holder|storm|oom|hold|vmm|fabric|pass-fd|ipc|repoint|own-table|reopen|by-number|impostor|unfollowed-first|collide|classes [--close-first] [--batched] [--multicast] [--truth FILE] [--hold-ms N] [--count N] [--bytes B] [--ms N]"
                 .into(),
         ),
     };

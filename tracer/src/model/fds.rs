@@ -89,15 +89,22 @@ impl Model {
 
     pub(super) fn on_open(&mut self, pid: u32, ts: u64, fd: i32, file: FileId, device: Device, cloexec: bool) {
         self.claim_file_id(file);
+        self.take_fd(pid, ts, fd, file, device, cloexec);
+    }
+
+    /// `fd` of `pid` now refers to `file`, opened or found. A file met again after its release
+    /// is a new one: the kernel gave a new file the address a released one had (where the
+    /// driver is loaded, a device file is found by that address at its first command, its open
+    /// unseen), or a descriptor of it went unseen (passed over a socket after its sender's last
+    /// close). Met while still held, its release went unseen (lost records), and the
+    /// descriptors that hold it count on.
+    fn take_fd(&mut self, pid: u32, ts: u64, fd: i32, file: FileId, device: Device, cloexec: bool) {
         // The number's old file goes first: it may be this very file, released just now.
         self.close_fd(pid, fd, ts);
-        let new = File { id: file, device, opened_by: pid, refs: 0, released: None };
-        // The kernel reuses a file's address only once it is released: opened again while still
-        // held, its release went unseen (lost records), and the descriptors that hold it count on.
         match self.files.get_mut(&file) {
             Some(f) if f.released.is_none() => f.device = device,
             _ => {
-                self.files.insert(file, new);
+                self.files.insert(file, File { id: file, device, opened_by: pid, refs: 0, released: None });
             }
         }
         self.set_fd(pid, fd, file, cloexec, ts);
@@ -105,10 +112,9 @@ impl Model {
 
     pub(super) fn on_fd_found(&mut self, pid: u32, ts: u64, fd: i32, file: FileId, device: Device) {
         self.claim_file_id(file);
-        self.files.entry(file).or_insert(File { id: file, device, opened_by: pid, refs: 0, released: None });
         let already = self.processes.get(&pid).and_then(|p| p.fds.get(&fd)).map(|f| f.file);
         if already != Some(file) {
-            self.set_fd(pid, fd, file, false, ts);
+            self.take_fd(pid, ts, fd, file, device, false);
         }
     }
 

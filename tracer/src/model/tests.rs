@@ -530,6 +530,29 @@ fn memory_of_a_client_made_before_tracing_still_ends_with_its_file() {
     assert_eq!(freed(&m, 0xa), Some((4, FreedBy::FileRelease)));
 }
 
+/// Where the driver is loaded, a device file is found by its kernel address at its first
+/// command, its open unseen: a new file at the address of one released is a new file, whose
+/// memory ends with its own release.
+#[test]
+fn a_file_found_at_a_released_files_address_is_a_new_file() {
+    let found = |ts, fd| rec(ts, 10, Event::FdFound { fd, file: 1, device: Device::Ctl });
+    let mut t =
+        vec![process(1, 10, 1, Seen::Launched), found(2, 3), object(3, 10, 3, 0, CLIENT, 0x41), object(4, 10, 3, CLIENT, DEVICE, 0x80)];
+    t.extend([alloc(5, 10, 3, DEVICE, 0xa, GIB, 0), rec(6, 10, Event::Close { fd: 3 })]);
+    t.extend([
+        found(7, 4),
+        object(8, 10, 4, 0, CLIENT, 0x41),
+        object(9, 10, 4, CLIENT, DEVICE, 0x80),
+        alloc(10, 10, 4, DEVICE, 0xb, GIB, 0),
+    ]);
+    let m = Model::from_records(&t);
+    assert_eq!(freed(&m, 0xa), Some((6, FreedBy::FileRelease)));
+    assert_eq!((freed(&m, 0xb), m.live(Memory::Video)), (None, GIB), "the new file's memory is live");
+    t.push(rec(11, 10, Event::Close { fd: 4 }));
+    let m = Model::from_records(&t);
+    assert_eq!((freed(&m, 0xb), m.live(Memory::Video)), (Some((11, FreedBy::FileRelease)), 0), "and goes with its release");
+}
+
 #[test]
 fn requests_from_connection_traffic() {
     let server = 30;
