@@ -497,11 +497,11 @@ fn a_device_opened_read_only_is_found_by_its_number_at_its_first_command() {
     assert!(!err.contains("asked about"), "none asked: {err}");
 }
 
-/// A fd found NVIDIA's by its device number at a command not followed on its device (a UVM
-/// command on a GPU's file) is not taken as known: its next command, an RM one, is recorded
-/// with the file found. The number was /proc/version's before, answered not NVIDIA; userspace's
-/// answer stayed in its table when the kernel forgot the fd at its close, and a later call the
-/// kernel sent as known would have been dropped on it.
+/// A fd found NVIDIA's by its device number at commands whose records are not sent (a UVM
+/// command on a GPU's file; an XFER wrapping an escape not followed) is not lost: its next
+/// command, an RM one, is recorded with the file found. The number was /proc/version's before,
+/// answered not NVIDIA; userspace's answer stayed in its table when the kernel forgot the fd at
+/// its close, and a later call the kernel sent as known was dropped on it.
 #[test]
 #[ignore = "needs root: `sudo cargo xtask test` runs it"]
 fn a_device_whose_first_command_is_not_followed_is_found_at_its_next() {

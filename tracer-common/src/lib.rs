@@ -82,7 +82,7 @@ pub mod ioctl_flag {
     /// First NVIDIA-looking ioctl on a fd the kernel did not know, which it found NVIDIA's by
     /// the device number of its file (`device` says which, `file` is that file): no question.
     pub const BY_NUMBER: u8 = 32;
-    /// With BY_NUMBER: the fd was close-on-exec when the kernel found it.
+    /// With BY_NUMBER or QUESTION: the fd was close-on-exec when the kernel found it or asked.
     pub const CLOEXEC: u8 = 64;
 }
 

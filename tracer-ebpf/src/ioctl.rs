@@ -216,9 +216,12 @@ fn first_call(key: &FdKey, unseen: bool, cmd: u32) -> Option<(u8, u8, u64)> {
     if found.is_some_and(|device| !followed(device)) {
         return None;
     }
+    // Read here, not from /proc by userspace: its answer could come after the flag changed, and
+    // /proc/PID/fdinfo of whatever the number names by then (an epoll fd's) can be made costly.
+    let cloexec = if close_on_exec(key.fd) { ioctl_flag::CLOEXEC } else { 0 };
     let (state, flags) = match found {
-        Some(device) => (device, ioctl_flag::BY_NUMBER | if close_on_exec(key.fd) { ioctl_flag::CLOEXEC } else { 0 }),
-        None => (device::PENDING, ioctl_flag::QUESTION),
+        Some(device) => (device, ioctl_flag::BY_NUMBER | cloexec),
+        None => (device::PENDING, ioctl_flag::QUESTION | cloexec),
     };
     let flag = if unseen { BPF_NOEXIST } else { BPF_EXIST };
     match remember_fd(key, state, flag as u64) {
@@ -307,6 +310,7 @@ fn exit<const SLOTS: bool>(ctx: &TracePointContext) -> u32 {
     let ret = sys_ret(ctx);
     let Some(mut entry) = EVENTS.reserve::<IoctlRecord>(0) else {
         bump(stat::LOST);
+        unsent(pid_tgid, &inflight);
         return 0;
     };
     let record = entry.as_mut_ptr();
@@ -314,7 +318,7 @@ fn exit<const SLOTS: bool>(ctx: &TracePointContext) -> u32 {
     if ok {
         // Waking the reader is most of a record's cost: escapes wake it only once a batch has
         // built up (it drains on its own every 100 ms too); a question is answered at once.
-        let wake = if inflight.flags == ioctl_flag::QUESTION || EVENTS.query(BPF_RB_AVAIL_DATA) >= WAKE_AT {
+        let wake = if inflight.flags & ioctl_flag::QUESTION != 0 || EVENTS.query(BPF_RB_AVAIL_DATA) >= WAKE_AT {
             BPF_RB_FORCE_WAKEUP
         } else {
             BPF_RB_NO_WAKEUP
@@ -322,8 +326,19 @@ fn exit<const SLOTS: bool>(ctx: &TracePointContext) -> u32 {
         entry.submit(wake);
     } else {
         entry.discard(0);
+        unsent(pid_tgid, &inflight);
     }
     0
+}
+
+/// A call not sent to userspace: when it was the one that found its device by number, whose
+/// record was to name the fd to userspace, the fd is forgotten, so that its next call finds it
+/// again (sent as known, its calls could be dropped on an older answer userspace kept).
+#[inline(always)]
+fn unsent(pid_tgid: u64, inflight: &Inflight) {
+    if inflight.flags & ioctl_flag::BY_NUMBER != 0 {
+        let _ = FDS.remove(&FdKey { tgid: (pid_tgid >> 32) as u32, fd: inflight.fd as u32 });
+    }
 }
 
 /// Copies a followed control's params into `out`: the whole struct, or a batch's parts (its

@@ -39,7 +39,8 @@ pub trait Resolver {
     fn fd_device_number(&self, _pid: u32, _fd: i32) -> Option<(u32, u32)> {
         None
     }
-    /// Whether a fd is close-on-exec; false when the process or fd is gone.
+    /// Whether a fd is close-on-exec; false when the process or fd is gone. Read once per fd of
+    /// a process met running (the kernel reads the bit of the fds it asks about).
     fn fd_cloexec(&self, _pid: u32, _fd: i32) -> bool {
         false
     }
@@ -384,13 +385,16 @@ impl<R: Resolver> FileTable<R> {
     /// The answer to the kernel's question about (pid, fd), from the mirror or from /proc.
     /// Returns the device (None: not NVIDIA, or the fd is gone) and the FdFound event to record
     /// when gputrace learned of this NVIDIA fd only now. `asked`: the kernel's own question (it
-    /// had no entry, or one saying not NVIDIA for a fd whose device number is NVIDIA's now), so
-    /// a not-NVIDIA answer in the mirror may be stale (the number closed and reused, unseen, for
-    /// a received or io_uring-opened NVIDIA file) and /proc is asked again.
+    /// had no entry, or one saying not NVIDIA for a fd whose device number is NVIDIA's now), or
+    /// a call the kernel sent as NVIDIA's on a state of its own, so a not-NVIDIA answer in the
+    /// mirror may be stale (the number closed and reused, unseen, for a received or
+    /// io_uring-opened NVIDIA file; the kernel forgets a fd it was told is not NVIDIA at its
+    /// close without a word) and /proc is asked again; one about a fd gone since is forgotten.
+    /// `cloexec`: the fd's close-on-exec bit as the kernel read it when it asked.
     pub fn answer(
         &mut self,
         pid: u32,
-        (fd, asked): (i32, bool),
+        (fd, asked, cloexec): (i32, bool, bool),
         kernel_file: u64,
         updates: &mut Vec<KernelUpdate>,
     ) -> (Option<Device>, Vec<Event>) {
@@ -409,6 +413,9 @@ impl<R: Resolver> FileTable<R> {
         self.questions_answered += 1;
         // A fd already gone leaves nothing to answer; the kernel dropped its entry on close.
         let Some(device) = self.nvidia_fd(pid, fd) else {
+            if matches!(self.fds.get(&(pid, fd)), Some(Answer::NotNvidia)) {
+                self.unset((pid, fd));
+            }
             return (None, Vec::new());
         };
         match device {
@@ -418,7 +425,6 @@ impl<R: Resolver> FileTable<R> {
                 (None, Vec::new())
             }
             Some(device) => {
-                let cloexec = self.resolver.fd_cloexec(pid, fd);
                 let events = self.found(pid, fd, device, kernel_file, cloexec);
                 updates.push(KernelUpdate::SetFd { pid, fd, state: kernel_state(device) });
                 (Some(device), events)
@@ -440,8 +446,7 @@ impl<R: Resolver> FileTable<R> {
             return Vec::new();
         }
         updates.push(KernelUpdate::SetFd { pid, fd, state: kernel_state(device) });
-        let cloexec = self.resolver.fd_cloexec(pid, fd);
-        self.found(pid, fd, device, kernel_file, cloexec)
+        self.found(pid, fd, device, kernel_file, false)
     }
 
     /// A fd the kernel found NVIDIA's by its file's device number at its first call, and holds
@@ -672,23 +677,28 @@ mod tests {
     fn a_question_is_answered_once_from_proc_then_from_the_mirror() {
         let mut t = table(&[((10, 5), "socket:[99]", 1), ((10, 6), "/dev/nvidiactl", 2)]);
         let mut updates = vec![];
-        assert_eq!(t.answer(10, (5, true), 0, &mut updates), (None, vec![]));
+        assert_eq!(t.answer(10, (5, true, false), 0, &mut updates), (None, vec![]));
         assert_eq!(updates, vec![KernelUpdate::SetFd { pid: 10, fd: 5, state: device::NOT_NVIDIA }]);
-        let (device, event) = t.answer(10, (6, true), 0, &mut updates);
+        let (device, event) = t.answer(10, (6, true, false), 0, &mut updates);
         assert_eq!(device, Some(Device::Ctl));
         assert!(matches!(event[..], [Event::FdFound { fd: 6, device: Device::Ctl, .. }]));
         assert_eq!(t.questions_answered, 2);
         // Pending ioctls that arrive after the answer are settled from the mirror.
-        assert_eq!(t.answer(10, (5, false), 0, &mut updates).0, None);
-        assert_eq!(t.answer(10, (6, false), 0, &mut updates), (Some(Device::Ctl), vec![]));
+        assert_eq!(t.answer(10, (5, false, false), 0, &mut updates).0, None);
+        assert_eq!(t.answer(10, (6, false, false), 0, &mut updates), (Some(Device::Ctl), vec![]));
         assert_eq!(t.questions_answered, 2);
         // The kernel asks again about a fd answered not NVIDIA only when it may be stale (its
         // number closed and reused for NVIDIA's file where no tracepoint saw it): /proc again.
         t.resolver.fds.insert((10, 5), ("/dev/nvidiactl".into(), 3));
-        let (device, event) = t.answer(10, (5, true), 0, &mut updates);
+        let (device, event) = t.answer(10, (5, true, false), 0, &mut updates);
         assert_eq!(device, Some(Device::Ctl));
         assert!(matches!(event[..], [Event::FdFound { fd: 5, device: Device::Ctl, .. }]));
         assert_eq!(t.questions_answered, 3);
+        // Asked again about a number answered not NVIDIA whose fd is gone since: the old answer
+        // is forgotten (the caller takes the kernel's word for a call it sent as NVIDIA's).
+        t.set((10, 7), Answer::NotNvidia);
+        assert_eq!(t.answer(10, (7, true, false), 0, &mut updates), (None, vec![]));
+        assert!(!t.knows_not_nvidia(10, 7));
     }
 
     /// Where the driver is loaded, a file at an NVIDIA path is followed only with NVIDIA's device
@@ -705,11 +715,11 @@ mod tests {
         t.set_majors(Some(Majors { nvidia: 195, uvm: 509 }));
         t.resolver.rdev = HashMap::from([((10, 6), (195, 255)), ((10, 7), (0, 0)), ((10, 8), (509, 0)), ((10, 9), (509, 0))]);
         let mut updates = vec![];
-        assert_eq!(t.answer(10, (6, true), 0, &mut updates).0, Some(Device::Ctl));
-        assert_eq!(t.answer(10, (7, true), 0, &mut updates), (None, vec![]), "a FUSE file at /dev/nvidiactl");
+        assert_eq!(t.answer(10, (6, true, false), 0, &mut updates).0, Some(Device::Ctl));
+        assert_eq!(t.answer(10, (7, true, false), 0, &mut updates), (None, vec![]), "a FUSE file at /dev/nvidiactl");
         assert_eq!(updates.last(), Some(&KernelUpdate::SetFd { pid: 10, fd: 7, state: device::NOT_NVIDIA }));
-        assert_eq!(t.answer(10, (8, true), 0, &mut updates).0, Some(Device::Uvm));
-        assert_eq!(t.answer(10, (9, true), 0, &mut updates).0, None, "UVM's major at a GPU's path");
+        assert_eq!(t.answer(10, (8, true, false), 0, &mut updates).0, Some(Device::Uvm));
+        assert_eq!(t.answer(10, (9, true, false), 0, &mut updates).0, None, "UVM's major at a GPU's path");
         assert_eq!(t.impostors, 2);
         let found = t.scan(10, &mut updates).iter().filter(|e| matches!(e, Event::FdFound { .. })).count();
         assert_eq!(found, 2, "the scan admits the same two");
@@ -721,13 +731,13 @@ mod tests {
             ((10, 13), ("/etc/passwd".into(), 7)),
         ]);
         t.resolver.rdev.extend([((10, 11), (195, 255)), ((10, 12), (509, 1)), ((10, 13), (0, 0))]);
-        assert_eq!(t.answer(10, (11, true), 0, &mut updates).0, Some(Device::Ctl));
-        assert_eq!(t.answer(10, (12, true), 0, &mut updates).0, None);
-        assert_eq!(t.answer(10, (13, true), 0, &mut updates).0, None);
+        assert_eq!(t.answer(10, (11, true, false), 0, &mut updates).0, Some(Device::Ctl));
+        assert_eq!(t.answer(10, (12, true, false), 0, &mut updates).0, None);
+        assert_eq!(t.answer(10, (13, true, false), 0, &mut updates).0, None);
         // Without the driver (the fake GPU), paths alone.
         let mut t = table(&[((10, 7), "/dev/nvidiactl", 2), ((10, 11), "/tmp/ctl", 5)]);
-        assert_eq!(t.answer(10, (7, true), 0, &mut updates).0, Some(Device::Ctl));
-        assert_eq!(t.answer(10, (11, true), 0, &mut updates).0, None);
+        assert_eq!(t.answer(10, (7, true, false), 0, &mut updates).0, Some(Device::Ctl));
+        assert_eq!(t.answer(10, (11, true, false), 0, &mut updates).0, None);
     }
 
     /// A fd gone before it could be checked is gone, not an impostor; UVM's module loaded after
@@ -738,9 +748,9 @@ mod tests {
         t.set_majors(Some(Majors { nvidia: 195, uvm: 0 }));
         t.resolver.rdev = HashMap::from([((10, 8), (511, 0))]);
         let mut updates = vec![];
-        assert_eq!(t.answer(10, (6, true), 0, &mut updates), (None, vec![]), "its number could not be read: gone");
+        assert_eq!(t.answer(10, (6, true, false), 0, &mut updates), (None, vec![]), "its number could not be read: gone");
         assert!(updates.is_empty(), "no answer that could go stale");
-        assert_eq!(t.answer(10, (8, true), 0, &mut updates).0, Some(Device::Uvm), "UVM loaded since the reading");
+        assert_eq!(t.answer(10, (8, true, false), 0, &mut updates).0, Some(Device::Uvm), "UVM loaded since the reading");
         assert_eq!(t.impostors, 0);
         t.set_majors(Some(Majors { nvidia: 195, uvm: 509 }));
         assert_eq!(t.scan(10, &mut updates).iter().filter(|e| matches!(e, Event::FdFound { .. })).count(), 0, "511 is not 509");
@@ -766,7 +776,7 @@ mod tests {
     fn a_gone_fd_gets_no_answer_that_could_go_stale() {
         let mut t = table(&[]);
         let mut updates = vec![];
-        assert_eq!(t.answer(10, (5, true), 0, &mut updates), (None, vec![]));
+        assert_eq!(t.answer(10, (5, true, false), 0, &mut updates), (None, vec![]));
         assert!(updates.is_empty());
     }
 
@@ -776,9 +786,9 @@ mod tests {
         let mut t = table(&[((10, 6), "/dev/nvidiactl", 2), ((20, 9), "/dev/nvidiactl", 2), ((20, 4), "/dev/nvidiactl", 3)]);
         let Event::Open { file, .. } = t.opened(10, 6, Device::Ctl, false, 0) else { panic!() };
         let mut updates = vec![];
-        let (_, found) = t.answer(20, (9, true), 0, &mut updates);
+        let (_, found) = t.answer(20, (9, true, false), 0, &mut updates);
         assert_eq!(found, [Event::FdFound { fd: 9, file, device: Device::Ctl }]);
-        let (_, other) = t.answer(20, (4, true), 0, &mut updates);
+        let (_, other) = t.answer(20, (4, true, false), 0, &mut updates);
         assert!(matches!(other[..], [Event::FdFound { file: f, .. }] if f != file), "a different description is a different file");
     }
 
@@ -790,16 +800,16 @@ mod tests {
         let Event::Open { file, .. } = t.opened(10, 6, Device::Ctl, false, 0xffff_8880_1234_5600) else { panic!() };
         let mut updates = vec![];
         t.exited(10, &mut updates);
-        let (_, found) = t.answer(20, (9, true), 0xffff_8880_1234_5600, &mut updates);
+        let (_, found) = t.answer(20, (9, true, false), 0xffff_8880_1234_5600, &mut updates);
         assert_eq!(found, [Event::FdFound { fd: 9, file, device: Device::Ctl }]);
         // A later open that reuses the address is a different file.
         let Event::Open { file: reopened, .. } = t.opened(30, 3, Device::Ctl, false, 0xffff_8880_1234_5600) else { panic!() };
         assert_ne!(reopened, file);
     }
 
-    /// Fds met without their open (held when tracing began, asked about, named by an export)
-    /// take their close-on-exec flag from /proc: an exec closes those that have it, in the mirror
-    /// as in the kernel, and keeps the others.
+    /// Fds met without their open keep their close-on-exec flag: those held when tracing began
+    /// from /proc, those asked about as the kernel read it. An exec closes those that have it,
+    /// in the mirror as in the kernel, and keeps the others.
     #[test]
     fn a_fd_met_without_its_open_keeps_its_close_on_exec_flag() {
         let mut t = table(&[
@@ -816,16 +826,14 @@ mod tests {
         assert_eq!(set, [(5, true), (7, true), (8, true)], "{scanned:?}");
         // Closed, then met again under the same number (the mirror forgot them).
         assert_eq!(t.closed(10, 7, false, &mut updates), Some(Event::Close { fd: 7 }));
-        let (_, asked) = t.answer(10, (7, true), 0, &mut updates);
+        let (_, asked) = t.answer(10, (7, true, true), 0, &mut updates);
         assert!(matches!(asked[..], [Event::FdFound { fd: 7, .. }, Event::SetCloexec { fd: 7, cloexec: true }]), "{asked:?}");
+        // As the kernel read it, not as /proc says now.
         t.closed(10, 8, false, &mut updates);
-        assert!(matches!(
-            t.named(10, 8, Device::Ctl, 0, &mut updates)[..],
-            [Event::FdFound { fd: 8, .. }, Event::SetCloexec { fd: 8, cloexec: true }]
-        ));
+        assert!(matches!(t.answer(10, (8, true, false), 0, &mut updates).1[..], [Event::FdFound { fd: 8, .. }]));
         updates.clear();
         t.exec(10, "/bin/true", vec!["true".into()], true, &mut updates);
-        assert_eq!(updates, [5, 7, 8].map(|fd| KernelUpdate::ForgetFd { pid: 10, fd }), "fd 6, not close-on-exec, is kept");
+        assert_eq!(updates, [5, 7].map(|fd| KernelUpdate::ForgetFd { pid: 10, fd }), "fds 6 and 8, not close-on-exec, are kept");
     }
 
     /// A fd the kernel found NVIDIA's by its device number needs nothing from /proc: one
@@ -866,7 +874,7 @@ mod tests {
         t.opened(10, 6, Device::Ctl, false, 0);
         t.opened(10, 7, Device::Uvm, true, 0);
         let mut updates = vec![];
-        t.answer(10, (3, true), 0, &mut updates); // not NVIDIA (gone): nothing copied for it
+        t.answer(10, (3, true, false), 0, &mut updates); // not NVIDIA (gone): nothing copied for it
         updates.clear();
         let event = t.forked(10, 11, Seen::Forked, &mut updates);
         assert!(matches!(event, Event::Process { ppid: 10, seen: Seen::Forked, .. }));
@@ -892,7 +900,7 @@ mod tests {
         t.opened(10, 6, Device::Ctl, false, 0);
         t.opened(10, 7, Device::Uvm, true, 0);
         let mut updates = vec![];
-        t.answer(10, (5, true), 0, &mut updates);
+        t.answer(10, (5, true, false), 0, &mut updates);
         updates.clear();
         t.exec(10, "/bin/next", vec![], false, &mut updates);
         assert!(updates.contains(&KernelUpdate::ForgetFd { pid: 10, fd: 5 }));

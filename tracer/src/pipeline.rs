@@ -118,10 +118,13 @@ impl<R: Resolver> Pipeline<R> {
             }
             // Asked, or the kernel still holding an entry userspace has dropped: an exec
             // closed the fd and the program reused its number (a received fd, say) before
-            // the kernel heard of the exec. Asked afresh either way.
+            // the kernel heard of the exec. Asked afresh either way. A call the kernel sends
+            // as NVIDIA's on its own word (a device it found by number whose first record was
+            // not sent) is checked in /proc too, not settled by an older answer for the number.
             kernel => {
-                let asked = ioctl.flags & ioctl_flag::QUESTION != 0;
-                let (device, found) = self.files.answer(pid, (ioctl.fd, asked), ioctl.file, updates);
+                let asked = ioctl.flags & ioctl_flag::QUESTION != 0 || kernel.is_some();
+                let cloexec = ioctl.flags & ioctl_flag::CLOEXEC != 0;
+                let (device, found) = self.files.answer(pid, (ioctl.fd, asked, cloexec), ioctl.file, updates);
                 for found in found {
                     push(pid, found, None);
                 }

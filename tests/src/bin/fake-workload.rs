@@ -345,8 +345,9 @@ fn by_number() -> Result<(), String> {
 }
 
 /// A fd the tracer answered not NVIDIA (/proc/version, asked about at its first UVM command),
-/// closed, its number taken by a GPU's device opened for reading only; on that, first a command
-/// followed on UVM's device only (not on a GPU's), then an RM command, which is to be recorded.
+/// closed, its number taken by a GPU's device opened for reading only; on that, a command
+/// followed on UVM's device only (not on a GPU's), an XFER wrapping an escape not followed
+/// (NV_ESC_CARD_INFO), then an RM command, which is to be recorded.
 fn unfollowed_first() -> Result<(), String> {
     let fd = std::os::fd::IntoRawFd::into_raw_fd(File::open("/proc/version").map_err(|e| format!("/proc/version: {e}"))?);
     uvm_free(fd);
@@ -359,6 +360,13 @@ fn unfollowed_first() -> Result<(), String> {
         return Err(format!("/dev/nvidia0 got fd {}, not {fd}", gpu.as_raw_fd()));
     }
     uvm_free(fd);
+    let mut info = [0u8; 16];
+    let mut xfer = [0u8; 16];
+    xfer[..4].copy_from_slice(&0xc8u32.to_le_bytes());
+    xfer[4..8].copy_from_slice(&16u32.to_le_bytes());
+    xfer[8..].copy_from_slice(&(info.as_mut_ptr() as u64).to_le_bytes());
+    // SAFETY: an XFER-sized buffer naming a 16-byte one, both alive for the call.
+    unsafe { libc::ioctl(fd, rm_cmd(esc::XFER, 16) as _, xfer.as_mut_ptr()) };
     rm_free(fd);
     Ok(())
 }
