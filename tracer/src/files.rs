@@ -449,17 +449,12 @@ impl<R: Resolver> FileTable<R> {
         self.found(pid, fd, device, kernel_file, false)
     }
 
-    /// A fd the kernel found NVIDIA's by its file's device number at its first call, and holds
-    /// an entry for already, with its close-on-exec bit. No /proc reading: the fd may be closed
-    /// by now, and the kernel's word is the device's own.
-    pub fn found_by_number(&mut self, pid: u32, fd: i32, device: Device, cloexec: bool, kernel_file: u64) -> Vec<Event> {
-        self.found(pid, fd, device, kernel_file, cloexec)
-    }
-
     /// An NVIDIA fd met without its open: names the open file description it shares, if known,
     /// by the kernel's `struct file *`, else by kcmp against the live fds of known files. Its
-    /// FdFound event, then its close-on-exec flag when it is set (an exec closes it).
-    fn found(&mut self, pid: u32, fd: i32, device: Device, kernel_file: u64, cloexec: bool) -> Vec<Event> {
+    /// FdFound event, then its close-on-exec flag when it is set (an exec closes it). Also what
+    /// the kernel sends for a fd it found NVIDIA's by its file's device number at its first call
+    /// (its entry there is set already): no /proc reading, the fd may be closed by now.
+    pub fn found(&mut self, pid: u32, fd: i32, device: Device, kernel_file: u64, cloexec: bool) -> Vec<Event> {
         let by_kernel = self.kernel_files.get(&kernel_file).copied().filter(|_| kernel_file != 0);
         let known = by_kernel.or_else(|| {
             self.fds.iter().find_map(|(&(p, f), a)| match a {
@@ -843,12 +838,12 @@ mod tests {
     fn a_fd_found_by_number_needs_no_proc_and_keeps_its_close_on_exec_flag() {
         let mut t = table(&[]);
         let file_ptr = 0xffff_8880_4321_0000;
-        let found = t.found_by_number(10, 5, Device::Gpu, true, file_ptr);
+        let found = t.found(10, 5, Device::Gpu, file_ptr, true);
         let [Event::FdFound { fd: 5, file, device: Device::Gpu }, Event::SetCloexec { fd: 5, cloexec: true }] = found[..] else {
             panic!("{found:?}")
         };
         // Gone from /proc already (the table knows no fd 7): the same file, no flag.
-        assert_eq!(t.found_by_number(10, 7, Device::Gpu, false, file_ptr), [Event::FdFound { fd: 7, file, device: Device::Gpu }]);
+        assert_eq!(t.found(10, 7, Device::Gpu, file_ptr, false), [Event::FdFound { fd: 7, file, device: Device::Gpu }]);
         assert_eq!(t.questions_answered, 0, "nothing was asked of /proc");
         let mut updates = vec![];
         t.exec(10, "/bin/true", vec!["true".into()], true, &mut updates);

@@ -111,7 +111,7 @@ impl<R: Resolver> Pipeline<R> {
             Some(device) if self.files.knows_nvidia(pid, ioctl.fd) => Some(device),
             Some(device) if ioctl.flags & ioctl_flag::BY_NUMBER != 0 => {
                 let cloexec = ioctl.flags & ioctl_flag::CLOEXEC != 0;
-                for found in self.files.found_by_number(pid, ioctl.fd, device, cloexec, ioctl.file) {
+                for found in self.files.found(pid, ioctl.fd, device, ioctl.file, cloexec) {
                     push(pid, found, None);
                 }
                 Some(device)
