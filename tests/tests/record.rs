@@ -534,6 +534,17 @@ fn exported_memory(close_first: bool, batched: bool) -> (gputrace::model::Alloca
             }
     });
     assert!(imported, "the importer's RM_CONTROL is recorded (batched: {batched})");
+    // The importer received the export file with MSG_CMSG_CLOEXEC and met it only in the import:
+    // the kernel read its flag there.
+    let from = records.iter().find_map(|r| match r.event {
+        Event::ImportObject { from_fd, status: 0, .. } | Event::ImportObjects { from_fd, status: 0, .. } => Some((r.pid, from_fd)),
+        _ => None,
+    });
+    let (importer, from_fd) = from.expect("the import");
+    assert!(
+        records.iter().any(|r| r.pid == importer && r.event == Event::SetCloexec { fd: from_fd, cloexec: true }),
+        "the export file the importer received is close-on-exec"
+    );
     let exported = records.iter().any(|r| {
         r.pid == shared.pid
             && match &r.event {

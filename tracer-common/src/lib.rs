@@ -84,6 +84,8 @@ pub mod ioctl_flag {
     pub const BY_NUMBER: u8 = 32;
     /// With BY_NUMBER or QUESTION: the fd was close-on-exec when the kernel found it or asked.
     pub const CLOEXEC: u8 = 64;
+    /// A followed export or import: the fd it names (`named_file`'s) was close-on-exec.
+    pub const NAMED_CLOEXEC: u8 = 128;
 }
 
 /// Values of the TRACED map.

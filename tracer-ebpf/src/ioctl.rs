@@ -511,6 +511,11 @@ fn fill_control(record: &mut IoctlRecord, ret: i64) -> bool {
         let at = if cmd == control::EXPORT_OBJECT_TO_FD { control::EXPORT_FD_AT } else { control::IMPORT_FD_AT };
         let fd = u32_at(&record.class_params, at);
         record.named_file = file_of(fd);
+        // Userspace meets the fd here, not at its open (one received over a socket): an exec
+        // closes it when this is set.
+        if close_on_exec(fd) {
+            record.flags |= ioctl_flag::NAMED_CLOEXEC;
+        }
         if nvidia_device_number(device::CTL, record.named_file) {
             let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
             let _ = remember_fd(&FdKey { tgid, fd }, device::CTL, BPF_NOEXIST as u64);

@@ -3,18 +3,19 @@
 
 use serde::{Deserialize, Serialize};
 
+mod tagged;
+
 /// One event, where and when it happened. `ts` is CLOCK_MONOTONIC in nanoseconds, the clock of
-/// bpf_ktime_get_ns; the trace header maps it to wall-clock time.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// bpf_ktime_get_ns; the trace header maps it to wall-clock time. Serialised as a trace line
+/// (`tagged`): `tid` when not 0, the event's name under `ev` followed by its fields, `raw` when
+/// there.
+#[derive(Clone, Debug, PartialEq)]
 pub struct Record {
     pub ts: u64,
     pub pid: u32,
-    #[serde(default, skip_serializing_if = "is_zero")]
     pub tid: u32,
-    #[serde(flatten)]
     pub event: Event,
     /// The params bytes as the kernel copied them, hex, when recorded with `--raw`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub raw: Option<String>,
 }
 
@@ -25,9 +26,6 @@ impl Record {
     }
 }
 
-fn is_zero(v: &u32) -> bool {
-    *v == 0
-}
 fn is_zero_u16(v: &u16) -> bool {
     *v == 0
 }
@@ -98,8 +96,9 @@ pub enum Seen {
     Forked,
 }
 
+/// Serialised externally tagged; a record puts its name under `ev` among its fields (`tagged`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "ev", rename_all = "snake_case")]
+#[serde(rename_all = "snake_case")]
 pub enum Event {
     /// A process enters the trace. `command` is its argv (empty when it exited before it was read).
     Process {

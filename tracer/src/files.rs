@@ -435,7 +435,15 @@ impl<R: Resolver> FileTable<R> {
     /// A fd that an ioctl's params name (an export's or import's nvidiactl file), known from the
     /// kernel's `struct file *` when no ioctl comes on it: a fd received over a socket is named
     /// and joined to its file. Nothing when it is known already.
-    pub fn named(&mut self, pid: u32, fd: i32, device: Device, kernel_file: u64, updates: &mut Vec<KernelUpdate>) -> Vec<Event> {
+    pub fn named(
+        &mut self,
+        pid: u32,
+        fd: i32,
+        device: Device,
+        kernel_file: u64,
+        cloexec: bool,
+        updates: &mut Vec<KernelUpdate>,
+    ) -> Vec<Event> {
         if fd < 0 || self.knows_nvidia(pid, fd) {
             return Vec::new();
         }
@@ -446,7 +454,7 @@ impl<R: Resolver> FileTable<R> {
             return Vec::new();
         }
         updates.push(KernelUpdate::SetFd { pid, fd, state: kernel_state(device) });
-        self.found(pid, fd, device, kernel_file, false)
+        self.found(pid, fd, device, kernel_file, cloexec)
     }
 
     /// An NVIDIA fd met without its open: names the open file description it shares, if known,
@@ -759,12 +767,12 @@ mod tests {
         let mut t = table(&[((10, 7), "/dev/nvidiactl", 2)]);
         t.set_majors(Some(Majors { nvidia: 195, uvm: 509 }));
         let mut updates = vec![];
-        assert!(!t.named(10, 5, Device::Ctl, 0xf00, &mut updates).is_empty(), "gone: RM checked it");
+        assert!(!t.named(10, 5, Device::Ctl, 0xf00, false, &mut updates).is_empty(), "gone: RM checked it");
         t.resolver.rdev.insert((10, 7), (1, 3));
-        assert_eq!(t.named(10, 7, Device::Ctl, 0xf08, &mut updates), [], "re-pointed to the null device");
+        assert_eq!(t.named(10, 7, Device::Ctl, 0xf08, false, &mut updates), [], "re-pointed to the null device");
         assert_eq!(t.impostors, 1);
         t.resolver.rdev.insert((10, 7), (195, 255));
-        assert!(!t.named(10, 7, Device::Ctl, 0xf08, &mut updates).is_empty());
+        assert!(!t.named(10, 7, Device::Ctl, 0xf08, false, &mut updates).is_empty());
     }
 
     #[test]
@@ -826,9 +834,13 @@ mod tests {
         // As the kernel read it, not as /proc says now.
         t.closed(10, 8, false, &mut updates);
         assert!(matches!(t.answer(10, (8, true, false), 0, &mut updates).1[..], [Event::FdFound { fd: 8, .. }]));
+        // Named by an export (received over a socket with MSG_CMSG_CLOEXEC): the kernel's bit.
+        let named = t.named(10, 9, Device::Ctl, 0xf10, true, &mut updates);
+        assert!(matches!(named[..], [Event::FdFound { fd: 9, .. }, Event::SetCloexec { fd: 9, cloexec: true }]), "{named:?}");
+        assert!(matches!(t.named(10, 11, Device::Ctl, 0xf18, false, &mut updates)[..], [Event::FdFound { fd: 11, .. }]));
         updates.clear();
         t.exec(10, "/bin/true", vec!["true".into()], true, &mut updates);
-        assert_eq!(updates, [5, 7].map(|fd| KernelUpdate::ForgetFd { pid: 10, fd }), "fds 6 and 8, not close-on-exec, are kept");
+        assert_eq!(updates, [5, 7, 9].map(|fd| KernelUpdate::ForgetFd { pid: 10, fd }), "fds 6, 8 and 11, not close-on-exec, are kept");
     }
 
     /// A fd the kernel found NVIDIA's by its device number needs nothing from /proc: one

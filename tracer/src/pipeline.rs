@@ -146,7 +146,8 @@ impl<R: Resolver> Pipeline<R> {
                 | Event::ImportObjects { from_fd: fd, status: 0, .. } => Some(fd),
                 _ => None,
             };
-            for found in named.map(|fd| self.files.named(pid, fd, Device::Ctl, ioctl.named_file, updates)).unwrap_or_default() {
+            let cloexec = ioctl.flags & ioctl_flag::NAMED_CLOEXEC != 0;
+            for found in named.map(|fd| self.files.named(pid, fd, Device::Ctl, ioctl.named_file, cloexec, updates)).unwrap_or_default() {
                 push(pid, found, None);
             }
             let bytes = self.raw.then(|| hex(&ioctl.params, &ioctl.class_params));

@@ -264,8 +264,6 @@ pub struct Reader {
     path: PathBuf,
     line_no: u64,
     pending_error: Option<u64>,
-    /// Where [`parse_record`] puts a line's event.
-    scratch: Vec<u8>,
     pub header: Header,
     pub damage: ReadDamage,
 }
@@ -293,7 +291,7 @@ impl Reader {
             return Err(TraceError::Version { path: path.into(), found });
         }
         let header: Header = serde_json::from_value(value).map_err(|e| not_a_trace(e.to_string()))?;
-        Ok(Reader { lines, path: path.into(), line_no: 1, pending_error: None, scratch: Vec::new(), header, damage: ReadDamage::default() })
+        Ok(Reader { lines, path: path.into(), line_no: 1, pending_error: None, header, damage: ReadDamage::default() })
     }
 
     /// Reads a whole trace into memory.
@@ -333,7 +331,7 @@ impl Iterator for Reader {
             }
             // Invalid UTF-8 inside a string is an error of serde_json's, like any other damage.
             match line {
-                Line::Kept => match parse_record(bytes, &mut self.scratch) {
+                Line::Kept => match serde_json::from_slice(bytes) {
                     Ok(record) => return Some(Ok(record)),
                     Err(_) => self.pending_error = Some(self.line_no),
                 },
@@ -343,111 +341,10 @@ impl Iterator for Reader {
     }
 }
 
-/// A record from its line. The layout gputrace writes (`{"ts":N,"pid":N[,"tid":N],"ev":...`
-/// with no `raw`) is read as its numbers and then its event alone: serde's `flatten` of the event
-/// into the record buffers every field twice and took 40% more time over a million events. Any
-/// other line, and an event that does not read so, is read the general way (its error is that
-/// one's).
-fn parse_record(line: &[u8], scratch: &mut Vec<u8>) -> serde_json::Result<Record> {
-    if let Some((ts, pid, tid, event)) = written_layout(line) {
-        scratch.clear();
-        scratch.push(b'{');
-        scratch.extend_from_slice(event);
-        if let Ok(event) = serde_json::from_slice(scratch) {
-            return Ok(Record::new(ts, pid, tid, event));
-        }
-    }
-    serde_json::from_slice(line)
-}
-
-/// ts, pid, tid and the rest from `"ev"` on, of a line in the layout gputrace writes.
-fn written_layout(line: &[u8]) -> Option<(u64, u32, u32, &[u8])> {
-    // An escape anywhere (a key could be spelt with one): the general way.
-    if memchr::memchr(b'\\', line).is_some() {
-        return None;
-    }
-    let number = |rest: &[u8], key: &[u8]| -> Option<(u64, usize)> {
-        let digits = rest.strip_prefix(key)?;
-        let n = digits.iter().take_while(|b| b.is_ascii_digit()).count();
-        // JSON has no leading zeros.
-        if n > 1 && digits[0] == b'0' {
-            return None;
-        }
-        let value = std::str::from_utf8(&digits[..n]).ok()?.parse().ok()?;
-        Some((value, key.len() + n))
-    };
-    let (ts, used) = number(line, b"{\"ts\":")?;
-    let rest = &line[used..];
-    let (pid, used) = number(rest, b",\"pid\":")?;
-    let rest = &rest[used..];
-    let (tid, rest) = match number(rest, b",\"tid\":") {
-        Some((tid, used)) => (tid, &rest[used..]),
-        None => (0, rest),
-    };
-    let event = rest.strip_prefix(b",")?;
-    (event.starts_with(b"\"ev\":") && !has_record_key(event)).then_some((ts, u32::try_from(pid).ok()?, u32::try_from(tid).ok()?, event))
-}
-
-/// Whether the event's part names a field of the record's own (`raw`, or `ts`, `pid`, `tid`
-/// again: an order gputrace never writes, or a duplicate): the general way's to judge. With no
-/// escape in the line, a quote after `{` or `,` and closed before a `:` starts a key.
-fn has_record_key(event: &[u8]) -> bool {
-    let mut quotes = memchr::memchr_iter(b'"', event);
-    let key_start = |at: usize| at == 0 || matches!(event[at - 1], b',' | b'{');
-    while let Some(open) = quotes.next() {
-        let Some(close) = quotes.next() else { return false };
-        if key_start(open) && event.get(close + 1) == Some(&b':') && matches!(&event[open + 1..close], b"raw" | b"ts" | b"pid" | b"tid") {
-            return true;
-        }
-    }
-    false
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::event::{Event, Seen};
-
-    /// The written layout read on its own gives what the general way gives, and every other
-    /// line goes the general way.
-    #[test]
-    fn the_written_layout_reads_as_the_general_way_does() {
-        let records = [
-            Record::new(5, 7, 9, Event::Close { fd: 3 }),
-            Record::new(u64::MAX, u32::MAX, 0, Event::Exit { code: Some(-1) }),
-            Record::new(1, 2, 2, Event::Mark { phase: "\"raw\" prefill".into() }),
-            Record { ts: 1, pid: 2, tid: 3, event: Event::OomKill, raw: Some("00ff".into()) },
-            Record {
-                ts: 0,
-                pid: 0,
-                tid: 0,
-                event: Event::Process { ppid: 1, seen: Seen::Running, command: vec!["a,\"ev\":".into()] },
-                raw: None,
-            },
-        ];
-        let mut scratch = Vec::new();
-        for r in &records {
-            let line = serde_json::to_vec(r).unwrap();
-            assert_eq!(parse_record(&line, &mut scratch).unwrap(), *r, "{}", String::from_utf8_lossy(&line));
-        }
-        assert!(written_layout(br#"{"ts":1,"pid":2,"ev":"close","fd":3}"#).is_some());
-        for other in [
-            &br#"{"pid":2,"ts":1,"ev":"close","fd":3}"#[..],
-            br#"{"ts":1,"pid":99999999999,"ev":"close","fd":3}"#,
-            br#"{"ts":184467440737095516150,"pid":2,"ev":"close","fd":3}"#,
-            br#"{"ts":1,"pid":2,"ev":"close","fd":3,"raw":"00"}"#,
-            br#"{"ts":1,"pid":2 ,"ev":"close","fd":3}"#,
-            br#"{"ts":1,"pid":2,"ev":"close","fd":3,"tid":7}"#,
-            br#"{"ts":1,"pid":2,"ev":"close","fd":3,"pid":9}"#,
-            br#"{"ts":007,"pid":2,"ev":"close","fd":3}"#,
-            br#"{"ts":1,"pid":2,"ev":"close","fd":3,"r\u0061w":"00"}"#,
-        ] {
-            assert!(written_layout(other).is_none(), "{}", String::from_utf8_lossy(other));
-            assert_eq!(parse_record(other, &mut scratch).ok(), serde_json::from_slice::<Record>(other).ok());
-        }
-        // An event that does not read is the general way's error, not a record.
-        assert!(parse_record(br#"{"ts":1,"pid":2,"ev":"close"}"#, &mut scratch).is_err());
-    }
 
     fn header() -> Header {
         Header {

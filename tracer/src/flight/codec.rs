@@ -33,7 +33,8 @@ const SLOTS: usize = 6;
 /// A segment's strings interned at most: past it, strings are written out each time.
 const MAX_INTERNED: usize = 4096;
 
-/// The event carried as JSON: a kind without a layout of its own.
+/// The event carried as JSON (serde's externally tagged form, not a trace line's): a kind without
+/// a layout of its own.
 const TAG_JSON: u8 = 62;
 /// The whole record carried as JSON: one with `--raw` bytes.
 const TAG_RECORD_JSON: u8 = 63;
