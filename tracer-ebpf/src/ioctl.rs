@@ -505,20 +505,27 @@ fn fill_control(record: &mut IoctlRecord, ret: i64) -> bool {
         return true;
     }
     record.class_len = len;
+    // The fd an export or import names (a fabric attachment names none).
+    let at = match cmd {
+        control::EXPORT_OBJECT_TO_FD => control::EXPORT_FD_AT,
+        control::IMPORT_OBJECT_FROM_FD => control::IMPORT_FD_AT,
+        control::EXPORT_OBJECTS_TO_FD | control::IMPORT_OBJECTS_FROM_FD => control::PACKED_HEAD,
+        _ => return true,
+    };
     // RM took the named fd for an nvidiactl file: its close is followed from now on, even one
     // that comes before userspace has read this record (an importer that closes at once).
     if ret == 0 && u32_at(&record.params, control::STATUS) == 0 {
-        let at = if cmd == control::EXPORT_OBJECT_TO_FD { control::EXPORT_FD_AT } else { control::IMPORT_FD_AT };
         let fd = u32_at(&record.class_params, at);
         record.named_file = file_of(fd);
-        // Userspace meets the fd here, not at its open (one received over a socket): an exec
-        // closes it when this is set.
-        if close_on_exec(fd) {
-            record.flags |= ioctl_flag::NAMED_CLOEXEC;
-        }
         if nvidia_device_number(device::CTL, record.named_file) {
             let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
             let _ = remember_fd(&FdKey { tgid, fd }, device::CTL, BPF_NOEXIST as u64);
+        }
+        // Read after the fd is remembered, so that an F_SETFD from another thread is either
+        // in the bit or followed. Userspace meets the fd here, not at its open (one received
+        // over a socket): an exec closes it when this is set.
+        if close_on_exec(fd) {
+            record.flags |= ioctl_flag::NAMED_CLOEXEC;
         }
     }
     true

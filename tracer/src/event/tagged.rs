@@ -149,29 +149,9 @@ impl<'de> Deserialize<'de> for Record {
 }
 
 /// A key as read: borrowed from the line where it has no escape.
-struct Key<'de>(Cow<'de, str>);
-
-impl<'de> Deserialize<'de> for Key<'de> {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct KeyVisitor;
-        impl<'de> Visitor<'de> for KeyVisitor {
-            type Value = Key<'de>;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a string")
-            }
-            fn visit_borrowed_str<E>(self, s: &'de str) -> Result<Key<'de>, E> {
-                Ok(Key(Cow::Borrowed(s)))
-            }
-            fn visit_str<E>(self, s: &str) -> Result<Key<'de>, E> {
-                Ok(Key(Cow::Owned(s.to_owned())))
-            }
-            fn visit_string<E>(self, s: String) -> Result<Key<'de>, E> {
-                Ok(Key(Cow::Owned(s)))
-            }
-        }
-        deserializer.deserialize_str(KeyVisitor)
-    }
-}
+#[derive(Deserialize)]
+#[serde(transparent)]
+struct Key<'a>(#[serde(borrow)] Cow<'a, str>);
 
 /// The record's own fields, wherever they are in the line.
 #[derive(Default)]
@@ -222,38 +202,31 @@ impl<'de> Visitor<'de> for RecordVisitor {
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Record, A::Error> {
         let mut own = Own::default();
-        // An event's fields met before its `ev`, kept until it is.
-        let mut early = serde_json::Map::new();
+        // An event's fields met before its `ev`, kept in the order read until it is (the
+        // variant's own reading finds a field there twice).
+        let mut early = Vec::new();
         let mut tag = None;
         while let Some(Key(key)) = map.next_key()? {
             if own.take(&key, &mut map)? {
                 continue;
             }
-            if key == TAG {
-                if tag.is_some() {
-                    return Err(de::Error::duplicate_field(TAG));
-                }
-                let Key(name) = map.next_value()?;
-                if early.is_empty() {
-                    let event = Event::deserialize(Tagged { name, fields: Fields { map: &mut map, own: &mut own } })?;
-                    // Only a unit variant leaves fields unread: the record's own, or ones ignored.
-                    while let Some(Key(key)) = map.next_key()? {
-                        if key == TAG {
-                            return Err(de::Error::duplicate_field(TAG));
-                        }
-                        if !own.take(&key, &mut map)? {
-                            map.next_value::<IgnoredAny>()?;
-                        }
-                    }
-                    return own.record(event);
-                }
+            if key != TAG {
+                early.push((key.into_owned(), map.next_value::<serde_json::Value>()?));
+                continue;
+            }
+            if tag.is_some() {
+                return Err(de::Error::duplicate_field(TAG));
+            }
+            let Key(name) = map.next_value()?;
+            if !early.is_empty() {
                 tag = Some(name);
                 continue;
             }
-            let value = map.next_value()?;
-            if early.insert(key.into_owned(), value).is_some() {
-                return Err(de::Error::custom("a field of the event is there twice"));
-            }
+            let mut fields = Fields { map: &mut map, own: &mut own };
+            let event = Event::deserialize(Tagged { name, fields: &mut fields })?;
+            // Only a unit variant leaves fields unread: the record's own, or ones passed over.
+            while fields.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+            return own.record(event);
         }
         let name = tag.ok_or_else(|| de::Error::missing_field(TAG))?;
         let fields = MapDeserializer::<_, serde_json::Error>::new(early.into_iter());
@@ -399,6 +372,7 @@ mod tests {
         for r in &records {
             let line = serde_json::to_string(r).unwrap();
             assert_eq!(read(&line).unwrap(), *r, "{line}");
+            assert_eq!(read(&reversed(&line)).unwrap(), *r, "{line}");
         }
     }
 
@@ -413,6 +387,8 @@ mod tests {
             r#"{"ev":"close","fd":3,"pid":2,"ts":1}"#,
             r#"{"ts":1,"pid":2,"ev":"close","fd":3,"later":[1,{"a":2}]}"#,
             r#"{"later":null,"ts":1,"pid":2,"fd":3,"ev":"close"}"#,
+            r#"{"x":1,"fd":3,"x":2,"ts":1,"pid":2,"ev":"close","x":3}"#,
+            r#"{"ts":1,"pid":2,"ev":"close","fd":3,"x":1,"x":2}"#,
             r#"{"t\u0073":1,"pid":2,"\u0065v":"cl\u006fse","f\u0064":3}"#,
             r#"{"ts":1,"pid":2,"tid":0,"ev":"close","fd":3,"raw":null}"#,
         ] {
@@ -431,6 +407,32 @@ mod tests {
         assert_eq!(read(sorted).unwrap(), r);
     }
 
+    /// `line`'s keys in the reverse order: the record's own fields last, `ev` after its event's.
+    fn reversed(line: &str) -> String {
+        let serde_json::Value::Object(map) = serde_json::from_str(line).unwrap() else { panic!("{line}") };
+        let mut entries: Vec<(String, serde_json::Value)> = map.into_iter().collect();
+        entries.sort_by(|a, b| b.0.cmp(&a.0));
+        let text: Vec<String> = entries.iter().map(|(k, v)| format!("{}:{v}", serde_json::to_string(k).unwrap())).collect();
+        format!("{{{}}}", text.join(","))
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(300))]
+        /// Whatever the model's generator makes, and a snapshot of it, reads back as itself, as
+        /// written and with its keys in another order.
+        #[test]
+        fn generated_records_read_back_in_any_order(data in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..600)) {
+            let records = crate::model::generate::records(&data);
+            let snapshot = crate::model::Model::from_records(&records).snapshot();
+            for r in records.iter().chain(&snapshot) {
+                let line = serde_json::to_string(r).unwrap();
+                proptest::prop_assert_eq!(&read(&line).unwrap(), r, "{}", line);
+                let other = reversed(&line);
+                proptest::prop_assert_eq!(&read(&other).unwrap(), r, "{}", other);
+            }
+        }
+    }
+
     #[test]
     fn a_line_that_is_not_a_record_is_an_error_not_a_guess() {
         for line in [
@@ -443,6 +445,7 @@ mod tests {
             r#"{"ts":1,"pid":2,"ev":"close","ev":"close","fd":3}"#,
             r#"{"ts":1,"pid":2,"ev":"close","fd":3,"ev":"close"}"#,
             r#"{"fd":3,"fd":4,"ts":1,"pid":2,"ev":"close"}"#,
+            r#"{"fd":3,"ts":1,"pid":2,"ev":"close","fd":4}"#,
             r#"{"fd":3,"ts":1,"pid":2,"ev":"close","ev":"exit"}"#,
             r#"{"ts":1,"pid":2,"ev":"oom_kill","ev":"oom_kill"}"#,
             r#"{"ts":1,"pid":99999999999,"ev":"close","fd":3}"#,
