@@ -332,7 +332,11 @@ fn by_number() -> Result<(), String> {
     }
     rm_free(dup);
     unsafe { libc::close(dup) };
-    let read_write = unsafe { libc::open(c"/dev/nvidia0".as_ptr(), libc::O_RDWR) };
+    // Built at run time, as libraries build device paths: a literal in a page of the binary not
+    // yet touched cannot be read by the kernel side at the open's entry, which may not fault it
+    // in, and the open would then be found only at its first command.
+    let path = std::ffi::CString::new("/dev/nvidia0").map_err(|e| e.to_string())?;
+    let read_write = unsafe { libc::open(path.as_ptr(), libc::O_RDWR) };
     if read_write < 0 {
         return Err(format!("/dev/nvidia0 for reading and writing: {}", std::io::Error::last_os_error()));
     }
