@@ -497,6 +497,28 @@ fn a_device_opened_read_only_is_found_by_its_number_at_its_first_command() {
     assert!(!err.contains("asked about"), "none asked: {err}");
 }
 
+/// An open for reading and writing whose path the kernel side cannot read at its entry (in a
+/// page not faulted in yet) is told by its file's device number at its exit: recorded as an
+/// open of a GPU's device, so the dup made before its first command is seen, and nothing is
+/// asked. The other file opened that way (a memfd through /proc/self/fd) is not recorded.
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn an_open_whose_path_cannot_be_read_is_told_by_its_device_number() {
+    use gputrace::event::{Device, Event};
+    let _root = as_root();
+    let (events, err) = record_with_null_uvm("unread-path", "unread-path", "1,7");
+    let opened: Vec<(i32, Device)> =
+        events.iter().filter_map(|e| if let Event::Open { fd, device, .. } = e { Some((*fd, *device)) } else { None }).collect();
+    let [(gpu, Device::Gpu)] = opened[..] else { panic!("one open, of the GPU's device: {events:?}\n{err}") };
+    assert!(!events.iter().any(|e| matches!(e, Event::FdFound { .. })), "not found later: {events:?}");
+    let dup = events.iter().find_map(|e| if let Event::Dup { old_fd, new_fd, .. } = e { Some((*old_fd, *new_fd)) } else { None });
+    let Some((from, dup)) = dup else { panic!("the dup seen: {events:?}") };
+    assert_eq!(from, gpu, "{events:?}");
+    assert!(events.iter().any(|e| matches!(e, Event::Close { fd } if *fd == dup)), "the dup seen closed: {events:?}");
+    assert_eq!(events.iter().filter(|e| matches!(e, Event::Free { .. })).count(), 1, "the command: {events:?}");
+    assert!(!err.contains("asked about"), "none asked: {err}");
+}
+
 /// A fd found NVIDIA's by its device number at commands whose records are not sent (a UVM
 /// command on a GPU's file; an XFER wrapping an escape not followed) is not lost: its next
 /// command, an RM one, is recorded with the file found. The number was /proc/version's before,

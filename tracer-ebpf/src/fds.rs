@@ -76,17 +76,27 @@ fn open_enter(filename: u64, flags: i32) -> u32 {
         return 0;
     }
     // Every process's opens come here: eight bytes tell almost all of them apart before the
-    // path is copied whole. (A path that ends within eight bytes of unmapped memory is shorter
-    // than any NVIDIA one, so a failed read is never one.)
+    // path is copied whole.
     let mut head = [0u8; 8];
-    if !read_user(head.as_mut_ptr(), 8, filename, 8) || head != *b"/dev/nvi" {
+    let read = read_user(head.as_mut_ptr(), 8, filename, 8);
+    if read && head != *b"/dev/nvi" {
         return 0;
     }
-    let mut opening = Opening { flags, device: 0, path: [0; PATH_MAX] };
-    if unsafe { bpf_probe_read_user_str_bytes(filename as *const u8, &mut opening.path) }.is_err() {
-        return 0;
-    }
-    let Some(device) = classify(&opening.path) else {
+    let mut opening = Opening { flags, device: device::PENDING, path: [0; PATH_MAX] };
+    let device = if read && unsafe { bpf_probe_read_user_str_bytes(filename as *const u8, &mut opening.path) }.is_ok() {
+        let Some(device) = classify(&opening.path) else {
+            return 0;
+        };
+        device
+    } else if majors_known() {
+        // A path in a page not faulted in yet (a tracepoint cannot fault it in; the open
+        // will): the exit tells the file by its device number, so that the open is seen where
+        // it happens, before a fork or dup of it. Rare, and only for reading and writing (a
+        // short path ending by unmapped memory comes here too: its file is not NVIDIA's). The
+        // path stays empty: the helper clears it when it fails.
+        device::PENDING
+    } else {
+        // Found at its first NVIDIA-looking command, by userspace's answer.
         return 0;
     };
     if own_file_table() {
@@ -123,25 +133,25 @@ pub fn open_exit(ctx: TracePointContext) -> u32 {
         return 0;
     }
     let file = file_of(fd as u32);
+    let device = match opening.device {
+        device::PENDING => match nvidia_device_of(file) {
+            Some(device) => device,
+            None => return 0,
+        },
+        device => device,
+    };
     // A file at an NVIDIA path that is not NVIDIA's device (one a user mounted there in a
     // namespace of their own) is never followed: its ioctls would be made-up memory.
     let key = FdKey { tgid: (pid_tgid >> 32) as u32, fd: fd as u32 };
-    if !nvidia_device_number(opening.device, file) {
+    if !nvidia_device_number(device, file) {
         bump(stat::IMPOSTORS);
         // Answered here, so its ioctls never become questions userspace would ask /proc about.
         let _ = remember_fd(&key, device::NOT_NVIDIA, 0);
         return 0;
     }
-    count_refused("FDS", remember_fd(&key, opening.device, 0));
-    let record = OpenRecord {
-        header: header(kind::OPEN),
-        fd: fd as i32,
-        flags: opening.flags,
-        file,
-        device: opening.device,
-        _pad: [0; 7],
-        path: opening.path,
-    };
+    count_refused("FDS", remember_fd(&key, device, 0));
+    let record =
+        OpenRecord { header: header(kind::OPEN), fd: fd as i32, flags: opening.flags, file, device, _pad: [0; 7], path: opening.path };
     if EVENTS.output::<OpenRecord>(&record, 0).is_err() {
         bump(stat::LOST);
     }

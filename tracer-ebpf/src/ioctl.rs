@@ -206,7 +206,10 @@ fn enter<const SLOTS: bool>(ctx: &TracePointContext) -> u32 {
 /// files, and every file where the majors are not known, are asked about once.
 #[inline(always)]
 fn first_call(key: &FdKey, unseen: bool, cmd: u32) -> Option<(u8, u8, u64)> {
-    let file = file_of(key.fd);
+    // The close-on-exec bit is read here, not from /proc by userspace: its answer could come
+    // after the flag changed, and /proc/PID/fdinfo of whatever the number names by then (an
+    // epoll fd's) can be made costly.
+    let (file, cloexec) = file_and_cloexec(key.fd);
     let found = if majors_known() { nvidia_device_of(file) } else { None };
     // A device found by number is remembered only at a command followed on it, whose record
     // names the fd to userspace: remembered at another, its later calls would reach userspace
@@ -216,9 +219,7 @@ fn first_call(key: &FdKey, unseen: bool, cmd: u32) -> Option<(u8, u8, u64)> {
     if found.is_some_and(|device| !followed(device)) {
         return None;
     }
-    // Read here, not from /proc by userspace: its answer could come after the flag changed, and
-    // /proc/PID/fdinfo of whatever the number names by then (an epoll fd's) can be made costly.
-    let cloexec = if close_on_exec(key.fd) { ioctl_flag::CLOEXEC } else { 0 };
+    let cloexec = if cloexec { ioctl_flag::CLOEXEC } else { 0 };
     let (state, flags) = match found {
         Some(device) => (device, ioctl_flag::BY_NUMBER | cloexec),
         None => (device::PENDING, ioctl_flag::QUESTION | cloexec),

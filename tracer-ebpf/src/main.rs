@@ -260,15 +260,33 @@ fn read_user(dst: *mut u8, dst_len: usize, src: u64, len: u32) -> bool {
 /// known (never for other programs' ioctls). 0 when unknown.
 fn file_of(fd: u32) -> u64 {
     let Some(o) = OFFSETS.get(0) else { return 0 };
-    if o.fdtable_fd == 0 {
-        return 0;
-    }
-    let file = read_file_of(o, fd);
+    let file = file_in(o, fd_table(o, fd), fd);
+    warn_unread(fd, file);
+    file
+}
+
+/// [`file_of`] and [`close_on_exec`] from one walk of the fd table, for a fd met for the first
+/// time: both are wanted there, and the walk is most of their cost.
+fn file_and_cloexec(fd: u32) -> (u64, bool) {
+    let Some(o) = OFFSETS.get(0) else { return (0, false) };
+    let fdt = fd_table(o, fd);
+    let file = file_in(o, fdt, fd);
+    warn_unread(fd, file);
+    (file, cloexec_in(o, fdt, fd))
+}
+
+/// Whether the current process's `fd` is close-on-exec (its bit in `fdt->close_on_exec`);
+/// false when it cannot be read.
+fn close_on_exec(fd: u32) -> bool {
+    let Some(o) = OFFSETS.get(0) else { return false };
+    cloexec_in(o, fd_table(o, fd), fd)
+}
+
+fn warn_unread(fd: u32, file: u64) {
     if file == 0 && may_log() {
         let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
         warn!(&(), "pid {} fd {}: the open file behind it could not be read; userspace tells files apart by kcmp", tgid, fd);
     }
-    file
 }
 
 #[inline(always)]
@@ -276,8 +294,11 @@ fn read_pointer(addr: u64) -> u64 {
     unsafe { bpf_probe_read_kernel(addr as *const u64) }.unwrap_or(0)
 }
 
-/// `current->files->fdt`, where `fd` is within it; 0 otherwise.
+/// `current->files->fdt`, where `fd` is within it; 0 otherwise (or where fds cannot be read).
 fn fd_table(o: &KernelOffsets, fd: u32) -> u64 {
+    if o.fdtable_fd == 0 {
+        return 0;
+    }
     let read = read_pointer;
     let task = unsafe { bpf_get_current_task() };
     let files = read(task + o.task_files as u64);
@@ -295,8 +316,9 @@ fn fd_table(o: &KernelOffsets, fd: u32) -> u64 {
     fdt
 }
 
-fn read_file_of(o: &KernelOffsets, fd: u32) -> u64 {
-    let fdt = fd_table(o, fd);
+/// `fdt->fd[fd]` of a table from [`fd_table`]; 0 when it cannot be read.
+#[inline(always)]
+fn file_in(o: &KernelOffsets, fdt: u64, fd: u32) -> u64 {
     if fdt == 0 {
         return 0;
     }
@@ -307,15 +329,10 @@ fn read_file_of(o: &KernelOffsets, fd: u32) -> u64 {
     read_pointer(table + 8 * fd as u64)
 }
 
-/// Whether the current process's `fd` is close-on-exec (its bit in `fdt->close_on_exec`);
-/// false when it cannot be read.
-fn close_on_exec(fd: u32) -> bool {
-    let Some(o) = OFFSETS.get(0) else { return false };
-    if o.fdtable_close_on_exec == 0 || o.fdtable_fd == 0 {
-        return false;
-    }
-    let fdt = fd_table(o, fd);
-    if fdt == 0 {
+/// `fd`'s bit in `fdt->close_on_exec` of a table from [`fd_table`]; false when it cannot be read.
+#[inline(always)]
+fn cloexec_in(o: &KernelOffsets, fdt: u64, fd: u32) -> bool {
+    if fdt == 0 || o.fdtable_close_on_exec == 0 {
         return false;
     }
     let bits = read_pointer(fdt + o.fdtable_close_on_exec as u64);

@@ -348,6 +348,54 @@ fn by_number() -> Result<(), String> {
     Ok(())
 }
 
+/// A GPU's device opened for reading and writing from a path in a page not faulted in yet (a
+/// syscall tracepoint cannot read it; the open faults it in), a dup of it, the dup closed, then
+/// an RM command on the first fd. Then, the same way, a memfd opened again through
+/// /proc/self/fd: not NVIDIA's.
+fn unread_path() -> Result<(), String> {
+    let gpu = open_from_untouched_page("/dev/nvidia0")?;
+    // SAFETY: dup(2) and close(2) of the fd just opened.
+    let dup = unsafe { libc::dup(gpu) };
+    if dup < 0 {
+        return Err(format!("dup: {}", std::io::Error::last_os_error()));
+    }
+    unsafe { libc::close(dup) };
+    rm_free(gpu);
+    // SAFETY: memfd_create(2) of a C string; the fd is closed at exit.
+    let memfd = unsafe { libc::memfd_create(c"other".as_ptr(), 0) };
+    if memfd < 0 {
+        return Err(format!("memfd_create: {}", std::io::Error::last_os_error()));
+    }
+    open_from_untouched_page(&format!("/proc/self/fd/{memfd}"))?;
+    Ok(())
+}
+
+/// Opens `path` for reading and writing, passing the open a copy of it in a shared mapping of a
+/// memfd that nothing has read yet: its page is not present until the open's own copy faults it
+/// in. A mapping of its own, so that no earlier fault mapped it around another page.
+fn open_from_untouched_page(path: &str) -> Result<i32, String> {
+    let bytes = std::ffi::CString::new(path).map_err(|e| e.to_string())?;
+    // SAFETY: memfd_create(2) of a C string, write(2) of a buffer this function holds, mmap(2)
+    // of that fd (the mapping and fd are left to the process's exit), open(2) of a string in the
+    // mapping, which holds its terminating NUL.
+    unsafe {
+        let fd = libc::memfd_create(c"path".as_ptr(), 0);
+        let len = bytes.as_bytes_with_nul().len();
+        if fd < 0 || libc::write(fd, bytes.as_ptr().cast(), len) != len as isize {
+            return Err(format!("the memfd for {path}: {}", std::io::Error::last_os_error()));
+        }
+        let page = libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_SHARED, fd, 0);
+        if page == libc::MAP_FAILED {
+            return Err(format!("mmap of the memfd for {path}: {}", std::io::Error::last_os_error()));
+        }
+        let opened = libc::open(page.cast(), libc::O_RDWR);
+        if opened < 0 {
+            return Err(format!("{path} for reading and writing: {}", std::io::Error::last_os_error()));
+        }
+        Ok(opened)
+    }
+}
+
 /// A fd the tracer answered not NVIDIA (/proc/version, asked about at its first UVM command),
 /// closed, its number taken by a GPU's device opened for reading only; on that, a command
 /// followed on UVM's device only (not on a GPU's), an XFER wrapping an escape not followed
@@ -664,11 +712,12 @@ fn main() -> ExitCode {
         Some("reopen") => reopen(),
         Some("by-number") => by_number(),
         Some("impostor") => impostor(),
+        Some("unread-path") => unread_path(),
         Some("unfollowed-first") => unfollowed_first(),
         Some("collide") => collide(&mut truth),
         Some("oom") => oom(&mut truth, value("--bytes").and_then(|v| parse_bytes(&v)).unwrap_or(1 << 40)),
         _ => Err(
-            "usage: fake-workload paths|fork-holder|storm|oom|hold|vmm|fabric|pass-fd|ipc|repoint|own-table|reopen|by-number|impostor|unfollowed-first|collide|classes [--close-first] [--batched] [--multicast] [--truth FILE] [--hold-ms N] [--count N] [--bytes B] [--ms N]"
+            "usage: fake-workload paths|fork-holder|storm|oom|hold|vmm|fabric|pass-fd|ipc|repoint|own-table|reopen|by-number|unread-path|impostor|unfollowed-first|collide|classes [--close-first] [--batched] [--multicast] [--truth FILE] [--hold-ms N] [--count N] [--bytes B] [--ms N]"
                 .into(),
         ),
     };
