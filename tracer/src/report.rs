@@ -133,24 +133,24 @@ pub struct Report {
 /// reading lost: the start of `report` and every export. `redact` hides the secrets of command
 /// and request lines as they are read.
 pub fn load(path: &std::path::Path, redact: bool) -> Result<(Header, Model, u64, Loss), crate::trace::TraceError> {
-    let mut reader = crate::trace::Reader::open(path)?;
+    let reader = crate::trace::Reader::open(path)?;
     let mut model = Model::new();
     let mut events: u64 = 0;
-    for record in reader.by_ref() {
-        let mut record = record?;
+    let prepare = |record: &mut crate::event::Record| {
         if redact {
-            crate::redact::record(&mut record);
+            crate::redact::record(record);
         }
-        model.apply(&record);
+    };
+    let (mut header, damage) = reader.read_ahead(prepare, |record| {
+        model.apply(record);
         events += 1;
-    }
+    })?;
     if redact {
-        crate::redact::header(&mut reader.header);
+        crate::redact::header(&mut header);
     }
-    let damage = &reader.damage;
     let loss =
         Loss { damaged_lines: damage.bad_lines.saturating_add(damage.torn_tail as u64), torn_tail: damage.torn_tail, ..Loss::of(&model) };
-    Ok((reader.header, model, events, loss))
+    Ok((header, model, events, loss))
 }
 
 impl Report {
