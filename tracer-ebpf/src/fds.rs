@@ -11,6 +11,13 @@ struct Opening {
 #[map]
 static OPENS: LruHashMap<u64, Opening> = LruHashMap::with_max_entries(1 << 12, 0);
 
+/// Threads inside an open whose path could not be read at its entry, by thread number modulo
+/// CALL_SLOTS: the opener's pid_tgid, so that its exit looks in OPENS where its process holds
+/// no followed fd (and is not marked as one that may, until the file is found NVIDIA's). A
+/// thread of the same number modulo overwrites it: that open is then found at its first command.
+#[map]
+static UNREAD_OPENS: Array<u64> = Array::with_max_entries(CALL_SLOTS, 0);
+
 #[derive(Clone, Copy)]
 struct Duping {
     old_fd: i32,
@@ -83,30 +90,47 @@ fn open_enter(filename: u64, flags: i32) -> u32 {
         return 0;
     }
     let mut opening = Opening { flags, device: device::PENDING, path: [0; PATH_MAX] };
-    let device = if read && unsafe { bpf_probe_read_user_str_bytes(filename as *const u8, &mut opening.path) }.is_ok() {
+    let path_read = read && unsafe { bpf_probe_read_user_str_bytes(filename as *const u8, &mut opening.path) }.is_ok();
+    if path_read {
         let Some(device) = classify(&opening.path) else {
             return 0;
         };
-        device
-    } else if majors_known() {
-        // A path in a page not faulted in yet (a tracepoint cannot fault it in; the open
-        // will): the exit tells the file by its device number, so that the open is seen where
-        // it happens, before a fork or dup of it. Rare, and only for reading and writing (a
-        // short path ending by unmapped memory comes here too: its file is not NVIDIA's). The
-        // path stays empty: the helper clears it when it fails.
-        device::PENDING
-    } else {
+        opening.device = device;
+    } else if !majors_known() {
         // Found at its first NVIDIA-looking command, by userspace's answer.
         return 0;
-    };
+    }
+    // Else a path in a page not faulted in yet (a tracepoint cannot fault it in; the open will):
+    // the exit tells the file by its device number, so that the open is seen where it happens,
+    // before a fork or dup of it. Rare, and only for reading and writing (a short path ending by
+    // unmapped memory comes here too). The path stays empty: the helper clears it when it fails.
     if own_file_table() {
         return 0;
     }
-    opening.device = device;
-    // Set before the entry, as for FDS: the exit looks only where it is set.
-    holds_fds((pid_tgid >> 32) as u32);
+    if path_read {
+        // Set before the entry, as for FDS: the exit looks only where it is set.
+        holds_fds((pid_tgid >> 32) as u32);
+    } else if let Some(slot) = UNREAD_OPENS.get_ptr_mut(pid_tgid as u32 % CALL_SLOTS) {
+        // SAFETY: an array value, valid for the map's life; written only by threads of this
+        // number modulo, each for its own open.
+        unsafe { *slot = pid_tgid };
+    }
     count_refused("OPENS", OPENS.insert(&pid_tgid, &opening, 0));
     0
+}
+
+/// Whether this thread is inside an open whose path could not be read; forgotten as it is asked.
+#[inline(always)]
+fn take_unread_open(pid_tgid: u64) -> bool {
+    let Some(slot) = UNREAD_OPENS.get_ptr_mut(pid_tgid as u32 % CALL_SLOTS) else { return false };
+    // SAFETY: as in open_enter.
+    unsafe {
+        if *slot != pid_tgid {
+            return false;
+        }
+        *slot = 0;
+    }
+    true
 }
 
 #[tracepoint]
@@ -122,7 +146,7 @@ pub fn open_enter_legacy(ctx: TracePointContext) -> u32 {
 #[tracepoint]
 pub fn open_exit(ctx: TracePointContext) -> u32 {
     let pid_tgid = bpf_get_current_pid_tgid();
-    if !may_hold_fds((pid_tgid >> 32) as u32) {
+    if !take_unread_open(pid_tgid) && !may_hold_fds((pid_tgid >> 32) as u32) {
         return 0;
     }
     let Some(opening) = take(&OPENS, pid_tgid) else {
@@ -133,22 +157,23 @@ pub fn open_exit(ctx: TracePointContext) -> u32 {
         return 0;
     }
     let file = file_of(fd as u32);
+    let key = FdKey { tgid: (pid_tgid >> 32) as u32, fd: fd as u32 };
     let device = match opening.device {
+        // Told by its device number alone: NVIDIA's, or not followed.
         device::PENDING => match nvidia_device_of(file) {
             Some(device) => device,
             None => return 0,
         },
+        // A file at an NVIDIA path that is not NVIDIA's device (one a user mounted there in a
+        // namespace of their own) is never followed: its ioctls would be made-up memory.
+        device if !nvidia_device_number(device, file) => {
+            bump(stat::IMPOSTORS);
+            // Answered here, so its ioctls never become questions userspace would ask /proc about.
+            let _ = remember_fd(&key, device::NOT_NVIDIA, 0);
+            return 0;
+        }
         device => device,
     };
-    // A file at an NVIDIA path that is not NVIDIA's device (one a user mounted there in a
-    // namespace of their own) is never followed: its ioctls would be made-up memory.
-    let key = FdKey { tgid: (pid_tgid >> 32) as u32, fd: fd as u32 };
-    if !nvidia_device_number(device, file) {
-        bump(stat::IMPOSTORS);
-        // Answered here, so its ioctls never become questions userspace would ask /proc about.
-        let _ = remember_fd(&key, device::NOT_NVIDIA, 0);
-        return 0;
-    }
     count_refused("FDS", remember_fd(&key, device, 0));
     let record =
         OpenRecord { header: header(kind::OPEN), fd: fd as i32, flags: opening.flags, file, device, _pad: [0; 7], path: opening.path };

@@ -206,10 +206,8 @@ fn enter<const SLOTS: bool>(ctx: &TracePointContext) -> u32 {
 /// files, and every file where the majors are not known, are asked about once.
 #[inline(always)]
 fn first_call(key: &FdKey, unseen: bool, cmd: u32) -> Option<(u8, u8, u64)> {
-    // The close-on-exec bit is read here, not from /proc by userspace: its answer could come
-    // after the flag changed, and /proc/PID/fdinfo of whatever the number names by then (an
-    // epoll fd's) can be made costly.
-    let (file, cloexec) = file_and_cloexec(key.fd);
+    let slot = FdSlot::of(key.fd);
+    let file = slot.file();
     let found = if majors_known() { nvidia_device_of(file) } else { None };
     // A device found by number is remembered only at a command followed on it, whose record
     // names the fd to userspace: remembered at another, its later calls would reach userspace
@@ -219,11 +217,7 @@ fn first_call(key: &FdKey, unseen: bool, cmd: u32) -> Option<(u8, u8, u64)> {
     if found.is_some_and(|device| !followed(device)) {
         return None;
     }
-    let cloexec = if cloexec { ioctl_flag::CLOEXEC } else { 0 };
-    let (state, flags) = match found {
-        Some(device) => (device, ioctl_flag::BY_NUMBER | cloexec),
-        None => (device::PENDING, ioctl_flag::QUESTION | cloexec),
-    };
+    let state = found.unwrap_or(device::PENDING);
     let flag = if unseen { BPF_NOEXIST } else { BPF_EXIST };
     match remember_fd(key, state, flag as u64) {
         Ok(()) if found.is_none() => bump(stat::QUESTIONS),
@@ -239,7 +233,13 @@ fn first_call(key: &FdKey, unseen: bool, cmd: u32) -> Option<(u8, u8, u64)> {
             return None;
         }
     }
-    Some((state, flags, file))
+    // The close-on-exec bit is read by the kernel, not from /proc by userspace (its answer could
+    // come after the flag changed, and /proc/PID/fdinfo of whatever the number names by then, an
+    // epoll fd's, can be made costly), and after the fd is remembered, so that an F_SETFD from
+    // another thread is either in the bit or followed.
+    let cloexec = if slot.close_on_exec() { ioctl_flag::CLOEXEC } else { 0 };
+    let flags = if found.is_some() { ioctl_flag::BY_NUMBER } else { ioctl_flag::QUESTION };
+    Some((state, flags | cloexec, file))
 }
 
 /// Whether a fd answered not NVIDIA now names NVIDIA's device: its number reused where no
@@ -517,7 +517,8 @@ fn fill_control(record: &mut IoctlRecord, ret: i64) -> bool {
     // that comes before userspace has read this record (an importer that closes at once).
     if ret == 0 && u32_at(&record.params, control::STATUS) == 0 {
         let fd = u32_at(&record.class_params, at);
-        record.named_file = file_of(fd);
+        let slot = FdSlot::of(fd);
+        record.named_file = slot.file();
         if nvidia_device_number(device::CTL, record.named_file) {
             let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
             let _ = remember_fd(&FdKey { tgid, fd }, device::CTL, BPF_NOEXIST as u64);
@@ -525,7 +526,7 @@ fn fill_control(record: &mut IoctlRecord, ret: i64) -> bool {
         // Read after the fd is remembered, so that an F_SETFD from another thread is either
         // in the bit or followed. Userspace meets the fd here, not at its open (one received
         // over a socket): an exec closes it when this is set.
-        if close_on_exec(fd) {
+        if slot.close_on_exec() {
             record.flags |= ioctl_flag::NAMED_CLOEXEC;
         }
     }

@@ -259,33 +259,50 @@ fn read_user(dst: *mut u8, dst_len: usize, src: u64, len: u32) -> bool {
 /// At NVIDIA opens, questions, and each ioctl on a followed fd where the driver's majors are
 /// known (never for other programs' ioctls). 0 when unknown.
 fn file_of(fd: u32) -> u64 {
-    let Some(o) = OFFSETS.get(0) else { return 0 };
-    let file = file_in(o, fd_table(o, fd), fd);
-    warn_unread(fd, file);
-    file
+    FdSlot::of(fd).file()
 }
 
-/// [`file_of`] and [`close_on_exec`] from one walk of the fd table, for a fd met for the first
-/// time: both are wanted there, and the walk is most of their cost.
-fn file_and_cloexec(fd: u32) -> (u64, bool) {
-    let Some(o) = OFFSETS.get(0) else { return (0, false) };
-    let fdt = fd_table(o, fd);
-    let file = file_in(o, fdt, fd);
-    warn_unread(fd, file);
-    (file, cloexec_in(o, fdt, fd))
+/// A fd of the current process, its table walked once for what is read of it: the file and,
+/// after the fd is remembered, its close-on-exec bit (the walk is most of their cost; a table
+/// another thread grows in between is read as it was, still valid under RCU).
+#[derive(Clone, Copy)]
+struct FdSlot {
+    /// `current->files->fdt`, where the fd is within it; 0 otherwise (or where fds cannot be read).
+    fdt: u64,
+    fd: u32,
 }
 
-/// Whether the current process's `fd` is close-on-exec (its bit in `fdt->close_on_exec`);
-/// false when it cannot be read.
-fn close_on_exec(fd: u32) -> bool {
-    let Some(o) = OFFSETS.get(0) else { return false };
-    cloexec_in(o, fd_table(o, fd), fd)
-}
+impl FdSlot {
+    #[inline(always)]
+    fn of(fd: u32) -> FdSlot {
+        FdSlot { fdt: OFFSETS.get(0).map_or(0, |o| fd_table(o, fd)), fd }
+    }
 
-fn warn_unread(fd: u32, file: u64) {
-    if file == 0 && may_log() {
-        let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
-        warn!(&(), "pid {} fd {}: the open file behind it could not be read; userspace tells files apart by kcmp", tgid, fd);
+    /// `fdt->fd[fd]`; 0 when it cannot be read.
+    #[inline(always)]
+    fn file(self) -> u64 {
+        let Some(o) = OFFSETS.get(0) else { return 0 };
+        let table = if self.fdt == 0 { 0 } else { read_pointer(self.fdt + o.fdtable_fd as u64) };
+        let file = if table == 0 { 0 } else { read_pointer(table + 8 * self.fd as u64) };
+        if file == 0 && may_log() {
+            let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+            warn!(&(), "pid {} fd {}: the open file behind it could not be read; userspace tells files apart by kcmp", tgid, self.fd);
+        }
+        file
+    }
+
+    /// Whether the fd is close-on-exec (its bit in `fdt->close_on_exec`); false when it cannot be
+    /// read.
+    #[inline(always)]
+    fn close_on_exec(self) -> bool {
+        let Some(o) = OFFSETS.get(0) else { return false };
+        if self.fdt == 0 || o.fdtable_close_on_exec == 0 {
+            return false;
+        }
+        let bits = read_pointer(self.fdt + o.fdtable_close_on_exec as u64);
+        let fd = self.fd;
+        // An array of unsigned longs: 64 bits each on the 64-bit kernels gputrace runs on.
+        bits != 0 && (read_pointer(bits + 8 * (fd / 64) as u64) >> (fd % 64)) & 1 != 0
     }
 }
 
@@ -314,30 +331,6 @@ fn fd_table(o: &KernelOffsets, fd: u32) -> u64 {
         return 0;
     }
     fdt
-}
-
-/// `fdt->fd[fd]` of a table from [`fd_table`]; 0 when it cannot be read.
-#[inline(always)]
-fn file_in(o: &KernelOffsets, fdt: u64, fd: u32) -> u64 {
-    if fdt == 0 {
-        return 0;
-    }
-    let table = read_pointer(fdt + o.fdtable_fd as u64);
-    if table == 0 {
-        return 0;
-    }
-    read_pointer(table + 8 * fd as u64)
-}
-
-/// `fd`'s bit in `fdt->close_on_exec` of a table from [`fd_table`]; false when it cannot be read.
-#[inline(always)]
-fn cloexec_in(o: &KernelOffsets, fdt: u64, fd: u32) -> bool {
-    if fdt == 0 || o.fdtable_close_on_exec == 0 {
-        return false;
-    }
-    let bits = read_pointer(fdt + o.fdtable_close_on_exec as u64);
-    // An array of unsigned longs: 64 bits each on the 64-bit kernels gputrace runs on.
-    bits != 0 && (read_pointer(bits + 8 * (fd / 64) as u64) >> (fd % 64)) & 1 != 0
 }
 
 /// Whether the current thread has a file table of its own (unshare(CLONE_FILES), or a clone

@@ -297,7 +297,8 @@ impl Reader {
     /// Passes every record to `apply`, in order, while the records after it are parsed on a
     /// thread of its own: parsing is most of what loading a trace costs, and the model can take
     /// each record as the next is parsed. `prepare` runs on the parsing thread, before `apply`.
-    /// At most a few batches are parsed ahead, so memory stays flat whatever the trace's size.
+    /// At most a few batches are parsed ahead, so memory stays flat whatever the trace's size;
+    /// where no thread can be made (a pids limit), each record is parsed and applied in turn.
     /// Stops at the first read error (the records before it applied); returns the header and what
     /// reading left out.
     pub fn read_ahead(
@@ -305,23 +306,30 @@ impl Reader {
         mut prepare: impl FnMut(&mut Record) + Send,
         mut apply: impl FnMut(&Record),
     ) -> Result<(Header, ReadDamage), TraceError> {
-        // A batch holds at most this many records, of at most this many bytes of lines (a hostile
-        // trace's megabyte lines stay a few megabytes in flight).
+        // A batch is cut at this many records or past this many bytes of lines: a few hundred
+        // KiB in flight, a few MiB where a hostile trace's lines are a MiB each.
         const BATCH: usize = 1024;
-        const BATCH_BYTES: usize = 1 << 20;
-        let (parsed, batches) = std::sync::mpsc::sync_channel::<Vec<Record>>(2);
-        // Applied batches go back to be emptied where their records were made: freed by the
-        // thread whose allocator made them, each batch's room used again.
-        let (applied, emptied) = std::sync::mpsc::channel::<Vec<Record>>();
-        std::thread::scope(|s| {
-            let parsing = s.spawn(move || {
+        const BATCH_BYTES: usize = 256 << 10;
+        let ahead = std::thread::scope(|s| {
+            let (parsed, batches) = std::sync::mpsc::sync_channel::<Vec<Record>>(2);
+            // Applied batches go back to be emptied where their records were made: freed by the
+            // thread whose allocator made them, each batch's room used again.
+            let (applied, emptied) = std::sync::mpsc::channel::<Vec<Record>>();
+            let (reader, prepare) = (&mut self, &mut prepare);
+            let parse = move || {
                 let next_batch = || emptied.try_recv().map(|mut b| (b.clear(), b).1).unwrap_or_else(|_| Vec::with_capacity(BATCH));
                 let (mut batch, mut bytes) = (next_batch(), 0);
-                while let Some(record) = self.next() {
-                    let mut record = record?;
+                while let Some(record) = reader.next() {
+                    let mut record = match record {
+                        Ok(record) => record,
+                        Err(e) => {
+                            let _ = parsed.send(batch);
+                            return Err(e);
+                        }
+                    };
                     prepare(&mut record);
                     batch.push(record);
-                    bytes += self.lines.buf.len();
+                    bytes += reader.lines.buf.len();
                     if batch.len() < BATCH && bytes < BATCH_BYTES {
                         continue;
                     }
@@ -332,15 +340,27 @@ impl Reader {
                     }
                 }
                 let _ = parsed.send(batch);
-                Ok((self.header, self.damage))
-            });
+                Ok(())
+            };
+            let parsing = std::thread::Builder::new().name("trace reader".into()).spawn_scoped(s, parse).ok()?;
             for batch in batches {
                 batch.iter().for_each(&mut apply);
                 // The parser gone (it stopped at an error): the batch is dropped here.
                 let _ = applied.send(batch);
             }
-            parsing.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))
-        })
+            Some(parsing.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)))
+        });
+        match ahead {
+            Some(done) => done?,
+            None => {
+                for record in self.by_ref() {
+                    let mut record = record?;
+                    prepare(&mut record);
+                    apply(&record);
+                }
+            }
+        }
+        Ok((self.header, self.damage))
     }
 
     /// Reads a whole trace into memory.
@@ -487,31 +507,34 @@ mod tests {
     }
 
     /// Reading ahead gives what reading in turn gives: every record in order, over several
-    /// batches (cut by count, and by bytes where every third line is long), each prepared once,
-    /// and the same damage (a bad line between batches, a torn tail).
+    /// batches, each prepared once, and the same damage. Two traces: short lines, cut into
+    /// batches by count, a bad line right at a cut; every third line long, cut by bytes. Both
+    /// end in a torn tail.
     #[test]
     fn reading_ahead_applies_every_record_in_order_with_the_damage() {
         let path = temp("ahead");
-        let mut text = serde_json::to_string(&header()).unwrap() + "\n";
-        for ts in 0..2000 {
-            let mut record = record(ts);
-            if ts % 3 == 0 {
-                record.event = Event::Process { ppid: 0, seen: Seen::Launched, command: vec!["x".repeat(4000)] };
+        for (records, long_every, bad_after) in [(3000, None, 1023), (2000, Some(3), 700)] {
+            let mut text = serde_json::to_string(&header()).unwrap() + "\n";
+            for ts in 0..records {
+                let mut record = record(ts);
+                if long_every.is_some_and(|n| ts % n == 0) {
+                    record.event = Event::Process { ppid: 0, seen: Seen::Launched, command: vec!["x".repeat(4000)] };
+                }
+                text += &(serde_json::to_string(&record).unwrap() + "\n");
+                if ts == bad_after {
+                    text += "not json\n";
+                }
             }
-            text += &(serde_json::to_string(&record).unwrap() + "\n");
-            if ts == 700 {
-                text += "not json\n";
-            }
+            text += "{\"ts\":9999,\"pid\":1,\"ev\":\"pro";
+            std::fs::write(&path, text).unwrap();
+            let mut applied = Vec::new();
+            let (h, damage) = Reader::open(&path).unwrap().read_ahead(|r| r.tid += 1, |r| applied.push(r.clone())).unwrap();
+            let (read_header, mut read, read_damage) = Reader::read_all(&path).unwrap();
+            read.iter_mut().for_each(|r| r.tid += 1);
+            assert_eq!((h, damage), (read_header, read_damage.clone()));
+            assert_eq!(applied, read);
+            assert_eq!((applied.len() as u64, read_damage.bad_lines, read_damage.torn_tail), (records, 1, true));
         }
-        text += "{\"ts\":2000,\"pid\":1,\"ev\":\"pro";
-        std::fs::write(&path, text).unwrap();
-        let mut applied = Vec::new();
-        let (h, damage) = Reader::open(&path).unwrap().read_ahead(|r| r.tid += 1, |r| applied.push(r.clone())).unwrap();
-        let (read_header, mut read, read_damage) = Reader::read_all(&path).unwrap();
-        read.iter_mut().for_each(|r| r.tid += 1);
-        assert_eq!((h, damage), (read_header, read_damage.clone()));
-        assert_eq!(applied, read);
-        assert_eq!((applied.len(), read_damage.bad_lines, read_damage.torn_tail), (2000, 1, true));
         std::fs::remove_file(path).ok();
     }
 

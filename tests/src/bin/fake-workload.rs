@@ -388,12 +388,28 @@ fn open_from_untouched_page(path: &str) -> Result<i32, String> {
         if page == libc::MAP_FAILED {
             return Err(format!("mmap of the memfd for {path}: {}", std::io::Error::last_os_error()));
         }
+        if page_present(page as u64)? {
+            return Err(format!("the page holding {path} is present before the open: the test would not test anything"));
+        }
         let opened = libc::open(page.cast(), libc::O_RDWR);
         if opened < 0 {
             return Err(format!("{path} for reading and writing: {}", std::io::Error::last_os_error()));
         }
         Ok(opened)
     }
+}
+
+/// Whether the page at `addr` is mapped in (bit 63 of its /proc/self/pagemap entry), read
+/// without touching it.
+fn page_present(addr: u64) -> Result<bool, String> {
+    use std::os::unix::fs::FileExt;
+    // SAFETY: sysconf(3) has no preconditions.
+    let page_size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64;
+    let mut entry = [0u8; 8];
+    File::open("/proc/self/pagemap")
+        .and_then(|f| f.read_exact_at(&mut entry, addr / page_size * 8))
+        .map_err(|e| format!("/proc/self/pagemap: {e}"))?;
+    Ok(u64::from_le_bytes(entry) >> 63 == 1)
 }
 
 /// A fd the tracer answered not NVIDIA (/proc/version, asked about at its first UVM command),
