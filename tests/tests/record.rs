@@ -476,12 +476,13 @@ fn memory_attached_to_a_fabric_object_lives_until_detached_before_570() {
 /// CUDA IPC through a file descriptor: the exporter frees its handle and exits, the importer
 /// frees its own handle, and the memory lives on until the importer closes the export file it
 /// received over a socket, as the driver's does (freed with that file's release); with the single
-/// controls and with the batched ones current libcuda issues.
+/// controls and with the batched ones current libcuda issues, and with the export file closed by
+/// the exporter as soon as it is sent (in flight over the socket at that close, the last seen).
 #[test]
 #[ignore = "needs root: `sudo cargo xtask test` runs it"]
 fn memory_exported_to_a_file_lives_until_the_files_last_close() {
-    for batched in [false, true] {
-        let (shared, at) = exported_memory(false, batched);
+    for (batched, in_flight) in [(false, false), (true, false), (true, true)] {
+        let (shared, at) = exported_memory(false, batched, in_flight);
         freed_at_the_export_files_close(&shared, &at);
     }
 }
@@ -502,7 +503,7 @@ fn freed_at_the_export_files_close(shared: &gputrace::model::Allocation, at: &im
 #[test]
 #[ignore = "needs root: `sudo cargo xtask test` runs it"]
 fn an_export_file_closed_right_after_its_import_is_seen_closed() {
-    let (shared, at) = exported_memory(true, true);
+    let (shared, at) = exported_memory(true, true, false);
     let (freed_at, how) = shared.freed.expect("freed with the importer's handle");
     assert_ne!(how, FreedBy::FileRelease, "the export file was closed 300 ms before the handle's free");
     assert!(
@@ -514,11 +515,12 @@ fn an_export_file_closed_right_after_its_import_is_seen_closed() {
 
 /// Runs `fake-workload ipc` under the recorder and checks what both ways share; returns the
 /// exported allocation and the importer's ground truth (the time of each of its steps).
-fn exported_memory(close_first: bool, batched: bool) -> (gputrace::model::Allocation, impl Fn(&str) -> u64) {
+fn exported_memory(close_first: bool, batched: bool, in_flight: bool) -> (gputrace::model::Allocation, impl Fn(&str) -> u64) {
     let _root = as_root();
     let mut args = vec!["ipc", "--ms", "300"];
     args.extend(close_first.then_some("--close-first"));
     args.extend(batched.then_some("--batched"));
+    args.extend(in_flight.then_some("--in-flight"));
     let run = record_then_wait("ipc", "580.95.05", &args, Some("1.2"));
     assert_eq!(run.status, 0, "{}", run.stderr);
     let (records, model) = run.trace();

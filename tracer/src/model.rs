@@ -273,6 +273,13 @@ pub struct Model {
     /// reference on the memory held by the kernel's client of that nvidiactl file until its last
     /// close.
     exports: HashMap<FileId, BTreeMap<u16, AllocId>>,
+    /// The exports of files released at their last close seen, while their memory lives on
+    /// (other handles hold it): a file passed over a socket is in flight there, held by no fd,
+    /// when its sender closes it before the receiver's first use (NCCL's proxy sends and closes
+    /// at once), and is met again in the receiver, exports and all ([`Model::take_fd`]).
+    parked_exports: HashMap<FileId, BTreeMap<u16, AllocId>>,
+    /// How many parked files there may be before those whose memory is gone are dropped.
+    parked_limit: usize,
     /// Sticky fabric objects (by their allocation) and the memory each keeps alive until it goes.
     holds: HashMap<AllocId, AllocId>,
     /// Memory attached to fabric objects (ATTACH_MEM, drivers before 570): by the fabric

@@ -27,7 +27,9 @@
 //!   only its close of the export file, 100 ms later, frees the memory. With `--close-first`
 //!   the importer closes the export file at once, as applications do, and its handle's free is
 //!   what frees the memory. With `--batched` both sides use the batched controls current libcuda
-//!   issues (EXPORT_OBJECTS_TO_FD, IMPORT_OBJECTS_FROM_FD) instead of the single ones.
+//!   issues (EXPORT_OBJECTS_TO_FD, IMPORT_OBJECTS_FROM_FD) instead of the single ones. With
+//!   `--in-flight` the exporter closes the export file as soon as it is sent, as NCCL's proxy
+//!   does: in flight over the socket, no process holds it until the importer receives it.
 use std::fs::File;
 use std::io::Write;
 use std::os::fd::AsRawFd;
@@ -620,7 +622,7 @@ fn start_peer(args: &[&str]) -> Result<(i32, std::process::Child), String> {
     Ok((pair[0], child))
 }
 
-fn ipc(truth: &mut Truth, ms: u64, close_first: bool, batched: bool) -> Result<(), String> {
+fn ipc(truth: &mut Truth, ms: u64, (close_first, batched, in_flight): (bool, bool, bool)) -> Result<(), String> {
     let mut gpu = Gpu::open(0)?;
     let buffer = truth.alloc(&mut gpu, Path::RmAlloc, 3 * GIB).ok_or("alloc failed")?;
     let share = if batched { gpu.export_batched(&buffer) } else { gpu.export(&buffer) };
@@ -632,6 +634,8 @@ fn ipc(truth: &mut Truth, ms: u64, close_first: bool, batched: bool) -> Result<(
     peer.extend(batched.then_some("--batched"));
     let (socket, importer) = start_peer(&peer)?;
     send_fds(socket, &[share.as_raw_fd()], &[0u8; 12])?;
+    // In flight over the socket, held by no process until the importer receives it.
+    let share = (!in_flight).then_some(share);
     let mut ack = [0u8; 1];
     // SAFETY: read one byte from our end: the importer has its handle.
     unsafe { libc::read(socket, ack.as_mut_ptr().cast(), 1) };
@@ -710,7 +714,11 @@ fn main() -> ExitCode {
             value("--ms").and_then(|v| v.parse().ok()).unwrap_or(1000),
             value("--host-mib").and_then(|v| v.parse().ok()).unwrap_or(0),
         ),
-        Some("ipc") => ipc(&mut truth, value("--ms").and_then(|v| v.parse().ok()).unwrap_or(300), close_first, batched),
+        Some("ipc") => ipc(
+            &mut truth,
+            value("--ms").and_then(|v| v.parse().ok()).unwrap_or(300),
+            (close_first, batched, args.iter().any(|a| a == "--in-flight")),
+        ),
         Some("import") => import(
             &mut truth,
             value("--socket").and_then(|v| v.parse().ok()).unwrap_or(-1),
@@ -733,7 +741,7 @@ fn main() -> ExitCode {
         Some("collide") => collide(&mut truth),
         Some("oom") => oom(&mut truth, value("--bytes").and_then(|v| parse_bytes(&v)).unwrap_or(1 << 40)),
         _ => Err(
-            "usage: fake-workload paths|fork-holder|storm|oom|hold|vmm|fabric|pass-fd|ipc|repoint|own-table|reopen|by-number|unread-path|impostor|unfollowed-first|collide|classes [--close-first] [--batched] [--multicast] [--truth FILE] [--hold-ms N] [--count N] [--bytes B] [--ms N]"
+            "usage: fake-workload paths|fork-holder|storm|oom|hold|vmm|fabric|pass-fd|ipc|repoint|own-table|reopen|by-number|unread-path|impostor|unfollowed-first|collide|classes [--close-first] [--batched] [--in-flight] [--multicast] [--truth FILE] [--hold-ms N] [--count N] [--bytes B] [--ms N]"
                 .into(),
         ),
     };

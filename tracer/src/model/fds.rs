@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use super::{File, FileId, FreedBy, Model};
+use super::{AllocId, File, FileId, FreedBy, Model};
 
 /// NVIDIA fds followed across every process at once: far above what real workloads hold, and
 /// what keeps a crafted trace (every fork copying thousands) from using unbounded memory.
@@ -93,10 +93,11 @@ impl Model {
     }
 
     /// `fd` of `pid` now refers to `file`, opened or found. A file met again after its release
-    /// is a new one: the kernel gave a new file the address a released one had (where the
-    /// driver is loaded, a device file is found by that address at its first command, its open
-    /// unseen), or a descriptor of it went unseen (passed over a socket after its sender's last
-    /// close). Met while still held, its release went unseen (lost records), and the
+    /// is held anew: a descriptor of it went unseen (passed over a socket after its sender's
+    /// last close: its exports, parked at that close, hold their memory again), or the kernel
+    /// gave a new file the address a released one had (where the driver is loaded, a device file
+    /// is found by that address at its first command, its open unseen; an open's file is always
+    /// a new one). Met while still held, its release went unseen (lost records), and the
     /// descriptors that hold it count on.
     fn take_fd(&mut self, pid: u32, ts: u64, fd: i32, file: FileId, device: Device, cloexec: bool) {
         // The number's old file goes first: it may be this very file, released just now.
@@ -105,6 +106,7 @@ impl Model {
             Some(f) if f.released.is_none() => f.device = device,
             _ => {
                 self.files.insert(file, File { id: file, device, opened_by: pid, refs: 0, released: None });
+                self.unpark_exports(file);
             }
         }
         self.set_fd(pid, fd, file, cloexec, ts);
@@ -221,8 +223,11 @@ impl Model {
             self.drop_file_ref(ctl, ts);
         }
         // The kernel's client of an export goes with the file (rm_cleanup_file_private).
-        for id in self.exports.remove(&file).into_iter().flat_map(BTreeMap::into_values) {
-            self.drop_handle(id, ts, FreedBy::FileRelease);
+        if let Some(slots) = self.exports.remove(&file) {
+            for &id in slots.values() {
+                self.drop_handle(id, ts, FreedBy::FileRelease);
+            }
+            self.park_exports(file, slots);
         }
         // In a fixed order: the same trace reads the same every time.
         let mut clients: Vec<u32> = self.clients.iter().filter(|(_, c)| c.file == Some(file)).map(|(h, _)| *h).collect();
@@ -237,6 +242,36 @@ impl Model {
             if let Some(id) = self.uvm_ranges.remove(&key) {
                 self.release(id, ts, FreedBy::FileRelease);
             }
+        }
+    }
+
+    /// Keeps what a released file's exports still refer to, for the file met again (see
+    /// `parked_exports`); those whose memory is gone are dropped as the parked files double.
+    fn park_exports(&mut self, file: FileId, mut slots: BTreeMap<u16, AllocId>) {
+        let allocations = &self.allocations;
+        let live = |id: &AllocId| allocations[*id].freed.is_none();
+        slots.retain(|_, id| live(id));
+        if slots.is_empty() {
+            return;
+        }
+        self.parked_exports.insert(file, slots);
+        if self.parked_exports.len() > self.parked_limit {
+            self.parked_exports.retain(|_, slots| slots.values().any(live));
+            self.parked_limit = (2 * self.parked_exports.len()).max(64);
+        }
+    }
+
+    /// A released file met again holding what it was exported: it was in flight, never
+    /// released (a new open at its address is a new file id, never this one). Its exports hold
+    /// their memory again until its last close.
+    fn unpark_exports(&mut self, file: FileId) {
+        let Some(slots) = self.parked_exports.remove(&file) else { return };
+        let slots: BTreeMap<u16, AllocId> = slots.into_iter().filter(|(_, id)| self.allocations[*id].freed.is_none()).collect();
+        for id in slots.values() {
+            *self.handle_refs.entry(*id).or_default() += 1;
+        }
+        if !slots.is_empty() {
+            self.exports.insert(file, slots);
         }
     }
 

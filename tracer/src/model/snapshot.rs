@@ -401,10 +401,16 @@ impl<'a> Snapshot<'a> {
         }
     }
 
-    /// Objects exported to files, each under the handle its memory was written with.
+    /// Objects exported to files, each under the handle its memory was written with. Those of a
+    /// released file whose memory lives on are exported to it through an fd lent for it, whose
+    /// close at the end parks them again.
     fn exports(&mut self) {
-        let mut exports: Vec<((FileId, u16), AllocId)> =
-            self.model.exports.iter().flat_map(|(f, slots)| slots.iter().map(move |(slot, id)| ((*f, *slot), *id))).collect();
+        let model = self.model;
+        let live = |id: &AllocId| model.allocations[*id].freed.is_none();
+        let mut exports: Vec<((FileId, u16), AllocId)> = (model.exports.iter().chain(&model.parked_exports))
+            .flat_map(|(f, slots)| slots.iter().map(move |(slot, id)| ((*f, *slot), *id)))
+            .filter(|(_, id)| live(id))
+            .collect();
         exports.sort_unstable();
         for ((file, index), id) in exports {
             let Some(&(client, object)) = self.made.get(&id) else { continue };

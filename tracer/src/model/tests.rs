@@ -108,20 +108,10 @@ fn a_dup_keeps_memory_alive_until_its_last_handle() {
 /// in the kernel's client of the export file until the last process holding it closes it.
 #[test]
 fn an_exported_object_lives_until_the_last_close_of_its_file() {
-    const OTHER: u32 = 0xc1d0_0002;
-    let mut t = setup(10, false);
-    t.push(alloc(10, 10, 3, DEVICE, 0xa, 4 * GIB, 0));
-    t.push(open(11, 10, 4, 2, Device::Ctl, false));
-    t.push(rec(12, 10, Event::ExportObject { fd: 3, client: CLIENT, object: 0xa, to_fd: 4, status: 0 }));
-    // Pid 20, with a client of its own, receives the export file as its fd 7 (SCM_RIGHTS).
-    t.push(process(13, 20, 1, Seen::Launched));
-    t.push(open(14, 20, 3, 3, Device::Ctl, false));
-    t.push(rec(15, 20, Event::Object { fd: 3, client: OTHER, parent: OTHER, object: OTHER, class: 0x41, status: 0, gpu: None }));
-    t.push(rec(16, 20, Event::FdFound { fd: 7, file: 2, device: Device::Ctl }));
-    t.push(rec(17, 20, Event::ImportObject { fd: 3, client: OTHER, parent: OTHER, object: 0xb, from_fd: 7, status: 0 }));
+    let mut t = exported_and_imported(false);
     t.push(free(18, 10, 0xa));
     t.push(rec(19, 10, Event::Close { fd: 4 }));
-    t.push(rec(20, 20, Event::Free { fd: 3, via: Via::RmFree, client: OTHER, parent: 0, object: 0xb, status: 0 }));
+    t.push(free_import(20));
     let m = Model::from_records(&t);
     assert_eq!(m.allocations.len(), 1, "an export and an import are not new memory");
     assert_eq!(freed(&m, 0xa), None, "pid 20 still holds the export file");
@@ -137,6 +127,59 @@ fn an_exported_object_lives_until_the_last_close_of_its_file() {
     replay.apply(&rec(30, 20, Event::Close { fd: 7 }));
     assert_eq!(replay.live(Memory::Video), 0);
     assert_eq!(replay.allocations.iter().find(|a| a.bytes == 4 * GIB).unwrap().freed, Some((30, FreedBy::FileRelease)));
+}
+
+/// Pid 10 exports 4 GiB to a second nvidiactl file (its fd 4), and pid 20, with a client of its
+/// own, receives that file as its fd 7 (SCM_RIGHTS) and imports it as 0xb; `in_flight`: pid 10
+/// closes fd 4 as soon as it is sent, before pid 20 receives it.
+fn exported_and_imported(in_flight: bool) -> Vec<Record> {
+    let mut t = setup(10, false);
+    t.push(alloc(10, 10, 3, DEVICE, 0xa, 4 * GIB, 0));
+    t.push(open(11, 10, 4, 2, Device::Ctl, false));
+    t.push(rec(12, 10, Event::ExportObject { fd: 3, client: CLIENT, object: 0xa, to_fd: 4, status: 0 }));
+    t.extend(in_flight.then(|| rec(12, 10, Event::Close { fd: 4 })));
+    t.push(process(13, 20, 1, Seen::Launched));
+    t.push(open(14, 20, 3, 3, Device::Ctl, false));
+    t.push(rec(15, 20, Event::Object { fd: 3, client: IMPORTER, parent: IMPORTER, object: IMPORTER, class: 0x41, status: 0, gpu: None }));
+    t.push(rec(16, 20, Event::FdFound { fd: 7, file: 2, device: Device::Ctl }));
+    t.push(rec(17, 20, Event::ImportObject { fd: 3, client: IMPORTER, parent: IMPORTER, object: 0xb, from_fd: 7, status: 0 }));
+    t
+}
+
+/// Pid 20's client in [`exported_and_imported`].
+const IMPORTER: u32 = 0xc1d0_0002;
+
+fn free_import(ts: u64) -> Record {
+    rec(ts, 20, Event::Free { fd: 3, via: Via::RmFree, client: IMPORTER, parent: 0, object: 0xb, status: 0 })
+}
+
+/// The same, with the export file in flight over the socket at its sender's close (NCCL's proxy
+/// sends and closes at once): that close, the last seen, releases the file, but it is met again
+/// in pid 20, which imports from it. The import holds the memory after pid 10 frees its handle
+/// and exits, and the file's last close in pid 20 frees it; a snapshot cut anywhere agrees.
+#[test]
+fn an_export_file_in_flight_at_its_senders_close_keeps_its_exports() {
+    let mut t = exported_and_imported(true);
+    t.push(free(18, 10, 0xa));
+    t.push(rec(19, 10, Event::Exit { code: Some(0) }));
+    let held = t.len();
+    t.push(rec(20, 20, Event::Close { fd: 7 }));
+    t.push(free_import(21));
+    let m = Model::from_records(&t[..held]);
+    assert_eq!(freed(&m, 0xa), None, "pid 20's import holds it");
+    assert_eq!(m.check_books(), Ok(()));
+    let m = Model::from_records(&t);
+    assert_eq!(freed(&m, 0xa), Some((21, FreedBy::Explicit)), "freed with pid 20's handle, the export file gone before");
+    assert_eq!(m.check_books(), Ok(()));
+    for cut in 0..=t.len() {
+        for end in [held, t.len()] {
+            let whole = Model::from_records(&t[..end.max(cut)]);
+            let snapshot = Model::from_records(&t[..cut]).snapshot();
+            let rebuilt = Model::from_records(snapshot.iter().chain(&t[cut..end.max(cut)]));
+            assert_eq!(live_state(&rebuilt), live_state(&whole), "cut at {cut}, to {end}");
+            assert_eq!(rebuilt.check_books(), Ok(()), "cut at {cut}");
+        }
+    }
 }
 
 /// The memory a sticky fabric object is made over outlives its own handle's RM_FREE until the
