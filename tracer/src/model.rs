@@ -273,12 +273,14 @@ pub struct Model {
     /// reference on the memory held by the kernel's client of that nvidiactl file until its last
     /// close.
     exports: HashMap<FileId, BTreeMap<u16, AllocId>>,
-    /// The exports of files released at their last close seen, while their memory lives on
-    /// (other handles hold it): a file passed over a socket is in flight there, held by no fd,
-    /// when its sender closes it before the receiver's first use (NCCL's proxy sends and closes
-    /// at once), and is met again in the receiver, exports and all ([`Model::take_fd`]).
-    parked_exports: HashMap<FileId, BTreeMap<u16, AllocId>>,
-    /// How many parked files there may be before those whose memory is gone are dropped.
+    /// The exports of nvidiactl files released at their last close seen, while their memory
+    /// lives on (other handles hold it), with that close's time: a file passed over a socket is
+    /// in flight there, held by no fd, when its sender closes it before the receiver's first use
+    /// (NCCL's proxy sends and closes at once), and is met again in the receiver within
+    /// [`IN_FLIGHT_NS`], exports and all ([`Model::take_fd`]).
+    parked_exports: HashMap<FileId, (u64, BTreeMap<u16, AllocId>)>,
+    /// How many parked files there may be before those past their time or whose memory is gone
+    /// are dropped.
     parked_limit: usize,
     /// Sticky fabric objects (by their allocation) and the memory each keeps alive until it goes.
     holds: HashMap<AllocId, AllocId>,
@@ -294,6 +296,11 @@ pub struct Model {
 }
 
 const ORPHAN_FILE_BASE: FileId = 1 << 62;
+
+/// How long after its last close seen a file met again is taken to have been in flight over a
+/// socket (a receiver takes it within milliseconds), not a new file at a released one's
+/// kernel address (an open unseen: io_uring's, or a record lost).
+const IN_FLIGHT_NS: u64 = 10_000_000_000;
 
 impl Model {
     pub fn new() -> Self {

@@ -102,14 +102,22 @@ impl Model {
     fn take_fd(&mut self, pid: u32, ts: u64, fd: i32, file: FileId, device: Device, cloexec: bool) {
         // The number's old file goes first: it may be this very file, released just now.
         self.close_fd(pid, fd, ts);
-        match self.files.get_mut(&file) {
-            Some(f) if f.released.is_none() => f.device = device,
+        let met_again = match self.files.get_mut(&file) {
+            Some(f) if f.released.is_none() => {
+                f.device = device;
+                false
+            }
             _ => {
                 self.files.insert(file, File { id: file, device, opened_by: pid, refs: 0, released: None });
-                self.unpark_exports(file);
+                true
             }
-        }
+        };
         self.set_fd(pid, fd, file, cloexec, ts);
+        // Only an nvidiactl file the fd now holds (one over the fd limit is not held).
+        let held = self.processes.get(&pid).and_then(|p| p.fds.get(&fd)).is_some_and(|f| f.file == file);
+        if met_again && device == Device::Ctl && held {
+            self.unpark_exports(file, ts);
+        }
     }
 
     pub(super) fn on_fd_found(&mut self, pid: u32, ts: u64, fd: i32, file: FileId, device: Device) {
@@ -227,7 +235,9 @@ impl Model {
             for &id in slots.values() {
                 self.drop_handle(id, ts, FreedBy::FileRelease);
             }
-            self.park_exports(file, slots);
+            if self.files.get(&file).is_some_and(|f| f.device == Device::Ctl) {
+                self.park_exports(file, ts, slots);
+            }
         }
         // In a fixed order: the same trace reads the same every time.
         let mut clients: Vec<u32> = self.clients.iter().filter(|(_, c)| c.file == Some(file)).map(|(h, _)| *h).collect();
@@ -245,27 +255,30 @@ impl Model {
         }
     }
 
-    /// Keeps what a released file's exports still refer to, for the file met again (see
-    /// `parked_exports`); those whose memory is gone are dropped as the parked files double.
-    fn park_exports(&mut self, file: FileId, mut slots: BTreeMap<u16, AllocId>) {
+    /// Keeps what a released nvidiactl file's exports still refer to, for the file met again
+    /// soon (see `parked_exports`); those past their time or whose memory is gone are dropped as
+    /// the parked files double.
+    pub(super) fn park_exports(&mut self, file: FileId, ts: u64, mut slots: BTreeMap<u16, AllocId>) {
         let allocations = &self.allocations;
         let live = |id: &AllocId| allocations[*id].freed.is_none();
         slots.retain(|_, id| live(id));
         if slots.is_empty() {
             return;
         }
-        self.parked_exports.insert(file, slots);
+        self.parked_exports.insert(file, (ts, slots));
         if self.parked_exports.len() > self.parked_limit {
-            self.parked_exports.retain(|_, slots| slots.values().any(live));
+            self.parked_exports.retain(|_, (at, slots)| ts.saturating_sub(*at) <= super::IN_FLIGHT_NS && slots.values().any(live));
             self.parked_limit = (2 * self.parked_exports.len()).max(64);
         }
     }
 
-    /// A released file met again holding what it was exported: it was in flight, never
-    /// released (a new open at its address is a new file id, never this one). Its exports hold
-    /// their memory again until its last close.
-    fn unpark_exports(&mut self, file: FileId) {
-        let Some(slots) = self.parked_exports.remove(&file) else { return };
+    /// A released nvidiactl file met again soon after, holding what it was exported: it was in
+    /// flight, never released. Its exports hold their memory again until its last close.
+    fn unpark_exports(&mut self, file: FileId, ts: u64) {
+        let Some((at, slots)) = self.parked_exports.remove(&file) else { return };
+        if ts.saturating_sub(at) > super::IN_FLIGHT_NS {
+            return;
+        }
         let slots: BTreeMap<u16, AllocId> = slots.into_iter().filter(|(_, id)| self.allocations[*id].freed.is_none()).collect();
         for id in slots.values() {
             *self.handle_refs.entry(*id).or_default() += 1;

@@ -402,12 +402,13 @@ impl<'a> Snapshot<'a> {
     }
 
     /// Objects exported to files, each under the handle its memory was written with. Those of a
-    /// released file whose memory lives on are exported to it through an fd lent for it, whose
-    /// close at the end parks them again.
+    /// released file whose memory lives on (parked) are exported to it through an fd lent for
+    /// it, closed at the time of the file's last close seen: the replay parks them as then.
     fn exports(&mut self) {
         let model = self.model;
         let live = |id: &AllocId| model.allocations[*id].freed.is_none();
-        let mut exports: Vec<((FileId, u16), AllocId)> = (model.exports.iter().chain(&model.parked_exports))
+        let parked = model.parked_exports.iter().map(|(f, (_, slots))| (f, slots));
+        let mut exports: Vec<((FileId, u16), AllocId)> = (model.exports.iter().chain(parked))
             .flat_map(|(f, slots)| slots.iter().map(move |(slot, id)| ((*f, *slot), *id)))
             .filter(|(_, id)| live(id))
             .collect();
@@ -417,6 +418,13 @@ impl<'a> Snapshot<'a> {
             let Some((pid, to_fd)) = self.someone_with(file) else { continue };
             let objects = vec![object];
             self.push(self.at, pid, Event::ExportObjects { fd: -1, client, objects, index, more: 0, to_fd, status: 0 });
+        }
+        let mut closes: Vec<(FileId, u64)> = model.parked_exports.iter().map(|(f, (at, _))| (*f, *at)).collect();
+        closes.sort_unstable();
+        for (file, at) in closes {
+            let Some((&(pid, _), &fd)) = self.lent.iter().find(|((_, f), _)| *f == file) else { continue };
+            self.lent.remove(&(pid, file));
+            self.push(at, pid, Event::Close { fd });
         }
     }
 

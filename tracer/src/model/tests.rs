@@ -182,6 +182,25 @@ fn an_export_file_in_flight_at_its_senders_close_keeps_its_exports() {
     }
 }
 
+/// A file met again long after its last close seen (a new file at a released one's kernel
+/// address, its open unseen), or met as another device, is not the export file in flight: the
+/// exports parked at the close stay there, and the memory goes with pid 10's handle.
+#[test]
+fn a_released_export_file_met_late_or_as_another_device_takes_nothing_back() {
+    for (late, device) in [(IN_FLIGHT_NS + 13, Device::Ctl), (16, Device::Gpu)] {
+        let mut t = exported_and_imported(true);
+        for r in &mut t {
+            if let Event::FdFound { fd: 7, .. } = r.event {
+                *r = rec(late, 20, Event::FdFound { fd: 7, file: 2, device });
+            }
+        }
+        t.push(free(late + 2, 10, 0xa));
+        let m = Model::from_records(&t);
+        assert_eq!(freed(&m, 0xa), Some((late + 2, FreedBy::Explicit)), "met at {late} as {device:?}");
+        assert_eq!(m.check_books(), Ok(()));
+    }
+}
+
 /// The memory a sticky fabric object is made over outlives its own handle's RM_FREE until the
 /// fabric object goes (its dup in `mem_fabric.c`); a dup of the fabric object keeps both.
 #[test]
