@@ -519,6 +519,34 @@ fn an_open_whose_path_cannot_be_read_is_told_by_its_device_number() {
     assert!(!err.contains("asked about"), "none asked: {err}");
 }
 
+/// A GPU's device opened by openat2 (its flags in user memory) is seen opened, close-on-exec, so
+/// that the dup made before its first command is seen; with the driver's majors known and by path
+/// alone.
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn a_device_opened_by_openat2_is_seen_opened() {
+    use gputrace::event::{Device, Event};
+    let _root = as_root();
+    for majors in ["1,7", "off"] {
+        let (events, err) = record_with_null_uvm("openat2", "openat2", majors);
+        let opened: Vec<(i32, Device, bool)> = events
+            .iter()
+            .filter_map(|e| if let Event::Open { fd, device, cloexec, .. } = e { Some((*fd, *device, *cloexec)) } else { None })
+            .collect();
+        let [(gpu, Device::Gpu, true)] = opened[..] else {
+            panic!("{majors}: one open, of the GPU's device, close-on-exec: {events:?}\n{err}")
+        };
+        let dup = events.iter().find_map(|e| if let Event::Dup { old_fd, new_fd, .. } = e { Some((*old_fd, *new_fd)) } else { None });
+        assert!(dup.is_some_and(|(from, _)| from == gpu), "{majors}: the dup seen: {events:?}");
+        assert!(
+            events.iter().any(|e| matches!(e, Event::Close { fd } if Some(*fd) == dup.map(|d| d.1))),
+            "{majors}: the dup seen closed: {events:?}"
+        );
+        assert_eq!(events.iter().filter(|e| matches!(e, Event::Free { .. })).count(), 1, "{majors}: the command: {events:?}");
+        assert!(!events.iter().any(|e| matches!(e, Event::FdFound { .. })), "{majors}: not found later: {events:?}");
+    }
+}
+
 /// A fd found NVIDIA's by its device number at commands whose records are not sent (a UVM
 /// command on a GPU's file; an XFER wrapping an escape not followed) is not lost: its next
 /// command, an RM one, is recorded with the file found. The number was /proc/version's before,

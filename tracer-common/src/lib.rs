@@ -6,8 +6,6 @@
 pub const PARAMS_MAX: usize = 192;
 /// Bytes of an RM_ALLOC class params struct the kernel copies (NV_MEMORY_ALLOCATION_PARAMS is 128).
 pub const CLASS_PARAMS_MAX: usize = 128;
-/// Bytes of an opened path the kernel looks at ("/dev/nvidia-uvm-tools" is 21).
-pub const PATH_MAX: usize = 32;
 
 /// What a file descriptor is, as the kernel map records it.
 pub mod device {
@@ -217,7 +215,6 @@ pub struct OpenRecord {
     pub file: u64,
     pub device: u8,
     pub _pad: [u8; 7],
-    pub path: [u8; PATH_MAX],
 }
 
 /// BIND (`a` = fd, `b` = port), LISTEN and ACCEPT and CONN_CLOSE (`a` = fd), OOM_VICTIM (`a` = the

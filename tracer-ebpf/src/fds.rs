@@ -6,7 +6,6 @@ use super::*;
 struct Opening {
     flags: i32,
     device: u8,
-    path: [u8; PATH_MAX],
 }
 #[map]
 static OPENS: LruHashMap<u64, Opening> = LruHashMap::with_max_entries(1 << 12, 0);
@@ -27,6 +26,8 @@ struct Duping {
 #[map]
 static DUPS: LruHashMap<u64, Duping> = LruHashMap::with_max_entries(1 << 12, 0);
 
+/// Bytes of an opened path looked at ("/dev/nvidia-uvm-tools" is 21).
+const PATH_MAX: usize = 32;
 const O_CLOEXEC: i32 = 0o2000000;
 const O_ACCMODE: i32 = 0o3;
 const O_RDWR: i32 = 0o2;
@@ -89,10 +90,11 @@ fn open_enter(filename: u64, flags: i32) -> u32 {
     if read && head != *b"/dev/nvi" {
         return 0;
     }
-    let mut opening = Opening { flags, device: device::PENDING, path: [0; PATH_MAX] };
-    let path_read = read && unsafe { bpf_probe_read_user_str_bytes(filename as *const u8, &mut opening.path) }.is_ok();
+    let mut opening = Opening { flags, device: device::PENDING };
+    let mut path = [0u8; PATH_MAX];
+    let path_read = read && unsafe { bpf_probe_read_user_str_bytes(filename as *const u8, &mut path) }.is_ok();
     if path_read {
-        let Some(device) = classify(&opening.path) else {
+        let Some(device) = classify(&path) else {
             return 0;
         };
         opening.device = device;
@@ -103,7 +105,7 @@ fn open_enter(filename: u64, flags: i32) -> u32 {
     // Else a path in a page not faulted in yet (a tracepoint cannot fault it in; the open will):
     // the exit tells the file by its device number, so that the open is seen where it happens,
     // before a fork or dup of it. Rare, and only for reading and writing (a short path ending by
-    // unmapped memory comes here too). The path stays empty: the helper clears it when it fails.
+    // unmapped memory comes here too).
     if own_file_table() {
         return 0;
     }
@@ -143,6 +145,17 @@ pub fn open_enter_legacy(ctx: TracePointContext) -> u32 {
     open_enter(sys_arg(&ctx, 0), sys_arg(&ctx, 1) as i32)
 }
 
+/// openat2(2), whose flags are in user memory (`struct open_how`, flags first): an open like
+/// another. One whose flags cannot be read is found at its first command.
+#[tracepoint]
+pub fn openat2_enter(ctx: TracePointContext) -> u32 {
+    let mut flags = [0u8; 8];
+    if !read_user(flags.as_mut_ptr(), 8, sys_arg(&ctx, 2), 8) {
+        return 0;
+    }
+    open_enter(sys_arg(&ctx, 1), u64::from_ne_bytes(flags) as i32)
+}
+
 #[tracepoint]
 pub fn open_exit(ctx: TracePointContext) -> u32 {
     let pid_tgid = bpf_get_current_pid_tgid();
@@ -175,8 +188,7 @@ pub fn open_exit(ctx: TracePointContext) -> u32 {
         device => device,
     };
     count_refused("FDS", remember_fd(&key, device, 0));
-    let record =
-        OpenRecord { header: header(kind::OPEN), fd: fd as i32, flags: opening.flags, file, device, _pad: [0; 7], path: opening.path };
+    let record = OpenRecord { header: header(kind::OPEN), fd: fd as i32, flags: opening.flags, file, device, _pad: [0; 7] };
     if EVENTS.output::<OpenRecord>(&record, 0).is_err() {
         bump(stat::LOST);
     }

@@ -28,7 +28,7 @@ use aya_log_ebpf::warn;
 use tracer_common::{
     alloc, control, control_params_size, device, escape, ioc_nr, ioc_size, ioctl_flag, kind, rm_cmd, rm_command_traced, rm_escape_traced,
     stat, traced, u32_at, u64_at, uvm_command_traced, xfer, Config, ExecRecord, FdKey, FdRecord, Header, IoctlRecord, KernelOffsets,
-    OpenRecord, Reading, SockRecord, UvmWindow, CALL_SLOTS, CLASS_PARAMS_MAX, EXEC_ARGS, PARAMS_MAX, PATH_MAX, PID_SLOTS, SOCK_HEAD_MAX,
+    OpenRecord, Reading, SockRecord, UvmWindow, CALL_SLOTS, CLASS_PARAMS_MAX, EXEC_ARGS, PARAMS_MAX, PID_SLOTS, SOCK_HEAD_MAX,
 };
 
 #[map]

@@ -49,7 +49,6 @@ pub enum RawKind {
         fd: i32,
         flags: i32,
         device: Option<Device>,
-        path: String,
         file: u64,
     },
     Close {
@@ -170,7 +169,7 @@ pub fn parse_record(bytes: &[u8]) -> Result<Raw, DecodeError> {
         }
         kind::OPEN => {
             let r: OpenRecord = read(bytes, k)?;
-            RawKind::Open { fd: r.fd, flags: r.flags, device: device_from_kernel(r.device), path: c_string(&r.path), file: r.file }
+            RawKind::Open { fd: r.fd, flags: r.flags, device: device_from_kernel(r.device), file: r.file }
         }
         kind::CLOSE => {
             let r = fd_record()?;

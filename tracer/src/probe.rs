@@ -53,6 +53,8 @@ pub const HOOKS: &[Hook] = &[
     optional("open_enter_legacy", "syscalls", "sys_enter_open"),
     hook("open_exit", "syscalls", "sys_exit_openat"),
     optional("open_exit", "syscalls", "sys_exit_open"),
+    optional("openat2_enter", "syscalls", "sys_enter_openat2"),
+    optional("open_exit", "syscalls", "sys_exit_openat2"),
     hook("close_enter", "syscalls", "sys_enter_close"),
     hook("dup_enter_plain", "syscalls", "sys_enter_dup"),
     optional("dup2_enter", "syscalls", "sys_enter_dup2"),

@@ -372,6 +372,30 @@ fn unread_path() -> Result<(), String> {
     Ok(())
 }
 
+/// A GPU's device opened by openat2(2), for reading and writing and close-on-exec, a dup of it,
+/// the dup closed, then an RM command on the first fd.
+fn openat2() -> Result<(), String> {
+    let path = std::ffi::CString::new("/dev/nvidia0").map_err(|e| e.to_string())?;
+    // SAFETY: an open_how is plain integers, all zero but the flags.
+    let mut how: libc::open_how = unsafe { std::mem::zeroed() };
+    how.flags = (libc::O_RDWR | libc::O_CLOEXEC) as u64;
+    // SAFETY: openat2(2) of a C string and an open_how of the size given; dup(2) and close(2)
+    // of the fd it returned.
+    let gpu = unsafe {
+        libc::syscall(libc::SYS_openat2, libc::AT_FDCWD, path.as_ptr(), &how as *const libc::open_how, size_of::<libc::open_how>())
+    } as i32;
+    if gpu < 0 {
+        return Err(format!("openat2 of /dev/nvidia0: {}", std::io::Error::last_os_error()));
+    }
+    let dup = unsafe { libc::dup(gpu) };
+    if dup < 0 {
+        return Err(format!("dup: {}", std::io::Error::last_os_error()));
+    }
+    unsafe { libc::close(dup) };
+    rm_free(gpu);
+    Ok(())
+}
+
 /// Opens `path` for reading and writing, passing the open a copy of it in a shared mapping of a
 /// memfd that nothing has read yet: its page is not present until the open's own copy faults it
 /// in. A mapping of its own, so that no earlier fault mapped it around another page.
@@ -737,11 +761,12 @@ fn main() -> ExitCode {
         Some("by-number") => by_number(),
         Some("impostor") => impostor(),
         Some("unread-path") => unread_path(),
+        Some("openat2") => openat2(),
         Some("unfollowed-first") => unfollowed_first(),
         Some("collide") => collide(&mut truth),
         Some("oom") => oom(&mut truth, value("--bytes").and_then(|v| parse_bytes(&v)).unwrap_or(1 << 40)),
         _ => Err(
-            "usage: fake-workload paths|fork-holder|storm|oom|hold|vmm|fabric|pass-fd|ipc|repoint|own-table|reopen|by-number|unread-path|impostor|unfollowed-first|collide|classes [--close-first] [--batched] [--in-flight] [--multicast] [--truth FILE] [--hold-ms N] [--count N] [--bytes B] [--ms N]"
+            "usage: fake-workload paths|fork-holder|storm|oom|hold|vmm|fabric|pass-fd|ipc|repoint|own-table|reopen|by-number|unread-path|openat2|impostor|unfollowed-first|collide|classes [--close-first] [--batched] [--in-flight] [--multicast] [--truth FILE] [--hold-ms N] [--count N] [--bytes B] [--ms N]"
                 .into(),
         ),
     };
