@@ -398,11 +398,12 @@ impl Iterator for Reader {
             if matches!(line, Line::Kept) && bytes.iter().all(u8::is_ascii_whitespace) {
                 continue;
             }
-            // Invalid UTF-8 inside a string is an error of serde_json's, like any other damage.
+            // The line is checked to be UTF-8 once, whole (quick for ASCII), so that serde_json
+            // need not check each string in it; invalid UTF-8 is damage like any other.
             match line {
-                Line::Kept => match serde_json::from_slice(bytes) {
-                    Ok(record) => return Some(Ok(record)),
-                    Err(_) => self.pending_error = Some(self.line_no),
+                Line::Kept => match std::str::from_utf8(bytes).map(serde_json::from_str) {
+                    Ok(Ok(record)) => return Some(Ok(record)),
+                    _ => self.pending_error = Some(self.line_no),
                 },
                 Line::TooLong => self.pending_error = Some(self.line_no),
             }
