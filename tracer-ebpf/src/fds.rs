@@ -31,6 +31,10 @@ const PATH_MAX: usize = 32;
 const O_CLOEXEC: i32 = 0o2000000;
 const O_ACCMODE: i32 = 0o3;
 const O_RDWR: i32 = 0o2;
+/// A fd that names a file without opening it: no ioctl can be sent on it.
+const O_PATH: i32 = 0o10000000;
+/// openat2's resolve flag that makes an absolute path start at the directory given.
+const RESOLVE_IN_ROOT: u64 = 0x10;
 const F_DUPFD: u64 = 0;
 const F_SETFD: u64 = 2;
 const F_DUPFD_CLOEXEC: u64 = 1030;
@@ -70,13 +74,14 @@ fn classify(path: &[u8; PATH_MAX]) -> Option<u8> {
 }
 
 /// `filename` and `flags`: the syscall's arguments (openat has a directory first; the callers
-/// read them, at offsets the verifier sees are constant).
-fn open_enter(filename: u64, flags: i32) -> u32 {
+/// read them, at offsets the verifier sees are constant). `rooted`: the path is resolved under
+/// a directory the caller chose (openat2's RESOLVE_IN_ROOT), so it says nothing of the file.
+fn open_enter(filename: u64, flags: i32, rooted: bool) -> u32 {
     // Where the driver's majors are known, only an open for reading and writing (as NVIDIA's
     // libraries open its devices) has its path read, the costliest part of this program: a
     // device opened any other way is found by its device number at its first NVIDIA-looking
     // ioctl (ioctl::first_call), before anything of it is recorded.
-    if flags & O_ACCMODE != O_RDWR && majors_known() {
+    if flags & O_PATH != 0 || (flags & O_ACCMODE != O_RDWR && majors_known()) {
         return 0;
     }
     let pid_tgid = bpf_get_current_pid_tgid();
@@ -86,7 +91,7 @@ fn open_enter(filename: u64, flags: i32) -> u32 {
     // Every process's opens come here: eight bytes tell almost all of them apart before the
     // path is copied whole.
     let mut head = [0u8; 8];
-    let read = read_user(head.as_mut_ptr(), 8, filename, 8);
+    let read = !rooted && read_user(head.as_mut_ptr(), 8, filename, 8);
     if read && head != *b"/dev/nvi" {
         return 0;
     }
@@ -102,7 +107,8 @@ fn open_enter(filename: u64, flags: i32) -> u32 {
         // Found at its first NVIDIA-looking command, by userspace's answer.
         return 0;
     }
-    // Else a path in a page not faulted in yet (a tracepoint cannot fault it in; the open will):
+    // Else a path in a page not faulted in yet (a tracepoint cannot fault it in; the open will),
+    // or one under a root of the caller's choosing:
     // the exit tells the file by its device number, so that the open is seen where it happens,
     // before a fork or dup of it. Rare, and only for reading and writing (a short path ending by
     // unmapped memory comes here too).
@@ -137,23 +143,32 @@ fn take_unread_open(pid_tgid: u64) -> bool {
 
 #[tracepoint]
 pub fn openat_enter(ctx: TracePointContext) -> u32 {
-    open_enter(sys_arg(&ctx, 1), sys_arg(&ctx, 2) as i32)
+    open_enter(sys_arg(&ctx, 1), sys_arg(&ctx, 2) as i32, false)
 }
 
 #[tracepoint]
 pub fn open_enter_legacy(ctx: TracePointContext) -> u32 {
-    open_enter(sys_arg(&ctx, 0), sys_arg(&ctx, 1) as i32)
+    open_enter(sys_arg(&ctx, 0), sys_arg(&ctx, 1) as i32, false)
 }
 
-/// openat2(2), whose flags are in user memory (`struct open_how`, flags first): an open like
-/// another. One whose flags cannot be read is found at its first command.
+/// openat2(2), whose flags are in user memory (`struct open_how`: flags, mode, resolve), read
+/// for traced processes only: an open like another. One whose open_how cannot be read (in a
+/// page not faulted in yet) is taken as an open for reading and writing. Its close-on-exec bit
+/// is read from the fd table at the exit, as every recorded open's is: another thread may change
+/// the flags between this read and the kernel's.
 #[tracepoint]
 pub fn openat2_enter(ctx: TracePointContext) -> u32 {
-    let mut flags = [0u8; 8];
-    if !read_user(flags.as_mut_ptr(), 8, sys_arg(&ctx, 2), 8) {
+    if !is_traced((bpf_get_current_pid_tgid() >> 32) as u32) {
         return 0;
     }
-    open_enter(sys_arg(&ctx, 1), u64::from_ne_bytes(flags) as i32)
+    let mut how = [0u8; 24];
+    if !read_user(how.as_mut_ptr(), 24, sys_arg(&ctx, 2), 24) {
+        return open_enter(sys_arg(&ctx, 1), O_RDWR, false);
+    }
+    let field = |at: usize| {
+        u64::from_ne_bytes([how[at], how[at + 1], how[at + 2], how[at + 3], how[at + 4], how[at + 5], how[at + 6], how[at + 7]])
+    };
+    open_enter(sys_arg(&ctx, 1), field(0) as i32, field(16) & RESOLVE_IN_ROOT != 0)
 }
 
 #[tracepoint]
@@ -169,7 +184,8 @@ pub fn open_exit(ctx: TracePointContext) -> u32 {
     if fd < 0 {
         return 0;
     }
-    let file = file_of(fd as u32);
+    let slot = FdSlot::of(fd as u32);
+    let file = slot.file();
     let key = FdKey { tgid: (pid_tgid >> 32) as u32, fd: fd as u32 };
     let device = match opening.device {
         // Told by its device number alone: NVIDIA's, or not followed.
@@ -188,7 +204,12 @@ pub fn open_exit(ctx: TracePointContext) -> u32 {
         device => device,
     };
     count_refused("FDS", remember_fd(&key, device, 0));
-    let record = OpenRecord { header: header(kind::OPEN), fd: fd as i32, flags: opening.flags, file, device, _pad: [0; 7] };
+    // The close-on-exec bit as the fd table has it, read after the fd is remembered (an F_SETFD
+    // from another thread is either in it or followed); the open's own flag where the table
+    // cannot be read.
+    let cloexec = slot.close_on_exec().unwrap_or(opening.flags & O_CLOEXEC != 0);
+    let flags = if cloexec { opening.flags | O_CLOEXEC } else { opening.flags & !O_CLOEXEC };
+    let record = OpenRecord { header: header(kind::OPEN), fd: fd as i32, flags, file, device, _pad: [0; 7] };
     if EVENTS.output::<OpenRecord>(&record, 0).is_err() {
         bump(stat::LOST);
     }

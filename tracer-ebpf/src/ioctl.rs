@@ -237,7 +237,7 @@ fn first_call(key: &FdKey, unseen: bool, cmd: u32) -> Option<(u8, u8, u64)> {
     // come after the flag changed, and /proc/PID/fdinfo of whatever the number names by then, an
     // epoll fd's, can be made costly), and after the fd is remembered, so that an F_SETFD from
     // another thread is either in the bit or followed.
-    let cloexec = if slot.close_on_exec() { ioctl_flag::CLOEXEC } else { 0 };
+    let cloexec = if slot.close_on_exec() == Some(true) { ioctl_flag::CLOEXEC } else { 0 };
     let flags = if found.is_some() { ioctl_flag::BY_NUMBER } else { ioctl_flag::QUESTION };
     Some((state, flags | cloexec, file))
 }
@@ -526,7 +526,7 @@ fn fill_control(record: &mut IoctlRecord, ret: i64) -> bool {
         // Read after the fd is remembered, so that an F_SETFD from another thread is either
         // in the bit or followed. Userspace meets the fd here, not at its open (one received
         // over a socket): an exec closes it when this is set.
-        if slot.close_on_exec() {
+        if slot.close_on_exec() == Some(true) {
             record.flags |= ioctl_flag::NAMED_CLOEXEC;
         }
     }

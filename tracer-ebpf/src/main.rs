@@ -291,18 +291,22 @@ impl FdSlot {
         file
     }
 
-    /// Whether the fd is close-on-exec (its bit in `fdt->close_on_exec`); false when it cannot be
+    /// Whether the fd is close-on-exec (its bit in `fdt->close_on_exec`); None when it cannot be
     /// read.
     #[inline(always)]
-    fn close_on_exec(self) -> bool {
-        let Some(o) = OFFSETS.get(0) else { return false };
+    fn close_on_exec(self) -> Option<bool> {
+        let o = OFFSETS.get(0)?;
         if self.fdt == 0 || o.fdtable_close_on_exec == 0 {
-            return false;
+            return None;
         }
         let bits = read_pointer(self.fdt + o.fdtable_close_on_exec as u64);
+        if bits == 0 {
+            return None;
+        }
         let fd = self.fd;
         // An array of unsigned longs: 64 bits each on the 64-bit kernels gputrace runs on.
-        bits != 0 && (read_pointer(bits + 8 * (fd / 64) as u64) >> (fd % 64)) & 1 != 0
+        let word = unsafe { bpf_probe_read_kernel((bits + 8 * (fd / 64) as u64) as *const u64) }.ok()?;
+        Some((word >> (fd % 64)) & 1 != 0)
     }
 }
 

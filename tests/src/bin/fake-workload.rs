@@ -372,56 +372,84 @@ fn unread_path() -> Result<(), String> {
     Ok(())
 }
 
-/// A GPU's device opened by openat2(2), for reading and writing and close-on-exec, a dup of it,
-/// the dup closed, then an RM command on the first fd.
+/// A GPU's device opened by openat2(2), for reading and writing and close-on-exec, its
+/// `struct open_how` in a page not faulted in yet (its flags cannot be read at the entry), a dup
+/// of it, the dup closed, then an RM command on the first fd. Then a regular file at
+/// `dev/nvidia0` of a directory of its own, opened by openat2 with RESOLVE_IN_ROOT as
+/// "/dev/nvidia0" and sent a command, and the GPU's device opened again with O_PATH (no command
+/// can be sent on that fd): neither is NVIDIA's device.
 fn openat2() -> Result<(), String> {
-    let path = std::ffi::CString::new("/dev/nvidia0").map_err(|e| e.to_string())?;
-    // SAFETY: an open_how is plain integers, all zero but the flags.
-    let mut how: libc::open_how = unsafe { std::mem::zeroed() };
-    how.flags = (libc::O_RDWR | libc::O_CLOEXEC) as u64;
-    // SAFETY: openat2(2) of a C string and an open_how of the size given; dup(2) and close(2)
-    // of the fd it returned.
-    let gpu = unsafe {
-        libc::syscall(libc::SYS_openat2, libc::AT_FDCWD, path.as_ptr(), &how as *const libc::open_how, size_of::<libc::open_how>())
-    } as i32;
-    if gpu < 0 {
-        return Err(format!("openat2 of /dev/nvidia0: {}", std::io::Error::last_os_error()));
-    }
+    let open = |dir: i32, path: &str, flags: i32, resolve: u64, untouched: bool| -> Result<i32, String> {
+        let path_c = std::ffi::CString::new(path).map_err(|e| e.to_string())?;
+        // SAFETY: an open_how is plain integers.
+        let mut how: libc::open_how = unsafe { std::mem::zeroed() };
+        how.flags = flags as u64;
+        how.resolve = resolve;
+        // SAFETY: an open_how's bytes, read as such.
+        let bytes = unsafe { std::slice::from_raw_parts((&how as *const libc::open_how).cast::<u8>(), size_of::<libc::open_how>()) };
+        let how_at = if untouched { untouched_copy(bytes, "the open_how")? } else { bytes.as_ptr() };
+        // SAFETY: openat2(2) of a C string and an open_how of the size given, alive for the call.
+        let fd = unsafe { libc::syscall(libc::SYS_openat2, dir, path_c.as_ptr(), how_at, size_of::<libc::open_how>()) } as i32;
+        if fd < 0 {
+            return Err(format!("openat2 of {path}: {}", std::io::Error::last_os_error()));
+        }
+        Ok(fd)
+    };
+    let gpu = open(libc::AT_FDCWD, "/dev/nvidia0", libc::O_RDWR | libc::O_CLOEXEC, 0, true)?;
+    // SAFETY: dup(2) and close(2) of the fd just opened.
     let dup = unsafe { libc::dup(gpu) };
     if dup < 0 {
         return Err(format!("dup: {}", std::io::Error::last_os_error()));
     }
     unsafe { libc::close(dup) };
     rm_free(gpu);
+    let root = std::env::temp_dir().join(format!("gputrace-openat2-{}", std::process::id()));
+    std::fs::create_dir_all(root.join("dev")).map_err(|e| format!("{}: {e}", root.display()))?;
+    File::create(root.join("dev/nvidia0")).map_err(|e| format!("{}: {e}", root.display()))?;
+    let dir = File::open(&root).map_err(|e| format!("{}: {e}", root.display()))?;
+    let rooted = open(dir.as_raw_fd(), "/dev/nvidia0", libc::O_RDWR, libc::RESOLVE_IN_ROOT, false);
+    std::fs::remove_dir_all(&root).ok();
+    rm_free(rooted?);
+    // SAFETY: open(2) of a C string.
+    if unsafe { libc::open(c"/dev/nvidia0".as_ptr(), libc::O_PATH | libc::O_RDWR) } < 0 {
+        return Err(format!("/dev/nvidia0 with O_PATH: {}", std::io::Error::last_os_error()));
+    }
     Ok(())
 }
 
-/// Opens `path` for reading and writing, passing the open a copy of it in a shared mapping of a
-/// memfd that nothing has read yet: its page is not present until the open's own copy faults it
-/// in. A mapping of its own, so that no earlier fault mapped it around another page.
+/// Opens `path` for reading and writing, passing the open a copy of it in a page not faulted in
+/// yet ([`untouched_copy`]): the open's own copy faults it in.
 fn open_from_untouched_page(path: &str) -> Result<i32, String> {
     let bytes = std::ffi::CString::new(path).map_err(|e| e.to_string())?;
-    // SAFETY: memfd_create(2) of a C string, write(2) of a buffer this function holds, mmap(2)
-    // of that fd (the mapping and fd are left to the process's exit), open(2) of a string in the
-    // mapping, which holds its terminating NUL.
+    let at = untouched_copy(bytes.as_bytes_with_nul(), path)?;
+    // SAFETY: open(2) of a string in a mapping left to the process's exit, which holds its
+    // terminating NUL.
+    let opened = unsafe { libc::open(at.cast(), libc::O_RDWR) };
+    if opened < 0 {
+        return Err(format!("{path} for reading and writing: {}", std::io::Error::last_os_error()));
+    }
+    Ok(opened)
+}
+
+/// A copy of `bytes` (`what`) in a shared mapping of a memfd that nothing has read yet: its page
+/// is not present until something faults it in, which a syscall tracepoint cannot. A mapping of
+/// its own, so that no earlier fault mapped it around another page. Left to the process's exit.
+fn untouched_copy(bytes: &[u8], what: &str) -> Result<*const u8, String> {
+    // SAFETY: memfd_create(2) of a C string, write(2) of a buffer the caller holds, mmap(2) of
+    // that fd.
     unsafe {
-        let fd = libc::memfd_create(c"path".as_ptr(), 0);
-        let len = bytes.as_bytes_with_nul().len();
-        if fd < 0 || libc::write(fd, bytes.as_ptr().cast(), len) != len as isize {
-            return Err(format!("the memfd for {path}: {}", std::io::Error::last_os_error()));
+        let fd = libc::memfd_create(c"untouched".as_ptr(), 0);
+        if fd < 0 || libc::write(fd, bytes.as_ptr().cast(), bytes.len()) != bytes.len() as isize {
+            return Err(format!("the memfd for {what}: {}", std::io::Error::last_os_error()));
         }
-        let page = libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_SHARED, fd, 0);
+        let page = libc::mmap(std::ptr::null_mut(), bytes.len(), libc::PROT_READ, libc::MAP_SHARED, fd, 0);
         if page == libc::MAP_FAILED {
-            return Err(format!("mmap of the memfd for {path}: {}", std::io::Error::last_os_error()));
+            return Err(format!("mmap of the memfd for {what}: {}", std::io::Error::last_os_error()));
         }
         if page_present(page as u64)? {
-            return Err(format!("the page holding {path} is present before the open: the test would not test anything"));
+            return Err(format!("the page holding {what} is present before the open: the test would not test anything"));
         }
-        let opened = libc::open(page.cast(), libc::O_RDWR);
-        if opened < 0 {
-            return Err(format!("{path} for reading and writing: {}", std::io::Error::last_os_error()));
-        }
-        Ok(opened)
+        Ok(page.cast())
     }
 }
 
