@@ -520,33 +520,33 @@ fn an_open_whose_path_cannot_be_read_is_told_by_its_device_number() {
 }
 
 /// A GPU's device opened by openat2 (its flags in user memory, here in a page not faulted in
-/// yet) is seen opened, close-on-exec (as the fd table has it), so that the dup made before its
-/// first command is seen; a regular file at /dev/nvidia0 under a root of the user's choosing
-/// (RESOLVE_IN_ROOT) and an O_PATH open of the device are not followed. With the driver's
-/// majors known and by path alone.
+/// yet) is told by its device number: seen opened where the driver's majors are known,
+/// close-on-exec as the fd table has it, so that the dup made before its first command is seen;
+/// by path alone (no majors), found at its first command. Neither way is a regular file at
+/// /dev/nvidia0 under a root of the caller's choosing (RESOLVE_IN_ROOT), or an O_PATH open of
+/// the device, followed.
 #[test]
 #[ignore = "needs root: `sudo cargo xtask test` runs it"]
-fn a_device_opened_by_openat2_is_seen_opened() {
+fn a_device_opened_by_openat2_is_told_by_its_device_number() {
     use gputrace::event::{Device, Event};
     let _root = as_root();
-    for majors in ["1,7", "off"] {
-        let (events, err) = record_with_null_uvm("openat2", "openat2", majors);
-        let opened: Vec<(i32, Device, bool)> = events
+    let opened = |events: &[Event]| -> Vec<(i32, Device, bool)> {
+        events
             .iter()
             .filter_map(|e| if let Event::Open { fd, device, cloexec, .. } = e { Some((*fd, *device, *cloexec)) } else { None })
-            .collect();
-        let [(gpu, Device::Gpu, true)] = opened[..] else {
-            panic!("{majors}: one open, of the GPU's device, close-on-exec: {events:?}\n{err}")
-        };
-        let dup = events.iter().find_map(|e| if let Event::Dup { old_fd, new_fd, .. } = e { Some((*old_fd, *new_fd)) } else { None });
-        assert!(dup.is_some_and(|(from, _)| from == gpu), "{majors}: the dup seen: {events:?}");
-        assert!(
-            events.iter().any(|e| matches!(e, Event::Close { fd } if Some(*fd) == dup.map(|d| d.1))),
-            "{majors}: the dup seen closed: {events:?}"
-        );
-        assert_eq!(events.iter().filter(|e| matches!(e, Event::Free { .. })).count(), 1, "{majors}: the GPU's command only: {events:?}");
-        assert!(!events.iter().any(|e| matches!(e, Event::FdFound { .. })), "{majors}: nothing found later: {events:?}");
-    }
+            .collect()
+    };
+    let found = |events: &[Event]| events.iter().filter(|e| matches!(e, Event::FdFound { .. })).count();
+    let commands = |events: &[Event]| events.iter().filter(|e| matches!(e, Event::Free { .. })).count();
+    let (events, err) = record_with_null_uvm("openat2", "openat2", "1,7");
+    let [(gpu, Device::Gpu, true)] = opened(&events)[..] else { panic!("one open, of the GPU's device, close-on-exec: {events:?}\n{err}") };
+    let dup = events.iter().find_map(|e| if let Event::Dup { old_fd, new_fd, .. } = e { Some((*old_fd, *new_fd)) } else { None });
+    assert!(dup.is_some_and(|(from, _)| from == gpu), "the dup seen: {events:?}");
+    assert!(events.iter().any(|e| matches!(e, Event::Close { fd } if Some(*fd) == dup.map(|d| d.1))), "the dup seen closed: {events:?}");
+    assert_eq!((commands(&events), found(&events)), (1, 0), "the GPU's command only, nothing found later: {events:?}");
+    let (events, err) = record_with_null_uvm("openat2", "openat2", "off");
+    assert_eq!(opened(&events), [], "by path alone, nothing at its open: {events:?}\n{err}");
+    assert_eq!((commands(&events), found(&events)), (1, 1), "the GPU found at its command, nothing else: {events:?}");
 }
 
 /// A fd found NVIDIA's by its device number at commands whose records are not sent (a UVM

@@ -33,8 +33,6 @@ const O_ACCMODE: i32 = 0o3;
 const O_RDWR: i32 = 0o2;
 /// A fd that names a file without opening it: no ioctl can be sent on it.
 const O_PATH: i32 = 0o10000000;
-/// openat2's resolve flag that makes an absolute path start at the directory given.
-const RESOLVE_IN_ROOT: u64 = 0x10;
 const F_DUPFD: u64 = 0;
 const F_SETFD: u64 = 2;
 const F_DUPFD_CLOEXEC: u64 = 1030;
@@ -74,9 +72,9 @@ fn classify(path: &[u8; PATH_MAX]) -> Option<u8> {
 }
 
 /// `filename` and `flags`: the syscall's arguments (openat has a directory first; the callers
-/// read them, at offsets the verifier sees are constant). `rooted`: the path is resolved under
-/// a directory the caller chose (openat2's RESOLVE_IN_ROOT), so it says nothing of the file.
-fn open_enter(filename: u64, flags: i32, rooted: bool) -> u32 {
+/// read them, at offsets the verifier sees are constant). `by_number`: the path is not to be
+/// trusted to say what the file is (see openat2_enter).
+fn open_enter(filename: u64, flags: i32, by_number: bool) -> u32 {
     // Where the driver's majors are known, only an open for reading and writing (as NVIDIA's
     // libraries open its devices) has its path read, the costliest part of this program: a
     // device opened any other way is found by its device number at its first NVIDIA-looking
@@ -91,7 +89,7 @@ fn open_enter(filename: u64, flags: i32, rooted: bool) -> u32 {
     // Every process's opens come here: eight bytes tell almost all of them apart before the
     // path is copied whole.
     let mut head = [0u8; 8];
-    let read = !rooted && read_user(head.as_mut_ptr(), 8, filename, 8);
+    let read = !by_number && read_user(head.as_mut_ptr(), 8, filename, 8);
     if read && head != *b"/dev/nvi" {
         return 0;
     }
@@ -108,7 +106,7 @@ fn open_enter(filename: u64, flags: i32, rooted: bool) -> u32 {
         return 0;
     }
     // Else a path in a page not faulted in yet (a tracepoint cannot fault it in; the open will),
-    // or one under a root of the caller's choosing:
+    // or one not trusted:
     // the exit tells the file by its device number, so that the open is seen where it happens,
     // before a fork or dup of it. Rare, and only for reading and writing (a short path ending by
     // unmapped memory comes here too).
@@ -151,24 +149,20 @@ pub fn open_enter_legacy(ctx: TracePointContext) -> u32 {
     open_enter(sys_arg(&ctx, 0), sys_arg(&ctx, 1) as i32, false)
 }
 
-/// openat2(2), whose flags are in user memory (`struct open_how`: flags, mode, resolve), read
-/// for traced processes only: an open like another. One whose open_how cannot be read (in a
-/// page not faulted in yet) is taken as an open for reading and writing. Its close-on-exec bit
-/// is read from the fd table at the exit, as every recorded open's is: another thread may change
-/// the flags between this read and the kernel's.
+/// openat2(2): told by its file's device number alone, where the driver's majors are known (its
+/// resolve flags can root an absolute path under a directory the caller chose, and they are in
+/// user memory another thread can change before the kernel copies them); otherwise found at its
+/// first command. Its flags (`struct open_how`'s first field) are read for traced processes
+/// only, to pass over what other opens pass over; one whose flags cannot be read is taken as an
+/// open for reading and writing. Its close-on-exec bit is read from the fd table at the exit.
 #[tracepoint]
 pub fn openat2_enter(ctx: TracePointContext) -> u32 {
     if !is_traced((bpf_get_current_pid_tgid() >> 32) as u32) {
         return 0;
     }
-    let mut how = [0u8; 24];
-    if !read_user(how.as_mut_ptr(), 24, sys_arg(&ctx, 2), 24) {
-        return open_enter(sys_arg(&ctx, 1), O_RDWR, false);
-    }
-    let field = |at: usize| {
-        u64::from_ne_bytes([how[at], how[at + 1], how[at + 2], how[at + 3], how[at + 4], how[at + 5], how[at + 6], how[at + 7]])
-    };
-    open_enter(sys_arg(&ctx, 1), field(0) as i32, field(16) & RESOLVE_IN_ROOT != 0)
+    let mut flags = [0u8; 8];
+    let flags = if read_user(flags.as_mut_ptr(), 8, sys_arg(&ctx, 2), 8) { u64::from_ne_bytes(flags) as i32 } else { O_RDWR };
+    open_enter(sys_arg(&ctx, 1), flags, true)
 }
 
 #[tracepoint]
@@ -204,9 +198,10 @@ pub fn open_exit(ctx: TracePointContext) -> u32 {
         device => device,
     };
     count_refused("FDS", remember_fd(&key, device, 0));
-    // The close-on-exec bit as the fd table has it, read after the fd is remembered (an F_SETFD
-    // from another thread is either in it or followed); the open's own flag where the table
-    // cannot be read.
+    // The close-on-exec bit as the fd table has it, read after the fd is remembered: an F_SETFD
+    // from another thread that enters after that is followed (one that entered before and has
+    // not yet changed the bit changes it unseen: a race left open). The open's own flag where
+    // the table cannot be read.
     let cloexec = slot.close_on_exec().unwrap_or(opening.flags & O_CLOEXEC != 0);
     let flags = if cloexec { opening.flags | O_CLOEXEC } else { opening.flags & !O_CLOEXEC };
     let record = OpenRecord { header: header(kind::OPEN), fd: fd as i32, flags, file, device, _pad: [0; 7] };

@@ -236,7 +236,7 @@ fn first_call(key: &FdKey, unseen: bool, cmd: u32) -> Option<(u8, u8, u64)> {
     // The close-on-exec bit is read by the kernel, not from /proc by userspace (its answer could
     // come after the flag changed, and /proc/PID/fdinfo of whatever the number names by then, an
     // epoll fd's, can be made costly), and after the fd is remembered, so that an F_SETFD from
-    // another thread is either in the bit or followed.
+    // another thread entering after that is followed (see fds::open_exit for the race left).
     let cloexec = if slot.close_on_exec() == Some(true) { ioctl_flag::CLOEXEC } else { 0 };
     let flags = if found.is_some() { ioctl_flag::BY_NUMBER } else { ioctl_flag::QUESTION };
     Some((state, flags | cloexec, file))
@@ -523,9 +523,8 @@ fn fill_control(record: &mut IoctlRecord, ret: i64) -> bool {
             let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
             let _ = remember_fd(&FdKey { tgid, fd }, device::CTL, BPF_NOEXIST as u64);
         }
-        // Read after the fd is remembered, so that an F_SETFD from another thread is either
-        // in the bit or followed. Userspace meets the fd here, not at its open (one received
-        // over a socket): an exec closes it when this is set.
+        // Read after the fd is remembered, as in first_call. Userspace meets the fd here, not
+        // at its open (one received over a socket): an exec closes it when this is set.
         if slot.close_on_exec() == Some(true) {
             record.flags |= ioctl_flag::NAMED_CLOEXEC;
         }

@@ -377,7 +377,8 @@ fn unread_path() -> Result<(), String> {
 /// of it, the dup closed, then an RM command on the first fd. Then a regular file at
 /// `dev/nvidia0` of a directory of its own, opened by openat2 with RESOLVE_IN_ROOT as
 /// "/dev/nvidia0" and sent a command, and the GPU's device opened again with O_PATH (no command
-/// can be sent on that fd): neither is NVIDIA's device.
+/// can be sent on that fd): neither is NVIDIA's device. Run where /dev is a tmpfs of the test's
+/// own (the directory is made there, not in a /tmp other users share).
 fn openat2() -> Result<(), String> {
     let open = |dir: i32, path: &str, flags: i32, resolve: u64, untouched: bool| -> Result<i32, String> {
         let path_c = std::ffi::CString::new(path).map_err(|e| e.to_string())?;
@@ -403,13 +404,11 @@ fn openat2() -> Result<(), String> {
     }
     unsafe { libc::close(dup) };
     rm_free(gpu);
-    let root = std::env::temp_dir().join(format!("gputrace-openat2-{}", std::process::id()));
-    std::fs::create_dir_all(root.join("dev")).map_err(|e| format!("{}: {e}", root.display()))?;
-    File::create(root.join("dev/nvidia0")).map_err(|e| format!("{}: {e}", root.display()))?;
-    let dir = File::open(&root).map_err(|e| format!("{}: {e}", root.display()))?;
-    let rooted = open(dir.as_raw_fd(), "/dev/nvidia0", libc::O_RDWR, libc::RESOLVE_IN_ROOT, false);
-    std::fs::remove_dir_all(&root).ok();
-    rm_free(rooted?);
+    let root = std::path::Path::new("/dev/gputrace-openat2");
+    let made = std::fs::create_dir(root).and_then(|()| std::fs::create_dir(root.join("dev")));
+    made.and_then(|()| File::create_new(root.join("dev/nvidia0"))).map_err(|e| format!("{}: {e}", root.display()))?;
+    let dir = File::open(root).map_err(|e| format!("{}: {e}", root.display()))?;
+    rm_free(open(dir.as_raw_fd(), "/dev/nvidia0", libc::O_RDWR, libc::RESOLVE_IN_ROOT, false)?);
     // SAFETY: open(2) of a C string.
     if unsafe { libc::open(c"/dev/nvidia0".as_ptr(), libc::O_PATH | libc::O_RDWR) } < 0 {
         return Err(format!("/dev/nvidia0 with O_PATH: {}", std::io::Error::last_os_error()));
