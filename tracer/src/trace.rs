@@ -4,7 +4,7 @@
 
 use std::ffi::OsStr;
 use std::fs::File;
-use std::io::{self, BufRead, BufReader, BufWriter, Write};
+use std::io::{self, BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -209,58 +209,100 @@ enum Line {
 }
 
 /// Reads lines as bytes, keeping at most [`MAX_LINE`] of each: a file with no newline at all
-/// (`/dev/zero`) costs a MiB and an answer, not all the memory and time there is.
+/// (`/dev/zero`) costs a MiB and an answer, not all the memory and time there is. A line whole in
+/// what was read is taken where it lies, not copied (reading a trace is most of loading it).
 struct Lines<R> {
     input: R,
+    /// What was read: the unread part is `buf[start..end]`, the current line `buf[line]`.
     buf: Vec<u8>,
+    start: usize,
+    end: usize,
+    line: std::ops::Range<usize>,
+    /// Where the search for the next newline goes on from (all before it was searched).
+    searched: usize,
     /// The rest of a line already reported too long, to pass over before the next one.
     skipping: bool,
+    at_end: bool,
 }
 
-impl<R: BufRead> Lines<R> {
-    /// The next line into `self.buf` (without its newline); None at the end. A line longer than
-    /// [`MAX_LINE`] is reported as soon as it is known to be, and its rest skipped on the next call.
+/// Bytes read at a time.
+const READ_CHUNK: usize = 1 << 16;
+
+impl<R: io::Read> Lines<R> {
+    fn new(input: R) -> Self {
+        Lines { input, buf: vec![0; READ_CHUNK], start: 0, end: 0, line: 0..0, searched: 0, skipping: false, at_end: false }
+    }
+
+    /// The current line (without its newline).
+    fn line(&self) -> &[u8] {
+        &self.buf[self.line.clone()]
+    }
+
+    /// The next line (see [`Lines::line`]); None at the end. A line longer than [`MAX_LINE`] is
+    /// reported as soon as it is known to be, and its rest skipped on the next call.
     fn next(&mut self) -> io::Result<Option<Line>> {
-        self.buf.clear();
-        while self.skipping {
-            let chunk = self.input.fill_buf()?;
-            if chunk.is_empty() {
-                return Ok(None);
-            }
-            let (used, done) = match chunk.iter().position(|&b| b == b'\n') {
-                Some(i) => (i + 1, true),
-                None => (chunk.len(), false),
-            };
-            self.input.consume(used);
-            self.skipping = !done;
-        }
-        let mut any = false;
+        self.line = 0..0;
         loop {
-            let chunk = self.input.fill_buf()?;
-            if chunk.is_empty() {
-                return Ok(any.then_some(Line::Kept));
-            }
-            any = true;
-            let newline = chunk.iter().position(|&b| b == b'\n');
-            let part = &chunk[..newline.unwrap_or(chunk.len())];
-            if self.buf.len() + part.len() > MAX_LINE {
-                self.buf.clear();
-                self.skipping = true;
-                return Ok(Some(Line::TooLong));
-            }
-            self.buf.extend_from_slice(part);
-            let used = newline.map_or(chunk.len(), |i| i + 1);
-            self.input.consume(used);
-            if newline.is_some() {
+            let from = self.searched.max(self.start);
+            if let Some(i) = self.buf[from..self.end].iter().position(|&b| b == b'\n') {
+                let newline = from + i;
+                let line = self.start..newline;
+                (self.start, self.searched) = (newline + 1, newline + 1);
+                if std::mem::take(&mut self.skipping) {
+                    continue;
+                }
+                if line.len() > MAX_LINE {
+                    return Ok(Some(Line::TooLong));
+                }
+                self.line = line;
                 return Ok(Some(Line::Kept));
             }
+            self.searched = self.end;
+            if self.skipping {
+                (self.start, self.searched) = (self.end, self.end);
+            } else if self.end - self.start > MAX_LINE {
+                (self.start, self.searched, self.skipping) = (self.end, self.end, true);
+                return Ok(Some(Line::TooLong));
+            }
+            if self.at_end {
+                // A last line with no newline after it.
+                if self.start == self.end {
+                    return Ok(None);
+                }
+                self.line = self.start..self.end;
+                self.start = self.end;
+                return Ok(Some(Line::Kept));
+            }
+            self.fill()?;
+        }
+    }
+
+    /// Reads more after the unread part, moved to the front; room grows only for a line longer
+    /// than what was read at a time (up to MAX_LINE and a chunk).
+    fn fill(&mut self) -> io::Result<()> {
+        if self.start > 0 {
+            self.buf.copy_within(self.start..self.end, 0);
+            (self.end, self.searched) = (self.end - self.start, self.searched - self.start);
+            self.start = 0;
+        }
+        if self.buf.len() - self.end < READ_CHUNK {
+            self.buf.resize(self.end + READ_CHUNK, 0);
+        }
+        loop {
+            match self.input.read(&mut self.buf[self.end..]) {
+                Ok(0) => self.at_end = true,
+                Ok(n) => self.end += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            }
+            return Ok(());
         }
     }
 }
 
 /// Streams the records of a trace: one at a time, so a trace larger than memory still reads.
 pub struct Reader {
-    lines: Lines<BufReader<File>>,
+    lines: Lines<File>,
     path: PathBuf,
     line_no: u64,
     pending_error: Option<u64>,
@@ -274,7 +316,7 @@ impl Reader {
         let open_error = |cause| TraceError::Open { path: path.into(), cause };
         let user = User::invoking().map_err(|e| open_error(io::Error::other(e.to_string())))?;
         let file = open_for_reading(path, user.as_ref()).map_err(open_error)?;
-        let mut lines = Lines { input: BufReader::with_capacity(1 << 16, file), buf: Vec::new(), skipping: false };
+        let mut lines = Lines::new(file);
         let not_a_trace = |reason: String| TraceError::NotATrace { path: path.into(), reason };
         match lines.next() {
             Ok(Some(Line::Kept)) => {}
@@ -282,7 +324,7 @@ impl Reader {
             Ok(None) => return Err(not_a_trace("the file is empty".into())),
             Err(cause) => return Err(TraceError::Read { path: path.into(), cause }),
         }
-        let value: serde_json::Value = serde_json::from_slice(&lines.buf).map_err(|e| not_a_trace(e.to_string()))?;
+        let value: serde_json::Value = serde_json::from_slice(lines.line()).map_err(|e| not_a_trace(e.to_string()))?;
         if value.get("format").and_then(|f| f.as_str()) != Some(FORMAT) {
             return Err(not_a_trace(format!("no \"format\": \"{FORMAT}\"")));
         }
@@ -329,7 +371,7 @@ impl Reader {
                     };
                     prepare(&mut record);
                     batch.push(record);
-                    bytes += reader.lines.buf.len();
+                    bytes += reader.lines.line().len();
                     if batch.len() < BATCH && bytes < BATCH_BYTES {
                         continue;
                     }
@@ -394,7 +436,7 @@ impl Iterator for Reader {
             if let Some(bad) = self.pending_error.take() {
                 self.damage.bad(bad);
             }
-            let bytes = &self.lines.buf;
+            let bytes = self.lines.line();
             if matches!(line, Line::Kept) && bytes.iter().all(u8::is_ascii_whitespace) {
                 continue;
             }
@@ -505,6 +547,57 @@ mod tests {
         assert_eq!(records, vec![record(1), record(3)]);
         assert_eq!((damage.bad_lines, damage.first_bad_lines, damage.torn_tail), (2, vec![3, 4], false));
         std::fs::remove_file(path).ok();
+    }
+
+    /// Lines come out whole however the bytes are read: in one piece, or a few bytes at a time
+    /// with interrupted reads between (a line then spans many reads, and the room grows for it):
+    /// a line longer than a read, an empty one, one of exactly MAX_LINE bytes (kept) and one a
+    /// byte longer (reported once, its rest passed over), and a last line with no newline.
+    #[test]
+    fn lines_come_out_whole_however_they_are_read() {
+        struct Trickle<'a>(&'a [u8], usize, bool);
+        impl io::Read for Trickle<'_> {
+            fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+                self.2 = !self.2;
+                if self.2 {
+                    return Err(io::ErrorKind::Interrupted.into());
+                }
+                let n = self.1.min(out.len()).min(self.0.len());
+                out[..n].copy_from_slice(&self.0[..n]);
+                self.0 = &self.0[n..];
+                Ok(n)
+            }
+        }
+        let long = vec![b'l'; 3 * READ_CHUNK + 5];
+        let (max, over) = (vec![b'm'; MAX_LINE], vec![b'o'; MAX_LINE + 1]);
+        let mut text = Vec::new();
+        for line in [&b"first"[..], &long, b"", &max, &over, b"after", b"last"] {
+            text.extend_from_slice(line);
+            text.push(b'\n');
+        }
+        text.pop();
+        let read = |mut lines: Lines<Trickle>| {
+            let mut out = Vec::new();
+            while let Some(line) = lines.next().unwrap() {
+                out.push(match line {
+                    Line::Kept => Some(lines.line().to_vec()),
+                    Line::TooLong => None,
+                });
+            }
+            out
+        };
+        let want = vec![
+            Some(b"first".to_vec()),
+            Some(long.clone()),
+            Some(vec![]),
+            Some(max.clone()),
+            None,
+            Some(b"after".to_vec()),
+            Some(b"last".to_vec()),
+        ];
+        for step in [usize::MAX, 7, READ_CHUNK - 1] {
+            assert_eq!(read(Lines::new(Trickle(&text, step, false))), want, "read {step} bytes at a time");
+        }
     }
 
     /// Reading ahead gives what reading in turn gives: every record in order, over several
