@@ -238,8 +238,9 @@ impl<R: io::Read> Lines<R> {
         &self.buf[self.line.clone()]
     }
 
-    /// The next line (see [`Lines::line`]); None at the end. A line longer than [`MAX_LINE`] is
-    /// reported as soon as it is known to be, and its rest skipped on the next call.
+    /// The next line (see [`Lines::line`]); None at the end (the first end met: a file written
+    /// meanwhile is read as it was then). A line longer than [`MAX_LINE`] is reported as soon as
+    /// it is known to be, and its rest skipped on the next call.
     fn next(&mut self) -> io::Result<Option<Line>> {
         self.line = 0..0;
         loop {
@@ -286,6 +287,8 @@ impl<R: io::Read> Lines<R> {
             self.start = 0;
         }
         if self.buf.len() - self.end < READ_CHUNK {
+            // Exactly: a long line's room is at most MAX_LINE and a chunk, kept for the rest.
+            self.buf.reserve_exact(self.end + READ_CHUNK - self.buf.len());
             self.buf.resize(self.end + READ_CHUNK, 0);
         }
         loop {
@@ -551,8 +554,10 @@ mod tests {
 
     /// Lines come out whole however the bytes are read: in one piece, or a few bytes at a time
     /// with interrupted reads between (a line then spans many reads, and the room grows for it):
-    /// a line longer than a read, an empty one, one of exactly MAX_LINE bytes (kept) and one a
-    /// byte longer (reported once, its rest passed over), and a last line with no newline.
+    /// a line longer than a read, an empty one, one of exactly MAX_LINE bytes (kept), one a byte
+    /// longer and one longer by several reads (each reported once, its rest passed over, one
+    /// byte at a time too), and a last line with no newline; at the end, a last line too long,
+    /// one of exactly MAX_LINE bytes, nothing, and nothing but newlines.
     #[test]
     fn lines_come_out_whole_however_they_are_read() {
         struct Trickle<'a>(&'a [u8], usize, bool);
@@ -569,9 +574,9 @@ mod tests {
             }
         }
         let long = vec![b'l'; 3 * READ_CHUNK + 5];
-        let (max, over) = (vec![b'm'; MAX_LINE], vec![b'o'; MAX_LINE + 1]);
+        let (max, over, far_over) = (vec![b'm'; MAX_LINE], vec![b'o'; MAX_LINE + 1], vec![b'f'; MAX_LINE + 3 * READ_CHUNK]);
         let mut text = Vec::new();
-        for line in [&b"first"[..], &long, b"", &max, &over, b"after", b"last"] {
+        for line in [&b"first"[..], &long, b"", &max, &over, b"after", &far_over, b"last"] {
             text.extend_from_slice(line);
             text.push(b'\n');
         }
@@ -593,10 +598,18 @@ mod tests {
             Some(max.clone()),
             None,
             Some(b"after".to_vec()),
+            None,
             Some(b"last".to_vec()),
         ];
-        for step in [usize::MAX, 7, READ_CHUNK - 1] {
+        for step in [usize::MAX, 1, 7, READ_CHUNK - 1] {
             assert_eq!(read(Lines::new(Trickle(&text, step, false))), want, "read {step} bytes at a time");
+        }
+        for step in [usize::MAX, 1] {
+            let whole = |text: &[u8]| read(Lines::new(Trickle(text, step, false)));
+            assert_eq!(whole(&over), [None], "a last line too long, read {step} at a time");
+            assert_eq!(whole(&max), [Some(max.clone())]);
+            assert_eq!(whole(b""), [] as [Option<Vec<u8>>; 0]);
+            assert_eq!(whole(b"\n\n"), [Some(vec![]), Some(vec![])]);
         }
     }
 

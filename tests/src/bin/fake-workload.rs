@@ -413,6 +413,8 @@ fn openat2() -> Result<(), String> {
     if unsafe { libc::open(c"/dev/nvidia0".as_ptr(), libc::O_PATH | libc::O_RDWR) } < 0 {
         return Err(format!("/dev/nvidia0 with O_PATH: {}", std::io::Error::last_os_error()));
     }
+    // Held while the tracer asks /proc about them (by path alone, the GPU's device is found so).
+    std::thread::sleep(std::time::Duration::from_millis(300));
     Ok(())
 }
 
