@@ -68,6 +68,13 @@ pub struct Allocation {
     pub released: Option<u64>,
 }
 
+impl Allocation {
+    /// Not freed yet.
+    pub fn is_live(&self) -> bool {
+        self.freed.is_none()
+    }
+}
+
 #[derive(Clone, Debug, Serialize)]
 pub struct FailedAllocation {
     pub ts: u64,
@@ -336,12 +343,12 @@ impl Model {
         referenced.extend(self.uvm_ranges.values().copied());
         referenced.extend(self.uvm_maps.values().flatten().copied());
         referenced.extend(self.exports.values().flat_map(|slots| slots.values().copied()));
-        let holders_live = self.holds.iter().filter(|(fabric, _)| self.allocations[**fabric].freed.is_none());
+        let holders_live = self.holds.iter().filter(|(fabric, _)| self.allocations[**fabric].is_live());
         referenced.extend(holders_live.map(|(_, held)| *held));
-        let attached_live = self.attachments.iter().filter(|(fabric, _)| self.allocations[**fabric].freed.is_none());
+        let attached_live = self.attachments.iter().filter(|(fabric, _)| self.allocations[**fabric].is_live());
         referenced.extend(attached_live.flat_map(|(_, slots)| slots.values().copied()));
         for (id, a) in self.allocations.iter().enumerate() {
-            match (a.freed.is_none(), referenced.contains(&id)) {
+            match (a.is_live(), referenced.contains(&id)) {
                 (true, false) => return Err(format!("allocation {id} ({} B, pid {}) is live with no handle left", a.bytes, a.pid)),
                 (false, true) => {
                     return Err(format!("allocation {id} ({} B, pid {}) is freed while a handle still refers to it", a.bytes, a.pid))
@@ -393,7 +400,7 @@ impl Model {
     }
 
     pub fn live_allocations(&self) -> impl Iterator<Item = &Allocation> {
-        self.allocations.iter().filter(|a| a.freed.is_none())
+        self.allocations.iter().filter(|a| a.is_live())
     }
 
     /// Besides its client's file, the files that keep each allocation alive: those it was
@@ -422,7 +429,7 @@ impl Model {
         let exited = |pid| self.processes.get(&pid).is_some_and(|p| p.exited.is_some());
         // One holders() per file: a server leaves thousands of allocations on a few files.
         let mut keeper_of: HashMap<FileId, Option<u32>> = HashMap::new();
-        for a in self.allocations.iter().filter(|a| a.freed.is_none() && a.memory != Memory::Virtual && exited(a.pid)) {
+        for a in self.allocations.iter().filter(|a| a.is_live() && a.memory != Memory::Virtual && exited(a.pid)) {
             let Some(file) = a.file else { continue };
             let keeper = *keeper_of.entry(file).or_insert_with(|| self.holders(file).into_iter().min());
             if let Some(keeper) = keeper {

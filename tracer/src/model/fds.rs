@@ -260,7 +260,7 @@ impl Model {
     /// the parked files double.
     pub(super) fn park_exports(&mut self, file: FileId, ts: u64, mut slots: BTreeMap<u16, AllocId>) {
         let allocations = &self.allocations;
-        let live = |id: &AllocId| allocations[*id].freed.is_none();
+        let live = |id: &AllocId| allocations[*id].is_live();
         slots.retain(|_, id| live(id));
         if slots.is_empty() {
             return;
@@ -279,7 +279,7 @@ impl Model {
         if ts.saturating_sub(at) > super::IN_FLIGHT_NS {
             return;
         }
-        let slots: BTreeMap<u16, AllocId> = slots.into_iter().filter(|(_, id)| self.allocations[*id].freed.is_none()).collect();
+        let slots: BTreeMap<u16, AllocId> = slots.into_iter().filter(|(_, id)| self.allocations[*id].is_live()).collect();
         for id in slots.values() {
             *self.handle_refs.entry(*id).or_default() += 1;
         }

@@ -447,7 +447,7 @@ impl Model {
         }
         self.drop_handle(id, ts, how);
         let a = &mut self.allocations[id];
-        if last && a.freed.is_none() {
+        if last && a.is_live() {
             a.released = Some(ts);
         }
     }

@@ -216,7 +216,7 @@ impl<'a> Snapshot<'a> {
         for list in handles.values_mut() {
             list.sort_unstable();
         }
-        let mut live: Vec<AllocId> = (0..model.allocations.len()).filter(|&id| model.allocations[id].freed.is_none()).collect();
+        let mut live: Vec<AllocId> = (0..model.allocations.len()).filter(|&id| model.allocations[id].is_live()).collect();
         // In the order the model made them: what a sticky fabric object holds comes before it.
         live.sort_unstable();
         for id in live {
@@ -406,7 +406,7 @@ impl<'a> Snapshot<'a> {
     /// it, closed at the time of the file's last close seen: the replay parks them as then.
     fn exports(&mut self) {
         let model = self.model;
-        let live = |id: &AllocId| model.allocations[*id].freed.is_none();
+        let live = |id: &AllocId| model.allocations[*id].is_live();
         let parked = model.parked_exports.iter().map(|(f, (_, slots))| (f, slots));
         let mut exports: Vec<((FileId, u16), AllocId)> = (model.exports.iter().chain(parked))
             .flat_map(|(f, slots)| slots.iter().map(move |(slot, id)| ((*f, *slot), *id)))
