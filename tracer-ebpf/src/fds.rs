@@ -152,12 +152,12 @@ pub fn open_enter_legacy(ctx: TracePointContext) -> u32 {
 /// openat2(2): told by its file's device number alone, where the driver's majors are known (its
 /// resolve flags can root an absolute path under a directory the caller chose, and they are in
 /// user memory another thread can change before the kernel copies them); otherwise found at its
-/// first command. Its flags (`struct open_how`'s first field) are read for traced processes
+/// first command, its flags unread. Its flags (`struct open_how`'s first field) are read for traced processes
 /// only, to pass over what other opens pass over; one whose flags cannot be read is taken as an
 /// open for reading and writing. Its close-on-exec bit is read from the fd table at the exit.
 #[tracepoint]
 pub fn openat2_enter(ctx: TracePointContext) -> u32 {
-    if !is_traced((bpf_get_current_pid_tgid() >> 32) as u32) {
+    if !majors_known() || !is_traced((bpf_get_current_pid_tgid() >> 32) as u32) {
         return 0;
     }
     let mut flags = [0u8; 8];
