@@ -575,6 +575,46 @@ fn slow_senders_never_keep_a_scraper_out() {
     std::fs::remove_dir_all(dumps.parent().unwrap()).ok();
 }
 
+/// A backlog of connections taken in one go (the watch stopped a moment, or busy) made way for
+/// itself: each one taken evicted the one before, down to a scraper whose whole request had
+/// come before anything was taken, because it was not read yet. Now each connection taken reads
+/// what it was sent before the next one is taken. Five rounds, each with the places held by
+/// connections that send nothing, then the watch stopped while a scraper and a hundred others
+/// connect behind them: every scrape is answered.
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn a_backlog_taken_at_once_never_evicts_a_request_already_sent() {
+    use std::io::{Read, Write};
+    let _root = as_root();
+    let (watch, port, dumps) = serving_watch("backlog", "127.0.0.1");
+    let pid = watch.0.as_ref().unwrap().id() as i32;
+    drop(connect(port, Duration::from_secs(5)));
+    let mut answers = Vec::new();
+    for _ in 0..5 {
+        let idle: Vec<_> = (0..16).map(|_| connect(port, Duration::from_secs(1))).collect();
+        std::thread::sleep(Duration::from_millis(200));
+        // SAFETY: kill(2) on the watch this test started (SIGCONT below, before any wait on it).
+        unsafe { libc::kill(pid, libc::SIGSTOP) };
+        let mut scraper = connect(port, Duration::from_secs(1));
+        write!(scraper, "GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n").unwrap();
+        let behind: Vec<_> = (0..100).map(|_| connect(port, Duration::from_secs(1))).collect();
+        // SAFETY: as above.
+        unsafe { libc::kill(pid, libc::SIGCONT) };
+        scraper.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut answer = Vec::new();
+        let status = match scraper.read_to_end(&mut answer) {
+            Ok(_) => String::from_utf8_lossy(&answer).lines().next().unwrap_or("(nothing)").to_string(),
+            Err(e) => e.to_string(),
+        };
+        answers.push(status);
+        drop((idle, behind));
+    }
+    eprintln!("a scraper behind a backlog, five times: {answers:?}");
+    assert!(answers.iter().all(|a| a.contains("200")), "{answers:?}");
+    drop(watch);
+    std::fs::remove_dir_all(dumps.parent().unwrap()).ok();
+}
+
 /// A kernel setting changed for one test, set back when dropped (after a failed assertion too).
 struct Sysctl {
     path: &'static str,

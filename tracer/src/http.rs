@@ -3,9 +3,13 @@
 //! root on a shared host, so every connection is bounded and none can keep the others out:
 //! - at most [`MAX_CONNECTIONS`] at once. Past that, who holds the places is asked of the kernel:
 //!   a user (root aside) who holds [`MAX_PER_USER`] already is answered 503, and anyone else
-//!   evicts the connection that has waited longest without sending a whole request head, taken
-//!   from the user who holds the most (a flood of connections, slow or fast, never holds a place
-//!   against a scraper); 503 only when every place holds a complete request;
+//!   evicts a connection without a whole request head yet: one whose other end was closed, else
+//!   the one that has waited longest, taken from the user (or, from another host, the host) who
+//!   holds the most (a flood of connections, slow or fast, never holds a place against a
+//!   scraper); 503 only when every place holds a complete request;
+//! - connections are taken on a task of their own, which lets every connection taken read what
+//!   it was sent before the next one can evict it (a backlog taken in one go made way for itself
+//!   by evicting a scraper whose request had come whole but was not read yet);
 //! - a request head of at most [`MAX_HEAD`] bytes, whole within [`HEAD_TIMEOUT`]; GET or HEAD;
 //! - `/report` holds command lines and request lines: only root and the user who started the
 //!   watch get it. The peer's uid is the kernel's answer for that one connection (sock_diag
@@ -70,6 +74,67 @@ pub struct Asked {
     pub head_only: bool,
 }
 
+/// Who holds the other end of a loopback connection, as the kernel says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Peer {
+    User(u32),
+    /// Its socket was closed: nobody reads an answer (the kernel names uid 0, root, for such a
+    /// socket, and it is nobody's).
+    Gone,
+    /// Not a socket of this host, or the kernel did not say.
+    Unknown,
+}
+
+impl Peer {
+    pub fn uid(self) -> Option<u32> {
+        match self {
+            Peer::User(uid) => Some(uid),
+            Peer::Gone | Peer::Unknown => None,
+        }
+    }
+}
+
+/// Whose a place counts as, when the places are all taken.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Holder {
+    User(u32),
+    /// Not a socket of this host (or the kernel did not say): its host's, by address.
+    Host(IpAddr),
+    /// Its other end was closed.
+    Gone,
+}
+
+impl Holder {
+    fn of(peer: Peer, addr: SocketAddr) -> Holder {
+        match peer {
+            Peer::User(uid) => Holder::User(uid),
+            Peer::Gone => Holder::Gone,
+            Peer::Unknown => Holder::Host(plain_ip(addr.ip())),
+        }
+    }
+}
+
+/// A place as the choice of who makes way sees it.
+#[derive(Clone, Copy)]
+struct Claim {
+    holder: Holder,
+    /// Its request head came whole.
+    headed: bool,
+    since: Instant,
+}
+
+/// The place that makes way for a newcomer, if any: never one whose request head came whole,
+/// and none for a user (root aside) who holds [`MAX_PER_USER`] already. First a place whose
+/// other end was closed, then one of whoever holds the most, the one waiting longest.
+fn make_way(claims: &[Claim], newcomer: Holder) -> Option<usize> {
+    let held_by = |h: Holder| claims.iter().filter(|c| c.holder == h).count();
+    if matches!(newcomer, Holder::User(uid) if uid != 0) && held_by(newcomer) >= MAX_PER_USER {
+        return None;
+    }
+    let evictable = claims.iter().enumerate().filter(|(_, c)| !c.headed);
+    evictable.max_by_key(|(_, c)| (c.holder == Holder::Gone, held_by(c.holder), std::cmp::Reverse(c.since))).map(|(i, _)| i)
+}
+
 /// One place among the [`MAX_CONNECTIONS`].
 struct Place {
     id: u64,
@@ -77,7 +142,7 @@ struct Place {
     /// Its addresses, and who holds it once asked (only when the places are all taken).
     peer: SocketAddr,
     local: Option<SocketAddr>,
-    uid: Option<Option<u32>>,
+    holder: Option<Holder>,
     /// Its request head came whole: it waits for its answer, never evicted.
     headed: Arc<AtomicBool>,
     task: AbortHandle,
@@ -118,31 +183,58 @@ impl Server {
         self.local
     }
 
-    /// Takes the next connection and serves it on its own task. At the bound, the connection
-    /// that has waited longest without a whole request head makes way; with none such, the
+    /// Takes connections until dropped, each served on its own task. After each one taken this
+    /// task yields, so the connections taken before have read what they were sent (and so
+    /// are known to hold a whole request) before the next connection may evict one of them.
+    async fn serve_all(self, to_loop: mpsc::Sender<Request>) {
+        let mut failing = false;
+        loop {
+            match self.accept(&to_loop).await {
+                Ok(()) => failing = false,
+                Err(e) => {
+                    // Out of file descriptors, say: said once, tried again shortly, never in
+                    // a busy loop.
+                    if !failing {
+                        eprintln!("gputrace: warning: cannot take a connection on {}: {e}; trying again", self.local);
+                    }
+                    failing = true;
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+            tokio::task::yield_now().await;
+        }
+    }
+
+    /// Takes the next connection and serves it on its own task. At the bound, a connection
+    /// without a whole request head makes way (see the module's comment); with none such, the
     /// newcomer is answered 503 at once.
-    pub async fn accept(&self, to_loop: &mpsc::Sender<Request>) {
-        let Ok((stream, peer)) = self.listener.accept().await else { return };
+    async fn accept(&self, to_loop: &mpsc::Sender<Request>) -> std::io::Result<()> {
+        let (stream, peer) = self.listener.accept().await?;
         let local = stream.local_addr().ok();
         let mut places = self.places.lock().unwrap_or_else(|e| e.into_inner());
-        let mut uid = None;
+        let mut holder = None;
         if places.held.len() >= MAX_CONNECTIONS {
             // One netlink question per connection, and only while every place is taken.
-            let owner = |peer: SocketAddr, local: Option<SocketAddr>| local.and_then(|l| tcp_owner(peer, l));
-            for p in places.held.iter_mut().filter(|p| p.uid.is_none()) {
-                p.uid = Some(owner(p.peer, p.local));
-            }
+            let owner = |peer: SocketAddr, local: Option<SocketAddr>| Holder::of(local.map_or(Peer::Unknown, |l| tcp_owner(peer, l)), peer);
             let newcomer = owner(peer, local);
-            uid = Some(newcomer);
-            let held_by = |u: Option<u32>| places.held.iter().filter(|p| p.uid == Some(u) && u.is_some()).count();
-            let capped = newcomer.is_some_and(|u| u != 0) && held_by(newcomer) >= MAX_PER_USER;
-            let evictable = places.held.iter().enumerate().filter(|(_, p)| !p.headed.load(Ordering::Acquire));
-            let victim = evictable.max_by_key(|(_, p)| (held_by(p.uid.flatten()), std::cmp::Reverse(p.since))).map(|(i, _)| i);
-            match victim.filter(|_| !capped) {
+            if newcomer == Holder::Gone {
+                // Closed before it was taken: nobody to answer, and no place given.
+                return Ok(());
+            }
+            holder = Some(newcomer);
+            let claims: Vec<Claim> = places
+                .held
+                .iter_mut()
+                .map(|p| {
+                    let holder = *p.holder.get_or_insert_with(|| owner(p.peer, p.local));
+                    Claim { holder, headed: p.headed.load(Ordering::Acquire), since: p.since }
+                })
+                .collect();
+            match make_way(&claims, newcomer) {
                 Some(i) => places.held.swap_remove(i).task.abort(),
                 None => {
                     let _ = stream.try_write(&head(503, "text/plain", 0));
-                    return;
+                    return Ok(());
                 }
             }
         }
@@ -151,20 +243,30 @@ impl Server {
         let headed = Arc::new(AtomicBool::new(false));
         let leave = Leave(self.places.clone(), id);
         let task = tokio::spawn(serve(stream, peer, to_loop.clone(), headed.clone(), leave));
-        places.held.push(Place { id, since: Instant::now(), peer, local, uid, headed, task: task.abort_handle() });
+        places.held.push(Place { id, since: Instant::now(), peer, local, holder, headed, task: task.abort_handle() });
+        Ok(())
     }
 }
 
 /// The `--listen` endpoint of a watch, bound when it can be: tracing and dumps never wait on it.
+/// Once bound, its connections are taken on a task of their own, stopped when it is dropped.
 pub struct Endpoint {
     addr: Option<SocketAddr>,
-    pub server: Option<Server>,
+    serving: Option<AbortHandle>,
     tried: Option<Instant>,
+}
+
+impl Drop for Endpoint {
+    fn drop(&mut self) {
+        if let Some(task) = &self.serving {
+            task.abort();
+        }
+    }
 }
 
 impl Endpoint {
     pub fn new(addr: Option<SocketAddr>) -> Endpoint {
-        Endpoint { addr, server: None, tried: None }
+        Endpoint { addr, serving: None, tried: None }
     }
 
     /// The port asked for, bound or not.
@@ -172,10 +274,11 @@ impl Endpoint {
         self.addr.map(|a| a.port())
     }
 
-    /// Binds now if not bound and a try is due (at once, then every [`RETRY_BIND`]); a failure
-    /// is said the first time, a success always.
-    pub fn bind_when_due(&mut self) {
-        let Some(addr) = self.addr.filter(|_| self.server.is_none()) else { return };
+    /// Binds now if not bound and a try is due (at once, then every [`RETRY_BIND`]), and starts
+    /// taking connections, their requests sent to `to_loop`; a failure is said the first time,
+    /// a success always. Called on the event loop's runtime.
+    pub fn bind_when_due(&mut self, to_loop: &mpsc::Sender<Request>) {
+        let Some(addr) = self.addr.filter(|_| self.serving.is_none()) else { return };
         if self.tried.is_some_and(|t| t.elapsed() < RETRY_BIND) {
             return;
         }
@@ -184,7 +287,7 @@ impl Endpoint {
         match Server::bind(addr) {
             Ok(server) => {
                 eprintln!("gputrace: serving /metrics, /report and /healthz on http://{}", server.local_addr());
-                self.server = Some(server);
+                self.serving = Some(tokio::spawn(server.serve_all(to_loop.clone())).abort_handle());
             }
             Err(e) if first => eprintln!(
                 "gputrace: warning: cannot listen on {addr} (--listen): {e}; tracing and dumps go on, and the port is asked for again every {} s",
@@ -204,7 +307,7 @@ async fn serve(mut stream: TcpStream, peer: SocketAddr, to_loop: mpsc::Sender<Re
             // The connection's own local address: a listener on 0.0.0.0 or [::] has no other.
             let peer_uid = match (asked.route, stream.local_addr()) {
                 (Route::Report, Ok(local)) => {
-                    let lookup = tokio::task::spawn_blocking(move || tcp_owner(peer, local));
+                    let lookup = tokio::task::spawn_blocking(move || tcp_owner(peer, local).uid());
                     tokio::time::timeout(Duration::from_secs(2), lookup).await.ok().and_then(Result::ok).flatten()
                 }
                 _ => None,
@@ -321,29 +424,32 @@ pub fn sock_diag_request(src: SocketAddr, dst: SocketAddr) -> Vec<u8> {
     msg
 }
 
-/// The uid in a sock_diag answer (struct nlmsghdr, then struct inet_diag_msg), None for an
-/// error or anything shorter than that.
-pub fn sock_diag_uid(answer: &[u8]) -> Option<u32> {
+/// Who holds the socket a sock_diag answer is about (struct nlmsghdr, then struct
+/// inet_diag_msg): Unknown for an error or anything shorter than that. A socket with no inode
+/// has no file: closed (orphaned, or the kernel's TIME_WAIT record, which says uid 0).
+pub fn sock_diag_peer(answer: &[u8]) -> Peer {
     const NLMSG_ERROR: u16 = 2;
     const HEADER: usize = 16;
-    let kind = u16::from_ne_bytes(answer.get(4..6)?.try_into().ok()?);
-    if kind == NLMSG_ERROR {
-        return None;
-    }
+    let word = |at: usize| Some(u32::from_ne_bytes(answer.get(at..at + 4)?.try_into().ok()?));
     // inet_diag_msg: family, state, timer, retrans (4), the socket id (48), expires, rqueue,
-    // wqueue (12), then uid.
+    // wqueue (12), then uid and inode.
     let at = HEADER + 4 + 48 + 12;
-    Some(u32::from_ne_bytes(answer.get(at..at + 4)?.try_into().ok()?))
+    let answered = answer.get(4..6).is_some_and(|k| u16::from_ne_bytes([k[0], k[1]]) != NLMSG_ERROR);
+    match (word(at), word(at + 4)) {
+        (Some(_), Some(0)) if answered => Peer::Gone,
+        (Some(uid), Some(_)) if answered => Peer::User(uid),
+        _ => Peer::Unknown,
+    }
 }
 
-/// The uid owning the TCP socket at `peer` connected to `local`: who is talking on a loopback
+/// Who holds the TCP socket at `peer` connected to `local`: who is talking on a loopback
 /// connection, from the kernel, one socket asked about (bounded whatever the host's table holds).
-pub fn tcp_owner(peer: SocketAddr, local: SocketAddr) -> Option<u32> {
+pub fn tcp_owner(peer: SocketAddr, local: SocketAddr) -> Peer {
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
     // SAFETY: socket(2); the fd is owned from here on.
     let fd = unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, libc::NETLINK_SOCK_DIAG) };
     if fd < 0 {
-        return None;
+        return Peer::Unknown;
     }
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
     let timeout = libc::timeval { tv_sec: 1, tv_usec: 0 };
@@ -359,11 +465,11 @@ pub fn tcp_owner(peer: SocketAddr, local: SocketAddr) -> Option<u32> {
             std::mem::size_of::<libc::timeval>() as u32,
         );
         if libc::send(fd.as_raw_fd(), request.as_ptr().cast(), request.len(), 0) < 0 {
-            return None;
+            return Peer::Unknown;
         }
         libc::recv(fd.as_raw_fd(), answer.as_mut_ptr().cast(), answer.len(), 0)
     };
-    sock_diag_uid(answer.get(..usize::try_from(got).ok()?)?)
+    usize::try_from(got).map_or(Peer::Unknown, |got| sock_diag_peer(&answer[..got.min(answer.len())]))
 }
 
 #[cfg(test)]
@@ -389,25 +495,56 @@ mod tests {
         // SAFETY: getuid has no preconditions.
         let me = unsafe { libc::getuid() };
         let (peer, local) = (server.peer_addr().unwrap(), server.local_addr().unwrap());
-        assert_eq!(tcp_owner(peer, local), Some(me));
+        assert_eq!(tcp_owner(peer, local), Peer::User(me));
         assert_eq!(client.local_addr().unwrap(), peer);
-        assert_eq!(tcp_owner("127.0.0.1:1".parse().unwrap(), local), None, "no such socket");
+        assert_eq!(tcp_owner("127.0.0.1:1".parse().unwrap(), local), Peer::Unknown, "no such socket");
         // A dual-stack listener sees IPv4 peers as mapped addresses: asked as the IPv4 socket.
         let mapped: SocketAddr = format!("[::ffff:127.0.0.1]:{}", peer.port()).parse().unwrap();
         let local6: SocketAddr = format!("[::ffff:127.0.0.1]:{}", local.port()).parse().unwrap();
-        assert_eq!(tcp_owner(mapped, local6), Some(me));
+        assert_eq!(tcp_owner(mapped, local6), Peer::User(me));
+        // Closed by its holder (the kernel's record of it says uid 0, root, whoever held it).
+        drop(client);
+        assert_eq!(tcp_owner(peer, local), Peer::Gone);
+    }
+
+    #[test]
+    fn the_place_that_makes_way_is_never_a_lone_scraper_s() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let (root, nobody) = (Holder::User(0), Holder::User(65534));
+        let remote = Holder::Host("192.0.2.7".parse().unwrap());
+        // A scraper waiting longest, among a flood's connections: the flood's oldest goes.
+        let mut claims: Vec<Claim> = (1..16).map(|ms| Claim { holder: nobody, headed: false, since: at(ms) }).collect();
+        claims.insert(0, Claim { holder: root, headed: false, since: at(0) });
+        assert_eq!(make_way(&claims, root), Some(1));
+        // A closed one goes first, even the youngest of a lone holder.
+        claims.push(Claim { holder: Holder::Gone, headed: false, since: at(99) });
+        assert_eq!(make_way(&claims, root), Some(16));
+        // The flood's user is capped; root never is.
+        assert_eq!(make_way(&claims, nobody), None);
+        // Whole requests are never evicted: with every place headed, nobody makes way.
+        let headed: Vec<Claim> = claims.iter().map(|c| Claim { headed: true, ..*c }).collect();
+        assert_eq!(make_way(&headed, root), None);
+        // Another host's flood is counted as its host's, against a lone local scraper.
+        let mut claims: Vec<Claim> = (1..16).map(|ms| Claim { holder: remote, headed: false, since: at(ms) }).collect();
+        claims.insert(0, Claim { holder: root, headed: false, since: at(0) });
+        assert_eq!(make_way(&claims, remote), Some(1));
     }
 
     #[test]
     fn a_sock_diag_answer_too_short_or_an_error_names_nobody() {
-        assert_eq!(sock_diag_uid(&[]), None);
+        assert_eq!(sock_diag_peer(&[]), Peer::Unknown);
         let mut error = vec![0u8; 100];
         error[4..6].copy_from_slice(&2u16.to_ne_bytes());
-        assert_eq!(sock_diag_uid(&error), None);
-        let mut answer = vec![0u8; 16 + 72];
+        assert_eq!(sock_diag_peer(&error), Peer::Unknown);
+        let mut answer = vec![0u8; 16 + 76];
         answer[4..6].copy_from_slice(&20u16.to_ne_bytes());
         answer[80..84].copy_from_slice(&1234u32.to_ne_bytes());
-        assert_eq!(sock_diag_uid(&answer), Some(1234));
-        assert_eq!(sock_diag_uid(&answer[..83]), None);
+        answer[84..88].copy_from_slice(&77u32.to_ne_bytes());
+        assert_eq!(sock_diag_peer(&answer), Peer::User(1234));
+        assert_eq!(sock_diag_peer(&answer[..87]), Peer::Unknown);
+        // No inode: a socket closed by its holder.
+        answer[84..88].copy_from_slice(&0u32.to_ne_bytes());
+        assert_eq!(sock_diag_peer(&answer), Peer::Gone);
     }
 }

@@ -150,8 +150,6 @@ pub enum Ask {
     Http(crate::http::Request),
     /// SIGUSR1.
     Dump,
-    /// A connection taken and handed to its own task: nothing to answer here.
-    Accepted,
 }
 
 impl Sink for Watcher {
@@ -159,7 +157,7 @@ impl Sink for Watcher {
 
     fn start(&mut self) -> Result<()> {
         self.dump_asks = Some(signal(SignalKind::user_defined1()).context("listening for SIGUSR1")?);
-        self.http.bind_when_due();
+        self.http.bind_when_due(&self.http_tx);
         Ok(())
     }
 
@@ -198,13 +196,11 @@ impl Sink for Watcher {
             self.warn_of_limits(live);
         }
         self.flight.compact(now, live);
-        self.http.bind_when_due();
+        self.http.bind_when_due(&self.http_tx);
     }
 
     async fn ask(&mut self) -> Ask {
-        let (server, tx) = (self.http.server.as_ref(), &self.http_tx);
         tokio::select! {
-            _ = async { server.unwrap().accept(tx).await }, if server.is_some() => Ask::Accepted,
             Some(request) = self.http_rx.recv() => Ask::Http(request),
             Some(()) = async { self.dump_asks.as_mut().unwrap().recv().await }, if self.dump_asks.is_some() => Ask::Dump,
         }
@@ -218,7 +214,6 @@ impl Sink for Watcher {
             Ask::Dump => {
                 self.dump_now();
             }
-            Ask::Accepted => {}
         }
     }
 
