@@ -74,14 +74,14 @@ pub struct Asked {
     pub head_only: bool,
 }
 
-/// Who holds the other end of a loopback connection, as the kernel says.
+/// Who holds the other end of a connection, as the kernel says.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Peer {
     User(u32),
     /// Its socket was closed: nobody reads an answer (the kernel names uid 0, root, for such a
     /// socket, and it is nobody's).
     Gone,
-    /// Not a socket of this host, or the kernel did not say.
+    /// Not a socket of this host (of this network namespace), or the kernel did not say.
     Unknown,
 }
 
@@ -98,7 +98,8 @@ impl Peer {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Holder {
     User(u32),
-    /// Not a socket of this host (or the kernel did not say): its host's, by address.
+    /// Not a socket of this host (or the kernel did not say): its host's, by address (an IPv6
+    /// one by its /64, which one host is commonly given whole).
     Host(IpAddr),
     /// Its other end was closed.
     Gone,
@@ -109,7 +110,10 @@ impl Holder {
         match peer {
             Peer::User(uid) => Holder::User(uid),
             Peer::Gone => Holder::Gone,
-            Peer::Unknown => Holder::Host(plain_ip(addr.ip())),
+            Peer::Unknown => match plain_ip(addr.ip()) {
+                IpAddr::V6(v6) => Holder::Host(IpAddr::V6((u128::from(v6) & !u128::from(u64::MAX)).into())),
+                v4 => Holder::Host(v4),
+            },
         }
     }
 }
@@ -233,7 +237,12 @@ impl Server {
             match make_way(&claims, newcomer) {
                 Some(i) => places.held.swap_remove(i).task.abort(),
                 None => {
-                    let _ = stream.try_write(&head(503, "text/plain", 0));
+                    let answer = "gputrace: every place is taken by a request being answered, or by your user's share of them; try again\n";
+                    let mut bytes = head(503, "text/plain; charset=utf-8", answer.len());
+                    bytes.extend_from_slice(answer.as_bytes());
+                    if let Ok(stream) = stream.into_std() {
+                        crate::serving::refuse(stream, &bytes);
+                    }
                     return Ok(());
                 }
             }
@@ -278,6 +287,10 @@ impl Endpoint {
     /// taking connections, their requests sent to `to_loop`; a failure is said the first time,
     /// a success always. Called on the event loop's runtime.
     pub fn bind_when_due(&mut self, to_loop: &mpsc::Sender<Request>) {
+        // Taking connections never ends but by a fault in it: its port is then bound again.
+        if self.serving.as_ref().is_some_and(AbortHandle::is_finished) {
+            self.serving = None;
+        }
         let Some(addr) = self.addr.filter(|_| self.serving.is_none()) else { return };
         if self.tried.is_some_and(|t| t.elapsed() < RETRY_BIND) {
             return;
@@ -425,25 +438,43 @@ pub fn sock_diag_request(src: SocketAddr, dst: SocketAddr) -> Vec<u8> {
 }
 
 /// Who holds the socket a sock_diag answer is about (struct nlmsghdr, then struct
-/// inet_diag_msg): Unknown for an error or anything shorter than that. A socket with no inode
-/// has no file: closed (orphaned, or the kernel's TIME_WAIT record, which says uid 0).
-pub fn sock_diag_peer(answer: &[u8]) -> Peer {
+/// inet_diag_msg), when it is the one asked about: the socket bound at `src` and connected to
+/// `dst`. Unknown for an error, anything shorter, or another socket: with no such connection the
+/// kernel answers for a listener on `src`'s port, whoever connected from that port (a client on
+/// another host connecting from port 22 would be named as sshd's root). A socket with no inode has
+/// no file: closed (orphaned, or the kernel's TIME_WAIT record, which says uid 0).
+pub fn sock_diag_peer(answer: &[u8], src: SocketAddr, dst: SocketAddr) -> Peer {
     const NLMSG_ERROR: u16 = 2;
-    const HEADER: usize = 16;
-    let word = |at: usize| Some(u32::from_ne_bytes(answer.get(at..at + 4)?.try_into().ok()?));
-    // inet_diag_msg: family, state, timer, retrans (4), the socket id (48), expires, rqueue,
-    // wqueue (12), then uid and inode.
-    let at = HEADER + 4 + 48 + 12;
-    let answered = answer.get(4..6).is_some_and(|k| u16::from_ne_bytes([k[0], k[1]]) != NLMSG_ERROR);
-    match (word(at), word(at + 4)) {
-        (Some(_), Some(0)) if answered => Peer::Gone,
-        (Some(uid), Some(_)) if answered => Peer::User(uid),
-        _ => Peer::Unknown,
+    const TCP_LISTEN: u8 = 10;
+    // inet_diag_msg: family, state, timer, retrans; the socket id (ports, then addresses of 16
+    // bytes each, interface, cookie); expires, rqueue, wqueue; uid and inode.
+    let Some(msg) = answer.get(16..88) else { return Peer::Unknown };
+    if answer.get(4..6) == Some(&NLMSG_ERROR.to_ne_bytes()[..]) || msg[1] == TCP_LISTEN {
+        return Peer::Unknown;
+    }
+    let port = |at: usize| u16::from_be_bytes([msg[at], msg[at + 1]]);
+    let address = |at: usize| -> Option<IpAddr> {
+        let v6: [u8; 16] = msg[at..at + 16].try_into().ok()?;
+        let ip = match i32::from(msg[0]) {
+            libc::AF_INET => IpAddr::from([v6[0], v6[1], v6[2], v6[3]]),
+            libc::AF_INET6 => IpAddr::from(v6),
+            _ => return None,
+        };
+        Some(plain_ip(ip))
+    };
+    let asked = (src.port(), dst.port(), Some(plain_ip(src.ip())), Some(plain_ip(dst.ip())));
+    if (port(4), port(6), address(8), address(24)) != asked {
+        return Peer::Unknown;
+    }
+    let word = |at: usize| u32::from_ne_bytes([msg[at], msg[at + 1], msg[at + 2], msg[at + 3]]);
+    match (word(64), word(68)) {
+        (_, 0) => Peer::Gone,
+        (uid, _) => Peer::User(uid),
     }
 }
 
-/// Who holds the TCP socket at `peer` connected to `local`: who is talking on a loopback
-/// connection, from the kernel, one socket asked about (bounded whatever the host's table holds).
+/// Who holds the TCP socket at `peer` connected to `local`: who is talking on a connection from
+/// this host, from the kernel, one socket asked about (bounded whatever the host's table holds).
 pub fn tcp_owner(peer: SocketAddr, local: SocketAddr) -> Peer {
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
     // SAFETY: socket(2); the fd is owned from here on.
@@ -469,7 +500,7 @@ pub fn tcp_owner(peer: SocketAddr, local: SocketAddr) -> Peer {
         }
         libc::recv(fd.as_raw_fd(), answer.as_mut_ptr().cast(), answer.len(), 0)
     };
-    usize::try_from(got).map_or(Peer::Unknown, |got| sock_diag_peer(&answer[..got.min(answer.len())]))
+    usize::try_from(got).map_or(Peer::Unknown, |got| sock_diag_peer(&answer[..got.min(answer.len())], peer, local))
 }
 
 #[cfg(test)]
@@ -505,10 +536,15 @@ mod tests {
         // Closed by its holder (the kernel's record of it says uid 0, root, whoever held it).
         drop(client);
         assert_eq!(tcp_owner(peer, local), Peer::Gone);
+        // A client elsewhere connecting from the port of a listener here on every address: the
+        // kernel answers for that listener (this process's), which is not who connected.
+        let everywhere = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
+        let from_its_port = SocketAddr::from(([192, 0, 2, 1], everywhere.local_addr().unwrap().port()));
+        assert_eq!(tcp_owner(from_its_port, local), Peer::Unknown);
     }
 
     #[test]
-    fn the_place_that_makes_way_is_never_a_lone_scraper_s() {
+    fn the_place_that_makes_way_is_a_closed_one_then_the_oldest_of_whoever_holds_most() {
         let t0 = Instant::now();
         let at = |ms: u64| t0 + Duration::from_millis(ms);
         let (root, nobody) = (Holder::User(0), Holder::User(65534));
@@ -529,22 +565,50 @@ mod tests {
         let mut claims: Vec<Claim> = (1..16).map(|ms| Claim { holder: remote, headed: false, since: at(ms) }).collect();
         claims.insert(0, Claim { holder: root, headed: false, since: at(0) });
         assert_eq!(make_way(&claims, remote), Some(1));
+        // One host's IPv6 addresses are one holder (its /64), an IPv4-mapped one its IPv4's.
+        let (a, b) = ("[2001:db8::1]:1".parse().unwrap(), "[2001:db8::ffff:2]:2".parse().unwrap());
+        assert_eq!(Holder::of(Peer::Unknown, a), Holder::of(Peer::Unknown, b));
+        assert_ne!(Holder::of(Peer::Unknown, a), Holder::of(Peer::Unknown, "[2001:db8:0:1::1]:1".parse().unwrap()));
+        let mapped = Holder::of(Peer::Unknown, "[::ffff:192.0.2.7]:1".parse().unwrap());
+        assert_eq!(mapped, remote);
     }
 
     #[test]
-    fn a_sock_diag_answer_too_short_or_an_error_names_nobody() {
-        assert_eq!(sock_diag_peer(&[]), Peer::Unknown);
-        let mut error = vec![0u8; 100];
-        error[4..6].copy_from_slice(&2u16.to_ne_bytes());
-        assert_eq!(sock_diag_peer(&error), Peer::Unknown);
-        let mut answer = vec![0u8; 16 + 76];
+    fn a_sock_diag_answer_names_a_holder_only_for_the_socket_asked_about() {
+        let (src, dst): (SocketAddr, SocketAddr) = ("127.0.0.1:40000".parse().unwrap(), "127.0.0.1:9431".parse().unwrap());
+        // The answer for the socket asked about: family and socket id as asked, state
+        // ESTABLISHED, uid 1234, inode 77.
+        let request = sock_diag_request(src, dst);
+        let mut answer = vec![0u8; 16 + 72];
         answer[4..6].copy_from_slice(&20u16.to_ne_bytes());
+        answer[16] = request[16];
+        answer[17] = 1;
+        answer[20..68].copy_from_slice(&request[24..72]);
         answer[80..84].copy_from_slice(&1234u32.to_ne_bytes());
         answer[84..88].copy_from_slice(&77u32.to_ne_bytes());
-        assert_eq!(sock_diag_peer(&answer), Peer::User(1234));
-        assert_eq!(sock_diag_peer(&answer[..87]), Peer::Unknown);
+        assert_eq!(sock_diag_peer(&answer, src, dst), Peer::User(1234));
+        assert_eq!(sock_diag_peer(&answer[..87], src, dst), Peer::Unknown);
+        assert_eq!(sock_diag_peer(&[], src, dst), Peer::Unknown);
+        let mut error = answer.clone();
+        error[4..6].copy_from_slice(&2u16.to_ne_bytes());
+        assert_eq!(sock_diag_peer(&error, src, dst), Peer::Unknown);
+        // Another socket: a listener on that port (no peer port), or the state says so.
+        let mut listener = answer.clone();
+        listener[22..24].copy_from_slice(&[0, 0]);
+        assert_eq!(sock_diag_peer(&listener, src, dst), Peer::Unknown);
+        let mut listening = answer.clone();
+        listening[17] = 10;
+        assert_eq!(sock_diag_peer(&listening, src, dst), Peer::Unknown);
+        assert_eq!(sock_diag_peer(&answer, "127.0.0.2:40000".parse().unwrap(), dst), Peer::Unknown);
+        // The same socket as an IPv6 one at IPv4-mapped addresses (a dual-stack client).
+        let mut mapped = answer.clone();
+        mapped[16] = libc::AF_INET6 as u8;
+        let v6 = |ip: [u8; 4]| std::net::Ipv4Addr::from(ip).to_ipv6_mapped().octets();
+        mapped[24..40].copy_from_slice(&v6([127, 0, 0, 1]));
+        mapped[40..56].copy_from_slice(&v6([127, 0, 0, 1]));
+        assert_eq!(sock_diag_peer(&mapped, src, dst), Peer::User(1234));
         // No inode: a socket closed by its holder.
         answer[84..88].copy_from_slice(&0u32.to_ne_bytes());
-        assert_eq!(sock_diag_peer(&answer), Peer::Gone);
+        assert_eq!(sock_diag_peer(&answer, src, dst), Peer::Gone);
     }
 }

@@ -26,6 +26,7 @@ pub mod procfs;
 pub mod record;
 pub mod redact;
 pub mod report;
+pub mod serving;
 pub mod session;
 pub mod signals;
 pub mod trace;

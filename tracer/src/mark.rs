@@ -161,7 +161,9 @@ impl MarkServer {
                 let mut open = self.per_user.lock().unwrap_or_else(|e| e.into_inner());
                 let n = open.entry(u).or_default();
                 if *n >= MAX_CONNECTIONS_PER_USER {
-                    let _ = stream.try_write(b"ERR busy: too many connections from your user; try again\n");
+                    if let Ok(stream) = stream.into_std() {
+                        crate::serving::refuse(stream, b"ERR busy: too many connections from your user; try again\n");
+                    }
                     return;
                 }
                 *n += 1;
@@ -170,8 +172,10 @@ impl MarkServer {
             None => None,
         };
         let Ok(permit) = self.permits.clone().try_acquire_owned() else {
-            // Full: answer without reading, and never wait on this client.
-            let _ = stream.try_write(b"ERR busy: too many connections to this recorder; try again\n");
+            // Full: answered, and never waited on.
+            if let Ok(stream) = stream.into_std() {
+                crate::serving::refuse(stream, b"ERR busy: too many connections to this recorder; try again\n");
+            }
             return;
         };
         let to_recorder = to_recorder.clone();

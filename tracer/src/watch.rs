@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result};
 use tokio::signal::unix::{signal, Signal, SignalKind};
@@ -102,7 +102,14 @@ pub struct Watcher {
     /// and whether one is due.
     limits_warned: HashSet<(String, String, u64)>,
     limits_checked: (u64, bool),
+    /// The last /metrics body and when it was made: anyone may ask, as often as they like, and
+    /// each one made reads the whole live model on the event loop.
+    metrics: Option<(Instant, String)>,
 }
+
+/// How long a /metrics body is served again before it is made anew: scrapers see the state of
+/// at most this long ago, and a user asking in a loop costs the event loop one making a second.
+const METRICS_FRESH: Duration = Duration::from_secs(1);
 
 const LIMITS_EVERY_NS: u64 = 10_000_000_000;
 
@@ -126,6 +133,7 @@ impl Watcher {
             own_file_table: 0,
             limits_warned: HashSet::new(),
             limits_checked: (0, false),
+            metrics: None,
         }
     }
 
@@ -264,7 +272,7 @@ impl Watcher {
     }
 
     /// An HTTP request, answered from the live model.
-    pub fn respond(&self, route: Route, peer_uid: Option<u32>, model: &Model) -> Response {
+    pub fn respond(&mut self, route: Route, peer_uid: Option<u32>, model: &Model) -> Response {
         match route {
             Route::Health => Response::text(200, "ok\n"),
             Route::Report => {
@@ -279,28 +287,41 @@ impl Watcher {
                 Response { status: 200, content_type: "application/json", body }
             }
             Route::Metrics => {
-                let mut report = self.report(model);
-                // Anyone on the host may scrape: labels carry program and flag names, no values.
-                let redacted: HashMap<String, String> =
-                    model.processes.values().map(|p| (p.command_line(), display_command(&crate::redact::command(&p.command)))).collect();
-                // A label not found is hidden whole, never shown as it came.
-                for p in &mut report.processes {
-                    for field in [&mut p.command, &mut p.service].into_iter().filter(|f| !f.is_empty()) {
-                        *field = redacted.get(field.as_str()).cloned().unwrap_or_else(|| crate::redact::HIDDEN.to_string());
+                let body = match &self.metrics {
+                    Some((made, body)) if made.elapsed() < METRICS_FRESH => body.clone(),
+                    _ => {
+                        let body = self.metrics(model);
+                        self.metrics = Some((Instant::now(), body.clone()));
+                        body
                     }
-                }
-                let diagnoses = self.diagnoses.lock().map(|d| d.clone()).unwrap_or_default();
-                let figures = crate::metrics::Figures {
-                    report: &report,
-                    model,
-                    counters: &self.flight.counters,
-                    window_bytes: self.flight.window_bytes(),
-                    diagnoses: &diagnoses,
-                    now: clocks().1,
                 };
-                Response { status: 200, content_type: "text/plain; version=0.0.4", body: crate::metrics::exposition(&figures) }
+                Response { status: 200, content_type: "text/plain; version=0.0.4", body }
             }
         }
+    }
+
+    /// The /metrics body, from the live model.
+    fn metrics(&self, model: &Model) -> String {
+        let mut report = self.report(model);
+        // Anyone on the host may scrape: labels carry program and flag names, no values.
+        let redacted: HashMap<String, String> =
+            model.processes.values().map(|p| (p.command_line(), display_command(&crate::redact::command(&p.command)))).collect();
+        // A label not found is hidden whole, never shown as it came.
+        for p in &mut report.processes {
+            for field in [&mut p.command, &mut p.service].into_iter().filter(|f| !f.is_empty()) {
+                *field = redacted.get(field.as_str()).cloned().unwrap_or_else(|| crate::redact::HIDDEN.to_string());
+            }
+        }
+        let diagnoses = self.diagnoses.lock().map(|d| d.clone()).unwrap_or_default();
+        let figures = crate::metrics::Figures {
+            report: &report,
+            model,
+            counters: &self.flight.counters,
+            window_bytes: self.flight.window_bytes(),
+            diagnoses: &diagnoses,
+            now: clocks().1,
+        };
+        crate::metrics::exposition(&figures)
     }
 
     fn report(&self, model: &Model) -> Report {
@@ -478,6 +499,19 @@ mod tests {
         );
     }
 
+    /// A user asking for /metrics in a loop costs the event loop one body a second: within it,
+    /// the body made last is served again, after it, one of the state now.
+    #[test]
+    fn a_metrics_body_is_made_at_most_once_a_second() {
+        let mut w = watcher();
+        let first = w.respond(Route::Metrics, None, &model()).body;
+        assert!(first.contains("2147483648"), "{first}");
+        assert_eq!(w.respond(Route::Metrics, None, &Model::new()).body, first);
+        w.metrics.as_mut().unwrap().0 -= METRICS_FRESH;
+        let now = w.respond(Route::Metrics, None, &Model::new()).body;
+        assert!(!now.contains("2147483648"), "{now}");
+    }
+
     /// What the kernel side did not follow is in the live report's losses (and so in every
     /// dump's), not only in `record`'s closing lines.
     #[test]
@@ -492,7 +526,7 @@ mod tests {
 
     #[test]
     fn the_report_is_only_for_root_and_the_user_who_started_the_watch() {
-        let w = watcher();
+        let mut w = watcher();
         assert_eq!(w.respond(Route::Report, Some(1234), &model()).status, 403);
         assert_eq!(w.respond(Route::Report, None, &model()).status, 403, "an unknown peer is refused");
         let ok = w.respond(Route::Report, Some(0), &model());

@@ -15,6 +15,10 @@
 //! `hostile-user flood PORT SECONDS`: twelve threads open connections to 127.0.0.1:PORT as fast
 //! as they can for SECONDS, each keeping its last ten open and sending nothing.
 //!
+//! `hostile-user crowd PORT N`: opens N connections to 127.0.0.1:PORT that send nothing, then
+//! one more that asks for /metrics, prints the first line of its answer (or why there is none)
+//! and exits.
+//!
 //! `hostile-user hold ADDR`: listens on ADDR (before a root daemon that wants it), until killed.
 //! With HOSTILE_HOLD=ADDR in its environment it does so whatever its arguments: a copy of
 //! someone else's command line (`exec -a sleep hostile-user 600`) that listens.
@@ -209,6 +213,24 @@ fn flood(port: u16, seconds: u64) {
     }
 }
 
+fn crowd(port: u16, n: usize) {
+    use std::io::Read;
+    let idle: Vec<_> = (0..n).filter_map(|_| std::net::TcpStream::connect(("127.0.0.1", port)).ok()).collect();
+    std::thread::sleep(Duration::from_millis(100));
+    let asked = std::net::TcpStream::connect(("127.0.0.1", port)).and_then(|mut s| {
+        s.set_read_timeout(Some(Duration::from_secs(5)))?;
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n")?;
+        let mut answer = Vec::new();
+        s.read_to_end(&mut answer)?;
+        Ok(answer)
+    });
+    match asked {
+        Ok(answer) => println!("answer: {}", String::from_utf8_lossy(&answer).lines().next().unwrap_or("(nothing)")),
+        Err(e) => println!("error: {e}"),
+    }
+    drop(idle);
+}
+
 fn hold(addr: &str) -> ! {
     let listener = std::net::TcpListener::bind(addr).unwrap_or_else(|e| {
         eprintln!("hostile-user: cannot listen on {addr}: {e}");
@@ -233,6 +255,7 @@ fn main() {
         }
         [what, addr] if what == "hold" => hold(addr),
         [what, port, seconds] if what == "flood" => flood(port.parse().unwrap_or(0), seconds.parse().unwrap_or(10)),
+        [what, port, n] if what == "crowd" => crowd(port.parse().unwrap_or(0), n.parse().unwrap_or(4)),
         _ => {
             eprintln!("usage: hostile-user freeze DIR [--stretches MS]   (as an unprivileged user, inside `unshare -Urm`)");
             eprintln!("       hostile-user hold ADDR");
