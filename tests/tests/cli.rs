@@ -263,6 +263,27 @@ fn explicit_marks_reach_the_trace_and_override_phases() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// Any user can fill the kernel's table of followed fds with fds of their own. An answer it then
+/// cannot take (here: a fork of a process holding 12 NVIDIA files, whose copies userspace adds
+/// to a table of 16) ended the recording, and would end a watch; now it is counted with the
+/// refused inserts and tracing goes on to the command's end.
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn a_full_kernel_map_never_ends_tracing() {
+    let _root = as_root();
+    let dir = scratch("full-map-fork");
+    let script = r#"GPUTRACE_FDS_ENTRIES=16 "$G" record -o "$D/fork.trace" -- bash -c 'for i in $(seq 12); do exec {fd}</dev/nvidiactl; done; (sleep 0.3) & wait; echo done' > "$D/fork.out" 2> "$D/fork.err""#;
+    let out = in_fake_gpu(&dir, script);
+    let read = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap_or_default();
+    assert!(out.status.success(), "{}\n{}", String::from_utf8_lossy(&out.stderr), read("fork.err"));
+    assert_eq!(read("fork.out").trim(), "done");
+    let err = read("fork.err");
+    assert!(err.contains("tracing goes on") && err.contains("gputrace: warning: the kernel refused"), "{err}");
+    let trace = read("fork.trace");
+    assert!(trace.lines().any(|l| l.contains("\"seen\":\"forked\"")) && trace.lines().any(|l| l.contains("\"ev\":\"exit\"")), "{trace}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// A full kernel table is said, never silent: with the table of followed fds shrunk to 16 entries
 /// (GPUTRACE_FDS_ENTRIES), a process opening 31 NVIDIA files has some refused; the summary warns
 /// of it, and with --kernel-log the programs' own diagnostics name the map and the process (off by

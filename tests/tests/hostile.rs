@@ -697,6 +697,34 @@ fn a_client_elsewhere_is_never_taken_for_a_listener_here() {
     std::fs::remove_dir_all(dumps.parent().unwrap()).ok();
 }
 
+/// Any user can make the kernel side's records faster than the event loop reads them: two
+/// processes calling listen(2) in a loop (each call a record, and a question about its fd) kept
+/// a watch's event loop reading the ring buffer for seconds at a time, /healthz unanswered for
+/// 5 s. The loop now reads for 50 ms at most before it looks at anything else: every /healthz
+/// during the flood is answered within a second.
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn a_flood_of_records_never_keeps_a_watch_from_answering() {
+    let _root = as_root();
+    let (watch, port, dumps) = serving_watch("records", "127.0.0.1");
+    drop(connect(port, Duration::from_secs(5)));
+    let floods: Vec<Guard> =
+        (0..2).map(|_| Guard(Some(as_nobody(env!("CARGO_BIN_EXE_hostile-user")).args(["listens", "10"]).spawn().unwrap()))).collect();
+    std::thread::sleep(Duration::from_secs(1));
+    let answers: Vec<Option<Duration>> = (0..8)
+        .map(|_| {
+            let answer = get(port, "/healthz", Duration::from_secs(5)).filter(|(status, _)| status.contains("200")).map(|(_, took)| took);
+            std::thread::sleep(Duration::from_millis(500));
+            answer
+        })
+        .collect();
+    drop(floods);
+    eprintln!("/healthz under a flood of listen(2) calls: {answers:?}");
+    assert!(answers.iter().all(|a| a.is_some_and(|took| took < Duration::from_secs(1))), "{answers:?}");
+    drop(watch);
+    std::fs::remove_dir_all(dumps.parent().unwrap()).ok();
+}
+
 /// A kernel setting changed for one test, set back when dropped (after a failed assertion too).
 struct Sysctl {
     path: &'static str,

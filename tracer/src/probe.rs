@@ -196,6 +196,9 @@ pub struct Probe {
     /// Why the kernel refused the ioctl programs that keep calls in flight in per-thread slots
     /// (BPF's atomics), when it did: the pair that keeps them in an LRU map runs instead.
     pub calls_in_map_only: Option<String>,
+    /// Answers userspace could not store in the kernel's maps (a map full): counted with the
+    /// kernel's own refused inserts.
+    refused_answers: u64,
 }
 
 /// NVIDIA's majors as the kernel side is told them: none where it cannot read device numbers,
@@ -423,6 +426,7 @@ impl Probe {
             _cgroups: cgroups,
             kernel_log,
             calls_in_map_only,
+            refused_answers: 0,
         })
     }
 
@@ -468,6 +472,13 @@ impl Probe {
         let _ = self.reads.remove(&((u64::from(pid) << 32) | u64::from(tid)));
     }
 
+    /// An answer that could not be stored (see [`Counters::insert_failed`]); whether it is the
+    /// first.
+    pub fn count_refused_answer(&mut self) -> bool {
+        self.refused_answers += 1;
+        self.refused_answers == 1
+    }
+
     pub fn forget_fd(&mut self, pid: u32, fd: i32) {
         // Absent already is fine: the kernel side may have removed it on close.
         let _ = self.fds.remove(&FdKey { tgid: pid, fd: fd as u32 });
@@ -478,7 +489,7 @@ impl Probe {
         Counters {
             lost: sum(stat::LOST),
             questions: sum(stat::QUESTIONS),
-            insert_failed: sum(stat::INSERT_FAILED),
+            insert_failed: sum(stat::INSERT_FAILED) + self.refused_answers,
             impostors: sum(stat::IMPOSTORS),
             own_file_table: sum(stat::OWN_FILE_TABLE),
             calls_in_map: sum(stat::CALLS_IN_MAP),

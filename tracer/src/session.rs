@@ -102,6 +102,11 @@ type KernelLog = AsyncFd<aya_log::EbpfLogger<probe::KernelLog>>;
 
 /// How often NVML and the host's memory are sampled into the trace.
 const SAMPLE_EVERY: Duration = Duration::from_millis(500);
+/// Records taken from the ring buffer between two yields to the other tasks.
+const DRAIN_BATCH: u64 = 256;
+/// How long the ring buffer is read before the loop looks at anything else (a stop signal, a
+/// question, the tick).
+const DRAIN_FOR: Duration = Duration::from_millis(50);
 /// A proxy's config is read again this often: a change to it is seen within this.
 const PROXY_SCAN_EVERY: Duration = Duration::from_secs(5);
 const PROXY_RESEND_EVERY: Duration = Duration::from_secs(60);
@@ -247,26 +252,40 @@ impl<S: Sink> Session<S> {
         Ok(())
     }
 
-    fn apply_updates(&mut self, probe: &mut Probe) -> Result<()> {
+    /// An answer the kernel's maps cannot take (one full: any user can fill the table of fds
+    /// with fds of their own) is counted and said once; it never ends the session.
+    fn apply_updates(&mut self, probe: &mut Probe) {
         for update in self.updates.drain(..) {
-            match update {
-                KernelUpdate::SetFd { pid, fd, state } => probe.set_fd(pid, fd, state)?,
-                KernelUpdate::ForgetFd { pid, fd } => probe.forget_fd(pid, fd),
-                KernelUpdate::Traced { pid } => probe.trace_pid(pid)?,
-                KernelUpdate::BlockedRead { pid, tid, fd, buf } => {
-                    probe.set_reading(pid, tid, fd, buf)?;
+            let stored = match update {
+                KernelUpdate::SetFd { pid, fd, state } => probe.set_fd(pid, fd, state),
+                KernelUpdate::ForgetFd { pid, fd } => {
+                    probe.forget_fd(pid, fd);
+                    Ok(())
+                }
+                KernelUpdate::Traced { pid } => probe.trace_pid(pid),
+                KernelUpdate::BlockedRead { pid, tid, fd, buf } => probe.set_reading(pid, tid, fd, buf).map(|()| {
                     // Returned between the look and the insert: the entry would wait for that
                     // thread's next read of anything, so it goes.
                     if !procfs::blocked_reads(pid).contains(&(tid, fd, buf)) {
                         probe.forget_reading(pid, tid);
                     }
+                }),
+            };
+            if let Err(e) = stored {
+                if probe.count_refused_answer() {
+                    eprintln!("gputrace: warning: {e}; tracing goes on, and what the kernel side could not be told is not followed there (counted with the refused map inserts)");
                 }
             }
         }
-        Ok(())
     }
 
-    fn drain(&mut self, ring: &mut RingBuf<MapData>, probe: &mut Probe) -> Result<()> {
+    /// Takes what the ring buffer holds, for at most [`DRAIN_FOR`] (records keep coming while it
+    /// is read: any user can make them faster than they are read), letting the other tasks
+    /// (connections taken, /proc reads) run every [`DRAIN_BATCH`] records. Whether it stopped at
+    /// the bound, with records left.
+    async fn drain(&mut self, ring: &mut RingBuf<MapData>, probe: &mut Probe) -> bool {
+        let began = Instant::now();
+        let mut taken = 0u64;
         while let Some(item) = ring.next() {
             match parse_record(&item) {
                 Ok(raw) => self.pipeline.handle(raw, &mut self.out, &mut self.updates),
@@ -278,9 +297,16 @@ impl<S: Sink> Session<S> {
                 self.emit(record);
             }
             // Answers go to the kernel at once so the next ioctl on that fd is settled there.
-            self.apply_updates(probe)?;
+            self.apply_updates(probe);
+            taken += 1;
+            if taken.is_multiple_of(DRAIN_BATCH) {
+                if began.elapsed() >= DRAIN_FOR {
+                    return true;
+                }
+                tokio::task::yield_now().await;
+            }
         }
-        Ok(())
+        false
     }
 
     fn check_lost(&mut self, probe: &Probe) {
@@ -313,7 +339,7 @@ impl<S: Sink> Session<S> {
             for event in events {
                 self.emit_now(pid, event);
             }
-            self.apply_updates(probe)?;
+            self.apply_updates(probe);
         }
         self.pipeline.files.attached();
         probe.attached()?;
@@ -366,8 +392,10 @@ impl<S: Sink> Session<S> {
             tokio::select! {
                 guard = ring.readable_mut() => {
                     let mut guard = guard.context("waiting for kernel events")?;
-                    self.drain(guard.get_inner_mut(), probe)?;
-                    guard.clear_ready();
+                    // Stopped at the bound, it stays ready: the loop comes back to it.
+                    if !self.drain(guard.get_inner_mut(), probe).await {
+                        guard.clear_ready();
+                    }
                 }
                 guard = async { kernel_log.as_mut().unwrap().readable_mut().await }, if kernel_log.is_some() => {
                     let mut guard = guard.context("waiting for the kernel's log")?;
@@ -380,7 +408,7 @@ impl<S: Sink> Session<S> {
                 }
                 _ = tick.tick() => {
                     // The kernel wakes this loop only once a batch of escapes has built up.
-                    self.drain(ring.get_mut(), probe)?;
+                    self.drain(ring.get_mut(), probe).await;
                     self.sink.tick(&mut self.model, &probe.counters());
                     self.check_lost(probe);
                     self.read_majors_again(probe)?;
@@ -397,7 +425,7 @@ impl<S: Sink> Session<S> {
                     exit_code = status.code().unwrap_or_else(|| 128 + status.signal().unwrap_or(0));
                     let (_, pid) = child.take().unwrap();
                     // The kernel's exit record is already in the ring buffer: read it first.
-                    self.drain(ring.get_mut(), probe)?;
+                    self.drain(ring.get_mut(), probe).await;
                     self.emit_now(pid, Event::Exit { code: Some(exit_code) });
                     break;
                 }
@@ -406,7 +434,7 @@ impl<S: Sink> Session<S> {
                 // SIGUSR1) are answered on everything the kernel has recorded so far, not on
                 // what the last wake-up brought (escapes wait for a batch or the tick).
                 question = next_question(&mut mark_rx, &mut self.sink) => {
-                    self.drain(ring.get_mut(), probe)?;
+                    self.drain(ring.get_mut(), probe).await;
                     match question {
                         Question::Socket(request) => {
                             let answer = match request.asked {
@@ -442,7 +470,7 @@ impl<S: Sink> Session<S> {
                 }
             }
         }
-        self.drain(ring.get_mut(), probe)?;
+        self.drain(ring.get_mut(), probe).await;
         self.check_lost(probe);
         if let Some(logger) = kernel_log.as_mut() {
             flush_kernel_log(logger.get_mut());

@@ -19,6 +19,9 @@
 //! one more that asks for /metrics, prints the first line of its answer (or why there is none)
 //! and exits.
 //!
+//! `hostile-user listens SECONDS`: calls listen(2) on a TCP socket of its own in a loop for
+//! SECONDS (each call a record from the kernel side of a watch of the whole host).
+//!
 //! `hostile-user hold ADDR`: listens on ADDR (before a root daemon that wants it), until killed.
 //! With HOSTILE_HOLD=ADDR in its environment it does so whatever its arguments: a copy of
 //! someone else's command line (`exec -a sleep hostile-user 600`) that listens.
@@ -231,6 +234,17 @@ fn crowd(port: u16, n: usize) {
     drop(idle);
 }
 
+fn listens(seconds: u64) {
+    let until = std::time::Instant::now() + Duration::from_secs(seconds);
+    let Ok(socket) = std::net::TcpListener::bind("127.0.0.1:0") else { std::process::exit(2) };
+    while std::time::Instant::now() < until {
+        for _ in 0..1000 {
+            // SAFETY: listen(2) on the socket this process holds.
+            unsafe { libc::listen(socket.as_raw_fd(), 1) };
+        }
+    }
+}
+
 fn hold(addr: &str) -> ! {
     let listener = std::net::TcpListener::bind(addr).unwrap_or_else(|e| {
         eprintln!("hostile-user: cannot listen on {addr}: {e}");
@@ -256,6 +270,7 @@ fn main() {
         [what, addr] if what == "hold" => hold(addr),
         [what, port, seconds] if what == "flood" => flood(port.parse().unwrap_or(0), seconds.parse().unwrap_or(10)),
         [what, port, n] if what == "crowd" => crowd(port.parse().unwrap_or(0), n.parse().unwrap_or(4)),
+        [what, seconds] if what == "listens" => listens(seconds.parse().unwrap_or(10)),
         _ => {
             eprintln!("usage: hostile-user freeze DIR [--stretches MS]   (as an unprivileged user, inside `unshare -Urm`)");
             eprintln!("       hostile-user hold ADDR");
