@@ -106,15 +106,35 @@ enum Answer {
     },
 }
 
+/// The fewest addresses of files kept before those of released files are forgotten.
+const MIN_ADDRESSES_BOUND: usize = 1 << 16;
+
+impl Answer {
+    /// The file or connection it names.
+    fn file(&self) -> Option<u64> {
+        match self {
+            Answer::Nvidia { file, .. } => Some(*file),
+            Answer::Conn { conn } => Some(*conn),
+            Answer::NotNvidia => None,
+        }
+    }
+}
+
 pub struct FileTable<R: Resolver> {
     resolver: R,
     /// Ordered, so one process's fds are a range (exec, exit, close_range).
     fds: BTreeMap<(u32, i32), Answer>,
-    /// Fds referring to each followed connection: it closes with its last.
-    conn_refs: HashMap<u64, u32>,
+    /// The fds known to refer to each file gputrace named (an NVIDIA file, a followed
+    /// connection): a connection closes with its last.
+    refs: HashMap<u64, u32>,
     /// The kernel's `struct file *` of each file gputrace named: the identity of an open file
     /// description, valid even after every fd the kcmp fallback could compare against is gone.
     kernel_files: HashMap<u64, u64>,
+    /// The same, by file: a file named by an address is never asked about by kcmp for a fd at
+    /// another one (a fd at a new address costs no question per known file).
+    addresses: HashMap<u64, u64>,
+    /// Past this many addresses, those of files no known fd refers to are forgotten.
+    addresses_bound: usize,
     next_file: u64,
     pub questions_answered: u64,
     /// ioctls sent while their fd's question was open, dropped because it was not NVIDIA.
@@ -163,8 +183,10 @@ impl<R: Resolver> FileTable<R> {
         FileTable {
             resolver,
             fds: BTreeMap::new(),
-            conn_refs: HashMap::new(),
+            refs: HashMap::new(),
             kernel_files: HashMap::new(),
+            addresses: HashMap::new(),
+            addresses_bound: MIN_ADDRESSES_BOUND,
             next_file: 1,
             questions_answered: 0,
             pending_dropped: 0,
@@ -209,11 +231,9 @@ impl<R: Resolver> FileTable<R> {
     /// `kernel_file`: the kernel's `struct file *`, 0 when unknown.
     pub fn opened(&mut self, pid: u32, fd: i32, device: Device, cloexec: bool, kernel_file: u64) -> Event {
         let file = self.new_file();
-        // A new open at an address a released file had is a new file: the mapping is replaced.
-        if kernel_file != 0 {
-            self.kernel_files.insert(kernel_file, file);
-        }
         self.set((pid, fd), Answer::Nvidia { device, file, cloexec });
+        // A new open at an address a released file had is a new file: the mapping is replaced.
+        self.name_address(kernel_file, file);
         Event::Open { fd, file, device, cloexec }
     }
 
@@ -240,30 +260,51 @@ impl<R: Resolver> FileTable<R> {
         Event::Accept { fd, conn }
     }
 
-    /// Every change to the mirror goes through here and `unset`, so connection counts stay true.
+    /// Every change to the mirror goes through here and `unset`, so the counts of fds per file
+    /// stay true.
     fn set(&mut self, key: (u32, i32), answer: Answer) {
-        if let Answer::Conn { conn } = answer {
-            *self.conn_refs.entry(conn).or_default() += 1;
+        if let Some(file) = answer.file() {
+            *self.refs.entry(file).or_default() += 1;
         }
         if let Some(old) = self.fds.insert(key, answer) {
-            self.forget_conn_ref(old);
+            self.forget_ref(old);
         }
     }
 
     fn unset(&mut self, key: (u32, i32)) -> Option<Answer> {
         let old = self.fds.remove(&key)?;
-        self.forget_conn_ref(old);
+        self.forget_ref(old);
         Some(old)
     }
 
-    fn forget_conn_ref(&mut self, answer: Answer) {
-        if let Answer::Conn { conn } = answer {
-            if let Some(refs) = self.conn_refs.get_mut(&conn) {
-                *refs -= 1;
-                if *refs == 0 {
-                    self.conn_refs.remove(&conn);
-                }
+    fn forget_ref(&mut self, answer: Answer) {
+        let Some(file) = answer.file() else { return };
+        if let Some(refs) = self.refs.get_mut(&file) {
+            *refs -= 1;
+            if *refs == 0 {
+                self.refs.remove(&file);
             }
+        }
+    }
+
+    /// Names `file` by the kernel's address of it (0: none known). Past the bound, the
+    /// addresses of files no known fd refers to any more are forgotten, and the bound is set to
+    /// twice what is left: a user opening and closing a device in a loop would otherwise grow
+    /// them for the life of a watch. (A fd met later at such an address is then joined to its
+    /// file only by kcmp, against the fds known.)
+    fn name_address(&mut self, address: u64, file: u64) {
+        if address == 0 {
+            return;
+        }
+        if let Some(before) = self.kernel_files.insert(address, file) {
+            self.addresses.remove(&before);
+        }
+        self.addresses.insert(file, address);
+        if self.kernel_files.len() > self.addresses_bound {
+            let refs = &self.refs;
+            self.kernel_files.retain(|_, file| refs.contains_key(file));
+            self.addresses.retain(|file, _| refs.contains_key(file));
+            self.addresses_bound = (2 * self.kernel_files.len()).max(MIN_ADDRESSES_BOUND);
         }
     }
 
@@ -279,7 +320,7 @@ impl<R: Resolver> FileTable<R> {
     pub fn conn_closed(&mut self, pid: u32, fd: i32) -> Option<Event> {
         let conn = self.conn(pid, fd)?;
         self.unset((pid, fd));
-        (!self.conn_refs.contains_key(&conn)).then_some(Event::ConnClose { conn })
+        (!self.refs.contains_key(&conn)).then_some(Event::ConnClose { conn })
     }
 
     pub fn duplicated(&mut self, pid: u32, old_fd: i32, new_fd: i32, cloexec: bool) -> Option<Event> {
@@ -464,17 +505,19 @@ impl<R: Resolver> FileTable<R> {
     /// (its entry there is set already): no /proc reading, the fd may be closed by now.
     pub fn found(&mut self, pid: u32, fd: i32, device: Device, kernel_file: u64, cloexec: bool) -> Vec<Event> {
         let by_kernel = self.kernel_files.get(&kernel_file).copied().filter(|_| kernel_file != 0);
+        // A file the kernel named by another address is another open file description.
+        let may_be = |file: &u64| kernel_file == 0 || !self.addresses.contains_key(file);
         let known = by_kernel.or_else(|| {
             self.fds.iter().find_map(|(&(p, f), a)| match a {
-                Answer::Nvidia { device: d, file, .. } if *d == device && self.resolver.same_file((pid, fd), (p, f)) => Some(*file),
+                Answer::Nvidia { device: d, file, .. } if *d == device && may_be(file) && self.resolver.same_file((pid, fd), (p, f)) => {
+                    Some(*file)
+                }
                 _ => None,
             })
         });
         let file = known.unwrap_or_else(|| self.new_file());
-        if kernel_file != 0 {
-            self.kernel_files.insert(kernel_file, file);
-        }
         self.set((pid, fd), Answer::Nvidia { device, file, cloexec });
+        self.name_address(kernel_file, file);
         let mut events = vec![Event::FdFound { fd, file, device }];
         events.extend(cloexec.then_some(Event::SetCloexec { fd, cloexec }));
         events
@@ -623,6 +666,8 @@ mod tests {
         blocked: Vec<(u32, i32, u64)>,
         /// Fds that are close-on-exec.
         cloexec: Vec<(u32, i32)>,
+        /// kcmp questions asked.
+        asked: std::cell::Cell<u32>,
     }
 
     impl Resolver for FakeProc {
@@ -630,6 +675,7 @@ mod tests {
             self.fds.get(&(pid, fd)).map(|(p, _)| PathBuf::from(p))
         }
         fn same_file(&self, a: (u32, i32), b: (u32, i32)) -> bool {
+            self.asked.set(self.asked.get() + 1);
             matches!((self.fds.get(&a), self.fds.get(&b)), (Some(x), Some(y)) if x.1 == y.1)
         }
         fn command(&self, pid: u32) -> Option<Vec<String>> {
@@ -860,6 +906,39 @@ mod tests {
         let mut updates = vec![];
         t.exec(10, "/bin/true", vec!["true".into()], true, &mut updates);
         assert!(!t.knows_nvidia(10, 5) && t.knows_nvidia(10, 7), "the exec closed the close-on-exec fd only");
+    }
+
+    /// A fd at an address no file has is never compared (kcmp) with fds of files named by
+    /// another address: one user's thousands of fds each found by number cost no question per
+    /// fd known. Files known without an address (met in /proc) are still compared.
+    #[test]
+    fn a_fd_at_a_new_address_is_compared_only_with_files_known_without_one() {
+        let mut t = table(&[((10, 20), "/dev/nvidiactl", 7), ((10, 21), "/dev/nvidiactl", 7)]);
+        for fd in 3..10 {
+            t.found(10, fd, Device::Ctl, 0x1000 * fd as u64, false);
+        }
+        assert_eq!(t.resolver.asked.get(), 0);
+        let [Event::FdFound { file: unaddressed, .. }] = t.found(10, 20, Device::Ctl, 0, false)[..] else { panic!() };
+        let asked = t.resolver.asked.get();
+        assert!(asked > 0, "without an address, every file is a candidate");
+        let [Event::FdFound { file, .. }] = t.found(10, 21, Device::Ctl, 0xabc000, false)[..] else { panic!() };
+        assert_eq!(file, unaddressed, "joined by kcmp to the file known without an address");
+        assert_eq!(t.resolver.asked.get() - asked, 1, "only that file's fd was asked about");
+    }
+
+    /// Opening and closing a device in a loop leaves no address behind past the bound, while a
+    /// file still open keeps its own: a fd met later at it is that file.
+    #[test]
+    fn addresses_of_released_files_are_forgotten_past_the_bound() {
+        let mut t = table(&[]);
+        let mut updates = vec![];
+        let Event::Open { file: kept, .. } = t.opened(10, 3, Device::Ctl, false, 0xdead_0000) else { panic!() };
+        for address in 1..=2 * MIN_ADDRESSES_BOUND as u64 {
+            t.opened(10, 4, Device::Ctl, false, address << 12);
+            t.closed(10, 4, false, &mut updates);
+        }
+        assert!(t.kernel_files.len() <= MIN_ADDRESSES_BOUND && t.addresses.len() == t.kernel_files.len(), "{}", t.kernel_files.len());
+        assert_eq!(t.found(11, 9, Device::Ctl, 0xdead_0000, false), [Event::FdFound { fd: 9, file: kept, device: Device::Ctl }]);
     }
 
     /// A server reading through a dup of the accepted fd still has one connection, closed with
