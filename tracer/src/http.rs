@@ -64,6 +64,15 @@ impl Response {
     pub fn text(status: u16, body: impl Into<String>) -> Response {
         Response { status, content_type: "text/plain; charset=utf-8", body: body.into() }
     }
+
+    /// As sent: its head, then its body unless only the head was asked for (HEAD).
+    fn bytes(&self, head_only: bool) -> Vec<u8> {
+        let mut bytes = head(self.status, self.content_type, self.body.len());
+        if !head_only {
+            bytes.extend_from_slice(self.body.as_bytes());
+        }
+        bytes
+    }
 }
 
 /// A request line's method and route.
@@ -237,11 +246,12 @@ impl Server {
             match make_way(&claims, newcomer) {
                 Some(i) => places.held.swap_remove(i).task.abort(),
                 None => {
-                    let answer = "gputrace: every place is taken by a request being answered, or by your user's share of them; try again\n";
-                    let mut bytes = head(503, "text/plain; charset=utf-8", answer.len());
-                    bytes.extend_from_slice(answer.as_bytes());
+                    let busy = Response::text(
+                        503,
+                        "gputrace: every place is taken by a request being answered, or by your user's share of them; try again\n",
+                    );
                     if let Ok(stream) = stream.into_std() {
-                        crate::serving::refuse(stream, &bytes);
+                        crate::serving::refuse(stream, &busy.bytes(false));
                     }
                     return Ok(());
                 }
@@ -335,11 +345,7 @@ async fn serve(mut stream: TcpStream, peer: SocketAddr, to_loop: mpsc::Sender<Re
             }
         }
     };
-    let mut bytes = head(response.status, response.content_type, response.body.len());
-    if !head_only {
-        bytes.extend_from_slice(response.body.as_bytes());
-    }
-    let _ = tokio::time::timeout(WRITE_TIMEOUT, stream.write_all(&bytes)).await;
+    let _ = tokio::time::timeout(WRITE_TIMEOUT, stream.write_all(&response.bytes(head_only))).await;
     let _ = stream.shutdown().await;
 }
 
