@@ -60,7 +60,7 @@ fn report(name: &str, server: &str, met: Met, env: &[(&str, &str)]) -> Value {
         let dumps = std::fs::read_dir(dir.join("dumps")).unwrap().flatten().map(|e| e.path());
         let dump = dumps
             .into_iter()
-            .find(|p| ["-failed-allocation.trace", "-failed-exit.trace"].iter().any(|end| p.to_string_lossy().ends_with(end)))
+            .find(|p| ["-failed-allocation-uid0.trace", "-failed-exit-uid0.trace"].iter().any(|end| p.to_string_lossy().ends_with(end)))
             .unwrap_or_else(|| panic!("{what}: no dump\n{}", logs("watch.log")));
         let out = Command::new(gputrace_bin()).args(["report", "--json"]).arg(&dump).output().unwrap();
         serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{what}: {e}"))

@@ -111,7 +111,7 @@ fn watched(name: &str) {
     // One for the failure (the server's exit joined it or came too soon), one asked for by
     // `gputrace dump` and finished by SIGTERM.
     assert_eq!(traces.len(), 2, "{traces:?}\n{log}");
-    let (failed, asked) = (named("-failed-allocation."), named("-manual."));
+    let (failed, asked) = (named("-failed-allocation-uid0."), named("-manual."));
     assert_eq!((failed.len(), asked.len()), (1, 1), "{traces:?}");
     let dump = failed[0];
     assert!(dump.with_extension("report.txt").exists(), "its report is beside it");
@@ -180,7 +180,7 @@ fn watched(name: &str) {
             "said once in the log: {log}"
         );
         let at = |what: &str| log.find(what).unwrap_or(usize::MAX);
-        assert!(at("gputrace: warning: ") < at("-failed-allocation.trace"), "said before the burst failed: {log}");
+        assert!(at("gputrace: warning: ") < at("-failed-allocation-uid0.trace"), "said before the burst failed: {log}");
     }
     std::fs::remove_dir_all(&dir).ok();
 }
@@ -225,7 +225,7 @@ fn a_watch_of_one_pid_dumps_its_failure_only() {
     let traces: Vec<_> =
         std::fs::read_dir(&dumps).unwrap().flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|e| e == "trace")).collect();
     assert_eq!(traces.len(), 1, "one dump, for the watched process's failure: {traces:?}\n{log}");
-    assert!(traces[0].to_string_lossy().contains("-failed-allocation."), "{traces:?}");
+    assert!(traces[0].to_string_lossy().contains("-failed-allocation-uid0."), "{traces:?}");
     let dumped = report(&traces[0]);
     let refused: u64 = dumped["processes"].as_array().unwrap().iter().map(|p| p["failed_allocations"].as_u64().unwrap_or(0)).sum();
     assert_eq!(refused, 1, "only the watched process's refusal is in it: {dumped:#}");

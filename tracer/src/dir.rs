@@ -332,17 +332,36 @@ pub fn create_private(path: &Path, user: Option<&User>) -> io::Result<File> {
 }
 
 /// Opens a file to read (a trace) as `user` would: with that user's rights, not root's, and only a
-/// regular file (a FIFO planted at the name never hangs the reader, a device is never opened
-/// for its side effects).
+/// regular file. The name is pinned first (O_PATH opens nothing) and only a regular file is then
+/// opened: a device at the name (a link to /dev/watchdog, which an open arms and a close without
+/// its magic word leaves armed) is never opened for its side effects, a FIFO never hangs the
+/// reader nor frees a writer waiting on it.
 pub fn open_for_reading(path: &Path, user: Option<&User>) -> io::Result<File> {
     as_user(user, || {
-        let file = OpenOptions::new().read(true).custom_flags(libc::O_CLOEXEC | libc::O_NONBLOCK | libc::O_NOCTTY).open(path)?;
-        if !file.metadata()?.file_type().is_file() {
+        let pinned = OpenOptions::new().read(true).custom_flags(libc::O_CLOEXEC | libc::O_PATH).open(path)?;
+        let meta = pinned.metadata()?;
+        if !meta.file_type().is_file() {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "not a regular file"));
         }
-        clear_nonblock(&file)?;
-        Ok(file)
+        reopen_to_read(&pinned, &meta)
     })
+}
+
+/// The regular file `pinned` (O_PATH, found regular as `meta`) opened to read, with the rights of
+/// whoever asks now; refused if what is there is no longer that file.
+pub(crate) fn reopen_to_read(pinned: &File, meta: &std::fs::Metadata) -> io::Result<File> {
+    use std::os::unix::fs::MetadataExt;
+    // O_NONBLOCK: a regular file never blocks, but should a bind mount swap it, nothing hangs.
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_CLOEXEC | libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(format!("/proc/self/fd/{}", pinned.as_raw_fd()))?;
+    let again = file.metadata()?;
+    if !again.file_type().is_file() || (again.dev(), again.ino()) != (meta.dev(), meta.ino()) {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "it changed while it was opened"));
+    }
+    clear_nonblock(&file)?;
+    Ok(file)
 }
 
 #[cfg(test)]
@@ -374,6 +393,38 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         dir
+    }
+
+    /// Only a regular file is opened to read: a FIFO at the name is refused without being
+    /// opened (its opening frees a writer waiting on it, as a device's opening would arm it).
+    #[test]
+    fn a_trace_that_is_no_regular_file_is_never_opened() {
+        let dir = scratch("fifo");
+        let fifo = dir.join("x.trace");
+        let c = CString::new(fifo.as_os_str().as_bytes()).unwrap();
+        // SAFETY: mkfifo with a NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let writer = {
+            let fifo = fifo.clone();
+            std::thread::spawn(move || OpenOptions::new().write(true).open(fifo).is_ok())
+        };
+        let link = dir.join("link.trace");
+        std::os::unix::fs::symlink(&fifo, &link).unwrap();
+        for path in [&fifo, &link] {
+            let e = open_for_reading(path, None).unwrap_err().to_string();
+            assert!(e.contains("not a regular file"), "{e}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        assert!(!writer.is_finished(), "the FIFO was opened: its writer went on");
+        // Let the writer go.
+        drop(OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(&fifo).unwrap());
+        assert!(writer.join().unwrap());
+        let plain = dir.join("plain.trace");
+        std::fs::write(&plain, "a trace").unwrap();
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut open_for_reading(&plain, None).unwrap(), &mut text).unwrap();
+        assert_eq!(text, "a trace");
+        std::fs::remove_dir_all(&dir).ok();
     }
 
     #[test]

@@ -539,12 +539,12 @@ impl<R: Resolver> FileTable<R> {
     }
 
     /// A process already running when tracing began: its command, the NVIDIA fds it holds, and
-    /// what it had then ([`Event::Attached`]: the ports it listened on, the GPUs it held).
+    /// what it had then ([`Event::Attached`]: the ports it listened on, the GPUs it held). Its
+    /// place is asked for apart ([`FileTable::place_if_new`]), once it is worth a record.
     pub fn scan(&mut self, pid: u32, updates: &mut Vec<KernelUpdate>) -> Vec<Event> {
         let command = self.resolver.command(pid).unwrap_or_default();
         let ppid = self.resolver.parent(pid).unwrap_or(0);
         let mut events = vec![Event::Process { ppid, seen: Seen::Running, command }];
-        events.extend(self.place_if_new(pid, None).map(Event::Place));
         let (mut gpus, mut sockets) = (Vec::new(), Vec::new());
         for fd in self.resolver.open_fds(pid) {
             let path = self.resolver.fd_path(pid, fd).map(|p| p.to_string_lossy().into_owned()).unwrap_or_default();

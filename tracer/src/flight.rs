@@ -43,8 +43,8 @@ pub struct Party {
 }
 
 impl Party {
-    /// The party of `pid` in the live model. A process whose user is not known is a party of
-    /// its own (its own service, no user's share): unknown users are never one shared bucket.
+    /// The party of `pid` in the live model. A process whose user is not known is a service of
+    /// its own, and shares one user's dumps with every other such process.
     pub fn of(live: &Model, pid: u32) -> Party {
         match live.processes.get(&pid).and_then(|p| p.place.as_ref()?.uid) {
             Some(uid) => Party { service: crate::analysis::service_root(live, pid), uid: Some(uid) },
@@ -110,6 +110,8 @@ impl Trigger {
 /// A dump ready to write: the state at its window's start, then the window, in order.
 pub struct Dump {
     pub trigger: Trigger,
+    /// Whose failure it is (None: someone asked): the dump is kept within that party's share.
+    pub party: Option<Party>,
     pub trigger_ts: u64,
     /// Triggers that came while it waited for its aftermath, counted in it.
     pub joined: u64,
@@ -157,6 +159,7 @@ struct Segment {
 
 struct Pending {
     trigger: Trigger,
+    party: Option<Party>,
     trigger_ts: u64,
     joined: u64,
     window_start: u64,
@@ -199,8 +202,9 @@ pub struct Flight {
     /// When each kind of trigger last started a dump, per service and user (a process another
     /// user runs below a service is a party of its own).
     last_trigger: HashMap<(&'static str, Party), u64>,
-    /// When each kind of trigger started a dump for each user's services, the last few.
-    user_dumps: HashMap<(&'static str, u32), VecDeque<u64>>,
+    /// When each kind of trigger started a dump for each user's services, the last few (None:
+    /// every process whose user is not known).
+    user_dumps: HashMap<(&'static str, Option<u32>), VecDeque<u64>>,
     last_compaction: u64,
     records_at_compaction: u64,
     pub counters: Counters,
@@ -286,15 +290,16 @@ impl Flight {
                 self.counters.suppressed += 1;
                 return;
             }
-            if let Some(uid) = party.uid {
-                let times = self.user_dumps.entry((kind, uid)).or_default();
-                times.retain(recent);
-                if times.len() >= DUMPS_PER_USER {
-                    self.counters.suppressed += 1;
-                    return;
-                }
-                times.push_back(ts);
+            // Processes whose user could not be read share one user's dumps: each such
+            // process is a service of its own, and one that exits at once is what a user racing
+            // the watch's read of /proc would make in a loop.
+            let times = self.user_dumps.entry((kind, party.uid)).or_default();
+            times.retain(recent);
+            if times.len() >= DUMPS_PER_USER {
+                self.counters.suppressed += 1;
+                return;
             }
+            times.push_back(ts);
             // Parties whose interval is over are forgotten: the books hold the last interval's.
             self.last_trigger.retain(|_, t| recent(t));
             self.user_dumps.retain(|_, times| times.back().is_some_and(recent));
@@ -303,8 +308,15 @@ impl Flight {
         self.close_segment();
         let segments = self.segments.iter().map(|s| s.bytes.clone()).collect();
         // The state at the window's start: the base, as the window's first record found it.
-        self.pending =
-            Some(Pending { trigger, trigger_ts: ts, joined: 0, window_start: self.window_start, snapshot: self.base.snapshot(), segments });
+        self.pending = Some(Pending {
+            trigger,
+            party,
+            trigger_ts: ts,
+            joined: 0,
+            window_start: self.window_start,
+            snapshot: self.base.snapshot(),
+            segments,
+        });
     }
 
     /// What a dump waiting for its aftermath is for, and until when.
@@ -325,6 +337,7 @@ impl Flight {
         self.counters.dumps += 1;
         Some(Dump {
             trigger: p.trigger,
+            party: p.party,
             trigger_ts: p.trigger_ts,
             joined: p.joined,
             window_start: p.window_start,

@@ -346,17 +346,8 @@ pub fn read_config(pid: u32, path: &str) -> Result<String, String> {
     if meta.len() > MAX_CONFIG {
         return Err(format!("it is larger than {} KiB", MAX_CONFIG / 1024));
     }
-    // The very file checked, now opened to read (O_NONBLOCK: a regular file never blocks, but
-    // the flag costs nothing should it be swapped for something else by a bind mount).
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
-        .open(format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&file)))
-        .map_err(|e| format!("cannot open it: {e}"))?;
-    let again = file.metadata().map_err(|e| format!("cannot stat it: {e}"))?;
-    if (again.dev(), again.ino()) != (meta.dev(), meta.ino()) {
-        return Err("it changed while it was opened".into());
-    }
+    // The very file checked, now opened to read.
+    let file = crate::dir::reopen_to_read(&file, &meta).map_err(|e| format!("cannot open it: {e}"))?;
     let mut raw = Vec::new();
     file.take(MAX_CONFIG).read_to_end(&mut raw).map_err(|e| format!("cannot read it: {e}"))?;
     Ok(String::from_utf8_lossy(&raw).into_owned())

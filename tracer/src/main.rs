@@ -63,7 +63,7 @@ enum Command {
         /// The window's cap in memory, whatever its length in time
         #[arg(long, value_name = "BYTES", default_value = "24MiB", value_parser = gputrace::units::parse_bytes)]
         window_bytes: u64,
-        /// Dumps beyond this size in all are removed, oldest first
+        /// Dumps beyond this size in all are removed: the oldest of the user whose dumps hold the most
         #[arg(long, value_name = "BYTES", default_value = "1GiB", value_parser = gputrace::units::parse_bytes)]
         budget: u64,
         /// How long after its trigger a dump waits, so the aftermath is in it

@@ -421,17 +421,32 @@ impl Model {
         self.processes.values().filter(|p| p.exited.is_none() && p.fds.values().any(|f| f.file == file)).map(|p| p.pid).collect()
     }
 
+    /// [`Model::holders`] of every file, in one pass (asked file by file, thousands of files
+    /// cost thousands of passes over every process).
+    pub fn holders_by_file(&self) -> HashMap<FileId, Vec<u32>> {
+        let mut by_file: HashMap<FileId, Vec<u32>> = HashMap::new();
+        for p in self.processes.values().filter(|p| p.exited.is_none()) {
+            for f in p.fds.values() {
+                let holders = by_file.entry(f.file).or_default();
+                if holders.last() != Some(&p.pid) {
+                    holders.push(p.pid);
+                }
+            }
+        }
+        by_file
+    }
+
     /// Memory of exited processes still live, by the live process that keeps it (the lowest pid
     /// holding the file it lives on: a forked child of a killed server), then by the process
     /// that allocated it: physical bytes.
     pub fn kept_alive(&self) -> BTreeMap<u32, BTreeMap<u32, u64>> {
         let mut kept: BTreeMap<u32, BTreeMap<u32, u64>> = BTreeMap::new();
         let exited = |pid| self.processes.get(&pid).is_some_and(|p| p.exited.is_some());
-        // One holders() per file: a server leaves thousands of allocations on a few files.
-        let mut keeper_of: HashMap<FileId, Option<u32>> = HashMap::new();
+        // Made when first needed: most models keep nothing alive.
+        let mut holders: Option<HashMap<FileId, Vec<u32>>> = None;
         for a in self.allocations.iter().filter(|a| a.is_live() && a.memory != Memory::Virtual && exited(a.pid)) {
             let Some(file) = a.file else { continue };
-            let keeper = *keeper_of.entry(file).or_insert_with(|| self.holders(file).into_iter().min());
+            let keeper = holders.get_or_insert_with(|| self.holders_by_file()).get(&file).and_then(|h| h.first().copied());
             if let Some(keeper) = keeper {
                 add_saturating(kept.entry(keeper).or_default().entry(a.pid).or_default(), a.bytes);
             }

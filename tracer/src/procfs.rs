@@ -395,8 +395,11 @@ pub mod mm {
 
     #[derive(Default)]
     struct Pool {
-        idle: Vec<SyncSender<Job>>,
+        /// Each idle worker's channel: a job, or None to end (see [`retire`]).
+        idle: Vec<SyncSender<Option<Job>>>,
         workers: usize,
+        /// Raised by [`retire`]: a worker of an earlier generation ends after its read.
+        generation: u64,
         /// Reads abandoned and still blocked, by the uid owning the process read.
         stuck: HashMap<u32, usize>,
         /// The waiting each uid's processes cost in the current window: (its start, the total).
@@ -428,15 +431,15 @@ pub mod mm {
         f(guard.get_or_insert_with(Pool::default))
     }
 
-    fn work(jobs: Receiver<Job>, me: SyncSender<Job>) {
-        for job in jobs {
+    fn work(jobs: Receiver<Option<Job>>, me: SyncSender<Option<Job>>, generation: u64) {
+        while let Ok(Some(job)) = jobs.recv() {
             let read = (|| {
                 let mut raw = Vec::new();
                 std::fs::File::open(&job.path).ok()?.take(job.limit).read_to_end(&mut raw).ok()?;
                 Some(raw)
             })();
             let _ = job.reply.try_send(read);
-            pool(|p| {
+            let kept = pool(|p| {
                 let mut state = job.state.lock().unwrap_or_else(|e| e.into_inner());
                 state.finished = true;
                 if state.abandoned {
@@ -447,9 +450,32 @@ pub mod mm {
                         }
                     }
                 }
+                if p.generation != generation {
+                    p.workers -= 1;
+                    return false;
+                }
                 p.idle.push(me.clone());
+                true
             });
+            if !kept {
+                return;
+            }
         }
+    }
+
+    /// Ends every worker: the idle ones now, a busy one when its read ends (one stuck ends when
+    /// the kernel lets it go). Capabilities are each thread's own: a worker started before
+    /// gputrace dropped its capabilities would keep them all, while one started after inherits
+    /// what the dropping thread kept.
+    pub fn retire() {
+        pool(|p| {
+            p.generation += 1;
+            for worker in p.idle.drain(..) {
+                if worker.try_send(None).is_ok() {
+                    p.workers -= 1;
+                }
+            }
+        })
     }
 
     /// /proc/PID/FILE, at most `limit` bytes, within [`DEADLINE`].
@@ -467,9 +493,9 @@ pub mod mm {
             if p.workers >= WORKERS {
                 return None;
             }
-            let (tx, rx) = sync_channel::<Job>(1);
-            let me = tx.clone();
-            std::thread::Builder::new().name("gputrace-proc".into()).spawn(move || work(rx, me)).ok()?;
+            let (tx, rx) = sync_channel::<Option<Job>>(1);
+            let (me, generation) = (tx.clone(), p.generation);
+            std::thread::Builder::new().name("gputrace-proc".into()).spawn(move || work(rx, me, generation)).ok()?;
             p.workers += 1;
             Some(tx)
         });
@@ -477,7 +503,7 @@ pub mod mm {
         let (reply, answer) = sync_channel(1);
         let state = Arc::new(Mutex::new(State::default()));
         let job = Job { path: format!("/proc/{pid}/{file}"), limit, uid, state: state.clone(), reply };
-        if worker.send(job).is_err() {
+        if worker.send(Some(job)).is_err() {
             return Read::Late;
         }
         let answered = answer.recv_timeout(DEADLINE);

@@ -11,7 +11,7 @@ use crate::analysis::holders::suspects;
 pub use crate::analysis::holders::SuspectContext;
 pub use crate::analysis::nvml::Disagreement;
 use crate::analysis::nvml::{disagreements, nvml_peaks, unaccounted};
-use crate::analysis::usage::{gpu_reports, process_report};
+use crate::analysis::usage::{allocations_by_pid, gpu_reports, process_report};
 pub use crate::analysis::usage::{GpuReport, Kept, KindTotals, ProcessReport};
 use crate::model::Model;
 use crate::trace::Header;
@@ -160,11 +160,15 @@ impl Report {
         let services = diagnoser.services();
         let nvml_peaks = nvml_peaks(model);
         let kept = model.kept_alive();
+        let allocations = allocations_by_pid(model);
         let processes = model
             .processes
             .values()
             .filter(|p| p.usage.allocations > 0 || p.usage.failed > 0 || kept.contains_key(&p.pid))
-            .map(|p| process_report(p, model, services, nvml_peaks.get(&p.pid).copied(), kept.get(&p.pid)))
+            .map(|p| {
+                let own = allocations.get(&p.pid).map_or(&[][..], Vec::as_slice);
+                process_report(p, own, model, services, nvml_peaks.get(&p.pid).copied(), kept.get(&p.pid))
+            })
             .collect();
         let duration_ns = model.first_ts.map(|f| model.last_ts - f).unwrap_or(0);
         Report {

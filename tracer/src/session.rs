@@ -328,13 +328,18 @@ impl<S: Sink> Session<S> {
             if !opts.all {
                 probe.trace_pid(pid)?;
             }
-            let events = self.pipeline.files.scan(pid, &mut self.updates);
+            let mut events = self.pipeline.files.scan(pid, &mut self.updates);
             // With --all, only the processes that hold NVIDIA files or serve are worth a record
             // now (a server's API process may hold none; its engine does).
             let worth = events.iter().any(|e| matches!(e, Event::FdFound { .. } | Event::Attached { .. }));
             if opts.all && !worth {
                 self.updates.clear();
                 continue;
+            }
+            // Asked only now: a place kept for a process never recorded would be no news at its
+            // children's forks, and the model would never learn where (and as whom) they run.
+            if let Some(place) = self.pipeline.files.place_if_new(pid, None) {
+                events.insert(1, Event::Place(place));
             }
             for event in events {
                 self.emit_now(pid, event);
@@ -360,6 +365,8 @@ impl<S: Sink> Session<S> {
         };
 
         // Launched, so nothing below needs to change identity or own files any more.
+        // The /proc readers started so far would keep every capability: they end first.
+        crate::procfs::mm::retire();
         if let Err(e) = crate::privileges::keep_only_what_recording_needs(self.sink.needs(self.user.is_some())) {
             eprintln!("gputrace: warning: could not drop the capabilities recording no longer needs: {e}");
         }

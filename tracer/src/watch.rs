@@ -3,7 +3,7 @@
 //! window around it goes to a dump file with its report beside it, and one line says where and
 //! what the verdict was.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -15,7 +15,7 @@ use tokio::sync::mpsc;
 
 use crate::dir::Dir;
 use crate::event::Event;
-use crate::flight::{Config, Dump, Flight, Trigger};
+use crate::flight::{Config, Dump, Flight, Party, Trigger};
 use crate::http::{Endpoint, Response, Route};
 use crate::model::{display_command, Model};
 use crate::privileges::Needs;
@@ -306,11 +306,15 @@ impl Watcher {
         // Anyone on the host may scrape: labels carry program and flag names, no values.
         let redacted: HashMap<String, String> =
             model.processes.values().map(|p| (p.command_line(), display_command(&crate::redact::command(&p.command)))).collect();
-        // A label not found is hidden whole, never shown as it came.
-        for p in &mut report.processes {
-            for field in [&mut p.command, &mut p.service].into_iter().filter(|f| !f.is_empty()) {
-                *field = redacted.get(field.as_str()).cloned().unwrap_or_else(|| crate::redact::HIDDEN.to_string());
-            }
+        // Every field a label is made of that holds a command line; one not found is hidden
+        // whole, never shown as it came.
+        let processes = report
+            .processes
+            .iter_mut()
+            .flat_map(|p| [&mut p.command, &mut p.service].into_iter().chain(p.keeps.iter_mut().map(|k| &mut k.command)));
+        let headroom = report.headroom.iter_mut().map(|h| &mut h.service);
+        for field in processes.chain(headroom).filter(|f| !f.is_empty()) {
+            *field = redacted.get(field.as_str()).cloned().unwrap_or_else(|| crate::redact::HIDDEN.to_string());
         }
         let diagnoses = self.diagnoses.lock().map(|d| d.clone()).unwrap_or_default();
         let figures = crate::metrics::Figures {
@@ -378,7 +382,7 @@ impl DumpJob {
         header.prior_use.retain(|p| alive.contains(&p.pid));
         header.holders_at_start.retain(|h| alive.contains(&h.pid));
         let wall = header.wall_clock_start_ns + d.trigger_ts.saturating_sub(header.monotonic_start_ns);
-        let name = format!("gputrace-dump-{}-{}-{}", stamp(wall), self.number, d.trigger.name());
+        let name = format!("gputrace-dump-{}-{}-{}{}", stamp(wall), self.number, d.trigger.name(), Share::of(d.party).suffix());
         let (trace, partial) = (format!("{name}.trace"), format!(".{name}.trace.partial"));
         let path = self.dir.display(&trace);
         let mut writer = Writer::create_in(&self.dir, partial.as_ref(), &header, self.user.as_ref())?;
@@ -416,33 +420,108 @@ impl DumpJob {
     }
 }
 
-/// Oldest dumps (trace and report) go until the directory's dumps fit the budget; the newest
-/// always stays. Only names gputrace gives its dumps, only regular files, all relative to the
-/// directory held open.
+/// Dumps (trace and report) go until the directory's dumps fit the budget, each time the oldest
+/// of the share that holds the most (see [`over_budget`]); the newest always stays. Only names
+/// gputrace gives its dumps, only regular files, all relative to the directory held open.
 fn rotate(dir: &Dir, budget: u64, newest: &str, user: Option<&User>) {
     let entries = dir.entries(1 << 16);
     let size = |name: &str| entries.iter().find(|e| e.name == name).map_or(0, |e| e.len);
-    let mut dumps: Vec<(i64, String, u64)> = entries
+    let with_report = |stem: &str| size(&format!("{stem}.trace")) + size(&format!("{stem}.report.txt"));
+    let dumps: Vec<Kept> = entries
         .iter()
         .filter_map(|e| {
-            let name = e.name.to_str()?;
-            let stem = name.strip_suffix(".trace").filter(|s| s.starts_with("gputrace-dump-") && name != newest)?;
-            Some((e.mtime, stem.to_string(), e.len + size(&format!("{stem}.report.txt"))))
+            let stem = e.name.to_str()?.strip_suffix(".trace").filter(|s| s.starts_with("gputrace-dump-"))?;
+            Some(Kept { mtime: e.mtime, bytes: with_report(stem), share: Share::of_name(stem), stem: stem.to_string() })
         })
         .collect();
-    let mut total: u64 = dumps.iter().map(|d| d.2).sum::<u64>() + size(newest);
-    dumps.sort();
-    for (_, stem, bytes_of) in dumps {
-        if total <= budget {
-            break;
-        }
+    let newest = newest.strip_suffix(".trace").unwrap_or(newest);
+    for stem in over_budget(dumps, newest, budget) {
         let _ = as_user(user, || {
             let _ = dir.remove(format!("{stem}.report.txt").as_ref());
             dir.remove(format!("{stem}.trace").as_ref())
         });
-        total = total.saturating_sub(bytes_of);
         eprintln!("gputrace: removed {} to keep dumps within {}", dir.display(&format!("{stem}.trace")).display(), bytes(budget));
     }
+}
+
+/// Whose share of the dump budget a dump is kept in, as its name says: the user whose process
+/// failed (`-uid1001`), a failure whose process's user could not be read (`-uid-unknown`, one
+/// share for all of them), or a dump asked for by root or the watch's user (no suffix; dumps
+/// named before names said whose they were count with these).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Share {
+    Asked,
+    User(u32),
+    Unknown,
+}
+
+impl Share {
+    fn of(party: Option<Party>) -> Share {
+        match party {
+            None => Share::Asked,
+            Some(Party { uid: Some(uid), .. }) => Share::User(uid),
+            Some(Party { uid: None, .. }) => Share::Unknown,
+        }
+    }
+
+    fn suffix(self) -> String {
+        match self {
+            Share::Asked => String::new(),
+            Share::User(uid) => format!("-uid{uid}"),
+            Share::Unknown => "-uid-unknown".into(),
+        }
+    }
+
+    fn of_name(stem: &str) -> Share {
+        if stem.ends_with("-uid-unknown") {
+            return Share::Unknown;
+        }
+        match stem.rsplit_once("-uid").and_then(|(_, uid)| uid.parse().ok()) {
+            Some(uid) => Share::User(uid),
+            None => Share::Asked,
+        }
+    }
+}
+
+/// A dump in the directory: its trace's name without `.trace`, its and its report's bytes.
+#[derive(Clone, Debug)]
+struct Kept {
+    mtime: i64,
+    stem: String,
+    bytes: u64,
+    share: Share,
+}
+
+/// The dumps to remove, in order, so that all of `dumps` fit `budget`: each time the oldest
+/// of the share holding the most bytes (ties: the share whose oldest dump is oldest). One
+/// user's failures in a loop then remove their own dumps, never the evidence of another's
+/// failure; with one share it is oldest first. `newest` (just written) counts in its share but
+/// is never removed.
+fn over_budget(mut dumps: Vec<Kept>, newest: &str, budget: u64) -> Vec<String> {
+    dumps.sort_by(|a, b| (a.mtime, &a.stem).cmp(&(b.mtime, &b.stem)));
+    let mut total: u64 = dumps.iter().map(|d| d.bytes).sum();
+    // Each share's bytes, and its dumps that may go, oldest first.
+    let mut shares: HashMap<Share, (u64, VecDeque<Kept>)> = HashMap::new();
+    for d in dumps {
+        let share = shares.entry(d.share).or_default();
+        share.0 += d.bytes;
+        if d.stem != newest {
+            share.1.push_back(d);
+        }
+    }
+    let mut removed = Vec::new();
+    while total > budget {
+        let heaviest = shares
+            .values_mut()
+            .filter(|(_, left)| !left.is_empty())
+            .max_by(|a, b| a.0.cmp(&b.0).then_with(|| (b.1[0].mtime, &b.1[0].stem).cmp(&(a.1[0].mtime, &a.1[0].stem))));
+        let Some((held, left)) = heaviest else { break };
+        let Some(gone) = left.pop_front() else { break };
+        *held -= gone.bytes;
+        total -= gone.bytes;
+        removed.push(gone.stem);
+    }
+    removed
 }
 
 /// Local time as YYYYmmdd-HHMMSS.
@@ -461,8 +540,12 @@ mod tests {
     use std::path::Path;
 
     fn watcher() -> Watcher {
+        watcher_of(Header::default())
+    }
+
+    fn watcher_of(header: Header) -> Watcher {
         let config = Config { window_ns: 1 << 40, max_bytes: 1 << 20, aftermath_ns: 0, min_interval_ns: 0 };
-        Watcher::new(config, Arc::new(Dir::open(Path::new("/")).unwrap()), Header::default(), None)
+        Watcher::new(config, Arc::new(Dir::open(Path::new("/")).unwrap()), header, None)
     }
 
     /// A server whose command line holds a secret, holding 2 GiB.
@@ -499,6 +582,28 @@ mod tests {
         );
     }
 
+    /// Every label made of a command line is redacted, whichever part of the report it comes
+    /// from: a serving server's headroom rows and the memory a process keeps alive for one that
+    /// exited both showed the whole command line to anyone who scrapes.
+    #[test]
+    fn no_metrics_label_holds_an_argument_value() {
+        let mut served = crate::analysis::tests::serving(&["--api-key", "sk-served-secret"]);
+        served.0.sort_by_key(|r| r.ts);
+        let header = crate::analysis::tests::header(80 << 30, &[]);
+        let body = watcher_of(header).respond(Route::Metrics, None, &Model::from_records(&served.0)).body;
+        assert!(body.contains("gputrace_headroom_requests{service=\"vllm … --gpu-memory-utilization 0.9 --api-key …\""), "{body}");
+        assert!(!body.contains("secret"), "{body}");
+        // The server (pid 77) forked a worker that holds its files, then exited: the worker
+        // keeps its 2 GiB alive.
+        let mut kept = model();
+        let fork = Event::Process { ppid: 77, seen: Seen::Forked, command: vec!["worker".into(), "--token".into(), "tk-secret".into()] };
+        kept.apply(&Record::new(2, 78, 78, fork));
+        kept.apply(&Record::new(3, 77, 77, Event::Exit { code: Some(1) }));
+        let body = watcher().respond(Route::Metrics, None, &kept).body;
+        assert!(body.contains("gputrace_kept_bytes{pid=\"78\",command=\"worker --token …\",allocator_pid=\"77\""), "{body}");
+        assert!(!body.contains("secret"), "{body}");
+    }
+
     /// A user asking for /metrics in a loop costs the event loop one body a second: within it,
     /// the body made last is served again, after it, one of the state now.
     #[test]
@@ -532,5 +637,50 @@ mod tests {
         let ok = w.respond(Route::Report, Some(0), &model());
         assert_eq!(ok.status, 200);
         assert!(ok.body.contains("sk-secret"), "the report is the unredacted state");
+    }
+
+    fn kept(mtime: i64, share: Share) -> Kept {
+        Kept { mtime, stem: format!("gputrace-dump-{mtime}{}", share.suffix()), bytes: 10, share }
+    }
+
+    /// A user whose processes fail in a loop fills the budget with dumps of their own: theirs
+    /// go, the one dump of another user's failure stays, however old.
+    #[test]
+    fn one_users_failures_in_a_loop_never_remove_the_dump_of_anothers() {
+        let (victim, mallory) = (Share::User(1002), Share::User(1001));
+        let mut dumps = vec![kept(1, victim)];
+        dumps.extend((2..=11).map(|t| kept(t, mallory)));
+        let newest = dumps[10].stem.clone();
+        // 110 bytes in all; 60 fit: five of mallory's, the oldest first.
+        let removed = over_budget(dumps.clone(), &newest, 60);
+        assert_eq!(removed, (2..=6).map(|t| kept(t, mallory).stem).collect::<Vec<_>>());
+        // Down to the newest alone: mallory's go while they hold more, then the victim's.
+        let removed = over_budget(dumps, &newest, 10);
+        assert_eq!(removed[..9], (2..=10).map(|t| kept(t, mallory).stem).collect::<Vec<_>>());
+        assert_eq!(removed[9..], [kept(1, victim).stem]);
+        // Shares holding as much: the one whose oldest dump is oldest gives way.
+        let even = vec![kept(2, mallory), kept(1, victim), kept(3, Share::Asked)];
+        assert_eq!(over_budget(even, &kept(3, Share::Asked).stem, 20), [kept(1, victim).stem]);
+    }
+
+    #[test]
+    fn with_one_share_the_oldest_dumps_go_and_the_newest_always_stays() {
+        let dumps: Vec<Kept> = [3, 1, 2].map(|t| kept(t, Share::Asked)).into();
+        assert_eq!(over_budget(dumps.clone(), &kept(3, Share::Asked).stem, 15), [kept(1, Share::Asked).stem, kept(2, Share::Asked).stem]);
+        assert_eq!(over_budget(dumps.clone(), &kept(1, Share::Asked).stem, 0), [kept(2, Share::Asked).stem, kept(3, Share::Asked).stem]);
+        assert!(over_budget(dumps, "", 30).is_empty());
+    }
+
+    /// The share is read back from the name (a watch started again finds its dumps' shares);
+    /// names from before they said whose they were count as asked for.
+    #[test]
+    fn a_dumps_share_is_in_its_name() {
+        let party = |uid| Some(Party { service: 7, uid });
+        for share in [Share::of(None), Share::of(party(Some(0))), Share::of(party(Some(1001))), Share::of(party(None))] {
+            assert_eq!(Share::of_name(&format!("gputrace-dump-20261207-101532-3-failed-allocation{}", share.suffix())), share);
+        }
+        assert_eq!(Share::of(party(None)), Share::Unknown);
+        assert_eq!(Share::of_name("gputrace-dump-20261203-101532-1-failed-allocation"), Share::Asked);
+        assert_eq!(Share::of_name("gputrace-dump-20261203-101532-1-oom-kill-uidx"), Share::Asked);
     }
 }

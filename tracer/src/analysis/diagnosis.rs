@@ -12,6 +12,7 @@
 //! server's family ([`ServerFamily`]) what its settings are called.
 
 use std::cell::OnceCell;
+use std::collections::HashMap;
 
 use serde::Serialize;
 use serde_json::{json, Value};
@@ -181,7 +182,11 @@ pub struct Evidence {
     pub capacity_bytes: Option<u64>,
     pub service_bytes: u64,
     pub held_outside_bytes: u64,
+    /// The biggest [`MAX_HOLDERS`] of them, in the order found.
     pub holders_outside: Vec<Holder>,
+    /// Holders past those, counted in `held_outside_bytes`, not listed.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub holders_not_listed: usize,
     pub free_bytes: Option<u64>,
     pub failed_bytes: Option<u64>,
     pub phase: Phase,
@@ -213,6 +218,31 @@ struct Case<'c> {
 /// Failures diagnosed one by one; a trace with more (a crafted one, a retry loop) gets the first
 /// ones and a count of the rest.
 pub const MAX_DIAGNOSED: usize = 100;
+
+/// Holders outside a failing service listed in its evidence: the biggest are the ones to stop,
+/// and every failure listing every service of a host (thousands of `sleep`s a user forked) made
+/// reports of tens of megabytes.
+pub const MAX_HOLDERS: usize = 16;
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
+}
+
+/// The biggest `MAX_HOLDERS` (those of a known size first), in the order found, and how many
+/// were left out.
+fn biggest_holders(mut holders: Vec<Holder>) -> (Vec<Holder>, usize) {
+    let left_out = holders.len().saturating_sub(MAX_HOLDERS);
+    if left_out > 0 {
+        let mut order: Vec<usize> = (0..holders.len()).collect();
+        // Of holders as big, the last found, as the fix's choice of the biggest picks.
+        order.sort_by_key(|&i| std::cmp::Reverse((holders[i].bytes.is_some(), holders[i].bytes.unwrap_or(0), i)));
+        let mut keep = vec![false; holders.len()];
+        order.into_iter().take(MAX_HOLDERS).for_each(|i| keep[i] = true);
+        let mut kept = keep.into_iter();
+        holders.retain(|_| kept.next().unwrap_or(false));
+    }
+    (holders, left_out)
+}
 
 /// Engines that do not say how much they reserve at start are judged as reserving this much.
 const DEFAULT_RESERVE: f64 = 0.9;
@@ -266,23 +296,43 @@ impl<'a> Diagnoser<'a> {
         }
     }
 
-    /// Video memory live at `ts` on `gpu` (every GPU for None), by the processes `keep` selects.
-    fn live_at(&self, ts: u64, gpu: Option<u32>, keep: impl Fn(u32) -> bool) -> u64 {
-        self.model
-            .allocations
-            .iter()
-            .filter(|a| a.memory == Memory::Video && a.ts <= ts && a.freed.is_none_or(|(f, _)| f > ts))
-            .filter(|a| self.counts_on(self.model.gpu_for(a.pid, a.gpu), gpu) && keep(a.pid))
-            .map(|a| a.bytes)
-            .fold(0, u64::saturating_add)
+    /// Video memory live at `ts` on `gpu` (every GPU for None), by process: one pass over the
+    /// allocations, whatever is asked of it after (a pass per service cost services times
+    /// allocations, which one user's forks and allocations can make minutes).
+    fn live_by_pid(&self, ts: u64, gpu: Option<u32>) -> HashMap<u32, u64> {
+        let mut by_pid: HashMap<u32, u64> = HashMap::new();
+        let live = self.model.allocations.iter().filter(|a| a.memory == Memory::Video && a.ts <= ts && a.freed.is_none_or(|(f, _)| f > ts));
+        for a in live.filter(|a| self.counts_on(self.model.gpu_for(a.pid, a.gpu), gpu)) {
+            let held = by_pid.entry(a.pid).or_default();
+            *held = held.saturating_add(a.bytes);
+        }
+        by_pid
+    }
+
+    /// Video memory live at `ts` by the GPU it is on (None: under a device made before tracing):
+    /// `service`'s, and everyone else's.
+    fn live_by_gpu(&self, service: &Service, ts: u64) -> HashMap<Option<u32>, (u64, u64)> {
+        let mut by_gpu: HashMap<Option<u32>, (u64, u64)> = HashMap::new();
+        let live = self.model.allocations.iter().filter(|a| a.memory == Memory::Video && a.ts <= ts && a.freed.is_none_or(|(f, _)| f > ts));
+        for a in live {
+            let (own, outside) = by_gpu.entry(self.model.gpu_for(a.pid, a.gpu)).or_default();
+            let held = if service.has(a.pid) { own } else { outside };
+            *held = held.saturating_add(a.bytes);
+        }
+        by_gpu
+    }
+
+    /// Video memory `service`'s processes hold at `ts` on `gpu`.
+    fn live_of(&self, service: &Service, ts: u64, gpu: Option<u32>) -> u64 {
+        let by_pid = self.live_by_pid(ts, gpu);
+        service.pids.iter().filter_map(|pid| by_pid.get(pid)).fold(0, |sum, b| sum.saturating_add(*b))
     }
 
     /// The GPUs `service` allocated on, or asked to, or held memory on when tracing began.
     pub(super) fn gpus_of(&self, service: &Service) -> Vec<u32> {
-        let allocated =
-            self.model.allocations.iter().filter(|a| service.pids.contains(&a.pid)).filter_map(|a| self.model.gpu_for(a.pid, a.gpu));
-        let failed = self.model.failures.iter().filter(|f| service.pids.contains(&f.pid)).filter_map(|f| self.model.gpu_for(f.pid, f.gpu));
-        let before = self.header.prior_use.iter().filter(|p| service.pids.contains(&p.pid) && p.used_bytes.unwrap_or(0) > 0).map(|p| p.gpu);
+        let allocated = self.model.allocations.iter().filter(|a| service.has(a.pid)).filter_map(|a| self.model.gpu_for(a.pid, a.gpu));
+        let failed = self.model.failures.iter().filter(|f| service.has(f.pid)).filter_map(|f| self.model.gpu_for(f.pid, f.gpu));
+        let before = self.header.prior_use.iter().filter(|p| service.has(p.pid) && p.used_bytes.unwrap_or(0) > 0).map(|p| p.gpu);
         let mut gpus: Vec<u32> = allocated.chain(failed).chain(before).collect();
         gpus.sort();
         gpus.dedup();
@@ -298,15 +348,21 @@ impl<'a> Diagnoser<'a> {
         match service_gpus {
             [] => self.header.gpus.iter().find(|_| self.header.gpus.len() == 1).map(|c| c.index),
             [only] => Some(*only),
-            several => several.iter().copied().min_by_key(|&g| {
-                let held = self.held_outside(service, failure.ts, Some(g)).0;
-                let own = self.live_at(failure.ts, Some(g), |pid| service.pids.contains(&pid)).saturating_add(self.before_tracing(
-                    service,
-                    failure.ts,
-                    Some(g),
-                ));
-                self.capacity(Some(g)).map_or(u64::MAX, |c| c.saturating_sub(held.saturating_add(own)))
-            }),
+            several => {
+                // One pass over the allocations for all of them, not two per GPU.
+                let live = self.live_by_gpu(service, failure.ts);
+                several.iter().copied().min_by_key(|&g| {
+                    let (mut own, mut outside) = live.get(&Some(g)).copied().unwrap_or_default();
+                    if self.counts_on(None, Some(g)) {
+                        let (o, out) = live.get(&None).copied().unwrap_or_default();
+                        (own, outside) = (own.saturating_add(o), outside.saturating_add(out));
+                    }
+                    let nvml = self.nvml_outside(service, failure.ts, Some(g));
+                    let held = nvml.iter().map(|(p, _)| p.used_bytes.unwrap_or(0)).fold(outside, u64::saturating_add);
+                    let own = own.saturating_add(self.before_tracing(service, failure.ts, Some(g)));
+                    self.capacity(Some(g)).map_or(u64::MAX, |c| c.saturating_sub(held.saturating_add(own)))
+                })
+            }
         }
     }
 
@@ -318,7 +374,7 @@ impl<'a> Diagnoser<'a> {
         self.header
             .prior_use
             .iter()
-            .filter(|p| service.pids.contains(&p.pid) && gpu.is_none_or(|g| p.gpu == g) && running(p.pid))
+            .filter(|p| service.has(p.pid) && gpu.is_none_or(|g| p.gpu == g) && running(p.pid))
             .map(|p| p.used_bytes.unwrap_or(0))
             .fold(0, u64::saturating_add)
     }
@@ -326,28 +382,36 @@ impl<'a> Diagnoser<'a> {
     /// Memory held outside `service` at `ts` on `gpu`: other traced services, and what NVML said
     /// other processes held there when recording began. With who holds it.
     pub(super) fn held_outside(&self, service: &Service, ts: u64, gpu: Option<u32>) -> (u64, Vec<Holder>) {
-        let mut total = self.live_at(ts, gpu, |pid| !service.pids.contains(&pid));
-        let mut holders = Vec::new();
-        for other in self.services.list.iter().filter(|s| s.root != service.root) {
-            let held = self.live_at(ts, gpu, |pid| other.pids.contains(&pid));
-            if held > 0 {
-                holders.push(Holder { pid: other.root, command: other.name.clone(), bytes: Some(held), source: "traced", nvml_pid: None });
+        let mut total: u64 = 0;
+        let mut by_service = vec![0u64; self.services.list.len()];
+        for (pid, bytes) in self.live_by_pid(ts, gpu) {
+            let i = self.services.index_of(pid);
+            if i.is_some_and(|i| self.services.list[i].root == service.root) {
+                continue;
             }
+            total = total.saturating_add(bytes);
+            if let Some(i) = i {
+                by_service[i] = by_service[i].saturating_add(bytes);
+            }
+        }
+        let mut holders = Vec::new();
+        for (other, &held) in self.services.list.iter().zip(&by_service).filter(|(_, &held)| held > 0) {
+            holders.push(Holder { pid: other.root, command: other.name.clone(), bytes: Some(held), source: "traced", nvml_pid: None });
         }
         for (prior, sampled) in self.nvml_outside(service, ts, gpu) {
             total = total.saturating_add(prior.used_bytes.unwrap_or(0));
             // A sampled process is named by the command it was seen with.
             let named = sampled.then(|| PriorUse { command: self.model.sampled_command(prior.pid).unwrap_or_default(), ..prior.clone() });
-            let (pid, command) = super::prior_holder(self.header, named.as_ref().unwrap_or(prior), |pid| service.pids.contains(&pid));
+            let (pid, command) = super::prior_holder(self.header, named.as_ref().unwrap_or(prior), |pid| service.has(pid));
             holders.push(Holder { pid, command, bytes: prior.used_bytes, source: "nvml", nvml_pid: Some(prior.pid) });
         }
         // Without NVML, who had the device files open before recording is all there is to know:
         // each is a suspect of unknown size (benign holders aside), traced since or not (under
         // --all or a watch everyone is: what it held before is still unknown).
         if self.header.nvml != "ok" {
-            let listed: Vec<u32> = holders.iter().map(|h| h.pid).collect();
+            let listed: std::collections::HashSet<u32> = holders.iter().map(|h| h.pid).collect();
             let outside = |h: &&crate::trace::HolderAtStart| {
-                !service.pids.contains(&h.pid) && !listed.contains(&h.pid) && super::benign(h.exe.as_ref()).is_none()
+                !service.has(h.pid) && !listed.contains(&h.pid) && super::benign(h.exe.as_ref()).is_none()
             };
             for h in self.header.holders_at_start.iter().filter(outside) {
                 holders.push(Holder { pid: h.pid, command: display_command(&h.command), bytes: None, source: "proc", nvml_pid: None });
@@ -363,7 +427,7 @@ impl<'a> Diagnoser<'a> {
     pub(super) fn nvml_outside(&self, service: &Service, ts: u64, gpu: Option<u32>) -> Vec<(&'a PriorUse, bool)> {
         let sampled = self.model.sample_at(ts).filter(|s| self.header.nvml == "ok" && !s.processes.is_empty());
         let on_gpu = |p: &&PriorUse| gpu.is_none_or(|g| p.gpu == g);
-        let before = self.header.prior_use.iter().filter(on_gpu).filter(|p| !service.pids.contains(&p.pid));
+        let before = self.header.prior_use.iter().filter(on_gpu).filter(|p| !service.has(p.pid));
         match sampled {
             Some(s) => {
                 let untraced = s.processes.iter().filter(on_gpu).filter(|p| self.services.of(p.pid).is_none()).map(|p| (p, true));
@@ -381,7 +445,7 @@ impl<'a> Diagnoser<'a> {
 
     pub(super) fn engine(&self, service: &Service) -> &'a [String] {
         let root = &self.model.processes[&service.root].command;
-        let in_service = self.model.processes.values().filter(|p| service.pids.contains(&p.pid));
+        let in_service = self.model.processes.values().filter(|p| service.has(p.pid));
         in_service.map(|p| p.command.as_slice()).find(|c| !c.is_empty()).unwrap_or(root)
     }
 
@@ -411,11 +475,24 @@ impl<'a> Diagnoser<'a> {
         // A server that exited badly with no failure above: a refusal during load, or a crash. Only
         // one that had begun with the GPU: a command that never opened a device file (`false`,
         // a typo in its flags) failed for reasons that are not memory.
-        for s in &self.services.list {
+        // Each service's first failure and whether it touched a GPU, in one pass each (a scan per
+        // service cost services times failures, allocations and files).
+        let n = self.services.list.len();
+        let (mut first_failure, mut touched_gpu) = (vec![u64::MAX; n], vec![false; n]);
+        for f in &failures {
+            if let Some(i) = self.services.index_of(f.pid) {
+                first_failure[i] = first_failure[i].min(f.ts);
+            }
+        }
+        let users = self.model.files.values().map(|f| f.opened_by).chain(self.model.allocations.iter().map(|a| a.pid));
+        for i in users.filter_map(|pid| self.services.index_of(pid)) {
+            touched_gpu[i] = true;
+        }
+        for (i, s) in self.services.list.iter().enumerate() {
             let root = &self.model.processes[&s.root];
             let (Some(code), Some(ts)) = (root.exit_code, root.exited) else { continue };
-            let explained = failures.iter().any(|f| s.pids.contains(&f.pid) && f.ts <= ts);
-            if code == 0 || explained || !self.touched_gpu(s) {
+            let explained = first_failure[i] <= ts;
+            if code == 0 || explained || !touched_gpu[i] {
                 continue;
             }
             // SIGINT, SIGTERM and SIGKILL are a person's (the OOM killer's SIGKILL is recorded as
@@ -431,12 +508,6 @@ impl<'a> Diagnoser<'a> {
         }
         failures.sort_by_key(|f| f.ts);
         failures
-    }
-
-    /// Whether any process of the service opened an NVIDIA device file or allocated.
-    fn touched_gpu(&self, service: &Service) -> bool {
-        self.model.files.values().any(|f| service.pids.contains(&f.opened_by))
-            || self.model.allocations.iter().any(|a| service.pids.contains(&a.pid))
     }
 
     /// Every failure, in time order; `none` when nothing failed.
@@ -478,7 +549,8 @@ impl<'a> Diagnoser<'a> {
         let service_gpus = self.gpus_of(service);
         let gpu = self.gpu_of(failure, service, &service_gpus);
         let (outside, holders) = self.held_outside(service, ts, gpu);
-        let own = self.live_at(ts, gpu, |pid| service.pids.contains(&pid)).saturating_add(self.before_tracing(service, ts, gpu));
+        let (holders, holders_not_listed) = biggest_holders(holders);
+        let own = self.live_of(service, ts, gpu).saturating_add(self.before_tracing(service, ts, gpu));
         // On unified memory the GPU's memory is the host's: its size and what is available.
         let host = self.unified(gpu).then(|| self.model.sample_at(ts).and_then(|s| s.host.clone())).flatten();
         let capacity = self.capacity(gpu).or(host.as_ref().map(|h| h.total_bytes));
@@ -498,6 +570,7 @@ impl<'a> Diagnoser<'a> {
             service_bytes: own,
             held_outside_bytes: outside,
             holders_outside: holders,
+            holders_not_listed,
             free_bytes: free,
             failed_bytes: failure.bytes,
             phase: self.services.phase(service, before),
@@ -729,7 +802,7 @@ impl<'a> Diagnoser<'a> {
         }
         let culprit = one_much_larger(&case.in_flight).or_else(|| case.in_flight.first().copied());
         let failed_in = culprit.map(|r| r.bytes_in).unwrap_or(0);
-        let served_before = |r: &&Request| case.service.pids.contains(&r.pid) && r.first_data_at.is_some_and(|d| d < case.failure.ts);
+        let served_before = |r: &&Request| case.service.has(r.pid) && r.first_data_at.is_some_and(|d| d < case.failure.ts);
         let served = self.model.requests.iter().filter(served_before).map(|r| r.bytes_in).max();
         let room = self.room_for_requests(case);
         // Met serving, with no request measured since: the failing request, alone in flight, needed

@@ -442,7 +442,7 @@ impl<'a> Diagnoser<'a> {
         // Moments while it served (until a process of it that held memory exited): whenever what
         // is held on the GPU, or in flight, changed.
         let from = requests.iter().map(|r| r.arrived).min()?;
-        let holders = self.model.processes.values().filter(|p| service.pids.contains(&p.pid) && p.usage.allocations > 0);
+        let holders = self.model.processes.values().filter(|p| service.has(p.pid) && p.usage.allocations > 0);
         let exited = holders.filter_map(|p| p.exited).min();
         let until = exited.map_or(self.model.last_ts, |e| e.saturating_sub(1)).min(self.model.last_ts);
         let timeline = self.services.timeline(service).iter().map(|(t, _, _)| (*t, ()));

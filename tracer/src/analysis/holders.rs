@@ -1,7 +1,7 @@
 //! Holders nobody accounts for: driver contexts still holding memory at the end that no live,
 //! active service accounts for, and memory other processes held before recording.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use serde::Serialize;
 
@@ -33,6 +33,14 @@ pub fn suspects(header: &Header, model: &Model, services: &Services, idle_ns: u6
     // Live memory grouped by the files that keep it: its client's, and those it was exported to
     // or mapped through (memory shared with another process is a suspect of its own).
     let keeping = model.other_files_keeping();
+    let holders_of = model.holders_by_file();
+    // Each process's last allocation or request, in one pass (not one per group below).
+    let mut active: HashMap<u32, u64> = HashMap::new();
+    let times = model.allocations.iter().map(|a| (a.pid, a.ts)).chain(model.requests.iter().map(|r| (r.pid, r.ended.unwrap_or(r.arrived))));
+    for (pid, ts) in times {
+        let last = active.entry(pid).or_insert(ts);
+        *last = (*last).max(ts);
+    }
     let mut by_files: BTreeMap<(Option<u64>, Vec<u64>), Vec<&crate::model::Allocation>> = BTreeMap::new();
     for (id, a) in model.allocations.iter().enumerate().filter(|(_, a)| a.freed.is_none() && a.memory != Memory::Virtual) {
         let mut others: Vec<u64> = keeping.get(&id).into_iter().flatten().copied().filter(|&f| Some(f) != a.file).collect();
@@ -45,19 +53,12 @@ pub fn suspects(header: &Header, model: &Model, services: &Services, idle_ns: u6
         let bytes = allocs.iter().map(|a| a.bytes).fold(0, u64::saturating_add);
         let since = allocs.iter().map(|a| a.ts).min().unwrap_or(start);
         // Whoever holds the client's file comes first; then whoever holds a file it went to.
-        let mut holders: Vec<u32> = Vec::new();
+        let (mut holders, mut listed): (Vec<u32>, HashSet<u32>) = (Vec::new(), HashSet::new());
         for f in file.into_iter().chain(others) {
-            let mut these = model.holders(f);
-            these.sort_unstable();
-            holders.extend(these.into_iter().filter(|h| !holders.contains(h)).collect::<Vec<_>>());
+            let these = holders_of.get(&f).map_or(&[][..], Vec::as_slice);
+            holders.extend(these.iter().copied().filter(|&h| listed.insert(h)));
         }
-        let last_activity = model
-            .allocations
-            .iter()
-            .filter(|a| holders.contains(&a.pid))
-            .map(|a| a.ts)
-            .chain(model.requests.iter().filter(|r| holders.contains(&r.pid)).map(|r| r.ended.unwrap_or(r.arrived)))
-            .max();
+        let last_activity = holders.iter().filter_map(|h| active.get(h)).max().copied();
         let owner_exited = model.processes.get(&owner).is_some_and(|p| p.exited.is_some());
         let orphan =
             holders.iter().find(|&&h| model.processes.get(&model.processes[&h].ppid).is_some_and(|parent| parent.exited.is_some()));

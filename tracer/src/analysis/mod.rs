@@ -55,6 +55,7 @@ impl Phase {
 pub struct Service {
     pub root: u32,
     pub name: String,
+    /// In ascending order (see [`Service::has`]).
     pub pids: Vec<u32>,
     /// When it started serving (see [`Services::new`]); None if it never did.
     pub ready_at: Option<u64>,
@@ -145,6 +146,13 @@ pub fn service_root(model: &Model, pid: u32) -> u32 {
     root
 }
 
+impl Service {
+    /// Whether `pid` is one of the service's (a binary search: a service may have thousands).
+    pub fn has(&self, pid: u32) -> bool {
+        self.pids.binary_search(&pid).is_ok()
+    }
+}
+
 impl<'m> Services<'m> {
     /// Groups processes into services and finds when each became ready:
     /// - a server that listens only after it allocated (vLLM, SGLang, TGI) is ready when it listens;
@@ -205,6 +213,11 @@ impl<'m> Services<'m> {
 
     pub fn of(&self, pid: u32) -> Option<&Service> {
         self.service_of.get(&pid).map(|&i| &self.list[i])
+    }
+
+    /// Where the service of `pid` is in `list`.
+    pub fn index_of(&self, pid: u32) -> Option<usize> {
+        self.service_of.get(&pid).copied()
     }
 
     /// The service's completion requests in flight at `ts` (a scan: for the few moments a
@@ -368,4 +381,4 @@ pub fn prior_holder(header: &Header, prior: &PriorUse, inside: impl Fn(u32) -> b
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

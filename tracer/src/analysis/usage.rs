@@ -2,14 +2,14 @@
 //! when), and each process's allocations by kind and by its service's phase, with what it keeps
 //! alive for processes that exited. Facts the report assembles and the outputs print.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use serde::Serialize;
 
 use super::sweep::LiveChanges;
 use super::{Phase, Services};
 use crate::event::Memory;
-use crate::model::{add_saturating, Model, Process};
+use crate::model::{add_saturating, Allocation, Model, Process};
 use crate::trace::Header;
 
 #[derive(Clone, Debug, Default, Serialize, PartialEq)]
@@ -109,8 +109,10 @@ fn physical(map: &BTreeMap<Memory, u64>) -> u64 {
     map.get(&Memory::Video).copied().unwrap_or(0).saturating_add(map.get(&Memory::System).copied().unwrap_or(0))
 }
 
+/// `p`'s report; `allocations`: its own (see [`allocations_by_pid`]).
 pub fn process_report(
     p: &Process,
+    allocations: &[&Allocation],
     model: &Model,
     services: &Services,
     nvml_peak_bytes: Option<u64>,
@@ -126,7 +128,7 @@ pub fn process_report(
         .collect();
     let mut by_phase: BTreeMap<&'static str, u64> = Phase::ALL.iter().map(|ph| (ph.name(), 0)).collect();
     let mut live_by_phase = by_phase.clone();
-    for a in model.allocations.iter().filter(|a| a.pid == p.pid && a.memory != Memory::Virtual) {
+    for a in allocations.iter().filter(|a| a.memory != Memory::Virtual) {
         let phase = services.phase_of(a.pid, a.ts).name();
         add_saturating(by_phase.entry(phase).or_default(), a.bytes);
         if a.freed.is_none() {
@@ -157,6 +159,16 @@ pub fn process_report(
             .map(|(&pid, &bytes)| Kept { pid, command: model.processes.get(&pid).map(Process::command_line).unwrap_or_default(), bytes })
             .collect(),
     }
+}
+
+/// The model's allocations grouped by process, in one pass (a scan per process cost processes
+/// times allocations).
+pub fn allocations_by_pid(model: &Model) -> HashMap<u32, Vec<&Allocation>> {
+    let mut by_pid: HashMap<u32, Vec<&Allocation>> = HashMap::new();
+    for a in &model.allocations {
+        by_pid.entry(a.pid).or_default().push(a);
+    }
+    by_pid
 }
 
 /// Every GPU NVML described and every GPU memory was traced on, in order (memory on a GPU that

@@ -408,14 +408,13 @@ impl Diagnoser<'_> {
     /// identical blocks; llama.cpp: its second largest buffer, after the model's) and the rest,
     /// counted as weights with what a failed load still asked for.
     fn load_parts(&self, service: &Service, gpu: Option<u32>, family: ServerFamily) -> LoadParts {
-        let failed_at_load =
-            self.model.failures.iter().find(|f| service.pids.contains(&f.pid) && self.services.phase(service, f.ts) == Phase::Load);
+        let failed_at_load = self.model.failures.iter().find(|f| service.has(f.pid) && self.services.phase(service, f.ts) == Phase::Load);
         let moment = service.ready_at.or(failed_at_load.map(|f| f.ts)).unwrap_or(self.model.last_ts);
         let mut sizes: Vec<u64> = self
             .model
             .allocations
             .iter()
-            .filter(|a| a.memory == Memory::Video && service.pids.contains(&a.pid) && self.counts_on(self.model.gpu_for(a.pid, a.gpu), gpu))
+            .filter(|a| a.memory == Memory::Video && service.has(a.pid) && self.counts_on(self.model.gpu_for(a.pid, a.gpu), gpu))
             .filter(|a| a.ts <= moment && a.freed.is_none_or(|(f, _)| f > moment) && self.services.phase(service, a.ts) == Phase::Load)
             .map(|a| a.bytes)
             .collect();

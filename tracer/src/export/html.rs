@@ -51,31 +51,61 @@ fn stacked(changes: &[(u64, usize, i128)], names: &[String], first: u64, last: u
     let width = ((last - first) / points).max(1);
     let mut live: Vec<i128> = vec![0; names.len()];
     let mut out: Vec<(u64, Vec<i128>)> = vec![(first, live.clone())];
-    let mut bucket_peak: Option<(u64, Vec<i128>)> = None;
-    let mut bucket = 0;
+    // The bucket's peak: when, the state then, and its total.
+    let mut bucket_peak: Option<(u64, Vec<i128>, i128)> = None;
+    let (mut bucket, mut total) = (0, 0i128);
     let mut last_change = first;
     for &(ts, series, delta) in changes {
         let b = ts.saturating_sub(first) / width;
         if b != bucket {
-            let peak = bucket_peak.take();
-            if let Some((peak_ts, _)) = &peak {
-                let end_state = (last_change.max(*peak_ts), live.clone());
-                out.extend(peak);
+            if let Some((peak_ts, peak, _)) = bucket_peak.take() {
+                let end_state = (last_change.max(peak_ts), live.clone());
+                out.push((peak_ts, peak));
                 out.push(end_state);
             }
             bucket = b;
         }
         last_change = ts;
         live[series] += delta;
-        let total: i128 = live.iter().sum();
-        if bucket_peak.as_ref().is_none_or(|(_, v)| total >= v.iter().sum::<i128>()) {
-            bucket_peak = Some((ts, live.clone()));
+        total += delta;
+        if bucket_peak.as_ref().is_none_or(|(_, _, peak)| total >= *peak) {
+            bucket_peak = Some((ts, live.clone(), total));
         }
     }
-    out.extend(bucket_peak);
+    out.extend(bucket_peak.map(|(ts, peak, _)| (ts, peak)));
     out.push((last_change, live.clone()));
     out.push((last, live));
     out
+}
+
+/// Processes drawn as series of their own, the biggest at their peak; the rest are drawn as one,
+/// `other` (a chart of thousands of series reads as nothing, and each cost every point a value).
+const TOP_PROCESSES: usize = 24;
+
+/// The series of each process's changes (`pids` in order): its own for the [`TOP_PROCESSES`]
+/// biggest at their peak, the last one, `other`, for the rest; and the series' names.
+fn process_series(changes: &[&super::Change], pids: &[u32], label: impl Fn(u32) -> String) -> (Vec<usize>, Vec<String>) {
+    let index = |pid: u32| pids.binary_search(&pid).expect("listed");
+    let (mut live, mut peak) = (vec![0i128; pids.len()], vec![0i128; pids.len()]);
+    for c in changes {
+        let i = index(c.pid);
+        live[i] += c.delta;
+        peak[i] = peak[i].max(live[i]);
+    }
+    if pids.len() <= TOP_PROCESSES {
+        return ((0..pids.len()).collect(), pids.iter().map(|&p| label(p)).collect());
+    }
+    let mut biggest: Vec<usize> = (0..pids.len()).collect();
+    biggest.sort_by_key(|&i| (std::cmp::Reverse(peak[i]), i));
+    biggest.truncate(TOP_PROCESSES);
+    biggest.sort();
+    let mut series = vec![TOP_PROCESSES; pids.len()];
+    for (s, &i) in biggest.iter().enumerate() {
+        series[i] = s;
+    }
+    let mut names: Vec<String> = biggest.iter().map(|&i| label(pids[i])).collect();
+    names.push(format!("other ({} processes)", pids.len() - TOP_PROCESSES));
+    (series, names)
 }
 
 /// The chart's data: both stacked series (by process and by phase), the capacity and the markers;
@@ -126,11 +156,11 @@ fn chart(header: &Header, model: &Model, services: &Services, report: &Report) -
         pids.sort();
         pids.dedup();
         let label = |pid: u32| format!("{pid} {}", model.processes.get(&pid).map(|p| p.command_line()).unwrap_or_default());
-        let process_names: Vec<String> = pids.iter().map(|&p| label(p)).collect();
+        let (series_of, process_names) = process_series(&changes, &pids, label);
         let phase_names: Vec<String> = Phase::ALL.iter().map(|p| p.name().to_string()).collect();
         // Changes name their series by index: a trace has far more changes than series.
         let by_process: Vec<(u64, usize, i128)> =
-            changes.iter().map(|c| (c.ts, pids.binary_search(&c.pid).expect("listed above"), c.delta)).collect();
+            changes.iter().map(|c| (c.ts, series_of[pids.binary_search(&c.pid).expect("listed above")], c.delta)).collect();
         let by_phase: Vec<(u64, usize, i128)> =
             changes.iter().map(|c| (c.ts, Phase::ALL.iter().position(|p| *p == c.phase).expect("a phase"), c.delta)).collect();
         let series = |changes: &[(u64, usize, i128)], names: &[String]| {
@@ -184,14 +214,18 @@ fn chart(header: &Header, model: &Model, services: &Services, report: &Report) -
 /// completions in flight, so which of the four it was shows before any reading.
 fn bands(model: &Model, services: &Services, first: u64, last: u64) -> Vec<Band> {
     let at = |ts: u64| ts.saturating_sub(first) as f64 / 1e9;
-    let active = |s: &&crate::analysis::Service| {
-        model.allocations.iter().any(|a| s.pids.contains(&a.pid)) || model.requests.iter().any(|r| s.pids.contains(&r.pid))
-    };
+    // Which services allocated or served, in one pass (not one per service).
+    let mut active = vec![false; services.list.len()];
+    let users = model.allocations.iter().map(|a| a.pid).chain(model.requests.iter().map(|r| r.pid));
+    for i in users.filter_map(|pid| services.index_of(pid)) {
+        active[i] = true;
+    }
     services
         .list
         .iter()
-        .filter(active)
-        .map(|s| {
+        .zip(active)
+        .filter(|(_, active)| *active)
+        .map(|(s, _)| {
             let timeline = services.timeline(s);
             let edges: Vec<(f64, &'static str, usize)> = timeline
                 .iter()
@@ -335,6 +369,30 @@ mod tests {
     use super::*;
 
     /// The gap to NVML is a table of the page, its command escaped.
+    /// Thirty processes: the 24 biggest at their peak are drawn as themselves, in pid order, the
+    /// other six as one; each change still counts in the series it is drawn in.
+    #[test]
+    fn the_biggest_processes_are_drawn_and_the_rest_as_one() {
+        let change = |ts, pid, delta| super::super::Change { ts, pid, memory: Memory::Video, gpu: None, phase: Phase::Load, delta };
+        // pid p peaks at p bytes, then frees it; pid 100 (the smallest at its end) peaked highest.
+        let mut changes: Vec<super::super::Change> =
+            (1..30).flat_map(|p| [change(p as u64, p, p.into()), change(100, p, -i128::from(p))]).collect();
+        changes.extend([change(1, 100, 1000), change(2, 100, -999)]);
+        let refs: Vec<&super::super::Change> = changes.iter().collect();
+        let mut pids: Vec<u32> = changes.iter().map(|c| c.pid).collect();
+        pids.sort();
+        pids.dedup();
+        let (series, names) = process_series(&refs, &pids, |p| p.to_string());
+        let drawn: Vec<String> = (7..30).chain([100]).map(|p: u32| p.to_string()).collect();
+        assert_eq!(names[..TOP_PROCESSES], drawn[..]);
+        assert_eq!(names[TOP_PROCESSES], "other (6 processes)");
+        assert_eq!(series[..6], [TOP_PROCESSES; 6], "pids 1 to 6");
+        assert_eq!(series[6..], (0..TOP_PROCESSES).collect::<Vec<_>>()[..]);
+        // Few processes: each its own, in order.
+        let (series, names) = process_series(&refs[..4], &[1, 2], |p| p.to_string());
+        assert_eq!((series, names), (vec![0, 1], vec!["1".to_string(), "2".to_string()]));
+    }
+
     #[test]
     fn the_gap_to_nvml_is_shown() {
         use crate::report::{Disagreement, Loss, Report};

@@ -110,6 +110,23 @@ fn one_party_never_spends_anothers_dumps() {
     assert!(flight.waiting().is_some());
 }
 
+/// Processes whose user could not be read (each exited before the watch read /proc, a race a
+/// user can run in a loop) are services of their own but one user: a few dumps an interval, and
+/// a known user's failure is still dumped.
+#[test]
+fn processes_of_unknown_users_share_one_users_dumps() {
+    let mut flight = Flight::new(config());
+    let unknown = |pid| Some(Party { service: pid, uid: None });
+    for (i, pid) in (100..110).enumerate() {
+        flight.trigger(Trigger::FailedAllocation { pid, bytes: GIB }, unknown(pid), (1 + 3 * i as u64) * S);
+        let _ = flight.take_dump(Some((3 + 3 * i as u64) * S));
+    }
+    assert_eq!(flight.counters.dumps, DUMPS_PER_USER as u64);
+    assert_eq!(flight.counters.suppressed, 10 - DUMPS_PER_USER as u64);
+    flight.trigger(Trigger::FailedAllocation { pid: 4, bytes: GIB }, ROOTS, 40 * S);
+    assert!(flight.waiting().is_some(), "root's failure is dumped");
+}
+
 /// A process forked from another user's runs as that user until a Place says otherwise: a
 /// failure of a workload nobody started from their shell (forked under a shared parent, no
 /// Place of its own) is nobody's, not root's.
@@ -129,7 +146,7 @@ fn a_fork_is_its_parents_user() {
     assert_eq!(Party::of(&live, 11).uid, Some(65534), "nobody's workload");
     assert_eq!(Party::of(&live, 12).uid, Some(0), "root's");
     assert_ne!(Party::of(&live, 11), Party::of(&live, 12));
-    // Unknown users share nothing.
+    // Unknown users' processes are services of their own.
     let unknown = Model::from_records(&[rec(1, 20, process(0, Seen::Running)), rec(1, 21, process(0, Seen::Running))]);
     assert_ne!(Party::of(&unknown, 20), Party::of(&unknown, 21));
 }
