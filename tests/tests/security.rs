@@ -8,7 +8,7 @@ use std::io::{Read, Write};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output};
+use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{as_root, gputrace_bin, start};
@@ -209,6 +209,47 @@ fn marks_only_from_who_may_mark() {
         })
         .collect();
     assert_eq!(marks, ["decode"], "only the allowed mark is in the trace");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// From the second review: four users holding four connections each took every place on the
+/// mark socket, and root's mark (as `gputrace dump`'s ask) was answered `ERR busy`. Places are
+/// kept for root and the user who started the recording.
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn other_users_together_never_take_every_place_on_the_mark_socket() {
+    let _root = as_root();
+    let dir = scratch("mark-places");
+    let (mut child, command) = recorder(&dir, "600");
+    let socket = format!("/run/gputrace/{}.sock", child.id());
+    let holders: Vec<Child> = (60001..=60004)
+        .map(|uid| {
+            Command::new("setpriv")
+                .args([&format!("--reuid={uid}"), &format!("--regid={uid}"), "--clear-groups", "--"])
+                .arg(env!("CARGO_BIN_EXE_hostile-user"))
+                .args(["idle-unix", &socket, "4", "5"])
+                .stdout(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let mut connected = 0;
+    for mut h in holders {
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(h.stdout.take().unwrap()), &mut line).unwrap();
+        connected += line.trim().strip_prefix("connected ").and_then(|n| n.parse::<usize>().ok()).unwrap_or(0);
+        std::thread::spawn(move || h.wait());
+    }
+    assert_eq!(connected, 16, "every connection was made");
+    // The recorder takes them all before the marks below come.
+    std::thread::sleep(Duration::from_millis(300));
+    for who in ["0", NOBODY] {
+        let marked = mark_as(who, "decode", command);
+        assert!(marked.status.success(), "uid {who}: {}", stderr(&marked));
+    }
+    // SAFETY: signal our own child; it passes SIGTERM on to `sleep`.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let _ = child.wait();
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -361,6 +361,8 @@ pub fn observe() -> Observed {
     let before: Vec<Option<procfs::Stat>> = found.iter().map(|h| procfs::stat(h.pid)).collect();
     let window = Duration::from_millis(500);
     std::thread::sleep(window);
+    // Each network namespace's socket tables, read once.
+    let mut tables = std::collections::HashMap::new();
     let holders = found
         .into_iter()
         .zip(before)
@@ -384,7 +386,7 @@ pub fn observe() -> Observed {
                 cgroup,
                 age_seconds: (uptime - now.start_ticks as f64 / hz).max(0.0) as u64,
                 cpu_percent: (used / window.as_secs_f64() * 100.0).round(),
-                listening: procfs::listening_ports(h.pid),
+                listening: procfs::listening_ports(h.pid, &mut tables),
             })
         })
         .collect();

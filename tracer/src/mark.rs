@@ -36,6 +36,9 @@ pub const MAX_CONNECTIONS: usize = 16;
 /// Connections one user other than root and the recorder's own user may hold at once: no one
 /// else can take every slot and keep the wrapper scripts' marks out.
 pub const MAX_CONNECTIONS_PER_USER: usize = 4;
+/// Places only root and the recorder's own user may take: other users together (four of them
+/// holding four each) can never take every one and keep `gputrace dump` out.
+pub const KEPT_FOR_OWNERS: usize = 4;
 /// How long a connection may take to send its line.
 pub const DEADLINE: Duration = Duration::from_secs(2);
 
@@ -92,6 +95,8 @@ pub struct MarkServer {
     path: PathBuf,
     invoking_uid: Option<u32>,
     permits: Arc<Semaphore>,
+    /// The places other users may take, all of them together.
+    others: Arc<Semaphore>,
     /// Connections open now, per user outside root and the invoking user.
     per_user: Arc<std::sync::Mutex<std::collections::HashMap<u32, usize>>>,
 }
@@ -148,7 +153,8 @@ impl MarkServer {
         std::fs::set_permissions(&path, PermissionsExt::from_mode(0o666))
             .map_err(|e| format!("cannot set the mode of {}: {e}", path.display()))?;
         let permits = Arc::new(Semaphore::new(MAX_CONNECTIONS));
-        Ok(MarkServer { listener, path, invoking_uid, permits, per_user: Arc::default() })
+        let others = Arc::new(Semaphore::new(MAX_CONNECTIONS - KEPT_FOR_OWNERS));
+        Ok(MarkServer { listener, path, invoking_uid, permits, others, per_user: Arc::default() })
     }
 
     /// Takes the next connection and serves it on its own task; marks that pass the checks go
@@ -156,7 +162,21 @@ impl MarkServer {
     pub async fn accept(&self, to_recorder: &mpsc::Sender<MarkRequest>) {
         let Ok((stream, _)) = self.listener.accept().await else { return };
         let uid = stream.peer_cred().map(|c| c.uid()).ok();
-        let slot = match uid.filter(|&u| u != 0 && Some(u) != self.invoking_uid) {
+        let owner = uid.is_some_and(|u| u == 0 || Some(u) == self.invoking_uid);
+        // Another user's takes one of the places left to others, or is answered at once.
+        let other = match owner {
+            true => None,
+            false => match self.others.clone().try_acquire_owned() {
+                Ok(place) => Some(place),
+                Err(_) => {
+                    if let Ok(stream) = stream.into_std() {
+                        crate::serving::refuse(stream, b"ERR busy: too many connections from other users; try again\n");
+                    }
+                    return;
+                }
+            },
+        };
+        let slot = match uid.filter(|_| !owner) {
             Some(u) => {
                 let mut open = self.per_user.lock().unwrap_or_else(|e| e.into_inner());
                 let n = open.entry(u).or_default();
@@ -181,7 +201,7 @@ impl MarkServer {
         let to_recorder = to_recorder.clone();
         let invoking_uid = self.invoking_uid;
         tokio::spawn(async move {
-            let _held = (permit, slot);
+            let _held = (permit, other, slot);
             let _ = tokio::time::timeout(DEADLINE, serve(stream, invoking_uid, to_recorder)).await;
         });
     }

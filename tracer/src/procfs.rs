@@ -196,8 +196,10 @@ pub fn place(pid: u32) -> Option<crate::event::Place> {
 }
 
 /// TCP ports the process listens on (IPv4 and IPv6), from the socket inodes its fds hold and
-/// its network namespace's tables.
-pub fn listening_ports(pid: u32) -> Vec<u16> {
+/// its network namespace's tables, each namespace's read once into `tables` (by its inode): a
+/// host of thousands of holders in one namespace full of sockets reads its tables once, not once
+/// a holder.
+pub fn listening_ports(pid: u32, tables: &mut std::collections::HashMap<u64, Sockets>) -> Vec<u16> {
     let inodes: Vec<u64> = open_fds(pid)
         .into_iter()
         .filter_map(|fd| fd_path(pid, fd)?.to_str()?.strip_prefix("socket:[")?.strip_suffix(']')?.parse().ok())
@@ -205,7 +207,8 @@ pub fn listening_ports(pid: u32) -> Vec<u16> {
     if inodes.is_empty() {
         return Vec::new();
     }
-    let table = sockets(pid);
+    let Some(namespace) = net_namespace(pid) else { return Vec::new() };
+    let table = tables.entry(namespace).or_insert_with(|| sockets(pid));
     let mut ports: Vec<u16> = inodes.iter().filter_map(|i| table.listening.get(i).copied()).collect();
     ports.sort();
     ports.dedup();

@@ -15,6 +15,9 @@
 //! `hostile-user flood PORT SECONDS`: twelve threads open connections to 127.0.0.1:PORT as fast
 //! as they can for SECONDS, each keeping its last ten open and sending nothing.
 //!
+//! `hostile-user idle-unix SOCKET N SECONDS`: opens N connections to the Unix socket that send
+//! nothing, prints `connected N` and holds them for SECONDS.
+//!
 //! `hostile-user crowd PORT N`: opens N connections to 127.0.0.1:PORT that send nothing, then
 //! one more that asks for /metrics, prints the first line of its answer (or why there is none)
 //! and exits.
@@ -234,6 +237,13 @@ fn crowd(port: u16, n: usize) {
     drop(idle);
 }
 
+fn idle_unix(socket: &str, n: usize, seconds: u64) {
+    let idle: Vec<_> = (0..n).filter_map(|_| std::os::unix::net::UnixStream::connect(socket).ok()).collect();
+    println!("connected {}", idle.len());
+    std::thread::sleep(Duration::from_secs(seconds));
+    drop(idle);
+}
+
 fn listens(seconds: u64) {
     let until = std::time::Instant::now() + Duration::from_secs(seconds);
     let Ok(socket) = std::net::TcpListener::bind("127.0.0.1:0") else { std::process::exit(2) };
@@ -271,6 +281,7 @@ fn main() {
         [what, port, seconds] if what == "flood" => flood(port.parse().unwrap_or(0), seconds.parse().unwrap_or(10)),
         [what, port, n] if what == "crowd" => crowd(port.parse().unwrap_or(0), n.parse().unwrap_or(4)),
         [what, seconds] if what == "listens" => listens(seconds.parse().unwrap_or(10)),
+        [what, socket, n, seconds] if what == "idle-unix" => idle_unix(socket, n.parse().unwrap_or(4), seconds.parse().unwrap_or(3)),
         _ => {
             eprintln!("usage: hostile-user freeze DIR [--stretches MS]   (as an unprivileged user, inside `unshare -Urm`)");
             eprintln!("       hostile-user hold ADDR");

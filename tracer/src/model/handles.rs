@@ -2,7 +2,7 @@
 //! RM_FREE of a handle frees its subtree, of a client handle the whole client; RM_DUP_OBJECT adds
 //! a handle to the same memory, which lives until its last handle goes.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use super::{AllocId, Allocation, FailedAllocation, FileId, FreedBy, Model};
 use crate::event::{Alloc, Device, Memory, Record};
@@ -33,7 +33,9 @@ pub(super) struct Client {
     /// Its handles shared beyond that process (RM_SHARE), by share type (a revoke takes back
     /// one type only); a share of a handle covers what is below it (RM walks up to the first
     /// list it finds), of the client all of it.
-    pub(super) shared: HashSet<(u32, u16)>,
+    /// Ordered: a handle's shares are a range, found and removed without a scan of every share
+    /// (freeing a subtree of N shared handles scanned them all N times).
+    pub(super) shared: BTreeSet<(u32, u16)>,
     pub(super) objects: HashMap<u32, Object>,
     /// Parent handle to child handles, so freeing a subtree never scans the whole client.
     pub(super) children: HashMap<u32, HashSet<u32>>,
@@ -54,13 +56,21 @@ impl Client {
         self.children.entry(parent).or_default().insert(handle);
     }
 
+    /// The shares of `handle`, of every type.
+    fn shares_of(&self, handle: u32) -> impl Iterator<Item = (u32, u16)> + '_ {
+        self.shared.range((handle, 0)..=(handle, u16::MAX)).copied()
+    }
+
     /// Removes `handle` and everything below it (and their shares); returns them with the
     /// handle itself first.
     fn remove_subtree(&mut self, handle: u32) -> Vec<(u32, Object)> {
         let mut removed = Vec::new();
         let mut stack = vec![handle];
         while let Some(h) = stack.pop() {
-            self.shared.retain(|&(shared, _)| shared != h);
+            let shares: Vec<(u32, u16)> = self.shares_of(h).collect();
+            for share in shares {
+                self.shared.remove(&share);
+            }
             if let Some(kids) = self.children.remove(&h) {
                 stack.extend(kids);
             }
@@ -168,7 +178,7 @@ impl Model {
             return true;
         }
         // The object, its parents up the tree (bounded: a crafted trace may loop), the client.
-        let shared = |h: u32| c.shared.iter().any(|&(s, _)| s == h);
+        let shared = |h: u32| c.shares_of(h).next().is_some();
         let mut handle = object;
         for _ in 0..64 {
             if shared(handle) {
