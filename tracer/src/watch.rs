@@ -425,8 +425,10 @@ impl DumpJob {
 /// gputrace gives its dumps, only regular files, all relative to the directory held open.
 fn rotate(dir: &Dir, budget: u64, newest: &str, user: Option<&User>) {
     let entries = dir.entries(1 << 16);
-    let size = |name: &str| entries.iter().find(|e| e.name == name).map_or(0, |e| e.len);
-    let with_report = |stem: &str| size(&format!("{stem}.trace")) + size(&format!("{stem}.report.txt"));
+    // By name: looked up twice a dump, in a directory of up to 65,536 names.
+    let sizes: HashMap<&std::ffi::OsStr, u64> = entries.iter().map(|e| (e.name.as_os_str(), e.len)).collect();
+    let size = |name: String| sizes.get(std::ffi::OsStr::new(&name)).copied().unwrap_or(0);
+    let with_report = |stem: &str| size(format!("{stem}.trace")) + size(format!("{stem}.report.txt"));
     let dumps: Vec<Kept> = entries
         .iter()
         .filter_map(|e| {

@@ -22,7 +22,7 @@ use super::server::{flag, ServerFamily};
 use super::{Phase, Service, Services};
 use crate::abi::status;
 use crate::event::Memory;
-use crate::model::{display_command, Model, Request};
+use crate::model::{display_command, Allocation, Model, Request};
 use crate::trace::{Gpu, Header, PriorUse};
 use crate::units::bytes;
 
@@ -296,36 +296,21 @@ impl<'a> Diagnoser<'a> {
         }
     }
 
-    /// Video memory live at `ts` on `gpu` (every GPU for None), by process: one pass over the
-    /// allocations, whatever is asked of it after (a pass per service cost services times
-    /// allocations, which one user's forks and allocations can make minutes).
-    fn live_by_pid(&self, ts: u64, gpu: Option<u32>) -> HashMap<u32, u64> {
-        let mut by_pid: HashMap<u32, u64> = HashMap::new();
-        let live = self.model.allocations.iter().filter(|a| a.memory == Memory::Video && a.ts <= ts && a.freed.is_none_or(|(f, _)| f > ts));
-        for a in live.filter(|a| self.counts_on(self.model.gpu_for(a.pid, a.gpu), gpu)) {
-            let held = by_pid.entry(a.pid).or_default();
-            *held = held.saturating_add(a.bytes);
-        }
-        by_pid
+    /// Video memory live at `ts`, on every GPU.
+    fn live_video_at(&self, ts: u64) -> impl Iterator<Item = &'a Allocation> + 'a {
+        self.model.allocations.iter().filter(move |a| a.memory == Memory::Video && a.ts <= ts && a.freed.is_none_or(|(f, _)| f > ts))
     }
 
     /// Video memory live at `ts` by the GPU it is on (None: under a device made before tracing):
     /// `service`'s, and everyone else's.
     fn live_by_gpu(&self, service: &Service, ts: u64) -> HashMap<Option<u32>, (u64, u64)> {
         let mut by_gpu: HashMap<Option<u32>, (u64, u64)> = HashMap::new();
-        let live = self.model.allocations.iter().filter(|a| a.memory == Memory::Video && a.ts <= ts && a.freed.is_none_or(|(f, _)| f > ts));
-        for a in live {
+        for a in self.live_video_at(ts) {
             let (own, outside) = by_gpu.entry(self.model.gpu_for(a.pid, a.gpu)).or_default();
             let held = if service.has(a.pid) { own } else { outside };
             *held = held.saturating_add(a.bytes);
         }
         by_gpu
-    }
-
-    /// Video memory `service`'s processes hold at `ts` on `gpu`.
-    fn live_of(&self, service: &Service, ts: u64, gpu: Option<u32>) -> u64 {
-        let by_pid = self.live_by_pid(ts, gpu);
-        service.pids.iter().filter_map(|pid| by_pid.get(pid)).fold(0, |sum, b| sum.saturating_add(*b))
     }
 
     /// The GPUs `service` allocated on, or asked to, or held memory on when tracing began.
@@ -380,18 +365,21 @@ impl<'a> Diagnoser<'a> {
     }
 
     /// Memory held outside `service` at `ts` on `gpu`: other traced services, and what NVML said
-    /// other processes held there when recording began. With who holds it.
-    pub(super) fn held_outside(&self, service: &Service, ts: u64, gpu: Option<u32>) -> (u64, Vec<Holder>) {
-        let mut total: u64 = 0;
+    /// other processes held there when recording began. With who holds it, and what the service's
+    /// own processes hold there, traced: one pass over the allocations for all of it (a pass per
+    /// service cost services times allocations, which one user's forks can make minutes).
+    pub(super) fn held_outside(&self, service: &Service, ts: u64, gpu: Option<u32>) -> (u64, Vec<Holder>, u64) {
+        let (mut total, mut own) = (0u64, 0u64);
         let mut by_service = vec![0u64; self.services.list.len()];
-        for (pid, bytes) in self.live_by_pid(ts, gpu) {
-            let i = self.services.index_of(pid);
-            if i.is_some_and(|i| self.services.list[i].root == service.root) {
-                continue;
-            }
-            total = total.saturating_add(bytes);
-            if let Some(i) = i {
-                by_service[i] = by_service[i].saturating_add(bytes);
+        for a in self.live_video_at(ts).filter(|a| self.counts_on(self.model.gpu_for(a.pid, a.gpu), gpu)) {
+            match self.services.index_of(a.pid) {
+                Some(i) if self.services.list[i].root == service.root => own = own.saturating_add(a.bytes),
+                i => {
+                    total = total.saturating_add(a.bytes);
+                    if let Some(i) = i {
+                        by_service[i] = by_service[i].saturating_add(a.bytes);
+                    }
+                }
             }
         }
         let mut holders = Vec::new();
@@ -417,7 +405,7 @@ impl<'a> Diagnoser<'a> {
                 holders.push(Holder { pid: h.pid, command: display_command(&h.command), bytes: None, source: "proc", nvml_pid: None });
             }
         }
-        (total, holders)
+        (total, holders, own)
     }
 
     /// What NVML last said of processes outside `service` that are not traced (sampled while
@@ -548,9 +536,9 @@ impl<'a> Diagnoser<'a> {
         let in_flight = self.services.in_flight(service, before);
         let service_gpus = self.gpus_of(service);
         let gpu = self.gpu_of(failure, service, &service_gpus);
-        let (outside, holders) = self.held_outside(service, ts, gpu);
+        let (outside, holders, own) = self.held_outside(service, ts, gpu);
         let (holders, holders_not_listed) = biggest_holders(holders);
-        let own = self.live_of(service, ts, gpu).saturating_add(self.before_tracing(service, ts, gpu));
+        let own = own.saturating_add(self.before_tracing(service, ts, gpu));
         // On unified memory the GPU's memory is the host's: its size and what is available.
         let host = self.unified(gpu).then(|| self.model.sample_at(ts).and_then(|s| s.host.clone())).flatten();
         let capacity = self.capacity(gpu).or(host.as_ref().map(|h| h.total_bytes));
