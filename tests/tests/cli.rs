@@ -253,7 +253,7 @@ fn explicit_marks_reach_the_trace_and_override_phases() {
     let (_, records, _) = Reader::read_all(&dir.join("run.trace")).unwrap();
     let mark = records.iter().find(|r| matches!(&r.event, Event::Mark { phase } if phase == "decode")).expect("the mark in the trace");
     let model = Model::from_records(&records);
-    let services = gputrace::analysis::Services::new(&model);
+    let services = gputrace::analysis::services::Services::new(&model);
     let later = model.allocations.iter().find(|a| a.pid == mark.pid && a.ts > mark.ts).expect("an allocation after the mark");
     assert_eq!(services.phase_of(later.pid, later.ts), gputrace::analysis::Phase::Decode);
     let before = model.allocations.iter().find(|a| a.pid == mark.pid && a.ts < mark.ts).unwrap();

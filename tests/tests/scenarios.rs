@@ -170,7 +170,7 @@ fn requests_agree(o: &Outcome, server: &str, what: &str) {
 /// Phase attribution, with no marks: at least 95% of the bytes of each phase where the workload's
 /// ground truth puts them (allocations matched by process, size and order).
 fn phases_agree(o: &Outcome, what: &str) {
-    let services = gputrace::analysis::Services::new(&o.model);
+    let services = gputrace::analysis::services::Services::new(&o.model);
     let mut traced: BTreeMap<(u32, u64), Vec<&str>> = BTreeMap::new();
     for a in o.model.allocations.iter().filter(|a| a.memory != Memory::Virtual) {
         traced.entry((a.pid, a.bytes)).or_default().push(services.phase_of(a.pid, a.ts).name());

@@ -105,7 +105,7 @@ fn run(op: &str, path: &Path) {
             let (mut h, m, _) = load(path);
             h.assume_capacity(80 << 30);
             let settings = gputrace::analysis::whatif::Settings { max_concurrency: Some(8), ..Default::default() };
-            let _ = gputrace::analysis::diagnosis::Diagnoser::new(&h, &m, 0).whatif(&settings, true).unwrap().text();
+            let _ = gputrace::report::whatif::outcome(&gputrace::report::what_if(&h, &m, 0, &settings, true).unwrap());
         }
         "perfetto" => {
             let (h, m, n) = load(path);

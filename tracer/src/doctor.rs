@@ -195,7 +195,7 @@ fn judge(o: &Observed, h: &FileHolder, kept_for: Vec<KeptFor>, idle_minutes: u64
         o.nvml_ok().then(|| o.usage.iter().filter(|u| u.pid == pid).filter_map(|u| u.used_bytes).fold(0, u64::saturating_add))
     };
     // A daemon stopped or dead holds the GPU for no one: no longer benign, whatever it runs.
-    let benign = |h: &FileHolder| crate::analysis::benign(h.exe.as_ref()).filter(|_| !matches!(h.state, 'T' | 't' | 'Z'));
+    let benign = |h: &FileHolder| crate::analysis::holders::benign(h.exe.as_ref()).filter(|_| !matches!(h.state, 'T' | 't' | 'Z'));
     let own = nvml_bytes(h.pid);
     let bytes = own.map(|b| kept_for.iter().fold(b, |sum, k| sum.saturating_add(k.bytes)));
     let mut reasons = Vec::new();

@@ -47,7 +47,7 @@ impl Party {
     /// its own, and shares one user's dumps with every other such process.
     pub fn of(live: &Model, pid: u32) -> Party {
         match live.processes.get(&pid).and_then(|p| p.place.as_ref()?.uid) {
-            Some(uid) => Party { service: crate::analysis::service_root(live, pid), uid: Some(uid) },
+            Some(uid) => Party { service: crate::analysis::services::service_root(live, pid), uid: Some(uid) },
             None => Party { service: pid, uid: None },
         }
     }

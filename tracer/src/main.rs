@@ -3,7 +3,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, CommandFactory, Parser, Subcommand};
-use gputrace::analysis::Phase;
+use gputrace::analysis::{whatif, Category, Phase};
 use gputrace::dir::create_private;
 use gputrace::report;
 use gputrace::user::User;
@@ -91,7 +91,7 @@ enum Command {
     /// Mark the phase of a traced process's service in every running recording (overrides inference).
     Mark {
         #[arg(value_enum)]
-        phase: Phase,
+        phase: MarkedPhase,
         /// The process whose service it is [default: the caller's parent, e.g. the wrapper script]
         #[arg(long)]
         pid: Option<u32>,
@@ -145,7 +145,7 @@ enum Command {
         /// The GPUs the model is sharded over (vLLM --tensor-parallel-size, SGLang --tp-size, TGI
         /// --num-shard; llama-server's --tensor-split entries): each holds its share of the
         /// weights and of what a request costs
-        #[arg(long, visible_aliases = ["tensor-parallel-size", "tp-size", "num-shard"], value_name = "N", value_parser = clap::value_parser!(u64).range(1..=gputrace::analysis::whatif::MAX_TENSOR_PARALLEL))]
+        #[arg(long, visible_aliases = ["tensor-parallel-size", "tp-size", "num-shard"], value_name = "N", value_parser = clap::value_parser!(u64).range(1..=whatif::MAX_TENSOR_PARALLEL))]
         tensor_parallel: Option<u64>,
         /// Also find the largest concurrency and context that fit under these settings
         #[arg(long)]
@@ -240,6 +240,26 @@ fn listen_address(text: &str) -> Result<Listen, String> {
         .map_err(|_| format!("{text:?} is not an address: give it as 127.0.0.1:9431 or [::1]:9431, or off"))
 }
 
+/// A phase as `gputrace mark` takes it, with what each means.
+#[derive(Clone, Copy)]
+struct MarkedPhase(Phase);
+
+impl clap::ValueEnum for MarkedPhase {
+    fn value_variants<'a>() -> &'a [Self] {
+        &[MarkedPhase(Phase::Load), MarkedPhase(Phase::Prefill), MarkedPhase(Phase::Decode), MarkedPhase(Phase::Idle)]
+    }
+
+    fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
+        let help = match self.0 {
+            Phase::Load => "From start until the service can serve: weights, KV reservation, warm-up",
+            Phase::Prefill => "A request has arrived and has not yet received its first data",
+            Phase::Decode => "Requests are receiving data, none is in prefill",
+            Phase::Idle => "Serving, with no request in flight",
+        };
+        Some(clap::builder::PossibleValue::new(self.0.name()).help(help))
+    }
+}
+
 #[derive(Clone, Copy, clap::ValueEnum)]
 enum Format {
     Perfetto,
@@ -302,21 +322,20 @@ fn tokens(text: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("{text:?} is not a number of tokens: give one as 131072, 32k (32,000) or 32K (32,768)"))
 }
 
-fn whatif(path: &std::path::Path, settings: &gputrace::analysis::whatif::Settings, search: bool, json: bool) -> anyhow::Result<ExitCode> {
+fn what_if(path: &std::path::Path, settings: &whatif::Settings, search: bool, json: bool) -> anyhow::Result<ExitCode> {
     let (mut header, model, _, loss) = report::load(path, false)?;
     // A trace without the card's size (no NVML) takes the one tried as the recorded one too.
     if let Some(bytes) = settings.capacity {
         header.assume_capacity(bytes);
     }
-    let outcome = gputrace::analysis::diagnosis::Diagnoser::new(&header, &model, loss.lost_records)
-        .whatif(settings, search)
-        .map_err(|why| anyhow::anyhow!("{}: {why}", path.display()))?;
+    let outcome = report::what_if(&header, &model, loss.lost_records, settings, search)
+        .map_err(|why| anyhow::anyhow!("{}: {}", path.display(), report::whatif::why_not(&why)))?;
     if json {
         println!("{}", serde_json::to_string_pretty(&outcome)?);
     } else {
-        println!("{}", gputrace::units::for_terminal(&outcome.text()));
+        println!("{}", gputrace::units::for_terminal(&report::whatif::outcome(&outcome)));
     }
-    Ok(ExitCode::from(u8::from(outcome.category != gputrace::analysis::diagnosis::Category::None)))
+    Ok(ExitCode::from(u8::from(outcome.category != Category::None)))
 }
 
 /// The man pages (gputrace.1, gputrace-record.1, ...) into `dir`, written as the invoking user
@@ -391,7 +410,7 @@ fn main() -> ExitCode {
         Command::Mark { phase, pid } => {
             // SAFETY: getppid has no preconditions.
             let pid = pid.unwrap_or_else(|| unsafe { libc::getppid() } as u32);
-            gputrace::mark::send(phase, pid).map(|done| {
+            gputrace::mark::send(phase.0, pid).map(|done| {
                 eprintln!("gputrace: {done}");
                 ExitCode::SUCCESS
             })
@@ -399,9 +418,8 @@ fn main() -> ExitCode {
         Command::Export { trace, format, output, judging } => export(trace, format, output, judging).map(|()| ExitCode::SUCCESS),
         Command::Report { trace, json, judging } => print_report(trace, json, judging).map(|()| ExitCode::SUCCESS),
         Command::Whatif { trace, max_concurrency, max_context, utilization, quantize, capacity, tensor_parallel, search, json } => {
-            let settings =
-                gputrace::analysis::whatif::Settings { max_concurrency, max_context, utilization, quantize, capacity, tensor_parallel };
-            whatif(&trace, &settings, search, json)
+            let settings = whatif::Settings { max_concurrency, max_context, utilization, quantize, capacity, tensor_parallel };
+            what_if(&trace, &settings, search, json)
         }
         Command::Generate { what } => generate(what).map(|()| ExitCode::SUCCESS),
     };

@@ -5,18 +5,25 @@
 
 use serde::Serialize;
 
-use crate::analysis::diagnosis::{Diagnoser, Diagnosis};
-use crate::analysis::headroom::Headroom;
-use crate::analysis::holders::suspects;
+use crate::analysis::accounts::Accounts;
+use crate::analysis::diagnosis::diagnose;
+use crate::analysis::headroom::{headroom, Headroom};
 pub use crate::analysis::holders::SuspectContext;
+use crate::analysis::holders::{mps_server, suspects};
 pub use crate::analysis::nvml::Disagreement;
 use crate::analysis::nvml::{disagreements, nvml_peaks, unaccounted};
 use crate::analysis::usage::{allocations_by_pid, gpu_reports, process_report};
 pub use crate::analysis::usage::{GpuReport, Kept, KindTotals, ProcessReport};
+use crate::analysis::whatif::{whatif, Failed, Outcome, Settings, WhyNot};
 use crate::model::Model;
 use crate::trace::Header;
 
+pub mod headroom;
 mod text;
+pub mod verdict;
+pub mod whatif;
+
+use verdict::{verdicts, Verdict};
 
 pub const SCHEMA: &str = "gputrace-report/1";
 
@@ -26,7 +33,7 @@ fn is_zero(n: &u64) -> bool {
 
 fn notes(header: &Header, model: &Model) -> Vec<String> {
     let mut notes = Vec::new();
-    if let Some(pid) = crate::analysis::mps_server(model, header) {
+    if let Some(pid) = mps_server(model, header) {
         notes.push(format!(
             "MPS is in use (nvidia-cuda-mps-server, pid {pid}): it makes every client's allocations, so GPU memory shows as the server's, not the clients'; trace the clients' requests and the server together to tell them apart."
         ));
@@ -107,9 +114,9 @@ pub struct Report {
     pub duration_ns: u64,
     pub events: u64,
     /// The first failure's diagnosis, or category `none`.
-    pub diagnosis: Diagnosis,
+    pub diagnosis: Verdict,
     /// Every failure, in time order (the first MAX_DIAGNOSED of them).
-    pub diagnoses: Vec<Diagnosis>,
+    pub diagnoses: Vec<Verdict>,
     /// Failures past those, counted.
     #[serde(skip_serializing_if = "is_zero")]
     pub failures_not_diagnosed: u64,
@@ -153,11 +160,20 @@ pub fn load(path: &std::path::Path, redact: bool) -> Result<(Header, Model, u64,
     Ok((header, model, events, loss))
 }
 
+/// `gputrace whatif`: the replay under `settings` of the first failure's service, on the GPU its
+/// diagnosis judged (the busiest serving one when nothing failed).
+pub fn what_if(header: &Header, model: &Model, lost: u64, settings: &Settings, search: bool) -> Result<Outcome, WhyNot> {
+    let accounts = Accounts::new(header, model);
+    let failed = diagnose(&accounts, lost).first_failure().map(|(pid, gpu)| Failed { pid, gpu });
+    whatif(&accounts, failed, settings, search)
+}
+
 impl Report {
     pub fn new(header: &Header, model: &Model, trace: String, events: u64, loss: Loss, idle_ns: u64) -> Report {
-        let diagnoser = Diagnoser::new(header, model, loss.lost_records);
-        let diagnoses = diagnoser.diagnose();
-        let services = diagnoser.services();
+        let accounts = Accounts::new(header, model);
+        let diagnosed = diagnose(&accounts, loss.lost_records);
+        let diagnoses = verdicts(&diagnosed.list);
+        let services = &accounts.services;
         let nvml_peaks = nvml_peaks(model);
         let kept = model.kept_alive();
         let allocations = allocations_by_pid(model);
@@ -177,13 +193,13 @@ impl Report {
             duration_ns,
             events,
             diagnosis: diagnoses[0].clone(),
-            failures_not_diagnosed: diagnoser.undiagnosed() as u64,
+            failures_not_diagnosed: diagnosed.not_diagnosed as u64,
             contexts_never_freed: suspects(header, model, services, idle_ns),
             diagnoses,
             gpus: gpu_reports(header, model),
             nvml_vs_traced: disagreements(header, model),
             notes: notes(header, model),
-            headroom: diagnoser.headroom(),
+            headroom: headroom(&accounts),
             processes,
             loss,
             fd_filter: None,

@@ -140,11 +140,12 @@ impl Watcher {
     /// A server whose own concurrency limit lets in more requests than memory takes, said once
     /// (the early form of a concurrent-load failure).
     fn warn_of_limits(&mut self, live: &Model) {
-        for h in crate::analysis::diagnosis::Diagnoser::new(&self.header, live, 0).headroom() {
+        let accounts = crate::analysis::accounts::Accounts::new(&self.header, live);
+        for h in crate::analysis::headroom::headroom(&accounts) {
             let mut fresh = h.limits_exceeded.iter().map(|l| (h.service.clone(), l.setting.clone(), l.value));
             let warned = &mut self.limits_warned;
             if fresh.any(|key| warned.len() < MAX_LIMITS_WARNED && warned.insert(key)) {
-                eprintln!("gputrace: warning: {}", h.text());
+                eprintln!("gputrace: warning: {}", crate::report::headroom::line(&h));
             }
         }
     }

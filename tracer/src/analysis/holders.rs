@@ -1,14 +1,16 @@
-//! Holders nobody accounts for: driver contexts still holding memory at the end that no live,
-//! active service accounts for, and memory other processes held before recording.
+//! Holders: the programs that hold the device files by design (benign), the MPS server, who
+//! keeps memory NVML counted before recording; and holders nobody accounts for: driver contexts
+//! still holding memory at the end that no live, active service accounts for, and memory other
+//! processes held before recording.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use serde::Serialize;
 
-use super::Services;
+use super::services::Services;
 use crate::event::Memory;
-use crate::model::Model;
-use crate::trace::Header;
+use crate::model::{display_command, Model};
+use crate::trace::{Header, PriorUse};
 
 /// A driver context (an open nvidiactl file and the clients on it) still holding memory that no
 /// live, active service accounts for; or memory held before recording by another process.
@@ -90,7 +92,7 @@ pub fn suspects(header: &Header, model: &Model, services: &Services, idle_ns: u6
         if services.of(prior.pid).is_some() {
             continue;
         }
-        let (pid, command) = crate::analysis::prior_holder(header, prior, |pid| services.of(pid).is_some());
+        let (pid, command) = prior_holder(header, prior, |pid| services.of(pid).is_some());
         let why = if pid == prior.pid {
             "held before recording began, by a process outside the traced ones".to_string()
         } else {
@@ -100,11 +102,11 @@ pub fn suspects(header: &Header, model: &Model, services: &Services, idle_ns: u6
     }
     // Without NVML: who had the device files open before recording, outside the traced ones.
     if header.nvml != "ok" {
-        let outside = |h: &&crate::trace::HolderAtStart| services.of(h.pid).is_none() && crate::analysis::benign(h.exe.as_ref()).is_none();
+        let outside = |h: &&crate::trace::HolderAtStart| services.of(h.pid).is_none() && benign(h.exe.as_ref()).is_none();
         for h in header.holders_at_start.iter().filter(outside) {
             out.push(SuspectContext {
                 pid: h.pid,
-                command: crate::model::display_command(&h.command),
+                command: display_command(&h.command),
                 bytes: None,
                 since: None,
                 last_activity: None,
@@ -113,4 +115,62 @@ pub fn suspects(header: &Header, model: &Model, services: &Services, idle_ns: u6
         }
     }
     out
+}
+
+/// Programs that hold the device files by design or briefly, never a cause to kill: the
+/// persistence daemon, monitoring tools, the display server. With why.
+const BENIGN: [(&str, &str); 10] = [
+    ("nvidia-persistenced", "keeps the driver loaded by design"),
+    ("nvidia-smi", "NVIDIA's monitoring tool, holds the files while it runs"),
+    ("nv-hostengine", "DCGM's host engine (monitoring)"),
+    ("dcgm-exporter", "DCGM's Prometheus exporter (monitoring)"),
+    ("nvidia-powerd", "NVIDIA's power daemon"),
+    ("nv-fabricmanager", "NVIDIA's NVSwitch fabric manager"),
+    ("Xorg", "the display server"),
+    ("Xwayland", "the display server"),
+    ("gnome-shell", "the desktop's compositor"),
+    ("gputrace", "this tool"),
+];
+
+/// Why a holder of the device files is benign, when it is: by the program it runs
+/// (/proc/PID/exe), a system one (root's, where only root writes), never by argv[0], which any
+/// process sets (`exec -a nvidia-persistenced`).
+pub fn benign(exe: Option<&crate::procfs::Executable>) -> Option<&'static str> {
+    let exe = exe.filter(|e| e.system)?;
+    BENIGN.iter().find(|(name, _)| exe.name() == *name).map(|(_, why)| *why)
+}
+
+/// The MPS server (nvidia-cuda-mps-server), traced or holding the device files when recording
+/// began: under MPS it makes every client's allocations, so they are its, not the clients'.
+pub fn mps_server(model: &Model, header: &Header) -> Option<u32> {
+    let is_mps = |command: &[String]| command.first().is_some_and(|p| is_mps_server(p));
+    model
+        .processes
+        .values()
+        .find(|p| is_mps(&p.command))
+        .map(|p| p.pid)
+        .or_else(|| header.holders_at_start.iter().find(|h| is_mps(&h.command)).map(|h| h.pid))
+        // Started after recording began and not traced: NVML still lists it with its command.
+        .or_else(|| model.samples.iter().flat_map(|(_, s)| &s.processes).find(|u| is_mps(&u.command)).map(|u| u.pid))
+}
+
+/// Whether a program (argv[0], or a command line starting with it) is the MPS server, which
+/// makes the allocations of every MPS client.
+pub fn is_mps_server(command: &str) -> bool {
+    command.split_whitespace().next().and_then(|p| p.rsplit('/').next()) == Some("nvidia-cuda-mps-server")
+}
+
+/// Who keeps memory NVML counted before recording: the process it names when that is still there
+/// with the device files open, else the process outside `inside` that keeps them open (a forked
+/// child of a dead owner, an orphaned worker). Its pid and command.
+pub fn prior_holder(header: &Header, prior: &PriorUse, inside: impl Fn(u32) -> bool) -> (u32, String) {
+    let holder = header
+        .holders_at_start
+        .iter()
+        .find(|h| h.pid == prior.pid)
+        .or_else(|| header.holders_at_start.iter().find(|h| !inside(h.pid) && prior.command.is_empty()));
+    match holder {
+        Some(h) => (h.pid, display_command(&h.command)),
+        None => (prior.pid, display_command(&prior.command)),
+    }
 }

@@ -6,7 +6,7 @@
 
 use serde::Serialize;
 
-use super::Service;
+use super::services::Service;
 use crate::model::Model;
 
 /// A LiteLLM deployment in front of a service.
@@ -28,13 +28,6 @@ pub struct Front {
 }
 
 impl Front {
-    /// "LiteLLM (pid 77 of uid 0, /srv/litellm.yaml, 4 workers) deployment `local-llama`".
-    pub fn name(&self) -> String {
-        let (config, model) = (crate::units::one_line(&self.config), crate::units::one_line(&self.model));
-        let workers = if self.workers > 1 { format!(", {} workers", self.workers) } else { String::new() };
-        format!("LiteLLM (pid {} of uid {}, {config}{workers}) deployment `{model}`", self.pid, self.uid)
-    }
-
     /// What it lets through at once: its limit in each of its proxy's workers.
     pub fn lets_through(&self) -> Option<u64> {
         self.max_parallel_requests.map(|n| n.saturating_mul(self.workers))
@@ -56,16 +49,6 @@ pub fn share(fronts: &[Front], cap: u64) -> u64 {
 /// The counts kept of what is let through: each deployment's in each of its proxy's workers.
 pub fn counts(fronts: &[Front]) -> u64 {
     fronts.iter().map(|f| f.workers).sum()
-}
-
-/// Where even a share of one in each lets more through than `cap`: what to say of it.
-pub fn past_any_share(fronts: &[Front], cap: u64) -> String {
-    let counts = counts(fronts);
-    if counts > cap {
-        format!(" (even that lets {counts} through, one in each of {counts} counts, past the {cap} that fit: fewer deployments or workers)")
-    } else {
-        String::new()
-    }
 }
 
 /// Most workers a proxy is taken to run: a larger `--num_workers` is read as this many.
@@ -128,10 +111,10 @@ pub fn fronting(model: &Model, services: &[Service], service: &Service) -> Vec<F
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn front(limit: Option<u64>, workers: u64) -> Front {
+    pub(crate) fn front(limit: Option<u64>, workers: u64) -> Front {
         let (config, model, limit_from) = ("c".into(), "m".into(), "rpm".into());
         Front { pid: 1, uid: 0, config, model, port: 8000, max_parallel_requests: limit, limit_from, workers }
     }
@@ -165,7 +148,5 @@ mod tests {
         assert_eq!(share(&[front(Some(10), 1), front(Some(12), 4)], 17), 3, "17 over 5 counts");
         assert_eq!(share(&[front(Some(10), 8)], 3), 1, "never 0");
         assert_eq!(share(&[], 3), 3);
-        assert!(past_any_share(&[front(Some(10), 8)], 3).contains("even that lets 8 through, one in each of 8 counts, past the 3 that fit"));
-        assert_eq!(past_any_share(&[front(Some(10), 3)], 3), "");
     }
 }

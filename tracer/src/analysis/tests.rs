@@ -1,7 +1,13 @@
-use super::diagnosis::{Category, Diagnoser, Symptom};
+use super::accounts::Accounts;
+use super::diagnosis::diagnose;
 use super::headroom::{Bound, Limit};
+use super::services::Services;
 use super::*;
 use crate::event::{Alloc, Device, Event, Record, Seen, Via};
+use crate::model::Model;
+use crate::report::headroom::{limit, line};
+use crate::report::verdict::{verdicts, Verdict};
+use crate::report::whatif::outcome;
 use crate::trace::{Gpu, Header, HolderAtStart, PriorUse};
 
 const GIB: u64 = 1 << 30;
@@ -71,12 +77,16 @@ impl Trace {
         }
         self
     }
-    fn diagnose(&mut self, capacity: u64, prior: &[(u32, u64)], lost: u64) -> Vec<super::diagnosis::Diagnosis> {
+    fn diagnose(&mut self, capacity: u64, prior: &[(u32, u64)], lost: u64) -> Vec<Verdict> {
         self.0.sort_by_key(|r| r.ts);
         let model = Model::from_records(&self.0);
-        let h = header(capacity, prior);
-        Diagnoser::new(&h, &model, lost).diagnose()
+        diagnosed(&header(capacity, prior), &model, lost)
     }
+}
+
+/// Every failure of a trace, in words.
+fn diagnosed(header: &Header, model: &Model, lost: u64) -> Vec<Verdict> {
+    verdicts(&diagnose(&Accounts::new(header, model), lost).list)
 }
 
 /// Seen by a watch, `gputrace record -- vllm serve` is vLLM's parent: a wrapper, not the service.
@@ -320,7 +330,7 @@ fn without_nvml_a_holder_from_before_is_the_suspect() {
         exe: program("/usr/bin/nvidia-persistenced", true),
     };
     h.holders_at_start.push(persistenced.clone());
-    let d = Diagnoser::new(&h, &model, 0).diagnose().remove(0);
+    let d = diagnosed(&h, &model, 0).remove(0);
     assert_eq!(d.category, Category::HeldByOtherProcess, "{}", d.evidence.text);
     assert_eq!(d.fix.fields["kill"], 4242, "the orphan, never the benign daemon");
     assert!(d.fix.text.contains("how much it holds is unknown"), "{}", d.fix.text);
@@ -330,7 +340,7 @@ fn without_nvml_a_holder_from_before_is_the_suspect() {
     for exe in [program("/usr/bin/sleep", true), program("/home/mallory/nvidia-persistenced", false), None] {
         h.holders_at_start.retain(|x| x.pid != 90);
         h.holders_at_start.push(HolderAtStart { exe, ..persistenced.clone() });
-        let d = Diagnoser::new(&h, &model, 0).diagnose().remove(0);
+        let d = diagnosed(&h, &model, 0).remove(0);
         assert_eq!(d.evidence.fields["holders_outside"].as_array().unwrap().len(), 2, "{}", d.evidence.text);
     }
 }
@@ -375,7 +385,6 @@ fn a_crash_without_a_failed_allocation() {
 /// Reports print `name()`, scripts read the JSON: the two never differ.
 #[test]
 fn category_and_symptom_names_are_their_json_names() {
-    use super::diagnosis::{Category, Symptom};
     let categories = [
         Category::HeldByOtherProcess,
         Category::DoesNotFitAtLoad,
@@ -396,7 +405,7 @@ fn category_and_symptom_names_are_their_json_names() {
 /// A tensor-parallel vLLM: the engine's two workers each load `shard` onto their own GPU (0: 80
 /// GiB, 1: 48 GiB); another server holds `other` on GPU 0 and NVML saw 2 GiB held on GPU 1 before
 /// recording. Then `failing_pid` fails to allocate `bytes`; the diagnosis of it.
-fn tensor_parallel(shard: u64, other: u64, failing_pid: u32, bytes: u64) -> super::diagnosis::Diagnosis {
+fn tensor_parallel(shard: u64, other: u64, failing_pid: u32, bytes: u64) -> Verdict {
     const OTHER: u32 = 300;
     let mut t = Trace::vllm(0);
     t.0.retain(|r| !matches!(r.event, Event::Alloc(_)));
@@ -430,7 +439,7 @@ fn tensor_parallel(shard: u64, other: u64, failing_pid: u32, bytes: u64) -> supe
     let mut h = header(80 * GIB, &[]);
     h.gpus.push(Gpu { index: 1, name: "smaller".into(), total_bytes: Some(48 * GIB), used_bytes: None });
     h.prior_use.push(PriorUse { pid: 400, gpu: 1, used_bytes: Some(2 * GIB), command: vec!["gone".into()] });
-    Diagnoser::new(&h, &model, 0).diagnose().remove(0)
+    diagnosed(&h, &model, 0).remove(0)
 }
 
 #[test]
@@ -527,7 +536,7 @@ fn memory_held_by_the_mps_server_is_not_fixed_by_killing_it() {
     for holder in &mut h.holders_at_start {
         holder.command = vec!["/usr/bin/nvidia-cuda-mps-server".into()];
     }
-    let d = &Diagnoser::new(&h, &model, 0).diagnose()[0];
+    let d = &diagnosed(&h, &model, 0)[0];
     assert_eq!(d.category, Category::HeldByOtherProcess);
     assert!(d.fix.text.contains("MPS server") && d.fix.text.contains("nvidia-cuda-mps-control"), "{}", d.fix.text);
     assert!(!d.fix.text.contains("kill 4242"), "{}", d.fix.text);
@@ -618,7 +627,7 @@ fn headroom(t: &mut Trace, prior: &[(u32, u64)]) -> Vec<super::headroom::Headroo
     t.0.sort_by_key(|r| r.ts);
     let model = Model::from_records(&t.0);
     let h = header(80 * GIB, prior);
-    Diagnoser::new(&h, &model, 0).headroom()
+    super::headroom::headroom(&Accounts::new(&h, &model))
 }
 
 #[test]
@@ -654,11 +663,7 @@ fn a_limit_above_what_memory_fits_is_named_with_the_cap() {
         proxies: vec![],
     };
     assert_eq!(h.limits_exceeded, [concurrency(256, 40)]);
-    assert!(
-        h.text().contains("`--max-num-seqs 256` lets 256 run at once; memory fits 40 of the largest served: cap at 40"),
-        "{}",
-        h.text()
-    );
+    assert!(line(h).contains("`--max-num-seqs 256` lets 256 run at once; memory fits 40 of the largest served: cap at 40"), "{}", line(h));
     let mut t = serving(&["--max-num-seqs", "32"]);
     assert!(headroom(&mut t, &[])[0].limits_exceeded.is_empty(), "32 fit");
 }
@@ -696,15 +701,15 @@ fn litellm_deployments_to_one_server_count_together() {
     let [h] = &headroom(&mut t, &[])[..] else { panic!() };
     let [l] = &h.limits_exceeded[..] else { panic!("{:?}", h.limits_exceeded) };
     assert_eq!((l.value, l.cap, l.proxies.len()), (50, 40, 2));
-    assert!(h.text().contains("`alias` (25 by its `max_parallel_requests`, on port 8000) let 50 requests at once through to it; memory fits 40 of the largest served: set `max_parallel_requests: 20` in each"), "{}", h.text());
+    assert!(line(h).contains("`alias` (25 by its `max_parallel_requests`, on port 8000) let 50 requests at once through to it; memory fits 40 of the largest served: set `max_parallel_requests: 20` in each"), "{}", line(h));
     // 12 in each of 4 workers: 48, each gets 10.
     let mut t = serving(&[]);
     litellm_proxy(&mut t, 500, &["--num_workers", "4"], &[("local", 8000, Some(12))]);
     let [h] = &headroom(&mut t, &[])[..] else { panic!() };
     let [l] = &h.limits_exceeded[..] else { panic!("{:?}", h.limits_exceeded) };
     assert_eq!(l.value, 48);
-    assert!(h.text().contains("/srv/litellm.yaml, 4 workers) deployment `local` (12 by its `max_parallel_requests` in each of 4 workers, on port 8000) lets 48"), "{}", h.text());
-    assert!(h.text().contains("set `max_parallel_requests: 10` there (each worker keeps its own count)"), "{}", h.text());
+    assert!(line(h).contains("/srv/litellm.yaml, 4 workers) deployment `local` (12 by its `max_parallel_requests` in each of 4 workers, on port 8000) lets 48"), "{}", line(h));
+    assert!(line(h).contains("set `max_parallel_requests: 10` there (each worker keeps its own count)"), "{}", line(h));
     // Workers counted when it was read stand over the command line's: 3 of 20 are 60.
     let mut t = serving(&[]);
     let deployment = crate::event::Deployment {
@@ -740,11 +745,11 @@ fn a_litellm_limit_past_what_fits_is_named_where_the_server_sets_none_that_fits(
     assert_eq!((l.setting.as_str(), l.value, l.fits, l.cap, l.bounds), ("LiteLLM max_parallel_requests", 50, 40, 40, Bound::Concurrency));
     assert_eq!(l.proxies.iter().map(|p| (p.pid, p.port, p.workers)).collect::<Vec<_>>(), [(500, 8000, 1)]);
     assert!(
-        h.text().contains(
+        line(h).contains(
             "LiteLLM (pid 500 of uid 0, /srv/litellm.yaml) deployment `local` (50 by its `max_parallel_requests`, on port 8000) lets 50 requests at once through to it; memory fits 40 of the largest served: set `max_parallel_requests: 40` there"
         ),
         "{}",
-        h.text()
+        line(h)
     );
     // The server's own limit past what fits too: both named.
     let mut t = serving(&["--max-num-seqs", "256"]);
@@ -848,7 +853,7 @@ fn a_context_or_batch_limit_past_the_prompt_that_fits_is_named_with_the_value_to
             limit("--max-num-batched-tokens", 100_000, Bound::BatchTokens, 80_000, 77_600),
         ]
     );
-    let text = h.text();
+    let text = line(h);
     assert!(
         text.contains("`--max-model-len 131072` lets in a prompt of 131072 tokens; memory fits one of 80000 alone (at 4 bytes a token): set it to 77600")
             && text.contains("`--max-num-batched-tokens 100000` lets 100000 tokens into one batch; memory fits 80000 at once"),
@@ -874,10 +879,10 @@ fn llama_servers_context_is_checked_per_slot() {
     assert_eq!(llama(&["-c", "800000", "-np", "8"]), [context(800_000, 8, 620_800)]);
     let limits = llama(&["-c", "800000", "-np", "8"]);
     assert!(
-        limits[0].text().contains("`-c 800000` lets each of its 8 slots take a prompt of 100000 tokens; memory fits one of 80000 alone")
-            && limits[0].text().ends_with("set it to 620800"),
+        limit(&limits[0]).contains("`-c 800000` lets each of its 8 slots take a prompt of 100000 tokens; memory fits one of 80000 alone")
+            && limit(&limits[0]).ends_with("set it to 620800"),
         "{}",
-        limits[0].text()
+        limit(&limits[0])
     );
     // 8 slots of 40,000: each fits. (The concurrency check is the other half: -np 8 fits 40.)
     assert!(llama(&["-c", "320000", "-np", "8"]).is_empty());
@@ -911,7 +916,7 @@ fn the_tightest_moment_is_when_another_service_held_most() {
     let tightest = h.tightest;
     assert_eq!((tightest.ts, tightest.fit_at_once, tightest.more_requests), (500 * MS, 20, 19), "{tightest:?}");
     assert_eq!(h.now.unwrap().fit_at_once, 40, "freed since");
-    assert!(h.text().contains("at its tightest, at 0.50 s, 20 fit at once"), "{}", h.text());
+    assert!(line(&h).contains("at its tightest, at 0.50 s, 20 fit at once"), "{}", line(&h));
 }
 
 #[test]
@@ -934,7 +939,7 @@ fn a_server_gone_has_no_headroom_now_but_its_tightest() {
     let [h] = &headroom(&mut t, &[])[..] else { panic!() };
     assert!(h.now.is_none());
     assert_eq!(h.tightest.fit_at_once, 40);
-    assert!(!h.text().contains("; now "), "{}", h.text());
+    assert!(!line(h).contains("; now "), "{}", line(h));
 }
 
 #[test]
@@ -1016,7 +1021,7 @@ fn whatif(t: &mut Trace, settings: super::whatif::Settings) -> super::whatif::Ou
     t.0.sort_by_key(|r| r.ts);
     let model = Model::from_records(&t.0);
     let h = header(80 * GIB, &[]);
-    Diagnoser::new(&h, &model, 0).whatif(&settings, true).unwrap()
+    crate::report::what_if(&h, &model, 0, &settings, true).unwrap()
 }
 
 /// A burst of 48 requests of 8 KB (512 MiB each, one measured alone before) on 20 GiB of room:
@@ -1029,16 +1034,16 @@ fn whatif_replays_a_burst_under_a_cap() {
         t.at(800 * MS, API, Event::ConnClose { conn });
     }
     let recorded = whatif(&mut t, super::whatif::Settings::default());
-    assert_eq!((recorded.category, recorded.failing_request), (Category::ConcurrentLoad, Some(43)), "{}", recorded.text());
+    assert_eq!((recorded.category, recorded.failing_request), (Category::ConcurrentLoad, Some(43)), "{}", outcome(&recorded));
     let capped = whatif(&mut t, super::whatif::Settings { max_concurrency: Some(40), ..Default::default() });
-    assert_eq!(capped.category, Category::None, "{}", capped.text());
+    assert_eq!(capped.category, Category::None, "{}", outcome(&capped));
     assert_eq!(capped.search.map(|s| s.max_concurrency), Some(40));
     let past = whatif(&mut t, super::whatif::Settings { max_concurrency: Some(41), ..Default::default() });
-    assert_eq!(past.category, Category::ConcurrentLoad, "{}", past.text());
+    assert_eq!(past.category, Category::ConcurrentLoad, "{}", outcome(&past));
     // A card 10 GiB bigger: vLLM reserves 0.9 of it for its KV cache, requests get the rest,
     // two more at once.
     let bigger = whatif(&mut t, super::whatif::Settings { capacity: Some(90 * GIB), ..Default::default() });
-    assert_eq!((bigger.category, bigger.kv_after_bytes), (Category::ConcurrentLoad, 9 * GIB), "{}", bigger.text());
+    assert_eq!((bigger.category, bigger.kv_after_bytes), (Category::ConcurrentLoad, 9 * GIB), "{}", outcome(&bigger));
     assert_eq!(bigger.search.map(|s| s.max_concurrency), Some(42));
 }
 
@@ -1057,19 +1062,19 @@ fn whatif_of_a_reserving_engine_moves_its_kv_cache() {
     t.alloc(210 * MS, ENGINE, GIB / 2, 0);
     let quantized = whatif(&mut t, super::whatif::Settings { quantize: Some(8), ..Default::default() });
     assert_eq!((quantized.weights_bytes, quantized.kv_bytes), (16 * GIB, 56 * GIB));
-    assert_eq!((quantized.weights_after_bytes, quantized.kv_after_bytes), (8 * GIB, 64 * GIB), "{}", quantized.text());
+    assert_eq!((quantized.weights_after_bytes, quantized.kv_after_bytes), (8 * GIB, 64 * GIB), "{}", outcome(&quantized));
     let before = whatif(&mut t, super::whatif::Settings::default()).search.unwrap().max_concurrency;
     assert_eq!(quantized.search.unwrap().max_concurrency, before, "the KV cache took what quantizing freed");
     let smaller = whatif(&mut t, super::whatif::Settings { utilization: Some(0.8), ..Default::default() });
     assert_eq!(smaller.kv_after_bytes, 56 * GIB - 8 * GIB);
-    assert!(smaller.search.unwrap().max_concurrency > before + 10, "{}", smaller.text());
+    assert!(smaller.search.unwrap().max_concurrency > before + 10, "{}", outcome(&smaller));
     // Sharded over 2 GPUs: each holds half the weights (its KV cache takes the rest of the
     // budget) and half of what a request costs, so twice as many fit at once.
     let sharded = whatif(&mut t, super::whatif::Settings { tensor_parallel: Some(2), ..Default::default() });
-    assert_eq!((sharded.weights_after_bytes, sharded.kv_after_bytes), (8 * GIB, 64 * GIB), "{}", sharded.text());
+    assert_eq!((sharded.weights_after_bytes, sharded.kv_after_bytes), (8 * GIB, 64 * GIB), "{}", outcome(&sharded));
     let twice = sharded.search.unwrap().max_concurrency;
-    assert!(twice.abs_diff(2 * before) <= 1, "{twice} against {before}: {}", sharded.text());
-    assert!(sharded.text().contains("on each of the 2 GPUs it is sharded over serves"), "{}", sharded.text());
+    assert!(twice.abs_diff(2 * before) <= 1, "{twice} against {before}: {}", outcome(&sharded));
+    assert!(outcome(&sharded).contains("on each of the 2 GPUs it is sharded over serves"), "{}", outcome(&sharded));
     let same = whatif(&mut t, super::whatif::Settings { tensor_parallel: Some(1), ..Default::default() });
     assert_eq!((same.weights_after_bytes, same.search.unwrap().max_concurrency), (16 * GIB, before), "as recorded");
 }
@@ -1090,7 +1095,7 @@ fn whatif_of_a_load_that_failed_counts_its_chunks_as_weights() {
         (recorded.category, recorded.weights_bytes, recorded.kv_bytes),
         (Category::DoesNotFitAtLoad, 80 * GIB + GIB / 2, 0),
         "{}",
-        recorded.text()
+        outcome(&recorded)
     );
     for settings in [
         super::whatif::Settings { quantize: Some(8), ..Default::default() },
@@ -1102,7 +1107,7 @@ fn whatif_of_a_load_that_failed_counts_its_chunks_as_weights() {
             (fits.category, fits.weights_after_bytes, fits.kv_after_bytes),
             (Category::None, 40 * GIB + GIB / 4, 72 * GIB - 40 * GIB - GIB / 4),
             "{settings:?}: {}",
-            fits.text()
+            outcome(&fits)
         );
     }
 }
@@ -1119,7 +1124,12 @@ fn whatif_of_a_load_that_failed_in_its_kv_cache() {
     }
     t.alloc(200, ENGINE, 7 * GIB, 0x51);
     let recorded = whatif(&mut t, super::whatif::Settings::default());
-    assert_eq!((recorded.weights_bytes, recorded.kv_bytes, recorded.weights_at_least), (16 * GIB, 28 * GIB, false), "{}", recorded.text());
+    assert_eq!(
+        (recorded.weights_bytes, recorded.kv_bytes, recorded.weights_at_least),
+        (16 * GIB, 28 * GIB, false),
+        "{}",
+        outcome(&recorded)
+    );
     // Chunks of one size from the start are weights, known only as at least.
     let mut t = Trace::vllm(0);
     t.0.retain(|r| !matches!(r.event, Event::Alloc(_) | Event::Listen { .. }));
@@ -1128,8 +1138,8 @@ fn whatif_of_a_load_that_failed_in_its_kv_cache() {
     }
     t.alloc(200, ENGINE, 7 * GIB, 0x51);
     let recorded = whatif(&mut t, super::whatif::Settings::default());
-    assert_eq!((recorded.weights_bytes, recorded.kv_bytes, recorded.weights_at_least), (63 * GIB, 0, true), "{}", recorded.text());
-    assert!(recorded.text().contains("at least weights 63.0 GiB"), "{}", recorded.text());
+    assert_eq!((recorded.weights_bytes, recorded.kv_bytes, recorded.weights_at_least), (63 * GIB, 0, true), "{}", outcome(&recorded));
+    assert!(outcome(&recorded).contains("at least weights 63.0 GiB"), "{}", outcome(&recorded));
 }
 
 /// The sharding a command line records: a count, llama's proportions above 0 (`,` or `/`), and
@@ -1163,11 +1173,11 @@ fn whatif_reads_the_recorded_sharding() {
         t.at(800 * MS, API, Event::ConnClose { conn });
     }
     let recorded = whatif(&mut t, super::whatif::Settings::default());
-    assert_eq!(recorded.category, Category::None, "{}", recorded.text());
+    assert_eq!(recorded.category, Category::None, "{}", outcome(&recorded));
     let one = whatif(&mut t, super::whatif::Settings { tensor_parallel: Some(1), ..Default::default() });
-    assert_eq!(one.weights_after_bytes, 2 * recorded.weights_bytes, "{}", one.text());
+    assert_eq!(one.weights_after_bytes, 2 * recorded.weights_bytes, "{}", outcome(&one));
     let (before, after) = (recorded.search.unwrap().max_concurrency, one.search.map_or(0, |s| s.max_concurrency));
-    assert!(after < before, "{after} at once on one GPU against {before} on 2: {}", one.text());
+    assert!(after < before, "{after} at once on one GPU against {before} on 2: {}", outcome(&one));
 }
 
 /// A watch's window moves on past the request that measured what a request costs: its
@@ -1182,7 +1192,7 @@ fn what_a_request_costs_outlives_the_window() {
     let whole = headroom(&mut t, &[]);
     let rebuilt = Model::from_records(&Model::from_records(&t.0).snapshot());
     let h = header(80 * GIB, &[]);
-    let after = Diagnoser::new(&h, &rebuilt, 0).headroom();
+    let after = super::headroom::headroom(&Accounts::new(&h, &rebuilt));
     assert_eq!(after.len(), 1, "the measure outlived the window");
     assert_eq!(
         (after[0].request_cost_bytes, after[0].now.map(|n| n.fit_at_once)),
@@ -1210,9 +1220,9 @@ fn whatif_of_llama_admits_a_slots_share_of_its_context() {
     let s = searched.search.unwrap();
     assert_eq!(s.context_slots, 4);
     assert!(
-        searched.text().contains(&format!("a context setting of {}, shared by 4 slots", s.max_context_tokens * 4)),
+        outcome(&searched).contains(&format!("a context setting of {}, shared by 4 slots", s.max_context_tokens * 4)),
         "{}",
-        searched.text()
+        outcome(&searched)
     );
     // A unified cache: each request may take all of it.
     let mut unified = llama_serving(&["-c", "8000", "-np", "2", "--kv-unified"]);
@@ -1228,10 +1238,10 @@ fn whatif_of_llama_admits_a_slots_share_of_its_context() {
 fn whatif_and_headroom_take_odd_input() {
     let mut t = serving(&[]);
     let huge = whatif(&mut t, super::whatif::Settings { max_concurrency: Some(u64::MAX), ..Default::default() });
-    assert_eq!(huge.category, Category::None, "{}", huge.text());
+    assert_eq!(huge.category, Category::None, "{}", outcome(&huge));
     let refused_all = whatif(&mut t, super::whatif::Settings { max_context: Some(1), ..Default::default() });
     assert_eq!(refused_all.refused, 2);
-    assert!(refused_all.margin_bytes < 80 * GIB as i64, "what loading left, not an unbounded spare: {}", refused_all.text());
+    assert!(refused_all.margin_bytes < 80 * GIB as i64, "what loading left, not an unbounded spare: {}", outcome(&refused_all));
     // The pool grew during a request that brought no bytes; the one after brought some.
     let mut empty = Trace::vllm(60 * GIB);
     empty.request(6, 200 * MS, 0, Some(260 * MS));

@@ -6,8 +6,9 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use serde::Serialize;
 
+use super::services::Services;
 use super::sweep::LiveChanges;
-use super::{Phase, Services};
+use super::Phase;
 use crate::event::Memory;
 use crate::model::{add_saturating, Allocation, Model, Process};
 use crate::trace::Header;

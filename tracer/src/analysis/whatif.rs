@@ -5,7 +5,7 @@
 //! The service's memory on its GPU is taken apart as it was recorded: what it loaded (its weights,
 //! and the KV cache it reserved: vLLM's and SGLang's fill a fraction of the card, found as the
 //! largest run of identical blocks; llama.cpp's one buffer sized by the context, its second
-//! largest), its pool for requests and what each request cost ([`super::headroom`]), and what
+//! largest), its pool for requests and what each request cost ([`super::cost`]), and what
 //! everyone else held. A setting changes one part: quantization the weights, the utilization or
 //! the context the KV cache, the card its size, a concurrency cap when queued requests start, a
 //! context which requests are admitted. Then the requests are replayed in their recorded order
@@ -16,12 +16,13 @@ use std::collections::BinaryHeap;
 
 use serde::Serialize;
 
-use super::diagnosis::{Category, Diagnoser};
+use super::accounts::{Accounts, RoomOverTime};
+use super::cost::Cost;
 use super::server::{count, flag, ServerFamily};
-use super::{Phase, Service};
+use super::services::Service;
+use super::{Category, Phase};
 use crate::event::Memory;
 use crate::model::Request;
-use crate::units::bytes;
 
 /// The settings tried; None leaves the recorded one.
 #[derive(Clone, Debug, Default, Serialize)]
@@ -95,8 +96,21 @@ pub struct Search {
 }
 
 /// Why a replay cannot be made of a trace.
-pub fn why_not() -> &'static str {
-    "no service served a request with its cost measured (what it allocated during a prefill), so there is nothing to replay"
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum WhyNot {
+    /// No service served a request with its cost measured.
+    NothingToReplay,
+    /// The GPU's size is not in the trace (no NVML) and was not given.
+    CapacityUnknown,
+    /// A context was tried, and the recorded command line does not say its own (these flags).
+    ContextUnknown(&'static [&'static str]),
+}
+
+/// The failure a replay is made of: its process and the GPU it was judged on.
+#[derive(Clone, Copy, Debug)]
+pub struct Failed {
+    pub pid: u32,
+    pub gpu: Option<u32>,
 }
 
 /// A recorded request as the replay sees it.
@@ -110,181 +124,148 @@ struct Replayed {
     life: u64,
 }
 
-impl Outcome {
-    pub fn text(&self) -> String {
-        let gpu = match (self.gpu, self.settings.tensor_parallel) {
-            (Some(g), Some(1)) => format!(" on GPU {g}, the one it is on"),
-            (Some(g), Some(n)) => format!(" on GPU {g} (one of the {n} it is sharded over; the others' holders are not judged)"),
-            (None, Some(n)) => format!(" on each of the {n} GPUs it is sharded over"),
-            (Some(g), None) => format!(" on GPU {g}"),
-            (None, None) => String::new(),
-        };
-        let at_least = if self.load_complete && !self.weights_at_least { "" } else { "at least " };
-        let load = format!(
-            "{at_least}weights {} -> {}, KV cache {} -> {}",
-            bytes(self.weights_bytes),
-            bytes(self.weights_after_bytes),
-            bytes(self.kv_bytes),
-            bytes(self.kv_after_bytes)
-        );
-        let refused =
-            if self.refused > 0 { format!("; {} request(s) past the context refused cleanly", self.refused) } else { String::new() };
-        let mut out = match (self.category, self.failing_request) {
-            (Category::None, _) => format!(
-                "FITS: `{}`{gpu} serves every recorded request, with {} to spare at the tightest moment; peak {} ({load}){refused}.",
-                self.service,
-                bytes(self.margin_bytes.max(0) as u64),
-                bytes(self.peak_bytes)
-            ),
-            (category, Some(n)) => format!(
-                "OOM: `{}`{gpu} would fail at request {n} ({} received, at {:.2} s), short by {}: {} ({load}){refused}.",
-                self.service,
-                bytes(self.failing_request_bytes.unwrap_or(0)),
-                self.failing_ts.unwrap_or(0) as f64 / 1e9,
-                bytes(self.margin_bytes.unsigned_abs()),
-                category.name()
-            ),
-            (category, None) => format!(
-                "OOM: `{}`{gpu} would fail loading, short by {}: {} ({load}).",
-                self.service,
-                bytes(self.margin_bytes.unsigned_abs()),
-                category.name()
-            ),
-        };
-        if let Some(s) = &self.search {
-            let shared = match s.context_slots {
-                1 => String::new(),
-                slots => {
-                    format!(" a request (a context setting of {}, shared by {slots} slots)", s.max_context_tokens.saturating_mul(slots))
-                }
-            };
-            out += &format!(
-                "\nSEARCH: at most {} requests of the largest size at once; a context of at most {} tokens{shared}.",
-                s.max_concurrency, s.max_context_tokens
-            );
+/// The replay under `settings` of the service that `failed` (the busiest serving one when
+/// nothing did), on the GPU it failed on.
+pub fn whatif(accounts: &Accounts, failed: Option<Failed>, settings: &Settings, search: bool) -> Result<Outcome, WhyNot> {
+    let services = &accounts.services;
+    let service = match failed.and_then(|f| services.of(f.pid)) {
+        Some(s) => s,
+        None => {
+            let serving = |s: &&Service| services.completions(s).len();
+            services.list.iter().max_by_key(serving).filter(|s| serving(s) > 0).ok_or(WhyNot::NothingToReplay)?
         }
-        out
-    }
+    };
+    let gpu = failed.and_then(|f| f.gpu).or_else(|| accounts.gpus_of(service).first().copied());
+    replay(accounts, service, gpu, settings, search)
 }
 
-impl Diagnoser<'_> {
-    /// The failing service's replay under `settings` (the busiest serving one when nothing
-    /// failed), on the GPU it failed on.
-    pub fn whatif(&self, settings: &Settings, search: bool) -> Result<Outcome, String> {
-        let first = self.diagnose().into_iter().next().filter(|d| d.category != Category::None);
-        let service = match first.as_ref().and_then(|d| self.services.of(d.pid?)) {
-            Some(s) => s,
-            None => {
-                let serving = |s: &&Service| self.services.completions(s).len();
-                self.services.list.iter().max_by_key(serving).filter(|s| serving(s) > 0).ok_or_else(why_not)?
-            }
+/// The service's load and requests replayed under `settings` on `gpu`.
+fn replay(accounts: &Accounts, service: &Service, gpu: Option<u32>, settings: &Settings, search: bool) -> Result<Outcome, WhyNot> {
+    let capacity = accounts.capacity(gpu).ok_or(WhyNot::CapacityUnknown)?;
+    let engine = accounts.engine(service);
+    let family = ServerFamily::of(engine);
+    // Sharded over more (or fewer) GPUs, each holds that much less (more) of what one held.
+    let recorded_shards = shards(engine, family, accounts.gpus_of(service).len() as u64);
+    let shard = |b: u64| {
+        let sharded = |n: u64| u64::try_from(b as u128 * recorded_shards as u128 / n.max(1) as u128).unwrap_or(u64::MAX);
+        settings.tensor_parallel.map_or(b, sharded)
+    };
+    let LoadParts { weights, kv, weights_known, failed } = load_parts(accounts, service, gpu, family);
+    // An engine that reserves a fraction of the card loads that much, whatever its weights
+    // (which, where its load failed before they were in, are at least those: whether they
+    // fit is then not known for sure).
+    let load_complete = weights_known || family.reserve().is_some();
+    let new_capacity = settings.capacity.unwrap_or(capacity);
+    let weights_after = shard(settings.quantize.map_or(weights, |q| weights / 16 * u64::from(q.clamp(1, 16))));
+    let recorded_util = family.reserve().map(|(name, default)| flag(engine, &[name]).and_then(|v| v.parse().ok()).unwrap_or(default));
+    let kv_after =
+        kv_after(engine, family, settings, recorded_util, Load { weights, kv, weights_after, failed }, (capacity, new_capacity))?;
+    // A KV cache sized by the context is split over the shards too; a reserved one fills the
+    // budget, which is each card's.
+    let kv_after = if recorded_util.is_some() { kv_after } else { shard(kv_after) };
+    let mut outcome = Outcome {
+        service: service.name.clone(),
+        gpu,
+        settings: settings.clone(),
+        category: Category::None,
+        failing_request: None,
+        failing_request_bytes: None,
+        failing_ts: None,
+        margin_bytes: 0,
+        peak_bytes: 0,
+        refused: 0,
+        load_complete,
+        weights_at_least: !weights_known,
+        weights_bytes: weights,
+        kv_bytes: kv,
+        weights_after_bytes: weights_after,
+        kv_after_bytes: kv_after,
+        search: None,
+    };
+    // The load: what others held when it began, and the new load on the new card.
+    let others_at_start = accounts.held_outside(service, service.first_ts, gpu).outside;
+    let needed_at_load = match recorded_util {
+        Some(_) => (settings.utilization.or(recorded_util).unwrap_or(0.9) * new_capacity as f64) as u64,
+        None => weights_after.saturating_add(kv_after),
+    };
+    let load_left = new_capacity as i128 - others_at_start as i128 - needed_at_load as i128;
+    // An engine that reserves a budget needs its weights to leave room for a KV cache in it.
+    let kv_room = if recorded_util.is_some() { needed_at_load as i128 - weights_after as i128 } else { i128::MAX };
+    if load_left < 0 || kv_room <= 0 {
+        outcome.category = if load_left < 0 && others_at_start > 0 && (needed_at_load as i128) <= new_capacity as i128 {
+            Category::HeldByOtherProcess
+        } else {
+            Category::DoesNotFitAtLoad
         };
-        let gpu = first.as_ref().and_then(|d| d.gpu).or_else(|| self.gpus_of(service).first().copied());
-        self.replay(service, gpu, settings, search)
+        outcome.margin_bytes = load_left.min(kv_room).clamp(i64::MIN as i128, 0) as i64;
+        return Ok(outcome);
     }
+    // What loading left, then what each request leaves.
+    outcome.margin_bytes = load_left.min(i64::MAX as i128) as i64;
+    let requests = accounts.services.completions(service);
+    let pool = accounts.pool(service, gpu);
+    let per_byte = recorded_shards as f64 / settings.tensor_parallel.unwrap_or(recorded_shards).max(1) as f64;
+    let Some(cost) = pool.cost(&requests).map(|c| Cost { per_byte: c.per_byte * per_byte, ..c }) else {
+        // Nothing to replay: it loads; the peak is the load.
+        outcome.peak_bytes = others_at_start.saturating_add(needed_at_load);
+        return Ok(outcome);
+    };
+    let room = accounts.room_over_time(service, gpu, pool).ok_or(WhyNot::CapacityUnknown)?;
+    // Room for requests changes by what the load gives back, and the card's growth.
+    let load_change = weights_after as i128 + kv_after as i128 - weights as i128 - kv as i128;
+    let serving = Serving { requests: &requests, cost, room, shift: new_capacity as i128 - capacity as i128 - load_change, load_change };
+    serve(accounts, &serving, engine, family, settings, search, &mut outcome);
+    Ok(outcome)
+}
 
-    fn replay(&self, service: &Service, gpu: Option<u32>, settings: &Settings, search: bool) -> Result<Outcome, String> {
-        let capacity = self.capacity(gpu).ok_or("the GPU's size is not in the trace: give it with --capacity")?;
-        let engine = self.engine(service);
-        let family = ServerFamily::of(engine);
-        let requests = self.services.completions(service);
-        let pool = self.pool(service, gpu);
-        // Sharded over more (or fewer) GPUs, each holds that much less (more) of what one held.
-        let recorded_shards = shards(engine, family, self.gpus_of(service).len() as u64);
-        let shard = |b: u64| {
-            let sharded = |n: u64| u64::try_from(b as u128 * recorded_shards as u128 / n.max(1) as u128).unwrap_or(u64::MAX);
-            settings.tensor_parallel.map_or(b, sharded)
-        };
-        let per_byte = recorded_shards as f64 / settings.tensor_parallel.unwrap_or(recorded_shards).max(1) as f64;
-        let cost = pool.cost(&requests).map(|c| super::headroom::Cost { per_byte: c.per_byte * per_byte, ..c });
-        let LoadParts { weights, kv, weights_known, failed } = self.load_parts(service, gpu, family);
-        // An engine that reserves a fraction of the card loads that much, whatever its weights
-        // (which, where its load failed before they were in, are at least those: whether they
-        // fit is then not known for sure).
-        let load_complete = weights_known || family.reserve().is_some();
-        let new_capacity = settings.capacity.unwrap_or(capacity);
-        let weights_after = shard(settings.quantize.map_or(weights, |q| weights / 16 * u64::from(q.clamp(1, 16))));
-        let recorded_util = family.reserve().map(|(name, default)| flag(engine, &[name]).and_then(|v| v.parse().ok()).unwrap_or(default));
-        let kv_after =
-            kv_after(engine, family, settings, recorded_util, Load { weights, kv, weights_after, failed }, (capacity, new_capacity))?;
-        // A KV cache sized by the context is split over the shards too; a reserved one fills the
-        // budget, which is each card's.
-        let kv_after = if recorded_util.is_some() { kv_after } else { shard(kv_after) };
-        // Room for requests changes by what the load gives back, and the card's growth.
-        let shift = weights as i128 + kv as i128 - weights_after as i128 - kv_after as i128 + new_capacity as i128 - capacity as i128;
-        let start = self.start();
-        let mut outcome = Outcome {
-            service: service.name.clone(),
-            gpu,
-            settings: settings.clone(),
-            category: Category::None,
-            failing_request: None,
-            failing_request_bytes: None,
-            failing_ts: None,
-            margin_bytes: 0,
-            peak_bytes: 0,
-            refused: 0,
-            load_complete,
-            weights_at_least: !weights_known,
-            weights_bytes: weights,
-            kv_bytes: kv,
-            weights_after_bytes: weights_after,
-            kv_after_bytes: kv_after,
-            search: None,
-        };
-        // The load: what others held when it began, and the new load on the new card.
-        let began = service.first_ts;
-        let others_at_start = self.held_outside(service, began, gpu).0;
-        let needed_at_load = match recorded_util {
-            Some(_) => (settings.utilization.or(recorded_util).unwrap_or(0.9) * new_capacity as f64) as u64,
-            None => weights_after.saturating_add(kv_after),
-        };
-        let load_left = new_capacity as i128 - others_at_start as i128 - needed_at_load as i128;
-        // An engine that reserves a budget needs its weights to leave room for a KV cache in it.
-        let kv_room = if recorded_util.is_some() { needed_at_load as i128 - weights_after as i128 } else { i128::MAX };
-        if load_left < 0 || kv_room <= 0 {
-            outcome.category = if load_left < 0 && others_at_start > 0 && (needed_at_load as i128) <= new_capacity as i128 {
-                Category::HeldByOtherProcess
-            } else {
-                Category::DoesNotFitAtLoad
-            };
-            outcome.margin_bytes = load_left.min(kv_room).clamp(i64::MIN as i128, 0) as i64;
-            return Ok(outcome);
-        }
-        // What loading left, then what each request leaves.
-        outcome.margin_bytes = load_left.min(i64::MAX as i128) as i64;
-        let Some(cost) = cost else {
-            // Nothing to replay: it loads; the peak is the load.
-            outcome.peak_bytes = others_at_start.saturating_add(needed_at_load);
-            return Ok(outcome);
-        };
-        let replayed = replayed(&requests);
-        let slots = family.context_slots(engine, settings.max_concurrency);
-        let admits = request_context(engine, family, settings, slots);
-        let admitted: Vec<&Replayed> = replayed.iter().filter(|r| admits.is_none_or(|l| cost.tokens(r.bytes) <= l)).collect();
-        outcome.refused = replayed.len() - admitted.len();
-        let starts = schedule(&admitted, settings.max_concurrency);
-        let books = self.books(service, gpu, pool).ok_or("the GPU's size is not in the trace: give it with --capacity")?;
-        let room = |ts: u64| books.room(ts) as i128 + shift;
-        let high_water = replay_requests(&admitted, &starts, &cost, room, start, &mut outcome);
-        // The GPU's peak while it served, its pool replaced by the replay's and its load by the
-        // new one.
-        let (from, until) = (starts.first().copied().unwrap_or(start), self.model.last_ts);
-        let held = books.all.steps().filter(|(t, _)| (from..=until).contains(t)).map(|(t, all)| all.saturating_sub(books.pool.at(t)));
-        let held = held.chain(std::iter::once(books.all.at(from).saturating_sub(books.pool.at(from)))).max().unwrap_or(0);
-        let load_change = weights_after as i128 + kv_after as i128 - weights as i128 - kv as i128;
-        outcome.peak_bytes = (held as i128 + load_change + high_water as i128).max(0) as u64;
-        if search {
-            // Of the largest request served (one that failed says nothing of what is served).
-            let tightest = starts.iter().map(|s| room(*s)).min().unwrap_or(0).max(0) as u64;
-            let largest = requests.iter().filter(|r| r.first_data_at.is_some()).map(|r| r.bytes_in).max().unwrap_or(0);
-            outcome.search = Some(Search {
-                max_concurrency: tightest / cost.of(largest).max(1),
-                max_context_tokens: cost.context(tightest).1,
-                context_slots: slots,
-            });
-        }
-        Ok(outcome)
+/// What the requests are replayed against: the room for them as recorded, shifted by what the
+/// changed load and card give or take, and what each costs.
+struct Serving<'s, 'a> {
+    requests: &'s [&'a Request],
+    cost: Cost,
+    room: RoomOverTime<'s, 'a>,
+    /// Room gained (lost) for requests: the card's growth less what the load grew by.
+    shift: i128,
+    load_change: i128,
+}
+
+/// The requests replayed in their recorded order under the settings: into `outcome`, the first
+/// to find no room, the margin, the refused, the peak and, with `search`, what fits.
+fn serve(
+    accounts: &Accounts,
+    s: &Serving,
+    engine: &[String],
+    family: ServerFamily,
+    settings: &Settings,
+    search: bool,
+    outcome: &mut Outcome,
+) {
+    let start = accounts.start();
+    let cost = &s.cost;
+    let replayed = replayed(s.requests);
+    let slots = family.context_slots(engine, settings.max_concurrency);
+    let admits = request_context(engine, family, settings, slots);
+    let admitted: Vec<&Replayed> = replayed.iter().filter(|r| admits.is_none_or(|l| cost.tokens(r.bytes) <= l)).collect();
+    outcome.refused = replayed.len() - admitted.len();
+    let starts = schedule(&admitted, settings.max_concurrency);
+    let room = |ts: u64| s.room.room(ts) as i128 + s.shift;
+    let high_water = replay_requests(&admitted, &starts, cost, room, start, outcome);
+    // The GPU's peak while it served, its pool replaced by the replay's and its load by the
+    // new one.
+    let (from, until) = (starts.first().copied().unwrap_or(start), accounts.model.last_ts);
+    let (all, pool) = (&s.room.all, &s.room.pool);
+    let held = all.steps().filter(|(t, _)| (from..=until).contains(t)).map(|(t, all)| all.saturating_sub(pool.at(t)));
+    let held = held.chain(std::iter::once(all.at(from).saturating_sub(pool.at(from)))).max().unwrap_or(0);
+    outcome.peak_bytes = (held as i128 + s.load_change + high_water as i128).max(0) as u64;
+    if search {
+        // Of the largest request served (one that failed says nothing of what is served).
+        let tightest = starts.iter().map(|s| room(*s)).min().unwrap_or(0).max(0) as u64;
+        let largest = s.requests.iter().filter(|r| r.first_data_at.is_some()).map(|r| r.bytes_in).max().unwrap_or(0);
+        outcome.search = Some(Search {
+            max_concurrency: tightest / cost.of(largest).max(1),
+            max_context_tokens: cost.context(tightest).1,
+            context_slots: slots,
+        });
     }
 }
 
@@ -332,7 +313,7 @@ fn kv_after(
     recorded_util: Option<f64>,
     load: Load,
     (capacity, new_capacity): (u64, u64),
-) -> Result<u64, String> {
+) -> Result<u64, WhyNot> {
     let Load { weights, kv, weights_after, failed } = load;
     Ok(match (recorded_util, family.context()) {
         // An engine that reserves a fraction of the card fills it: the KV cache takes what the
@@ -351,12 +332,7 @@ fn kv_after(
         // One sized by the context: in proportion to it.
         (None, Some((_, names))) => match (settings.max_context, flag(engine, names).and_then(|v| count(&v))) {
             (Some(new), Some(now)) if now > 0 => (kv as f64 * new as f64 / now as f64) as u64,
-            (Some(_), None) => {
-                return Err(format!(
-                    "the recorded command line does not say its context ({}): the KV cache cannot be scaled",
-                    names.join(", ")
-                ))
-            }
+            (Some(_), None) => return Err(WhyNot::ContextUnknown(names)),
             _ => kv,
         },
         _ => kv,
@@ -370,7 +346,7 @@ fn kv_after(
 fn replay_requests(
     admitted: &[&Replayed],
     starts: &[u64],
-    cost: &super::headroom::Cost,
+    cost: &Cost,
     room: impl Fn(u64) -> i128,
     start: u64,
     outcome: &mut Outcome,
@@ -402,45 +378,43 @@ fn replay_requests(
     high_water
 }
 
-impl Diagnoser<'_> {
-    /// What the service loaded on `gpu`, live when it began serving (or when it failed): its
-    /// KV cache (an engine that reserves a fraction of the card: the largest run of four or more
-    /// identical blocks; llama.cpp: its second largest buffer, after the model's) and the rest,
-    /// counted as weights with what a failed load still asked for.
-    fn load_parts(&self, service: &Service, gpu: Option<u32>, family: ServerFamily) -> LoadParts {
-        let failed_at_load = self.model.failures.iter().find(|f| service.has(f.pid) && self.services.phase(service, f.ts) == Phase::Load);
-        let moment = service.ready_at.or(failed_at_load.map(|f| f.ts)).unwrap_or(self.model.last_ts);
-        let mut sizes: Vec<u64> = self
-            .model
-            .allocations
-            .iter()
-            .filter(|a| a.memory == Memory::Video && service.has(a.pid) && self.counts_on(self.model.gpu_for(a.pid, a.gpu), gpu))
-            .filter(|a| a.ts <= moment && a.freed.is_none_or(|(f, _)| f > moment) && self.services.phase(service, a.ts) == Phase::Load)
-            .map(|a| a.bytes)
-            .collect();
-        let first = sizes.first().copied();
-        sizes.sort_unstable_by(|a, b| b.cmp(a));
-        let failed = failed_at_load.is_some();
-        let live = sizes.iter().copied().fold(0, u64::saturating_add);
-        let total = live.saturating_add(failed_at_load.map_or(0, |f| f.bytes));
-        if family.reserve().is_some() {
-            let runs = sizes.chunk_by(|a, b| a == b).filter(|run| run.len() >= 4);
-            let run = runs.max_by_key(|run| run[0].saturating_mul(run.len() as u64));
-            // The KV cache comes once the weights are in. A load that failed while a run of the
-            // size its first allocation had was coming in was loading weights in chunks of one
-            // size: no KV cache yet, and the weights at least what was asked.
-            return match run {
-                Some(run) if !failed || Some(run[0]) != first => {
-                    let kv = run[0].saturating_mul(run.len() as u64);
-                    // A failure within the KV cache: the weights were all in.
-                    LoadParts { weights: live.saturating_sub(kv), kv, weights_known: true, failed }
-                }
-                _ => LoadParts { weights: total, kv: 0, weights_known: !failed, failed },
-            };
-        }
-        let kv = if family == ServerFamily::LlamaCpp { sizes.get(1).copied().unwrap_or(0) } else { 0 };
-        LoadParts { weights: total.saturating_sub(kv), kv, weights_known: !failed, failed }
+/// What the service loaded on `gpu`, live when it began serving (or when it failed): its
+/// KV cache (an engine that reserves a fraction of the card: the largest run of four or more
+/// identical blocks; llama.cpp: its second largest buffer, after the model's) and the rest,
+/// counted as weights with what a failed load still asked for.
+fn load_parts(accounts: &Accounts, service: &Service, gpu: Option<u32>, family: ServerFamily) -> LoadParts {
+    let (model, services) = (accounts.model, &accounts.services);
+    let failed_at_load = model.failures.iter().find(|f| service.has(f.pid) && services.phase(service, f.ts) == Phase::Load);
+    let moment = service.ready_at.or(failed_at_load.map(|f| f.ts)).unwrap_or(model.last_ts);
+    let mut sizes: Vec<u64> = model
+        .allocations
+        .iter()
+        .filter(|a| a.memory == Memory::Video && service.has(a.pid) && accounts.counts_on(model.gpu_for(a.pid, a.gpu), gpu))
+        .filter(|a| a.ts <= moment && a.freed.is_none_or(|(f, _)| f > moment) && services.phase(service, a.ts) == Phase::Load)
+        .map(|a| a.bytes)
+        .collect();
+    let first = sizes.first().copied();
+    sizes.sort_unstable_by(|a, b| b.cmp(a));
+    let failed = failed_at_load.is_some();
+    let live = sizes.iter().copied().fold(0, u64::saturating_add);
+    let total = live.saturating_add(failed_at_load.map_or(0, |f| f.bytes));
+    if family.reserve().is_some() {
+        let runs = sizes.chunk_by(|a, b| a == b).filter(|run| run.len() >= 4);
+        let run = runs.max_by_key(|run| run[0].saturating_mul(run.len() as u64));
+        // The KV cache comes once the weights are in. A load that failed while a run of the
+        // size its first allocation had was coming in was loading weights in chunks of one
+        // size: no KV cache yet, and the weights at least what was asked.
+        return match run {
+            Some(run) if !failed || Some(run[0]) != first => {
+                let kv = run[0].saturating_mul(run.len() as u64);
+                // A failure within the KV cache: the weights were all in.
+                LoadParts { weights: live.saturating_sub(kv), kv, weights_known: true, failed }
+            }
+            _ => LoadParts { weights: total, kv: 0, weights_known: !failed, failed },
+        };
     }
+    let kv = if family == ServerFamily::LlamaCpp { sizes.get(1).copied().unwrap_or(0) } else { 0 };
+    LoadParts { weights: total.saturating_sub(kv), kv, weights_known: !failed, failed }
 }
 
 /// A service's load, split: its weights (at least, where not `weights_known`) and KV cache;

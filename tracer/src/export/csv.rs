@@ -3,7 +3,7 @@
 use std::io::{self, Write};
 
 use super::rows;
-use crate::analysis::Services;
+use crate::analysis::services::Services;
 use crate::model::{FreedBy, Model};
 use crate::trace::Header;
 

@@ -9,7 +9,8 @@ use serde::Serialize;
 use serde_json::{json, Value};
 
 use super::{live_changes, saturate};
-use crate::analysis::{Phase, Services};
+use crate::analysis::services::Services;
+use crate::analysis::Phase;
 use crate::event::Memory;
 use crate::model::Model;
 use crate::report::Report;
@@ -325,8 +326,11 @@ fn verdict_and_tables(report: &Report) -> (String, String) {
         );
     }
     tables += "</table>";
-    let headroom: String =
-        report.headroom.iter().map(|h| format!("<p class=\"headroom\"><b>Headroom:</b> {}.</p>", escape(&h.text()))).collect();
+    let headroom: String = report
+        .headroom
+        .iter()
+        .map(|h| format!("<p class=\"headroom\"><b>Headroom:</b> {}.</p>", escape(&crate::report::headroom::line(h))))
+        .collect();
     let verdict = if category == "none" {
         format!("<div class=\"verdict ok\"><h1>No out-of-memory</h1><p>{}</p>{headroom}</div>", escape(&d.evidence.text))
     } else {

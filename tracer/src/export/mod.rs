@@ -10,8 +10,9 @@ pub use csv::csv;
 pub use html::html;
 pub use perfetto::perfetto;
 
+use crate::analysis::services::Services;
 use crate::analysis::sweep::LiveChanges;
-use crate::analysis::{Phase, Services};
+use crate::analysis::Phase;
 use crate::event::Memory;
 use crate::model::Model;
 

@@ -9,7 +9,8 @@ use std::io::{self, Write};
 use serde_json::{json, Value};
 
 use super::{live_changes, saturate};
-use crate::analysis::{Phase, Services};
+use crate::analysis::services::Services;
+use crate::analysis::Phase;
 use crate::event::Memory;
 use crate::model::Model;
 use crate::report::Report;

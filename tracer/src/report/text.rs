@@ -4,8 +4,9 @@
 
 use std::fmt::Write as _;
 
+use super::headroom::line;
 use super::{GpuReport, ProcessReport, Report};
-use crate::analysis::diagnosis::Category;
+use crate::analysis::Category;
 use crate::event::Memory;
 use crate::units::bytes;
 
@@ -52,7 +53,7 @@ fn verdict(report: &Report, out: &mut String) {
         let _ = writeln!(out, "and {} more failures, not diagnosed one by one", report.failures_not_diagnosed);
     }
     for h in &report.headroom {
-        let _ = writeln!(out, "HEADROOM: {}.", h.text());
+        let _ = writeln!(out, "HEADROOM: {}.", line(h));
     }
 }
 

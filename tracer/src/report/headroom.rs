@@ -1,0 +1,160 @@
+//! Headroom in words: a line per serving service and GPU (the report's HEADROOM, the watch's
+//! warning of a limit past what fits), each limit with the value to set, the LiteLLM deployments
+//! in front by name, and the few words of the recording's status line.
+
+use crate::analysis::cost::BYTES_PER_TOKEN;
+use crate::analysis::headroom::{Bound, Headroom, Limit, Moment};
+use crate::analysis::proxy::{counts, share, Front};
+use crate::units::{bytes, one_line};
+
+/// A limit: what it lets in against what memory takes, and the value to set.
+pub fn limit(l: &Limit) -> String {
+    let (setting, value, fits, cap) = (&l.setting, l.value, l.fits, l.cap);
+    let slots = l.slots;
+    match l.bounds {
+        Bound::Concurrency if !l.proxies.is_empty() => {
+            let fronts = &l.proxies;
+            let each: Vec<String> = fronts
+                .iter()
+                .map(|f| {
+                    let workers = if f.workers > 1 { format!(" in each of {} workers", f.workers) } else { String::new() };
+                    format!("{} ({} by its `{}`{workers}, on port {})", front_name(f), f.max_parallel_requests.unwrap_or(0), f.limit_from, f.port)
+                })
+                .collect();
+            let (verb, place) = if fronts.len() > 1 { ("let", "in each") } else { ("lets", "there") };
+            let counts = if fronts.iter().any(|f| f.workers > 1) { " (each worker keeps its own count)" } else { "" };
+            format!(
+                "{} {verb} {value} requests at once through to it; memory fits {fits} of the largest served: set `max_parallel_requests: {}` {place}{counts}{}",
+                each.join(" and "),
+                share(fronts, cap),
+                past_any_share(fronts, cap)
+            )
+        }
+        Bound::Concurrency => format!("`{setting} {value}` lets {value} run at once; memory fits {fits} of the largest served: cap at {cap}"),
+        Bound::Context if slots > 1 => format!(
+            "`{setting} {value}` lets each of its {slots} slots take a prompt of {} tokens; memory fits one of {fits} alone (at {BYTES_PER_TOKEN} bytes a token): set it to {cap}",
+            l.lets_in()
+        ),
+        Bound::Context => format!(
+            "`{setting} {value}` lets in a prompt of {value} tokens; memory fits one of {fits} alone (at {BYTES_PER_TOKEN} bytes a token): set it to {cap}"
+        ),
+        Bound::BatchTokens => format!(
+            "`{setting} {value}` lets {value} tokens into one batch; memory fits {fits} at once (at {BYTES_PER_TOKEN} bytes a token): set it to {cap}"
+        ),
+    }
+}
+
+/// One line: what a request costs, how many more fit now, and when it was tightest.
+pub fn line(h: &Headroom) -> String {
+    let gpu = h.gpu.map(|g| format!(" on GPU {g}")).unwrap_or_default();
+    let size = bytes(h.largest_request_bytes);
+    let how = if h.measured_alone { "measured alone" } else { "the batch's share" };
+    let mut line = format!("`{}`{gpu}: a request of {size} (the largest served) costs {} ({how})", h.service, bytes(h.request_cost_bytes));
+    let at = |m: &Moment| {
+        format!(
+            "{} fit at once in {} of room, {} more beside the {} in flight; the largest request that fits alone is {}",
+            m.fit_at_once,
+            bytes(m.room_bytes),
+            m.more_requests,
+            m.in_flight,
+            bytes(m.largest_fitting_request_bytes)
+        )
+    };
+    if let Some(now) = &h.now {
+        line += &format!("; now {}", at(now));
+    }
+    if h.now.as_ref() != Some(&h.tightest) {
+        line += &format!("; at its tightest, at {:.2} s, {}", h.tightest.ts as f64 / 1e9, at(&h.tightest));
+    }
+    for l in &h.limits_exceeded {
+        line += &format!(". {}", limit(l));
+    }
+    line
+}
+
+/// "LiteLLM (pid 77 of uid 0, /srv/litellm.yaml, 4 workers) deployment `local-llama`".
+pub fn front_name(f: &Front) -> String {
+    let (config, model) = (one_line(&f.config), one_line(&f.model));
+    let workers = if f.workers > 1 { format!(", {} workers", f.workers) } else { String::new() };
+    format!("LiteLLM (pid {} of uid {}, {config}{workers}) deployment `{model}`", f.pid, f.uid)
+}
+
+/// Where even a share of one in each lets more through than `cap`: what to say of it.
+pub fn past_any_share(fronts: &[Front], cap: u64) -> String {
+    let counts = counts(fronts);
+    if counts > cap {
+        format!(" (even that lets {counts} through, one in each of {counts} counts, past the {cap} that fit: fewer deployments or workers)")
+    } else {
+        String::new()
+    }
+}
+
+/// For the status line: the serving service with the fewest more requests fitting now, in a few
+/// words ("headroom vllm GPU 0: 16 more, 142.0 KiB alone"); with a limit past it, the cap.
+pub fn status(headroom: &[Headroom]) -> Option<String> {
+    let h = headroom.iter().filter(|h| h.now.is_some()).min_by_key(|h| h.now.map(|m| (m.more_requests, m.room_bytes)))?;
+    let now = h.now?;
+    let name = h.service.split_whitespace().next().map_or("?", |c| c.rsplit('/').next().unwrap_or(c));
+    let gpu = h.gpu.map(|g| format!(" GPU {g}")).unwrap_or_default();
+    let mut text =
+        format!("headroom {}{gpu}: {} more, {} alone", one_line(name), now.more_requests, bytes(now.largest_fitting_request_bytes));
+    if let Some(l) = h.limits_exceeded.first() {
+        text += &format!(" (set {} {})", l.setting, l.cap);
+    }
+    Some(text)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::analysis::proxy::tests::front;
+
+    fn headroom(service: &str, more: Option<u64>) -> Headroom {
+        let moment = |more_requests| Moment {
+            ts: 1,
+            room_bytes: 8 << 30,
+            in_flight: 1,
+            fit_at_once: more_requests + 1,
+            more_requests,
+            largest_fitting_request_bytes: 142 << 10,
+        };
+        Headroom {
+            service: service.into(),
+            pid: 7,
+            gpu: Some(0),
+            measured_pool_bytes: 1 << 29,
+            measured_request_bytes: 8_000,
+            measured_alone: true,
+            largest_request_bytes: 8_000,
+            request_cost_bytes: 1 << 29,
+            now: more.map(moment),
+            tightest: moment(0),
+            limits_exceeded: vec![],
+        }
+    }
+
+    #[test]
+    fn the_status_line_shows_the_service_with_the_least_headroom_now() {
+        assert_eq!(status(&[]), None);
+        assert_eq!(status(&[headroom("gone", None)]), None, "a server gone has no headroom now");
+        let mut tight = headroom("/usr/bin/vllm serve m --max-num-seqs 256", Some(3));
+        tight.limits_exceeded = vec![Limit {
+            setting: "--max-num-seqs".into(),
+            value: 256,
+            bounds: Bound::Concurrency,
+            fits: 4,
+            cap: 4,
+            slots: 1,
+            proxies: vec![],
+        }];
+        let shown = status(&[headroom("llama-server -m m", Some(16)), tight, headroom("gone", None)]);
+        assert_eq!(shown.as_deref(), Some("headroom vllm GPU 0: 3 more, 142.0 KiB alone (set --max-num-seqs 4)"));
+    }
+
+    /// Where even one request in each of a proxy's counts lets more through than fits, it says so.
+    #[test]
+    fn a_share_of_one_past_what_fits_is_said() {
+        assert!(past_any_share(&[front(Some(10), 8)], 3).contains("even that lets 8 through, one in each of 8 counts, past the 3 that fit"));
+        assert_eq!(past_any_share(&[front(Some(10), 3)], 3), "");
+    }
+}
