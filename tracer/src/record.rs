@@ -16,7 +16,6 @@ use crate::probe::Counters;
 use crate::report::{FdFilter, Loss, Report};
 use crate::session::{End, Sink};
 use crate::trace::{Header, Writer};
-use crate::units::bytes;
 
 pub struct Options {
     /// What to trace.
@@ -85,20 +84,7 @@ impl TraceFile {
     }
 
     fn status_line(&self, model: &Model) {
-        let mut line = format!("gputrace: {} events", self.writer.records);
-        let mut top: Vec<_> = model.processes.values().filter(|p| p.usage.physical_live() > 0).collect();
-        top.sort_by_key(|p| std::cmp::Reverse(p.usage.physical_live()));
-        for p in top.iter().take(3) {
-            let name = p.command.first().map(|c| c.rsplit('/').next().unwrap_or(c)).unwrap_or("?");
-            line += &format!(" · {} {}: {}", p.pid, crate::units::one_line(name), bytes(p.usage.physical_live()));
-        }
-        // Lost records first: a narrow terminal cuts the line's end.
-        if model.lost_records > 0 {
-            line += &format!(" · LOST {}", model.lost_records);
-        }
-        if let Some(headroom) = &self.headroom.1 {
-            line += &format!(" · {headroom}");
-        }
+        let line = crate::report::status::line(self.writer.records, model, self.headroom.1.as_deref());
         let width = terminal_width();
         let line: String = crate::units::for_terminal(&line).chars().take(width.saturating_sub(1)).collect();
         eprint!("\r\x1b[2K{line}");
@@ -134,7 +120,7 @@ impl Sink for TraceFile {
             self.last_status = Instant::now();
             if Instant::now() >= self.headroom.0 {
                 let began = Instant::now();
-                let shown = crate::report::headroom::status(&headroom(&Accounts::new(&self.header, model)));
+                let shown = crate::report::status::headroom(&headroom(&Accounts::new(&self.header, model)));
                 self.headroom = (Instant::now() + HEADROOM_EVERY.max(began.elapsed() * 20), shown);
             }
             self.status_line(model);

@@ -19,6 +19,8 @@ use crate::model::Model;
 use crate::trace::Header;
 
 pub mod headroom;
+pub mod reasons;
+pub mod status;
 mod text;
 pub mod verdict;
 pub mod whatif;
@@ -38,7 +40,7 @@ fn notes(header: &Header, model: &Model) -> Vec<String> {
             "MPS is in use (nvidia-cuda-mps-server, pid {pid}): it makes every client's allocations, so GPU memory shows as the server's, not the clients'; trace the clients' requests and the server together to tell them apart."
         ));
     }
-    notes.extend(unaccounted(model));
+    notes.extend(unaccounted(model).iter().map(reasons::unaccounted));
     notes
 }
 
@@ -210,6 +212,11 @@ impl Report {
     pub fn text(&self) -> String {
         text::text(self)
     }
+
+    /// The verdict in one line.
+    pub fn headline(&self) -> String {
+        text::headline(self)
+    }
 }
 
 #[cfg(test)]
@@ -252,7 +259,7 @@ mod tests {
         assert_eq!(report.nvml_vs_traced.len(), 1, "{:?}", report.nvml_vs_traced);
         let d = &report.nvml_vs_traced[0];
         assert_eq!((d.pid, d.ts, d.nvml_bytes, d.traced_bytes), (managed, 20, 4 << 30, 1 << 30), "the widest gap, not the last sample");
-        assert!(d.why.contains("managed memory"), "{}", d.why);
+        assert!(d.why.to_string().contains("managed memory"), "{}", d.why);
         assert!(report.text().contains("managed memory"), "named in the text too");
         // NVML's own peak stands beside the traced one for every process it counted.
         let peaks: Vec<_> = report.processes.iter().map(|p| (p.pid, p.nvml_peak_bytes)).collect();
@@ -333,7 +340,7 @@ mod tests {
             }),
             raw: None,
         };
-        let notes = |t: &[Record]| unaccounted(&Model::from_records(t));
+        let notes = |t: &[Record]| unaccounted(&Model::from_records(t)).iter().map(reasons::unaccounted).collect::<Vec<_>>();
         // The driver's own 500 MiB from the start, a process's 1 GiB, then 512 MiB more on the device.
         let base = [sample(0, 1524 * MIB, 1024 * MIB), sample(10, 1524 * MIB, 1024 * MIB)];
         let blip = [&base[..], &[sample(20, 2036 * MIB, 1024 * MIB), sample(30, 1524 * MIB, 1024 * MIB)]].concat();
@@ -377,7 +384,11 @@ mod tests {
         let model = Model::from_records(&records);
         let report = Report::new(&header(), &model, String::new(), 4, Loss::default(), 10 * minute);
         assert_eq!(report.contexts_never_freed.len(), 1);
-        assert!(report.contexts_never_freed[0].why.contains("no allocation or request for 899 s"), "{:?}", report.contexts_never_freed);
+        assert!(
+            report.contexts_never_freed[0].why.to_string().contains("no allocation or request for 899 s"),
+            "{:?}",
+            report.contexts_never_freed
+        );
         let report = Report::new(&header(), &model, String::new(), 4, Loss::default(), 20 * minute);
         assert!(report.contexts_never_freed.is_empty(), "active within the threshold");
     }
@@ -440,7 +451,8 @@ mod tests {
         let report = Report::new(&header(), &model, String::new(), 9, Loss::default(), u64::MAX);
         let suspect = report.contexts_never_freed.iter().find(|c| c.pid == importer).expect("the export file's holder is a suspect");
         assert_eq!(suspect.bytes, Some(8 << 30));
-        assert!(suspect.why.contains("owner pid 100 exited") && suspect.why.contains("pid 200"), "{}", suspect.why);
+        let why = suspect.why.to_string();
+        assert!(why.contains("owner pid 100 exited") && why.contains("pid 200"), "{why}");
     }
 
     /// Of an exited owner's memory, what it exported is a suspect of its own: the process that

@@ -410,7 +410,7 @@ impl DumpJob {
             .with_context(|| format!("cannot write {}", self.dir.display(&report_name).display()))?;
         std::io::Write::write_all(&mut file, text.as_bytes())
             .with_context(|| format!("cannot write {}", self.dir.display(&report_name).display()))?;
-        let verdict = text.lines().find(|l| l.starts_with("VERDICT")).unwrap_or("no failure diagnosed");
+        let verdict = report.headline();
         let joined = if d.joined > 0 { format!(", {} more triggers in it", d.joined) } else { String::new() };
         eprintln!(
             "{}",

@@ -23,7 +23,25 @@ pub struct SuspectContext {
     /// Nanoseconds since the trace start; None when it was already held before recording.
     pub since: Option<u64>,
     pub last_activity: Option<u64>,
-    pub why: String,
+    /// Worded by the report (`report/reasons.rs`), in its text and its JSON alike.
+    pub why: Suspicion,
+}
+
+/// Why a context is a suspect holder.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Suspicion {
+    /// Its owner exited; another process still holds the device file without having allocated.
+    OwnerExited { owner: u32, holder: u32, command: String },
+    /// Its holder's parent exited.
+    Orphan { pid: u32, parent: u32 },
+    /// No allocation or request for this long.
+    Idle { seconds: u64 },
+    /// Held before recording began, by a process outside the traced ones.
+    HeldBefore,
+    /// NVML counts it for a process that is gone; another keeps the device files open.
+    CountedForGone { counted: u32, holder: u32 },
+    /// Had the device files open before recording began, NVML unavailable.
+    OpenBefore,
 }
 
 /// Contexts still holding memory at the end that no live, active service accounts for, and
@@ -65,15 +83,12 @@ pub fn suspects(header: &Header, model: &Model, services: &Services, idle_ns: u6
         let orphan =
             holders.iter().find(|&&h| model.processes.get(&model.processes[&h].ppid).is_some_and(|parent| parent.exited.is_some()));
         let why = if owner_exited && !holders.is_empty() {
-            let h = holders[0];
-            format!(
-                "its owner pid {owner} exited; pid {h} (`{}`) still holds the device file, without having allocated it",
-                model.processes[&h].command_line()
-            )
-        } else if let Some(&h) = orphan {
-            format!("pid {h} is an orphan: its parent pid {} exited", model.processes[&h].ppid)
+            let holder = holders[0];
+            Suspicion::OwnerExited { owner, holder, command: model.processes[&holder].command_line() }
+        } else if let Some(&pid) = orphan {
+            Suspicion::Orphan { pid, parent: model.processes[&pid].ppid }
         } else if last_activity.is_some_and(|t| end.saturating_sub(t) >= idle_ns) {
-            format!("no allocation or request for {} s", end.saturating_sub(last_activity.unwrap_or(end)) / 1_000_000_000)
+            Suspicion::Idle { seconds: end.saturating_sub(last_activity.unwrap_or(end)) / 1_000_000_000 }
         } else {
             continue;
         };
@@ -93,11 +108,7 @@ pub fn suspects(header: &Header, model: &Model, services: &Services, idle_ns: u6
             continue;
         }
         let (pid, command) = prior_holder(header, prior, |pid| services.of(pid).is_some());
-        let why = if pid == prior.pid {
-            "held before recording began, by a process outside the traced ones".to_string()
-        } else {
-            format!("NVML counts it for pid {}, which is gone; pid {pid} keeps the device files open", prior.pid)
-        };
+        let why = if pid == prior.pid { Suspicion::HeldBefore } else { Suspicion::CountedForGone { counted: prior.pid, holder: pid } };
         out.push(SuspectContext { pid, command, bytes: prior.used_bytes, since: None, last_activity: None, why });
     }
     // Without NVML: who had the device files open before recording, outside the traced ones.
@@ -110,7 +121,7 @@ pub fn suspects(header: &Header, model: &Model, services: &Services, idle_ns: u6
                 bytes: None,
                 since: None,
                 last_activity: None,
-                why: "had the GPU's device files open before recording began; NVML was unavailable, so how much it holds is unknown".into(),
+                why: Suspicion::OpenBefore,
             });
         }
     }

@@ -10,7 +10,6 @@ use super::sweep::LiveChanges;
 use crate::event::Memory;
 use crate::model::{add_saturating, Model};
 use crate::trace::Header;
-use crate::units::bytes;
 
 /// Where NVML's count for a traced process and the traced allocations disagree, and why.
 #[derive(Clone, Debug, Serialize, PartialEq)]
@@ -22,7 +21,28 @@ pub struct Disagreement {
     pub nvml_bytes: u64,
     /// Video memory the trace shows live for it at that moment.
     pub traced_bytes: u64,
-    pub why: String,
+    /// Worded by the report (`report/reasons.rs`), in its text and its JSON alike.
+    pub why: Gap,
+}
+
+/// Why NVML and the trace disagree about a process.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Gap {
+    /// NVML above: the process allocated before recording began.
+    BeforeRecording,
+    /// NVML above: memory no traced ioctl shows (its context's own, managed memory, the driver's).
+    NvmlAbove,
+    /// The trace above: memory shared with or handed to another process, or not yet backed.
+    TraceAbove,
+}
+
+/// Memory used on a GPU that no process's NVML figure includes: the widest, and when.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Unaccounted {
+    pub gpu: u32,
+    pub bytes: u64,
+    /// Since the trace start.
+    pub ts: u64,
 }
 
 /// How long before its exit a process counts as exiting, for NVML comparisons.
@@ -90,12 +110,11 @@ pub fn disagreements(header: &Header, model: &Model) -> Vec<Disagreement> {
         let p = &model.processes[&pid];
         let before = header.prior_use.iter().any(|u| u.pid == pid && u.used_bytes.unwrap_or(0) > 0);
         let why = if nvml > traced && (before || p.seen == crate::event::Seen::Running) {
-            "it allocated memory before recording began, which no traced ioctl shows".to_string()
+            Gap::BeforeRecording
         } else if nvml > traced {
-            "NVML counts memory no traced ioctl shows: the CUDA context's own (a few hundred MiB), managed memory (cudaMallocManaged), or memory the driver allocates itself".to_string()
+            Gap::NvmlAbove
         } else {
-            "the trace counts memory NVML does not count for it: memory shared with or handed to another process, or not yet backed"
-                .to_string()
+            Gap::TraceAbove
         };
         out.push(Disagreement {
             pid,
@@ -128,7 +147,7 @@ pub fn nvml_peaks(model: &Model) -> HashMap<u32, u64> {
 /// Memory used on a GPU that no process's NVML figure includes, beyond what was so at the first
 /// sample, when it held over two samples: managed memory touched on the GPU is in the device's
 /// used memory and in no process's figure (seen on the real driver). The widest per GPU.
-pub fn unaccounted(model: &Model) -> Vec<String> {
+pub fn unaccounted(model: &Model) -> Vec<Unaccounted> {
     let start = model.first_ts.unwrap_or(0);
     let mut samples: Vec<&(u64, crate::event::Sample)> = model.samples.iter().filter(|(_, s)| !s.gpus.is_empty()).collect();
     samples.sort_by_key(|(ts, _)| *ts);
@@ -154,14 +173,5 @@ pub fn unaccounted(model: &Model) -> Vec<String> {
         }
         previous = now;
     }
-    widest
-        .into_iter()
-        .map(|(gpu, (ts, b))| {
-            format!(
-                "{} used on GPU {gpu} that no process's NVML figure includes (at {:.1} s, beyond what was so when sampling began): managed memory (cudaMallocManaged) touched on the GPU, which NVML counts for the device and not the process, or the driver's own.",
-                bytes(b),
-                ts.saturating_sub(start) as f64 / 1e9
-            )
-        })
-        .collect()
+    widest.into_iter().map(|(gpu, (ts, bytes))| Unaccounted { gpu, bytes, ts: ts.saturating_sub(start) }).collect()
 }

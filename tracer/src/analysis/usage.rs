@@ -44,17 +44,6 @@ pub struct GpuReport {
     pub one_of: Vec<u32>,
 }
 
-impl GpuReport {
-    /// The GPU as a reader is told it: its index, or "one of 2, 3", or "?".
-    pub fn label(&self) -> String {
-        match (self.gpu, self.one_of.as_slice()) {
-            (Some(i), _) => i.to_string(),
-            (None, []) => "?".into(),
-            (None, some) => format!("one of {}", some.iter().map(u32::to_string).collect::<Vec<_>>().join(", ")),
-        }
-    }
-}
-
 /// Physical bytes are video + system; virtual address space is only in `by_kind`.
 #[derive(Clone, Debug, Serialize, PartialEq)]
 pub struct ProcessReport {

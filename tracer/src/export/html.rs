@@ -261,7 +261,7 @@ fn verdict_and_tables(report: &Report) -> (String, String) {
                 c.pid,
                 escape(&c.command),
                 c.bytes.map_or("?".into(), b),
-                escape(&c.why)
+                escape(&c.why.to_string())
             );
         }
         tables += "</table>";
@@ -276,7 +276,7 @@ fn verdict_and_tables(report: &Report) -> (String, String) {
                 d.ts as f64 / 1e9,
                 b(d.nvml_bytes),
                 b(d.traced_bytes),
-                escape(&d.why)
+                escape(&d.why.to_string())
             );
         }
         tables += "</table>";
@@ -286,7 +286,7 @@ fn verdict_and_tables(report: &Report) -> (String, String) {
         for g in &report.gpus {
             tables += &format!(
                 "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
-                escape(&g.label()),
+                escape(&crate::report::reasons::gpu_label(g)),
                 escape(g.name.as_deref().unwrap_or("?")),
                 g.capacity_bytes.map_or("?".into(), b),
                 b(g.held_before_bytes),
@@ -409,7 +409,7 @@ mod tests {
             ts: 2_000_000_000,
             nvml_bytes: 4 << 30,
             traced_bytes: 1 << 30,
-            why: "NVML counts memory no traced ioctl shows: managed memory".into(),
+            why: crate::analysis::nvml::Gap::NvmlAbove,
         });
         let (_, tables) = verdict_and_tables(&report);
         assert!(tables.contains("<h2>NVML and the trace disagree</h2>") && tables.contains("2.00 s"), "{tables}");

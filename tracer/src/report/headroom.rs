@@ -1,6 +1,6 @@
 //! Headroom in words: a line per serving service and GPU (the report's HEADROOM, the watch's
 //! warning of a limit past what fits), each limit with the value to set, the LiteLLM deployments
-//! in front by name, and the few words of the recording's status line.
+//! in front by name.
 
 use crate::analysis::cost::BYTES_PER_TOKEN;
 use crate::analysis::headroom::{Bound, Headroom, Limit, Moment};
@@ -89,67 +89,10 @@ pub fn past_any_share(fronts: &[Front], cap: u64) -> String {
     }
 }
 
-/// For the status line: the serving service with the fewest more requests fitting now, in a few
-/// words ("headroom vllm GPU 0: 16 more, 142.0 KiB alone"); with a limit past it, the cap.
-pub fn status(headroom: &[Headroom]) -> Option<String> {
-    let h = headroom.iter().filter(|h| h.now.is_some()).min_by_key(|h| h.now.map(|m| (m.more_requests, m.room_bytes)))?;
-    let now = h.now?;
-    let name = h.service.split_whitespace().next().map_or("?", |c| c.rsplit('/').next().unwrap_or(c));
-    let gpu = h.gpu.map(|g| format!(" GPU {g}")).unwrap_or_default();
-    let mut text =
-        format!("headroom {}{gpu}: {} more, {} alone", one_line(name), now.more_requests, bytes(now.largest_fitting_request_bytes));
-    if let Some(l) = h.limits_exceeded.first() {
-        text += &format!(" (set {} {})", l.setting, l.cap);
-    }
-    Some(text)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::analysis::proxy::tests::front;
-
-    fn headroom(service: &str, more: Option<u64>) -> Headroom {
-        let moment = |more_requests| Moment {
-            ts: 1,
-            room_bytes: 8 << 30,
-            in_flight: 1,
-            fit_at_once: more_requests + 1,
-            more_requests,
-            largest_fitting_request_bytes: 142 << 10,
-        };
-        Headroom {
-            service: service.into(),
-            pid: 7,
-            gpu: Some(0),
-            measured_pool_bytes: 1 << 29,
-            measured_request_bytes: 8_000,
-            measured_alone: true,
-            largest_request_bytes: 8_000,
-            request_cost_bytes: 1 << 29,
-            now: more.map(moment),
-            tightest: moment(0),
-            limits_exceeded: vec![],
-        }
-    }
-
-    #[test]
-    fn the_status_line_shows_the_service_with_the_least_headroom_now() {
-        assert_eq!(status(&[]), None);
-        assert_eq!(status(&[headroom("gone", None)]), None, "a server gone has no headroom now");
-        let mut tight = headroom("/usr/bin/vllm serve m --max-num-seqs 256", Some(3));
-        tight.limits_exceeded = vec![Limit {
-            setting: "--max-num-seqs".into(),
-            value: 256,
-            bounds: Bound::Concurrency,
-            fits: 4,
-            cap: 4,
-            slots: 1,
-            proxies: vec![],
-        }];
-        let shown = status(&[headroom("llama-server -m m", Some(16)), tight, headroom("gone", None)]);
-        assert_eq!(shown.as_deref(), Some("headroom vllm GPU 0: 3 more, 142.0 KiB alone (set --max-num-seqs 4)"));
-    }
 
     /// Where even one request in each of a proxy's counts lets more through than fits, it says so.
     #[test]

@@ -5,6 +5,7 @@
 use std::fmt::Write as _;
 
 use super::headroom::line;
+use super::reasons::gpu_label;
 use super::{GpuReport, ProcessReport, Report};
 use crate::analysis::Category;
 use crate::event::Memory;
@@ -23,16 +24,24 @@ pub fn text(report: &Report) -> String {
     out
 }
 
-/// The verdict, its evidence and fix, notes, the failures after it, the headroom.
-fn verdict(report: &Report, out: &mut String) {
+/// The verdict's first line: "VERDICT: none. ..." or "VERDICT: category (symptom) in `service`
+/// at 1.20 s" (what a watch logs of each dump).
+pub fn headline(report: &Report) -> String {
     let d = &report.diagnosis;
-
     let when = d.ts.map(|t| format!(" at {:.2} s", t as f64 / 1e9)).unwrap_or_default();
     let service = d.service.as_ref().map(|s| format!(" in `{s}`")).unwrap_or_default();
     if d.category == Category::None {
-        let _ = writeln!(out, "VERDICT: none. {}", d.evidence.text);
+        format!("VERDICT: none. {}", d.evidence.text)
     } else {
-        let _ = writeln!(out, "VERDICT: {} ({}){service}{when}", d.category.name(), d.symptom.name());
+        format!("VERDICT: {} ({}){service}{when}", d.category.name(), d.symptom.name())
+    }
+}
+
+/// The verdict, its evidence and fix, notes, the failures after it, the headroom.
+fn verdict(report: &Report, out: &mut String) {
+    let d = &report.diagnosis;
+    let _ = writeln!(out, "{}", headline(report));
+    if d.category != Category::None {
         let _ = writeln!(out, "  {}{}", d.evidence.text, d.repeats());
         let _ = writeln!(out, "FIX: {}", d.fix.text);
     }
@@ -72,7 +81,7 @@ fn gpus(report: &Report, out: &mut String) {
             let _ = writeln!(
                 out,
                 "{:<5} {:<24} {:>11} {:>11} {:>11} {:>9} {:>11} {:>6}",
-                g.label(),
+                gpu_label(g),
                 clip(g.name.as_deref().unwrap_or(if g.gpu.is_some() { "?" } else { "(device set up before tracing)" }), 24),
                 g.capacity_bytes.map_or("?".into(), bytes),
                 bytes(g.held_before_bytes),
