@@ -30,7 +30,7 @@ use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::FromRawFd;
-use std::process::{Command, ExitCode, Stdio};
+use std::process::{ChildStdin, Command, ExitCode, Stdio};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
@@ -248,48 +248,62 @@ fn vllm_api(args: &Args, truth: &Arc<Truth>) -> ExitCode {
             eprintln!("fake-server: EngineDeadError: the engine died; shutting down");
             return ExitCode::from(1);
         }
-        let Ok((mut stream, _)) = listener.accept() else {
+        let Ok((stream, _)) = listener.accept() else {
             std::thread::sleep(Duration::from_millis(5));
             continue;
         };
         stream.set_nonblocking(false).unwrap();
-        let (to_engine, routes, next_id, truth) = (to_engine.clone(), routes.clone(), next_id.clone(), truth.clone());
+        let api = Api { to_engine: to_engine.clone(), routes: routes.clone(), next_id: next_id.clone(), truth: truth.clone() };
         let max_model_len = args.max_model_len;
-        std::thread::spawn(move || {
-            let Some(request) = read_request(&mut stream) else { return };
-            truth.note("read", json!({"path": request.path}));
-            let Ok(c) = serde_json::from_slice::<Completion>(&request.body) else {
-                return respond(&mut stream, "400 Bad Request", r#"{"error":"bad request"}"#);
-            };
-            if max_model_len.is_some_and(|l| c.prompt_tokens > l) {
-                return respond(&mut stream, "400 Bad Request", r#"{"error":"This model's maximum context length is exceeded"}"#);
-            }
-            let id = {
-                let mut n = next_id.lock().unwrap();
-                *n += 1;
-                *n
-            };
-            let (tx, rx) = channel();
-            routes.lock().unwrap().insert(id, tx);
-            // Starlette sends status and headers before the body: at once.
-            stream_headers(&mut stream);
-            let _ = writeln!(to_engine.lock().unwrap(), "REQ {id} {} {}", c.prompt_tokens, c.max_tokens);
-            for msg in rx {
-                let mut words = msg.split_whitespace();
-                match words.next() {
-                    Some("TOKEN") => {
-                        let index = words.nth(1).and_then(|v| v.parse().ok()).unwrap_or(0);
-                        stream_token(&mut stream, index);
-                    }
-                    Some("DONE") => {
-                        stream_done(&mut stream);
-                        break;
-                    }
-                    _ => break,
+        std::thread::spawn(move || api.serve(stream, max_model_len));
+    }
+}
+
+/// What the API server's connections share: the engine's input, where its output goes, the
+/// requests' numbers and the ground truth.
+struct Api {
+    to_engine: Arc<Mutex<ChildStdin>>,
+    routes: Arc<Mutex<HashMap<u64, Sender<String>>>>,
+    next_id: Arc<Mutex<u64>>,
+    truth: Arc<Truth>,
+}
+
+impl Api {
+    /// One connection: its request sent to the engine, the engine's tokens streamed back.
+    fn serve(self, mut stream: TcpStream, max_model_len: Option<u64>) {
+        let Some(request) = read_request(&mut stream) else { return };
+        self.truth.note("read", json!({"path": request.path}));
+        let Ok(c) = serde_json::from_slice::<Completion>(&request.body) else {
+            return respond(&mut stream, "400 Bad Request", r#"{"error":"bad request"}"#);
+        };
+        if max_model_len.is_some_and(|l| c.prompt_tokens > l) {
+            return respond(&mut stream, "400 Bad Request", r#"{"error":"This model's maximum context length is exceeded"}"#);
+        }
+        let id = {
+            let mut n = self.next_id.lock().unwrap();
+            *n += 1;
+            *n
+        };
+        let (tx, rx) = channel();
+        self.routes.lock().unwrap().insert(id, tx);
+        // Starlette sends status and headers before the body: at once.
+        stream_headers(&mut stream);
+        let _ = writeln!(self.to_engine.lock().unwrap(), "REQ {id} {} {}", c.prompt_tokens, c.max_tokens);
+        for msg in rx {
+            let mut words = msg.split_whitespace();
+            match words.next() {
+                Some("TOKEN") => {
+                    let index = words.nth(1).and_then(|v| v.parse().ok()).unwrap_or(0);
+                    stream_token(&mut stream, index);
                 }
+                Some("DONE") => {
+                    stream_done(&mut stream);
+                    break;
+                }
+                _ => break,
             }
-            routes.lock().unwrap().remove(&id);
-        });
+        }
+        self.routes.lock().unwrap().remove(&id);
     }
 }
 
@@ -514,43 +528,23 @@ fn llama(args: &Args, truth: Arc<Truth>) -> ExitCode {
     truth.note("listen", json!({"port": args.port}));
     // SAFETY: installs a handler that only calls async-signal-safe functions: a graceful stop.
     unsafe { libc::signal(libc::SIGTERM, on_sigterm as *const () as libc::sighandler_t) };
-    let ready = Arc::new(Mutex::new(false));
-    let gpu: Arc<Mutex<Option<Gpu>>> = Arc::new(Mutex::new(None));
-    let pool = Arc::new(Mutex::new(Pool { capacity: 0, in_use: 0, chunks: Vec::new() }));
-    let in_flight = Arc::new(Mutex::new(0usize));
-    // Free slots: a request waits for one.
-    let slots = Arc::new((Mutex::new(args.parallel.max(1)), std::sync::Condvar::new()));
+    let server = Arc::new(Llama {
+        ready: Mutex::new(false),
+        gpu: Mutex::new(None),
+        pool: Mutex::new(Pool { capacity: 0, in_use: 0, chunks: Vec::new() }),
+        in_flight: Mutex::new(0),
+        slots: (Mutex::new(args.parallel.max(1)), std::sync::Condvar::new()),
+        ctx: args.slot_ctx,
+        activation_per_token: model.activation_per_token,
+        truth: truth.clone(),
+    });
     {
-        let (ready, gpu, pool, in_flight, truth) = (ready.clone(), gpu.clone(), pool.clone(), in_flight.clone(), truth.clone());
-        let (ctx, act) = (args.slot_ctx, model.activation_per_token);
+        let server = server.clone();
         std::thread::spawn(move || {
             for stream in listener.incoming() {
-                let Ok(mut stream) = stream else { continue };
-                let (ready, gpu, pool, in_flight, truth) = (ready.clone(), gpu.clone(), pool.clone(), in_flight.clone(), truth.clone());
-                let slots = slots.clone();
-                std::thread::spawn(move || {
-                    let Some(request) = read_request(&mut stream) else { return };
-                    truth.note("read", json!({"path": request.path}));
-                    if !*ready.lock().unwrap() {
-                        return respond(&mut stream, "503 Service Unavailable", r#"{"error":{"code":503,"message":"Loading model"}}"#);
-                    }
-                    if request.path == "/health" {
-                        return respond(&mut stream, "200 OK", r#"{"status":"ok"}"#);
-                    }
-                    let Ok(c) = serde_json::from_slice::<Completion>(&request.body) else {
-                        return respond(&mut stream, "400 Bad Request", r#"{"error":"bad request"}"#);
-                    };
-                    if c.prompt_tokens > ctx {
-                        return respond(&mut stream, "400 Bad Request", r#"{"error":"the request exceeds the available context size"}"#);
-                    }
-                    let (free, freed) = &*slots;
-                    let mut n = freed.wait_while(free.lock().unwrap(), |n| *n == 0).unwrap();
-                    *n -= 1;
-                    drop(n);
-                    llama_request(&mut stream, c, act, &gpu, &pool, &in_flight, &truth);
-                    *free.lock().unwrap() += 1;
-                    freed.notify_one();
-                });
+                let Ok(stream) = stream else { continue };
+                let server = server.clone();
+                std::thread::spawn(move || server.serve(stream));
             }
         });
     }
@@ -601,31 +595,78 @@ fn llama(args: &Args, truth: Arc<Truth>) -> ExitCode {
     let _ = alloc(&mut g, &truth, Path::VirtualReserve, 32 * GIB, "load", 0);
     drop(host);
     if args.helper {
-        // The child keeps the device files and nothing else: a connection open at the fork would
-        // otherwise stay open in it, and its client wait forever for the end of the response.
-        let mut keep = [-1; 16];
-        for (slot, fd) in keep.iter_mut().zip(std::iter::once(&g).chain(&contexts).flat_map(|c| [&c.ctl, &c.gpu_file, &c.uvm])) {
-            *slot = std::os::fd::AsRawFd::as_raw_fd(fd);
-        }
-        // SAFETY: fork; the child only closes fds and sleeps (no allocation after the fork).
-        if unsafe { libc::fork() } == 0 {
-            for fd in 3..4096 {
-                if !keep.contains(&fd) {
-                    // SAFETY: closing an fd of our own; unused ones fail harmlessly.
-                    unsafe { libc::close(fd) };
-                }
-            }
-            loop {
-                std::thread::sleep(Duration::from_secs(3600));
-            }
-        }
+        fork_helper(std::iter::once(&g).chain(&contexts));
     }
-    *gpu.lock().unwrap() = Some(g);
-    *ready.lock().unwrap() = true;
+    *server.gpu.lock().unwrap() = Some(g);
+    *server.ready.lock().unwrap() = true;
     truth.note("phase", json!({"phase": "idle"}));
     eprintln!("main: model loaded");
     loop {
         std::thread::sleep(Duration::from_secs(3600));
+    }
+}
+
+/// A forked child that keeps the device files of `contexts` and nothing else (a connection open
+/// at the fork would otherwise stay open in it, and its client wait forever for the end of the
+/// response), and sleeps: memory held by a process that allocated none of it.
+fn fork_helper<'g>(contexts: impl Iterator<Item = &'g Gpu>) {
+    let mut keep = [-1; 16];
+    for (slot, fd) in keep.iter_mut().zip(contexts.flat_map(|c| [&c.ctl, &c.gpu_file, &c.uvm])) {
+        *slot = std::os::fd::AsRawFd::as_raw_fd(fd);
+    }
+    // SAFETY: fork; the child only closes fds and sleeps (no allocation after the fork).
+    if unsafe { libc::fork() } == 0 {
+        for fd in 3..4096 {
+            if !keep.contains(&fd) {
+                // SAFETY: closing an fd of our own; unused ones fail harmlessly.
+                unsafe { libc::close(fd) };
+            }
+        }
+        loop {
+            std::thread::sleep(Duration::from_secs(3600));
+        }
+    }
+}
+
+/// What the llama-server-like server's connections share.
+struct Llama {
+    /// Loaded: until then every request is answered 503, as llama-server does.
+    ready: Mutex<bool>,
+    gpu: Mutex<Option<Gpu>>,
+    pool: Mutex<Pool>,
+    in_flight: Mutex<usize>,
+    /// Free slots: a request waits for one.
+    slots: (Mutex<u64>, std::sync::Condvar),
+    /// A slot's context, in tokens.
+    ctx: u64,
+    activation_per_token: u64,
+    truth: Arc<Truth>,
+}
+
+impl Llama {
+    /// One connection: 503 while loading, the health check, or a completion in a free slot.
+    fn serve(&self, mut stream: TcpStream) {
+        let Some(request) = read_request(&mut stream) else { return };
+        self.truth.note("read", json!({"path": request.path}));
+        if !*self.ready.lock().unwrap() {
+            return respond(&mut stream, "503 Service Unavailable", r#"{"error":{"code":503,"message":"Loading model"}}"#);
+        }
+        if request.path == "/health" {
+            return respond(&mut stream, "200 OK", r#"{"status":"ok"}"#);
+        }
+        let Ok(c) = serde_json::from_slice::<Completion>(&request.body) else {
+            return respond(&mut stream, "400 Bad Request", r#"{"error":"bad request"}"#);
+        };
+        if c.prompt_tokens > self.ctx {
+            return respond(&mut stream, "400 Bad Request", r#"{"error":"the request exceeds the available context size"}"#);
+        }
+        let (free, freed) = &self.slots;
+        let mut n = freed.wait_while(free.lock().unwrap(), |n| *n == 0).unwrap();
+        *n -= 1;
+        drop(n);
+        llama_request(&mut stream, c, self.activation_per_token, &self.gpu, &self.pool, &self.in_flight, &self.truth);
+        *free.lock().unwrap() += 1;
+        freed.notify_one();
     }
 }
 
