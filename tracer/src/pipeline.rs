@@ -1,10 +1,11 @@
-//! Raw kernel records to trace records: decode each ioctl for the driver's layout and give every
-//! fd its file (see [`crate::files`]). The only place where the two meet.
+//! Ring buffer records to trace records: parse each, decode its ioctl for the driver's layout and
+//! give every fd its file (see [`crate::files`]). The one way in from the kernel, and the only
+//! place where decoding and the files meet.
 
 use tracer_common::ioctl_flag;
 
 use crate::abi::Layout;
-use crate::decode::{decode_ioctl, request_line, response_part, Raw, RawIoctl, RawKind};
+use crate::decode::{decode_ioctl, parse_record, request_line, response_part, Raw, RawIoctl, RawKind};
 use crate::event::{Device, Event, Record, Seen};
 use crate::files::{FileTable, KernelUpdate, Resolver};
 
@@ -17,14 +18,25 @@ pub struct Pipeline<R: Resolver> {
     raw: bool,
     /// The recorder's own pid: a process it forks is the command it launched.
     launcher: Option<u32>,
+    /// Ring buffer records that could not be parsed.
+    pub unparsed: u64,
 }
 
 impl<R: Resolver> Pipeline<R> {
     pub fn new(layout: Layout, resolver: R, raw: bool, launcher: Option<u32>) -> Self {
-        Pipeline { layout, files: FileTable::new(resolver), raw, launcher }
+        Pipeline { layout, files: FileTable::new(resolver), raw, launcher, unparsed: 0 }
     }
 
-    pub fn handle(&mut self, raw: Raw, out: &mut Vec<Record>, updates: &mut Vec<KernelUpdate>) {
+    /// One ring buffer record: its trace records into `out`, the answers the kernel needs into
+    /// `updates`; one that cannot be parsed is counted.
+    pub fn take(&mut self, bytes: &[u8], out: &mut Vec<Record>, updates: &mut Vec<KernelUpdate>) {
+        match parse_record(bytes) {
+            Ok(raw) => self.handle(raw, out, updates),
+            Err(_) => self.unparsed += 1,
+        }
+    }
+
+    fn handle(&mut self, raw: Raw, out: &mut Vec<Record>, updates: &mut Vec<KernelUpdate>) {
         let before = out.len();
         self.decode(raw, out, updates);
         // With --all (and so in a watch) the kernel sends gputrace's own calls too (its NVML

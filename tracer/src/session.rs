@@ -17,7 +17,6 @@ use tokio::io::Interest;
 
 use crate::abi::{DriverVersion, Layout, NEWEST_KNOWN, OLDEST_KNOWN};
 use crate::analysis::Phase;
-use crate::decode::parse_record;
 use crate::devices::Majors;
 use crate::event::{Event, Record, Sample};
 use crate::files::{KernelUpdate, ProcResolver};
@@ -179,7 +178,6 @@ pub fn run<S: Sink>(opts: &Options, sink: impl FnOnce(&Header, Option<&User>) ->
         out: Vec::new(),
         updates: Vec::new(),
         lost_seen: 0,
-        decode_errors: 0,
         redact: opts.redact,
         user,
     };
@@ -190,7 +188,7 @@ pub fn run<S: Sink>(opts: &Options, sink: impl FnOnce(&Header, Option<&User>) ->
         header: &header,
         model: &session.model,
         counters: probe.counters(),
-        decode_errors: session.decode_errors,
+        decode_errors: session.pipeline.unparsed,
         pending_dropped: session.pipeline.files.pending_dropped,
         impostors: session.pipeline.files.impostors,
     };
@@ -205,8 +203,6 @@ struct Session<S: Sink> {
     out: Vec<Record>,
     updates: Vec<KernelUpdate>,
     lost_seen: u64,
-    /// Ring buffer records that did not parse (a mismatched kernel object).
-    decode_errors: u64,
     redact: bool,
     /// NVIDIA's device numbers, and when they were last read.
     majors: (Option<Majors>, Instant),
@@ -287,10 +283,7 @@ impl<S: Sink> Session<S> {
         let began = Instant::now();
         let mut taken = 0u64;
         while let Some(item) = ring.next() {
-            match parse_record(&item) {
-                Ok(raw) => self.pipeline.handle(raw, &mut self.out, &mut self.updates),
-                Err(_) => self.decode_errors += 1,
-            }
+            self.pipeline.take(&item, &mut self.out, &mut self.updates);
             drop(item);
             let records = std::mem::take(&mut self.out);
             for record in records {

@@ -6,7 +6,7 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use gputrace::abi::{DriverVersion, Layout};
-use gputrace::decode::{decode_ioctl, parse_record, RawIoctl};
+use gputrace::decode::{decode_ioctl, RawIoctl};
 use gputrace::event::Device;
 use gputrace::files::{KernelUpdate, Resolver};
 use gputrace::model::{generate, Model};
@@ -82,9 +82,7 @@ pub fn decode(data: &[u8]) {
     let mut pipeline = Pipeline::new(layout, NoProc, pick & 2 != 0, Some(1));
     let (mut out, mut updates): (Vec<_>, Vec<KernelUpdate>) = (Vec::new(), Vec::new());
     for chunk in rest.chunks(usize::from(pick).max(16) * 8) {
-        if let Ok(raw) = parse_record(chunk) {
-            pipeline.handle(raw, &mut out, &mut updates);
-        }
+        pipeline.take(chunk, &mut out, &mut updates);
     }
 }
 
