@@ -9,7 +9,7 @@ use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::Nvml;
 
 use crate::event::{GpuUse, HostMemory, Sample};
-use crate::trace::{Gpu, PriorUse};
+use crate::trace::{clocks, Gpu, PriorUse};
 
 pub struct Snapshot {
     pub gpus: Vec<Gpu>,
@@ -108,4 +108,24 @@ fn host_memory() -> Option<HostMemory> {
         swap_free_bytes: crate::procfs::meminfo_field("SwapFree:").unwrap_or(0),
         pressure_some_avg10: crate::procfs::memory_pressure(),
     })
+}
+
+/// How often NVML and the host's memory are sampled into the trace.
+const SAMPLE_EVERY: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// NVML and /proc/meminfo on a thread of their own, every [`SAMPLE_EVERY`]: a slow NVML call
+/// never holds up events. A sample is stamped with the time its query began: what was traced
+/// after that may be missing from NVML's answer.
+pub fn sampler() -> anyhow::Result<tokio::sync::mpsc::Receiver<(u64, Sample)>> {
+    let (sample_tx, sample_rx) = tokio::sync::mpsc::channel::<(u64, Sample)>(4);
+    std::thread::Builder::new()
+        .name("gputrace-sampler".into())
+        .spawn(move || {
+            let mut sampler = Sampler::new();
+            while sample_tx.blocking_send((clocks().1, sampler.sample())).is_ok() {
+                std::thread::sleep(SAMPLE_EVERY);
+            }
+        })
+        .map_err(|e| anyhow::anyhow!("starting the sampler thread: {e}"))?;
+    Ok(sample_rx)
 }

@@ -29,6 +29,7 @@ pub mod report;
 pub mod serving;
 pub mod session;
 pub mod signals;
+pub mod startup;
 pub mod trace;
 pub mod tracefs;
 pub mod units;

@@ -8,8 +8,10 @@
 //! would block), at most [`MAX_CONFIG`] bytes, and parses it as YAML events without building
 //! a document (aliases are never expanded).
 
+use std::collections::{HashMap, HashSet};
 use std::io::Read;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::time::{Duration, Instant};
 
 use yaml_rust2::parser::{Event as Yaml, Parser};
 
@@ -453,6 +455,49 @@ pub fn scan(owner: Option<u32>, said: &mut std::collections::HashSet<(u32, Strin
         }
     }
     fold_workers(found, &spawned, procfs::parent)
+}
+
+/// A proxy's config is read again this often: a change to it is seen within this.
+const PROXY_SCAN_EVERY: Duration = Duration::from_secs(5);
+const PROXY_RESEND_EVERY: Duration = Duration::from_secs(60);
+
+/// LiteLLM proxies (of `owner` only, where given), scanned for on a thread of their own every
+/// [`PROXY_SCAN_EVERY`]: each one new, or whose config now says something else (at most once a
+/// [`PROXY_RESEND_EVERY`]: a config rewritten in a loop cannot flood the window), is sent; one
+/// gone is sent with no deployments. A read that hangs (a config on a FUSE mount of the proxy's
+/// user) stops only this scan.
+pub fn scanner(owner: Option<u32>) -> anyhow::Result<tokio::sync::mpsc::Receiver<Proxy>> {
+    let (tx, rx) = tokio::sync::mpsc::channel(MAX_PROXIES);
+    std::thread::Builder::new()
+        .name("gputrace-proxies".into())
+        .spawn(move || {
+            let mut sent: HashMap<u32, (Instant, Proxy)> = HashMap::new();
+            let mut said = HashSet::new();
+            loop {
+                let found = scan(owner, &mut said);
+                let gone: Vec<u32> = sent.keys().filter(|pid| !found.iter().any(|p| p.pid == **pid)).copied().collect();
+                let mut out: Vec<Proxy> = Vec::new();
+                for pid in gone {
+                    let (_, last) = sent.remove(&pid).expect("listed");
+                    out.push(Proxy { deployments: Vec::new(), ..last });
+                }
+                for proxy in found {
+                    let due = sent.get(&proxy.pid).is_none_or(|(at, last)| *last != proxy && at.elapsed() >= PROXY_RESEND_EVERY);
+                    if due {
+                        sent.insert(proxy.pid, (Instant::now(), proxy.clone()));
+                        out.push(proxy);
+                    }
+                }
+                for proxy in out {
+                    if tx.blocking_send(proxy).is_err() {
+                        return;
+                    }
+                }
+                std::thread::sleep(PROXY_SCAN_EVERY);
+            }
+        })
+        .map_err(|e| anyhow::anyhow!("starting the LiteLLM proxy scan: {e}"))?;
+    Ok(rx)
 }
 
 #[cfg(test)]

@@ -7,6 +7,8 @@ use aya::maps::{Array, HashMap, MapData, PerCpuArray, RingBuf};
 use aya::programs::TracePoint;
 use aya::Ebpf;
 use thiserror::Error;
+use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
 use tracer_common::{device, stat, traced, Config, FdKey, KernelOffsets, Reading, UvmWindow, PID_SLOTS};
 
 use crate::abi::Layout;
@@ -502,6 +504,37 @@ fn verifier_message(program: &str, e: &aya::programs::ProgramError) -> String {
     let text = format!("{e:?}");
     let tail: String = text.lines().rev().take(12).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n");
     format!("program {program}: {e}\n{tail}")
+}
+
+/// The eBPF programs' log, woken on by the event loop.
+pub type KernelLogRing = AsyncFd<aya_log::EbpfLogger<KernelLog>>;
+
+/// The kernel's ring buffer of events, and its log's where `--kernel-log` asked for it, each
+/// woken on by the event loop.
+pub fn rings(probe: &mut Probe) -> anyhow::Result<(AsyncFd<RingBuf<MapData>>, Option<KernelLogRing>)> {
+    let ring = probe.events.take().ok_or_else(|| anyhow::anyhow!("the ring buffer was already taken"))?;
+    // SAFETY: the ring buffer's fd stays open as long as the AsyncFd that owns it.
+    let ring = unsafe { AsyncFd::register_with_interest(ring, Interest::READABLE) }
+        .map_err(|e| anyhow::anyhow!("watching the ring buffer: {}", e.into_parts().1))?;
+    let kernel_log = match probe.kernel_log.take() {
+        // SAFETY: the log ring's fd stays open as long as the AsyncFd that owns the logger.
+        Some(logger) => Some(
+            unsafe { AsyncFd::register_with_interest(logger, Interest::READABLE) }
+                .map_err(|e| anyhow::anyhow!("watching the kernel's log: {}", e.into_parts().1))?,
+        ),
+        None => None,
+    };
+    Ok((ring, kernel_log))
+}
+
+/// Prints what the eBPF programs logged. aya-log panics on a record it cannot parse: then the log
+/// stops (false), recording goes on.
+pub fn flush_kernel_log(logger: &mut aya_log::EbpfLogger<KernelLog>) -> bool {
+    let parsed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| logger.flush())).is_ok();
+    if !parsed {
+        eprintln!("gputrace: the kernel's log had a record that could not be read; --kernel-log stops here, recording goes on");
+    }
+    parsed
 }
 
 #[cfg(test)]

@@ -4,31 +4,29 @@
 //! sink that writes a trace file and prints its summary, `watch` one that keeps a flight
 //! recorder and answers its own asks (HTTP, SIGUSR1); each is its own module, above this one.
 
-use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::os::unix::process::ExitStatusExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use anyhow::{anyhow, bail, Context as _, Result};
+use anyhow::{anyhow, Context as _, Result};
 use aya::maps::{MapData, RingBuf};
-use tokio::io::unix::AsyncFd;
-use tokio::io::Interest;
+use tokio::io::unix::{AsyncFd, AsyncFdReadyMutGuard};
+use tokio::sync::mpsc::{Receiver, Sender};
 
-use crate::abi::{DriverVersion, Layout, NEWEST_KNOWN, OLDEST_KNOWN};
 use crate::analysis::Phase;
 use crate::devices::Majors;
 use crate::event::{Event, Record, Sample};
 use crate::files::{KernelUpdate, ProcResolver};
-use crate::gpus::Sampler;
 use crate::mark::{Asked, MarkRequest, MarkServer, MAX_CONNECTIONS};
 use crate::model::Model;
 use crate::pipeline::Pipeline;
 use crate::privileges::Needs;
-use crate::probe::{self, Counters, Probe};
+use crate::probe::{self, Counters, KernelLogRing, Probe};
 use crate::procfs;
-use crate::signals::StopSignals;
-use crate::trace::{Header, FORMAT, VERSION};
+use crate::signals::{Delivered, StopSignals};
+use crate::startup;
+use crate::trace::{clocks, Header};
 use crate::user::User;
 
 /// What to trace and how to decode it: the same for `record` and `watch`.
@@ -96,68 +94,34 @@ pub struct End<'a> {
     pub impostors: u64,
 }
 
-/// The eBPF programs' log, woken on by the event loop.
-type KernelLog = AsyncFd<aya_log::EbpfLogger<probe::KernelLog>>;
-
-/// How often NVML and the host's memory are sampled into the trace.
-const SAMPLE_EVERY: Duration = Duration::from_millis(500);
 /// Records taken from the ring buffer between two yields to the other tasks.
 const DRAIN_BATCH: u64 = 256;
 /// How long the ring buffer is read before the loop looks at anything else (a stop signal, a
 /// question, the tick).
 const DRAIN_FOR: Duration = Duration::from_millis(50);
-/// A proxy's config is read again this often: a change to it is seen within this.
-const PROXY_SCAN_EVERY: Duration = Duration::from_secs(5);
-const PROXY_RESEND_EVERY: Duration = Duration::from_secs(60);
-
-/// A cgroup v2 directory, opened for the kernel's cgroup array; refused with the reason a user
-/// can act on when it is not one.
-fn open_cgroup(path: &std::path::Path) -> Result<std::fs::File> {
-    const CGROUP2_SUPER_MAGIC: i64 = 0x6367_7270;
-    let dir = std::fs::File::open(path).with_context(|| format!("cannot open the cgroup {}", path.display()))?;
-    // SAFETY: fstatfs fills the struct for an open fd.
-    let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
-    let on_cgroup2 =
-        unsafe { libc::fstatfs(std::os::fd::AsRawFd::as_raw_fd(&dir), &mut fs) } == 0 && fs.f_type as i64 == CGROUP2_SUPER_MAGIC;
-    if !on_cgroup2 || !dir.metadata()?.is_dir() {
-        bail!(
-            "{} is not a cgroup v2 directory: give one under the unified hierarchy (/sys/fs/cgroup/... on cgroup v2 hosts, /sys/fs/cgroup/unified/... on hybrid ones), such as a container's `system.slice/docker-ID.scope`",
-            path.display()
-        );
-    }
-    Ok(dir)
-}
-
-/// Each pid to attach to names a process that is there.
-fn check_running(pids: &[u32]) -> Result<()> {
-    match pids.iter().find(|&&pid| procfs::stat(pid).is_none()) {
-        Some(pid) => bail!("no process has pid {pid}: check it with `ps -p {pid}`"),
-        None => Ok(()),
-    }
-}
 
 /// Loads the probes, traces what `opts` asks into the sink made from the header, and closes
 /// it. The exit status of the launched command (0 without one).
 pub fn run<S: Sink>(opts: &Options, sink: impl FnOnce(&Header, Option<&User>) -> Result<S>) -> Result<i32> {
     if let Some(program) = opts.command.first() {
-        find_program(program)?;
+        startup::find_program(program)?;
     }
-    check_running(&opts.pids)?;
+    startup::check_running(&opts.pids)?;
     let user = User::invoking()?;
     let kernel = probe::preflight()?;
-    raise_fd_limit();
-    let (version, source) = driver_version(opts.driver_version.as_deref())?;
-    let layout = layout_for(version);
+    startup::raise_fd_limit();
+    let (version, source) = startup::driver_version(opts.driver_version.as_deref())?;
+    let layout = startup::layout_for(version);
     let majors = Majors::of_host()?;
 
-    let mut header = header(opts, version, source, majors);
+    let mut header = startup::header(&opts.invocation, opts.raw, version, source, majors);
     if let Some(bytes) = opts.capacity {
         header.assume_capacity(bytes);
     }
     if opts.redact {
         crate::redact::header(&mut header);
     }
-    let cgroup = opts.cgroup.as_deref().map(open_cgroup).transpose()?;
+    let cgroup = opts.cgroup.as_deref().map(startup::open_cgroup).transpose()?;
     let selection = probe::Selection { trace_all: opts.all, cgroup: cgroup.as_ref(), majors, kernel_log: opts.kernel_log };
     let mut probe = Probe::load(&layout, selection, &kernel)?;
     if let Some(refusal) = &probe.calls_in_map_only {
@@ -366,9 +330,10 @@ impl<S: Sink> Session<S> {
         Ok(child)
     }
 
+    /// The loop: each input, as it comes, to its own handler, until the command exits, the
+    /// attached processes are gone or a stop signal ends it; then what the kernel still holds.
     async fn trace(&mut self, probe: &mut Probe, opts: &Options) -> Result<i32> {
-        let (mut ring, mut kernel_log) = rings(probe)?;
-
+        let (ring, kernel_log) = probe::rings(probe)?;
         // Before anything is launched: a stop signal from then on reaches the command.
         let stops = StopSignals::install()?;
         // Listening before the command starts: a mark it sends at once is not refused.
@@ -376,106 +341,119 @@ impl<S: Sink> Session<S> {
         let marks = MarkServer::open(std::process::id(), invoking_uid);
         // What the sink listens to is set up before it is said that tracing began.
         self.sink.start()?;
-        let mut child = self.begin(probe, opts)?;
-        let (mark_tx, mut mark_rx) = tokio::sync::mpsc::channel::<MarkRequest>(MAX_CONNECTIONS);
-        let mut tick = tokio::time::interval(Duration::from_millis(100));
-        let mut sample_rx = sampler()?;
+        let child = self.begin(probe, opts)?;
+        let (mark_tx, mark_rx) = tokio::sync::mpsc::channel::<MarkRequest>(MAX_CONNECTIONS);
         // A whole host's proxies where the whole host is traced; else (a command, pids, a
         // cgroup) only the invoking user's own: other users' configs stay out of their trace.
         let proxy_owner = if opts.all { None } else { Some(self.user.as_ref().map_or(0, |u| u.uid)) };
-        let mut proxy_rx = proxy_scanner(proxy_owner)?;
-        // Attached with --pid and nothing launched: done when every attached process is gone.
-        let mut attached: Vec<u32> = if child.is_none() && !opts.all { opts.pids.clone() } else { Vec::new() };
-        let mut signals_to_command = 0;
-        let exit_code;
-        loop {
-            tokio::select! {
-                guard = ring.readable_mut() => {
-                    let mut guard = guard.context("waiting for kernel events")?;
+        let mut inputs = Inputs {
+            ring,
+            kernel_log,
+            tick: tokio::time::interval(Duration::from_millis(100)),
+            attached: if child.is_none() && !opts.all { opts.pids.clone() } else { Vec::new() },
+            child,
+            marks,
+            mark_tx,
+            mark_rx,
+            samples: crate::gpus::sampler()?,
+            proxies: crate::litellm::scanner(proxy_owner)?,
+            stops,
+            signals_to_command: 0,
+        };
+        let exit_code = loop {
+            let input = match inputs.next(&mut self.sink).await? {
+                Wake::Kernel(mut guard) => {
                     // Stopped at the bound, it stays ready: the loop comes back to it.
                     if !self.drain(guard.get_inner_mut(), probe).await {
                         guard.clear_ready();
                     }
+                    continue;
                 }
-                guard = async { kernel_log.as_mut().unwrap().readable_mut().await }, if kernel_log.is_some() => {
-                    let mut guard = guard.context("waiting for the kernel's log")?;
-                    // aya-log panics on a record it cannot parse: the log stops, recording goes on.
-                    let parsed = flush_kernel_log(guard.get_inner_mut());
-                    guard.clear_ready();
-                    if !parsed {
-                        kernel_log = None;
-                    }
-                }
-                _ = tick.tick() => {
-                    // The kernel wakes this loop only once a batch of escapes has built up.
-                    self.drain(ring.get_mut(), probe).await;
-                    self.sink.tick(&mut self.model, &probe.counters());
-                    self.check_lost(probe);
-                    self.read_majors_again(probe)?;
-                    if !attached.is_empty() {
-                        attached.retain(|&pid| procfs::running(pid));
-                        if attached.is_empty() {
-                            exit_code = 0;
-                            break;
-                        }
-                    }
-                }
-                status = async { child.as_mut().map(|(c, _)| c.wait()).unwrap().await }, if child.is_some() => {
-                    let status = status.context("waiting for the command")?;
-                    exit_code = status.code().unwrap_or_else(|| 128 + status.signal().unwrap_or(0));
-                    let (_, pid) = child.take().unwrap();
-                    // The kernel's exit record is already in the ring buffer: read it first.
-                    self.drain(ring.get_mut(), probe).await;
-                    self.emit_now(pid, Event::Exit { code: Some(exit_code) });
-                    break;
-                }
-                _ = async { marks.as_ref().unwrap().accept(&mark_tx).await }, if marks.is_some() => {}
-                // Questions (the recorder socket's, and the sink's own: a watch's HTTP requests,
-                // SIGUSR1) are answered on everything the kernel has recorded so far, not on
-                // what the last wake-up brought (escapes wait for a batch or the tick).
-                question = next_question(&mut mark_rx, &mut self.sink) => {
-                    self.drain(ring.get_mut(), probe).await;
-                    match question {
-                        Question::Socket(request) => {
-                            let answer = match request.asked {
-                                Asked::Mark { phase, pid } => self.mark(phase, pid),
-                                Asked::Dump => self.sink.dump().map_or_else(|why| format!("ERR {why}"), |what| format!("OK {what}")),
-                            };
-                            let _ = request.reply.send(answer);
-                        }
-                        Question::Sink(ask) => self.sink.answer(ask, &self.model),
-                    }
-                }
-                Some((ts, sample)) = sample_rx.recv() => self.emit(Record::new(ts, 0, 0, Event::Sample(sample))),
-                Some(proxy) = proxy_rx.recv() => {
-                    let (uid, command, config, deployments, workers) = (proxy.uid, proxy.command, proxy.config, proxy.deployments, proxy.workers);
-                    let event = Event::Proxy { uid, command, config, deployments, workers };
-                    self.emit_now(proxy.pid, event);
-                }
-                stop = stops.next() => {
-                    let stop = stop?;
-                    // A command is waited for: the signal is passed on (unless it already got it)
-                    // and recording ends with the command. A third signal stops waiting.
-                    let Some((_, pid)) = child.as_ref() else { exit_code = stop.exit_code(); break };
-                    signals_to_command += 1;
-                    if signals_to_command >= 3 {
-                        eprintln!("gputrace: pid {pid} has not exited after 3 signals; recording stops and it runs on untraced");
-                        exit_code = stop.exit_code();
-                        break;
-                    }
-                    if stop.to_forward(*pid) {
+                Wake::Input(input) => input,
+                Wake::Done => continue,
+            };
+            if let Some(code) = self.on(input, &mut inputs, probe).await? {
+                break code;
+            }
+        };
+        self.drain(inputs.ring.get_mut(), probe).await;
+        self.check_lost(probe);
+        if let Some(logger) = inputs.kernel_log.as_mut() {
+            probe::flush_kernel_log(logger.get_mut());
+        }
+        Ok(exit_code)
+    }
+
+    /// One input; the exit status when it ends the loop.
+    async fn on(&mut self, input: Input<S::Ask>, inputs: &mut Inputs, probe: &mut Probe) -> Result<Option<i32>> {
+        match input {
+            Input::Tick => return self.on_tick(inputs, probe).await,
+            Input::CommandExited(status) => {
+                let status = status.context("waiting for the command")?;
+                let exit_code = status.code().unwrap_or_else(|| 128 + status.signal().unwrap_or(0));
+                let pid = inputs.child.take().map_or(0, |(_, pid)| pid);
+                // The kernel's exit record is already in the ring buffer: read it first.
+                self.drain(inputs.ring.get_mut(), probe).await;
+                self.emit_now(pid, Event::Exit { code: Some(exit_code) });
+                return Ok(Some(exit_code));
+            }
+            // Questions (the recorder socket's, and the sink's own: a watch's HTTP requests,
+            // SIGUSR1) are answered on everything the kernel has recorded so far, not on what
+            // the last wake-up brought (escapes wait for a batch or the tick).
+            Input::Question(question) => {
+                self.drain(inputs.ring.get_mut(), probe).await;
+                self.answer(question);
+            }
+            Input::Sample(ts, sample) => self.emit(Record::new(ts, 0, 0, Event::Sample(sample))),
+            Input::Proxy(proxy) => {
+                let (uid, command, config, deployments, workers) =
+                    (proxy.uid, proxy.command, proxy.config, proxy.deployments, proxy.workers);
+                self.emit_now(proxy.pid, Event::Proxy { uid, command, config, deployments, workers });
+            }
+            Input::Stop(stop) => {
+                let command = inputs.child.as_ref().map(|(_, pid)| *pid);
+                match after_stop(stop, command, &mut inputs.signals_to_command) {
+                    AfterStop::End(code) => return Ok(Some(code)),
+                    AfterStop::Forward(pid) => {
                         // SAFETY: kill(2) on the command this recorder started and has not reaped.
-                        unsafe { libc::kill(*pid as libc::pid_t, stop.signal) };
+                        unsafe { libc::kill(pid as libc::pid_t, stop.signal) };
                     }
+                    AfterStop::Wait => {}
                 }
             }
         }
-        self.drain(ring.get_mut(), probe).await;
+        Ok(None)
+    }
+
+    /// A few times a second: what the kernel holds (it wakes the loop only once a batch of
+    /// escapes has built up), the sink's tick, records lost, NVIDIA's device numbers; done when
+    /// every attached process is gone.
+    async fn on_tick(&mut self, inputs: &mut Inputs, probe: &mut Probe) -> Result<Option<i32>> {
+        self.drain(inputs.ring.get_mut(), probe).await;
+        self.sink.tick(&mut self.model, &probe.counters());
         self.check_lost(probe);
-        if let Some(logger) = kernel_log.as_mut() {
-            flush_kernel_log(logger.get_mut());
+        self.read_majors_again(probe)?;
+        if !inputs.attached.is_empty() {
+            inputs.attached.retain(|&pid| procfs::running(pid));
+            if inputs.attached.is_empty() {
+                return Ok(Some(0));
+            }
         }
-        Ok(exit_code)
+        Ok(None)
+    }
+
+    /// A question on the recorder's socket (a mark, a dump) or the sink's own.
+    fn answer(&mut self, question: Question<S::Ask>) {
+        match question {
+            Question::Socket(request) => {
+                let answer = match request.asked {
+                    Asked::Mark { phase, pid } => self.mark(phase, pid),
+                    Asked::Dump => self.sink.dump().map_or_else(|why| format!("ERR {why}"), |what| format!("OK {what}")),
+                };
+                let _ = request.reply.send(answer);
+            }
+            Question::Sink(ask) => self.sink.answer(ask, &self.model),
+        }
     }
 
     /// A phase mark from the socket (already checked for who sent it): recorded for a traced
@@ -525,172 +503,98 @@ impl<S: Sink> Session<S> {
     }
 }
 
-/// The kernel's ring buffer of events, and its log's where `--kernel-log` asked for it, each
-/// woken on by the event loop.
-fn rings(probe: &mut Probe) -> Result<(AsyncFd<RingBuf<MapData>>, Option<KernelLog>)> {
-    let ring = probe.events.take().ok_or_else(|| anyhow!("the ring buffer was already taken"))?;
-    // SAFETY: the ring buffer's fd stays open as long as the AsyncFd that owns it.
-    let ring = unsafe { AsyncFd::register_with_interest(ring, Interest::READABLE) }
-        .map_err(|e| anyhow!("watching the ring buffer: {}", e.into_parts().1))?;
-    let kernel_log = match probe.kernel_log.take() {
-        // SAFETY: the log ring's fd stays open as long as the AsyncFd that owns the logger.
-        Some(logger) => Some(
-            unsafe { AsyncFd::register_with_interest(logger, Interest::READABLE) }
-                .map_err(|e| anyhow!("watching the kernel's log: {}", e.into_parts().1))?,
-        ),
-        None => None,
-    };
-    Ok((ring, kernel_log))
+/// What the event loop waits on: the kernel's ring buffer and log, the tick, the command, the
+/// recorder's socket and the sink's asks, NVML's samples, the proxies found, stop signals.
+struct Inputs {
+    ring: AsyncFd<RingBuf<MapData>>,
+    kernel_log: Option<KernelLogRing>,
+    tick: tokio::time::Interval,
+    child: Option<(tokio::process::Child, u32)>,
+    marks: Option<MarkServer>,
+    mark_tx: Sender<MarkRequest>,
+    mark_rx: Receiver<MarkRequest>,
+    samples: Receiver<(u64, Sample)>,
+    proxies: Receiver<crate::litellm::Proxy>,
+    stops: StopSignals,
+    /// Attached with --pid and nothing launched: done when every attached process is gone.
+    attached: Vec<u32>,
+    /// Stop signals passed on to the command so far.
+    signals_to_command: u32,
 }
 
-/// NVML and /proc/meminfo on a thread of their own, every [`SAMPLE_EVERY`]: a slow NVML call
-/// never holds up events. A sample is stamped with the time its query began: what was traced
-/// after that may be missing from NVML's answer.
-fn sampler() -> Result<tokio::sync::mpsc::Receiver<(u64, Sample)>> {
-    let (sample_tx, sample_rx) = tokio::sync::mpsc::channel::<(u64, Sample)>(4);
-    std::thread::Builder::new()
-        .name("gputrace-sampler".into())
-        .spawn(move || {
-            let mut sampler = Sampler::new();
-            while sample_tx.blocking_send((clocks().1, sampler.sample())).is_ok() {
-                std::thread::sleep(SAMPLE_EVERY);
+/// What woke the loop: the ring buffer (read through its guard, which says whether it stays
+/// ready), an input, or something taken care of already (the kernel's log printed, a
+/// connection to the recorder's socket taken).
+enum Wake<'r, A> {
+    Kernel(AsyncFdReadyMutGuard<'r, RingBuf<MapData>>),
+    Input(Input<A>),
+    Done,
+}
+
+enum Input<A> {
+    Tick,
+    CommandExited(std::io::Result<std::process::ExitStatus>),
+    Question(Question<A>),
+    Sample(u64, Sample),
+    Proxy(crate::litellm::Proxy),
+    Stop(Delivered),
+}
+
+impl Inputs {
+    /// What wakes the loop next. The kernel's log is printed as it comes, and the recorder's
+    /// socket takes its connections, on the way.
+    async fn next<S: Sink>(&mut self, sink: &mut S) -> Result<Wake<'_, S::Ask>> {
+        let Inputs { ring, kernel_log, tick, child, marks, mark_tx, mark_rx, samples, proxies, stops, .. } = self;
+        Ok(tokio::select! {
+            guard = ring.readable_mut() => Wake::Kernel(guard.context("waiting for kernel events")?),
+            guard = async { kernel_log.as_mut().unwrap().readable_mut().await }, if kernel_log.is_some() => {
+                let mut guard = guard.context("waiting for the kernel's log")?;
+                // aya-log panics on a record it cannot parse: the log stops, recording goes on.
+                let parsed = probe::flush_kernel_log(guard.get_inner_mut());
+                guard.clear_ready();
+                if !parsed {
+                    *kernel_log = None;
+                }
+                Wake::Done
             }
+            _ = tick.tick() => Wake::Input(Input::Tick),
+            status = async { child.as_mut().map(|(c, _)| c.wait()).unwrap().await }, if child.is_some() => {
+                Wake::Input(Input::CommandExited(status))
+            }
+            _ = async { marks.as_ref().unwrap().accept(mark_tx).await }, if marks.is_some() => Wake::Done,
+            question = next_question(mark_rx, sink) => Wake::Input(Input::Question(question)),
+            Some((ts, sample)) = samples.recv() => Wake::Input(Input::Sample(ts, sample)),
+            Some(proxy) = proxies.recv() => Wake::Input(Input::Proxy(proxy)),
+            stop = stops.next() => Wake::Input(Input::Stop(stop?)),
         })
-        .context("starting the sampler thread")?;
-    Ok(sample_rx)
-}
-
-/// LiteLLM proxies (of `owner` only, where given), scanned for on a thread of their own every
-/// [`PROXY_SCAN_EVERY`]: each one new, or whose config now says something else (at most once a
-/// [`PROXY_RESEND_EVERY`]: a config rewritten in a loop cannot flood the window), is sent; one
-/// gone is sent with no deployments. A read that hangs (a config on a FUSE mount of the proxy's
-/// user) stops only this scan.
-fn proxy_scanner(owner: Option<u32>) -> Result<tokio::sync::mpsc::Receiver<crate::litellm::Proxy>> {
-    let (tx, rx) = tokio::sync::mpsc::channel(crate::litellm::MAX_PROXIES);
-    std::thread::Builder::new()
-        .name("gputrace-proxies".into())
-        .spawn(move || {
-            let mut sent: HashMap<u32, (Instant, crate::litellm::Proxy)> = HashMap::new();
-            let mut said = HashSet::new();
-            loop {
-                let found = crate::litellm::scan(owner, &mut said);
-                let gone: Vec<u32> = sent.keys().filter(|pid| !found.iter().any(|p| p.pid == **pid)).copied().collect();
-                let mut out: Vec<crate::litellm::Proxy> = Vec::new();
-                for pid in gone {
-                    let (_, last) = sent.remove(&pid).expect("listed");
-                    out.push(crate::litellm::Proxy { deployments: Vec::new(), ..last });
-                }
-                for proxy in found {
-                    let due = sent.get(&proxy.pid).is_none_or(|(at, last)| *last != proxy && at.elapsed() >= PROXY_RESEND_EVERY);
-                    if due {
-                        sent.insert(proxy.pid, (Instant::now(), proxy.clone()));
-                        out.push(proxy);
-                    }
-                }
-                for proxy in out {
-                    if tx.blocking_send(proxy).is_err() {
-                        return;
-                    }
-                }
-                std::thread::sleep(PROXY_SCAN_EVERY);
-            }
-        })
-        .context("starting the LiteLLM proxy scan")?;
-    Ok(rx)
-}
-
-/// What the trace says of itself and of the machine before the first record: clocks, driver,
-/// NVML's view, and who held the device files already.
-fn header(opts: &Options, version: Option<DriverVersion>, source: String, majors: Option<Majors>) -> Header {
-    let snapshot = crate::gpus::snapshot();
-    let (wall, mono) = clocks();
-    Header {
-        format: FORMAT.into(),
-        version: VERSION,
-        tracer_version: env!("CARGO_PKG_VERSION").into(),
-        host: read_trimmed("/proc/sys/kernel/hostname"),
-        kernel: read_trimmed("/proc/sys/kernel/osrelease"),
-        driver_version: version.map(|v| v.to_string()),
-        driver_version_source: source,
-        wall_clock_start_ns: wall,
-        monotonic_start_ns: mono,
-        gpus: snapshot.gpus,
-        prior_use: snapshot.prior_use,
-        holders_at_start: crate::devices::nvidia_holders(majors),
-        device_check: Majors::describe(majors),
-        nvml: snapshot.note,
-        command: opts.invocation.clone(),
-        raw: opts.raw,
     }
 }
 
-/// Prints what the eBPF programs logged. aya-log panics on a record it cannot parse: then the log
-/// stops (false), recording goes on.
-fn flush_kernel_log(logger: &mut aya_log::EbpfLogger<probe::KernelLog>) -> bool {
-    let parsed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| logger.flush())).is_ok();
-    if !parsed {
-        eprintln!("gputrace: the kernel's log had a record that could not be read; --kernel-log stops here, recording goes on");
-    }
-    parsed
+/// What a stop signal does.
+#[derive(Debug, PartialEq, Eq)]
+enum AfterStop {
+    /// Recording ends, with this exit status.
+    End(i32),
+    /// The command gets it too.
+    Forward(u32),
+    /// The command got it already: recording ends with the command.
+    Wait,
 }
 
-/// Every open connection, device file and /proc entry is a descriptor: take the hard limit.
-fn raise_fd_limit() {
-    // SAFETY: getrlimit/setrlimit with a valid struct.
-    unsafe {
-        let mut limit: libc::rlimit = std::mem::zeroed();
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && limit.rlim_cur < limit.rlim_max {
-            limit.rlim_cur = limit.rlim_max;
-            libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
-        }
+/// A stop signal, with the command running as `command` (if one was launched) and the signals
+/// passed on to it so far: without a command recording ends; with one the signal is passed on
+/// (unless it already got it) and recording ends with the command; a third signal stops waiting.
+fn after_stop(stop: Delivered, command: Option<u32>, signals_to_command: &mut u32) -> AfterStop {
+    let Some(pid) = command else { return AfterStop::End(stop.exit_code()) };
+    *signals_to_command += 1;
+    if *signals_to_command >= 3 {
+        eprintln!("gputrace: pid {pid} has not exited after 3 signals; recording stops and it runs on untraced");
+        return AfterStop::End(stop.exit_code());
     }
-}
-
-fn find_program(program: &str) -> Result<PathBuf> {
-    let is_executable = |p: &Path| {
-        std::fs::metadata(p).map(|m| m.is_file() && std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o111 != 0).unwrap_or(false)
-    };
-    if program.contains('/') {
-        let p = PathBuf::from(program);
-        return if is_executable(&p) { Ok(p) } else { Err(anyhow!("cannot run `{program}`: no such executable file")) };
-    }
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .map(|dir| dir.join(program))
-        .find(|p| is_executable(p))
-        .ok_or_else(|| anyhow!("cannot run `{program}`: command not found in PATH"))
-}
-
-/// The version to decode with: --driver-version, else the running driver's, else none.
-fn driver_version(forced: Option<&str>) -> Result<(Option<DriverVersion>, String)> {
-    if let Some(text) = forced {
-        let v = DriverVersion::parse(text)
-            .ok_or_else(|| anyhow!("--driver-version {text:?} is not a driver version: give it as 580.95.05 or 580"))?;
-        return Ok((Some(v), "--driver-version".into()));
-    }
-    Ok(match DriverVersion::detect() {
-        Some((v, source)) => (Some(v), source),
-        None => (None, "none".into()),
-    })
-}
-
-fn layout_for(version: Option<DriverVersion>) -> Layout {
-    match version {
-        None => {
-            eprintln!(
-                "gputrace: warning: no NVIDIA driver found (/sys/module/nvidia/version, /proc/driver/nvidia/version): decoding with the {NEWEST_KNOWN} layouts; give --driver-version to choose"
-            );
-            Layout::for_version(NEWEST_KNOWN)
-        }
-        Some(v) => {
-            let layout = Layout::for_version(v);
-            if layout.assumed {
-                eprintln!(
-                    "gputrace: warning: driver {v} is outside the versions whose layouts were checked ({OLDEST_KNOWN}–{NEWEST_KNOWN}): fields stable across versions decode, the rest uses the nearest known layout"
-                );
-            }
-            layout
-        }
+    if stop.to_forward(pid) {
+        AfterStop::Forward(pid)
+    } else {
+        AfterStop::Wait
     }
 }
 
@@ -703,28 +607,97 @@ enum Question<A> {
 
 /// The next question from either source. The socket's channel is never closed while the loop
 /// runs (it holds a sender), so its `None` never comes.
-async fn next_question<S: Sink>(socket: &mut tokio::sync::mpsc::Receiver<MarkRequest>, sink: &mut S) -> Question<S::Ask> {
+async fn next_question<S: Sink>(socket: &mut Receiver<MarkRequest>, sink: &mut S) -> Question<S::Ask> {
     tokio::select! {
         Some(request) = socket.recv() => Question::Socket(request),
         ask = sink.ask() => Question::Sink(ask),
     }
 }
 
-/// Wall clock and CLOCK_MONOTONIC in nanoseconds, read together.
-pub fn clocks() -> (u64, u64) {
-    let read = |clock| {
-        // SAFETY: clock_gettime fills a timespec.
-        let mut ts: libc::timespec = unsafe { std::mem::zeroed() };
-        unsafe { libc::clock_gettime(clock, &mut ts) };
-        ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-    };
-    (read(libc::CLOCK_REALTIME), read(libc::CLOCK_MONOTONIC))
-}
-
-fn read_trimmed(path: &str) -> String {
-    std::fs::read_to_string(path).map(|s| s.trim().to_string()).unwrap_or_default()
-}
-
 fn join(pids: &[u32]) -> String {
     pids.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Records what it is given; asked nothing.
+    #[derive(Default)]
+    struct Kept(Vec<Record>);
+
+    impl Sink for Kept {
+        type Ask = ();
+        fn destination(&self) -> String {
+            String::new()
+        }
+        fn needs(&self, _: bool) -> Needs {
+            Needs::default()
+        }
+        fn push(&mut self, record: &Record, _: &Model) {
+            self.0.push(record.clone());
+        }
+        fn tick(&mut self, _: &mut Model, _: &Counters) {}
+        fn ask(&mut self) -> impl Future<Output = ()> {
+            std::future::pending()
+        }
+        fn answer(&mut self, (): (), _: &Model) {}
+        fn dump(&mut self) -> Result<String, String> {
+            Err("a test".into())
+        }
+        fn close(&mut self, _: &End) -> Result<()> {
+            Ok(())
+        }
+    }
+
+    fn session() -> Session<Kept> {
+        Session {
+            pipeline: Pipeline::new(crate::abi::Layout::for_version(crate::abi::NEWEST_KNOWN), ProcResolver, false, None),
+            model: Model::new(),
+            sink: Kept::default(),
+            out: Vec::new(),
+            updates: Vec::new(),
+            lost_seen: 0,
+            redact: false,
+            majors: (None, Instant::now()),
+            user: None,
+        }
+    }
+
+    /// A mark names a traced process that still runs: recorded for it, refused otherwise.
+    #[test]
+    fn a_mark_is_recorded_only_for_a_traced_process_that_runs() {
+        let mut s = session();
+        assert_eq!(s.mark(Phase::Prefill, 7), "ERR pid 7 is not traced by this recorder");
+        s.emit(Record::new(1, 7, 7, Event::Process { ppid: 1, seen: crate::event::Seen::Running, command: vec!["server".into()] }));
+        assert_eq!(s.mark(Phase::Prefill, 7), "OK");
+        let marked = s.sink.0.iter().filter(|r| matches!(&r.event, Event::Mark { phase } if phase == "prefill")).count();
+        assert_eq!(marked, 1, "{:?}", s.sink.0);
+        s.emit(Record::new(2, 7, 7, Event::Exit { code: Some(0) }));
+        assert!(s.mark(Phase::Idle, 7).starts_with("ERR pid 7 has exited"));
+        assert_eq!(s.model.marks.len(), 1, "the refused marks are not in the model");
+    }
+
+    /// A mark and a dump on the recorder's socket are answered on it; a recording has no dump.
+    #[test]
+    fn a_question_on_the_socket_is_answered_there() {
+        let mut s = session();
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        s.answer(Question::Socket(MarkRequest { asked: Asked::Dump, reply }));
+        assert_eq!(answer.blocking_recv().unwrap(), "ERR a test");
+    }
+
+    /// Without a command a stop signal ends recording; with one it is passed on, unless the
+    /// command got it already, and the third ends recording whatever the command does.
+    #[test]
+    fn stop_signals_reach_the_command_and_the_third_ends_recording() {
+        let kill = |sender| Delivered { signal: libc::SIGTERM, code: libc::SI_USER, sender };
+        let terminal = Delivered { signal: libc::SIGINT, code: libc::SI_KERNEL, sender: 0 };
+        let mut passed = 0;
+        assert_eq!(after_stop(kill(1), None, &mut passed), AfterStop::End(128 + libc::SIGTERM));
+        assert_eq!(after_stop(kill(1), Some(40), &mut passed), AfterStop::Forward(40));
+        assert_eq!(after_stop(terminal, Some(40), &mut passed), AfterStop::Wait, "the terminal sent it to the whole group");
+        assert_eq!(after_stop(kill(40), Some(40), &mut passed), AfterStop::End(128 + libc::SIGTERM), "the third");
+        assert_eq!(passed, 3);
+    }
 }

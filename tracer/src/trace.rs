@@ -456,6 +456,17 @@ impl Iterator for Reader {
     }
 }
 
+/// Wall clock and CLOCK_MONOTONIC in nanoseconds, read together.
+pub fn clocks() -> (u64, u64) {
+    let read = |clock| {
+        // SAFETY: clock_gettime fills a timespec.
+        let mut ts: libc::timespec = unsafe { std::mem::zeroed() };
+        unsafe { libc::clock_gettime(clock, &mut ts) };
+        ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+    };
+    (read(libc::CLOCK_REALTIME), read(libc::CLOCK_MONOTONIC))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -21,8 +21,8 @@ use crate::model::{display_command, Model};
 use crate::privileges::Needs;
 use crate::probe::Counters;
 use crate::report::{Loss, Report};
-use crate::session::{clocks, End, Sink};
-use crate::trace::{Header, Writer};
+use crate::session::{End, Sink};
+use crate::trace::{clocks, Header, Writer};
 use crate::units::bytes;
 use crate::user::{as_user, User};
 
