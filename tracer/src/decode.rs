@@ -195,7 +195,7 @@ pub fn parse_record(bytes: &[u8]) -> Result<Raw, DecodeError> {
             // A part ends inside an argument (`--max-num-seqs 25` of 2560): only those it holds
             // whole are kept.
             let args = if whole { args } else { args.iter().rposition(|&b| b == 0).map_or(&args[..0], |end| &args[..end]) };
-            let argv = crate::procfs::argv(args);
+            let argv = crate::procfs::command::argv(args);
             // An empty argv (execve with none, or only "") names nothing: /proc or the file do.
             RawKind::Exec { filename: c_string(&r.filename), argv_whole: whole && !argv.is_empty(), argv }
         }

@@ -183,13 +183,13 @@ pub fn nvidia_holders(majors: Option<Majors>) -> Vec<crate::trace::HolderAtStart
     let mut holders: Vec<crate::trace::HolderAtStart> = procfs::all_pids()
         .into_iter()
         .filter_map(|pid| {
-            let mut devices: Vec<String> = procfs::open_fds(pid)
+            let mut devices: Vec<String> = procfs::fds::open_fds(pid)
                 .into_iter()
                 .filter_map(|fd| {
-                    procfs::fd_path(pid, fd)?
+                    procfs::fds::fd_path(pid, fd)?
                         .to_str()
                         .and_then(device_of_path)
-                        .filter(|&d| admitted(majors, d, || procfs::fd_device_number(pid, fd)) == Some(true))
+                        .filter(|&d| admitted(majors, d, || procfs::fds::fd_device_number(pid, fd)) == Some(true))
                 })
                 .map(|d| format!("{d:?}").to_lowercase())
                 .collect();
@@ -198,9 +198,9 @@ pub fn nvidia_holders(majors: Option<Majors>) -> Vec<crate::trace::HolderAtStart
             (!devices.is_empty()).then(|| crate::trace::HolderAtStart {
                 pid,
                 ppid: procfs::parent(pid).unwrap_or(0),
-                command: procfs::command(pid).unwrap_or_default(),
+                command: procfs::command::command(pid).unwrap_or_default(),
                 devices,
-                exe: procfs::executable(pid),
+                exe: procfs::command::executable(pid),
             })
         })
         .collect();

@@ -29,7 +29,7 @@ pub struct FileHolder {
     pub user: Option<String>,
     pub command: Vec<String>,
     /// The program it runs, from /proc/PID/exe: what a process cannot lie about.
-    pub exe: Option<procfs::Executable>,
+    pub exe: Option<procfs::command::Executable>,
     /// "ctl", "gpu", "uvm".
     pub devices: Vec<String>,
     pub cgroup: Option<String>,
@@ -242,7 +242,7 @@ fn second_copies(holders: &mut [Assessed]) {
     let same_program = |a: &FileHolder, b: &FileHolder| {
         let identity = |h: &FileHolder| h.exe.as_ref().map(|e| (e.dev, e.ino));
         // Two command lines that could not be read are not known to be the same.
-        let readable = |h: &FileHolder| h.command.first().is_some_and(|c| c != procfs::UNREADABLE);
+        let readable = |h: &FileHolder| h.command.first().is_some_and(|c| c != procfs::command::UNREADABLE);
         identity(a).is_some() && identity(a) == identity(b) && a.uid.is_some() && a.uid == b.uid && a.command == b.command && readable(a)
     };
     for a in holders.iter_mut().filter(|a| a.verdict != Verdict::Benign && a.holder.listening.is_empty()) {
@@ -369,8 +369,8 @@ pub fn observe() -> Observed {
         .filter_map(|(h, before)| {
             let now = procfs::stat(h.pid)?;
             let used = now.cpu_ticks.saturating_sub(before.map_or(now.cpu_ticks, |b| b.cpu_ticks)) as f64 / hz;
-            let cgroup = procfs::cgroup(h.pid);
-            let uid = procfs::owner(h.pid);
+            let cgroup = procfs::place::cgroup(h.pid);
+            let uid = procfs::place::owner(h.pid);
             Some(FileHolder {
                 pid: h.pid,
                 ppid: now.ppid,
@@ -382,11 +382,11 @@ pub fn observe() -> Observed {
                 command: h.command,
                 exe: h.exe,
                 devices: h.devices,
-                container: cgroup.as_deref().and_then(procfs::container_of),
+                container: cgroup.as_deref().and_then(procfs::place::container_of),
                 cgroup,
                 age_seconds: (uptime - now.start_ticks as f64 / hz).max(0.0) as u64,
                 cpu_percent: (used / window.as_secs_f64() * 100.0).round(),
-                listening: procfs::listening_ports(h.pid, &mut tables),
+                listening: procfs::net::listening_ports(h.pid, &mut tables),
             })
         })
         .collect();
@@ -417,7 +417,7 @@ mod tests {
             session: pgrp,
             state: 'S',
             uid: Some(1000),
-            exe: Some(procfs::Executable { path: format!("/usr/bin/{program}"), dev: 1, ino, system: true }),
+            exe: Some(procfs::command::Executable { path: format!("/usr/bin/{program}"), dev: 1, ino, system: true }),
             command: command.split(' ').map(String::from).collect(),
             devices: vec!["ctl".into(), "gpu".into(), "uvm".into()],
             age_seconds: 3600,
@@ -546,7 +546,7 @@ mod tests {
         exporter.devices = vec!["ctl".into()];
         exporter.uid = Some(0);
         let mut hidden = holder(812, 1, 812, "nvidia-persistenced");
-        hidden.exe = Some(procfs::Executable { path: "/usr/bin/sleep".into(), dev: 1, ino: 5, system: true });
+        hidden.exe = Some(procfs::command::Executable { path: "/usr/bin/sleep".into(), dev: 1, ino: 5, system: true });
         hidden.state = 'T';
         let o = observed(vec![exporter, hidden], &[(800, 70 * GIB)]);
         let d = assess(&o, 10);
@@ -567,7 +567,7 @@ mod tests {
         let d = assess(&observed(vec![smi], &[]), 10);
         assert_eq!(d.holders[0].verdict, Verdict::Stale, "{:?}", d.holders[0].reasons);
         let mut first = holder(500, 1, 500, "x");
-        first.command = vec![procfs::UNREADABLE.into()];
+        first.command = vec![procfs::command::UNREADABLE.into()];
         first.listening = vec![8000];
         let mut second = first.clone();
         (second.pid, second.pgrp, second.session, second.listening) = (501, 501, 501, vec![]);

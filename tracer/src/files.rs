@@ -54,8 +54,8 @@ pub trait Resolver {
         Vec::new()
     }
     /// The TCP sockets of a process's network namespace: listening, and accepted connections.
-    fn sockets(&self, _pid: u32) -> procfs::Sockets {
-        procfs::Sockets::default()
+    fn sockets(&self, _pid: u32) -> procfs::net::Sockets {
+        procfs::net::Sockets::default()
     }
 }
 
@@ -149,7 +149,7 @@ pub struct FileTable<R: Resolver> {
     gpu_indexes: crate::devices::GpuIndexes,
     /// The sockets of each network namespace met while attaching (read once each), and the
     /// connection each accepted socket met is (a socket's fds, dups or a child's, are one).
-    sockets: HashMap<u64, procfs::Sockets>,
+    sockets: HashMap<u64, procfs::net::Sockets>,
     conn_of_socket: HashMap<u64, u64>,
 }
 
@@ -407,7 +407,7 @@ impl<R: Resolver> FileTable<R> {
             return Event::Exec { command: argv };
         }
         let command = match self.resolver.command(pid) {
-            Some(read) if read != [procfs::UNREADABLE] && read.starts_with(&argv) => read,
+            Some(read) if read != [procfs::command::UNREADABLE] && read.starts_with(&argv) => read,
             _ if !argv.is_empty() => argv,
             Some(read) => read,
             None => vec![filename.to_string()],
@@ -613,40 +613,40 @@ pub struct ProcResolver;
 
 impl Resolver for ProcResolver {
     fn fd_path(&self, pid: u32, fd: i32) -> Option<PathBuf> {
-        procfs::fd_path(pid, fd)
+        procfs::fds::fd_path(pid, fd)
     }
     fn same_file(&self, a: (u32, i32), b: (u32, i32)) -> bool {
-        procfs::same_file(a, b)
+        procfs::fds::same_file(a, b)
     }
     fn command(&self, pid: u32) -> Option<Vec<String>> {
-        procfs::command(pid)
+        procfs::command::command(pid)
     }
     fn parent(&self, pid: u32) -> Option<u32> {
         procfs::parent(pid)
     }
     fn open_fds(&self, pid: u32) -> Vec<i32> {
-        procfs::open_fds(pid)
+        procfs::fds::open_fds(pid)
     }
     fn is_unix_socket(&self, pid: u32, fd: i32) -> bool {
-        procfs::is_unix_socket(pid, fd)
+        procfs::net::is_unix_socket(pid, fd)
     }
     fn place(&self, pid: u32) -> Option<crate::event::Place> {
-        procfs::place(pid)
+        procfs::place::place(pid)
     }
     fn fd_device_number(&self, pid: u32, fd: i32) -> Option<(u32, u32)> {
-        procfs::fd_device_number(pid, fd)
+        procfs::fds::fd_device_number(pid, fd)
     }
     fn fd_cloexec(&self, pid: u32, fd: i32) -> bool {
-        procfs::fd_cloexec(pid, fd).unwrap_or(false)
+        procfs::fds::fd_cloexec(pid, fd).unwrap_or(false)
     }
     fn net_namespace(&self, pid: u32) -> Option<u64> {
-        procfs::net_namespace(pid)
+        procfs::net::net_namespace(pid)
     }
-    fn sockets(&self, pid: u32) -> procfs::Sockets {
-        procfs::sockets(pid)
+    fn sockets(&self, pid: u32) -> procfs::net::Sockets {
+        procfs::net::sockets(pid)
     }
     fn blocked_reads(&self, pid: u32) -> Vec<(u32, i32, u64)> {
-        procfs::blocked_reads(pid)
+        procfs::net::blocked_reads(pid)
     }
 }
 
@@ -661,7 +661,7 @@ mod tests {
         /// Each fd's device number, when a test sets them.
         rdev: HashMap<(u32, i32), (u32, u32)>,
         /// The one network namespace's sockets.
-        sockets: procfs::Sockets,
+        sockets: procfs::net::Sockets,
         /// Threads blocked in a read now: (tid, fd, buffer).
         blocked: Vec<(u32, i32, u64)>,
         /// Fds that are close-on-exec.
@@ -681,7 +681,7 @@ mod tests {
         fn command(&self, pid: u32) -> Option<Vec<String>> {
             match pid {
                 GONE => None,
-                LATE => Some(vec![procfs::UNREADABLE.to_string()]),
+                LATE => Some(vec![procfs::command::UNREADABLE.to_string()]),
                 _ => Some(vec![format!("cmd{pid}")]),
             }
         }
@@ -702,7 +702,7 @@ mod tests {
         fn net_namespace(&self, _pid: u32) -> Option<u64> {
             Some(1)
         }
-        fn sockets(&self, _pid: u32) -> procfs::Sockets {
+        fn sockets(&self, _pid: u32) -> procfs::net::Sockets {
             self.sockets.clone()
         }
         fn blocked_reads(&self, _pid: u32) -> Vec<(u32, i32, u64)> {
@@ -1016,7 +1016,7 @@ mod tests {
         assert_eq!(command(t.exec(10, "/bin/fake-server", vec![], false, &mut updates)), ["cmd10"]);
         assert_eq!(command(t.exec(GONE, "/bin/fake-server", argv(), false, &mut updates)), argv());
         assert_eq!(command(t.exec(LATE, "/bin/fake-server", argv(), false, &mut updates)), argv());
-        assert_eq!(command(t.exec(LATE, "/bin/fake-server", vec![], false, &mut updates)), [procfs::UNREADABLE]);
+        assert_eq!(command(t.exec(LATE, "/bin/fake-server", vec![], false, &mut updates)), [procfs::command::UNREADABLE]);
         assert_eq!(command(t.exec(GONE, "/bin/fake-server", vec![], false, &mut updates)), ["/bin/fake-server"]);
     }
 

@@ -58,7 +58,7 @@ fn processes(device: &nvml_wrapper::Device, index: u32, mut named: impl FnMut(u3
                 UsedGpuMemory::Used(bytes) => Some(bytes),
                 UsedGpuMemory::Unavailable => None,
             };
-            let command = if named(process.pid) { crate::procfs::command(process.pid).unwrap_or_default() } else { Vec::new() };
+            let command = if named(process.pid) { crate::procfs::command::command(process.pid).unwrap_or_default() } else { Vec::new() };
             PriorUse { pid: process.pid, gpu: index, used_bytes, command }
         })
         .collect()

@@ -412,10 +412,10 @@ pub fn scan(owner: Option<u32>, said: &mut std::collections::HashSet<(u32, Strin
         if comm != "litellm" && !comm.starts_with("python") {
             continue;
         }
-        if owner.is_some_and(|uid| procfs::owner(pid) != Some(uid)) {
+        if owner.is_some_and(|uid| procfs::place::owner(pid) != Some(uid)) {
             continue;
         }
-        let Some(command) = procfs::command(pid) else { continue };
+        let Some(command) = procfs::command::command(pid) else { continue };
         if is_spawned_worker(&command) {
             if spawned.len() < MAX_PROXIES * 64 {
                 spawned.push(pid);
@@ -432,12 +432,12 @@ pub fn scan(owner: Option<u32>, said: &mut std::collections::HashSet<(u32, Strin
                 // An address is the proxy's own (its network namespace's), else another
                 // namespace's here (a container's, the host's from a container), else another
                 // machine's; unknown where the namespaces cannot all be read.
-                let own = procfs::local_addresses(pid);
+                let own = procfs::net::local_addresses(pid);
                 for d in &mut deployments {
                     d.local = match locality(&d.host, own.as_deref().unwrap_or_default()) {
                         Some(false) if own.is_none() => None,
                         Some(false) => {
-                            host_wide.get_or_insert_with(procfs::host_addresses).as_deref().and_then(|all| locality(&d.host, all))
+                            host_wide.get_or_insert_with(procfs::net::host_addresses).as_deref().and_then(|all| locality(&d.host, all))
                         }
                         judged => judged,
                     };

@@ -249,7 +249,7 @@ async fn answer(line: &[u8], peer: Option<u32>, invoking_uid: Option<u32>, to_re
         Err(why) => return format!("ERR {why}"),
     };
     let allowed = match asked {
-        Asked::Mark { pid, .. } => may_mark(peer, invoking_uid, procfs::owner(pid), pid),
+        Asked::Mark { pid, .. } => may_mark(peer, invoking_uid, procfs::place::owner(pid), pid),
         Asked::Dump => may_dump(peer, invoking_uid),
     };
     if let Err(why) = allowed {

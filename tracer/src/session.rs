@@ -226,7 +226,7 @@ impl<S: Sink> Session<S> {
                 KernelUpdate::BlockedRead { pid, tid, fd, buf } => probe.set_reading(pid, tid, fd, buf).map(|()| {
                     // Returned between the look and the insert: the entry would wait for that
                     // thread's next read of anything, so it goes.
-                    if !procfs::blocked_reads(pid).contains(&(tid, fd, buf)) {
+                    if !procfs::net::blocked_reads(pid).contains(&(tid, fd, buf)) {
                         probe.forget_reading(pid, tid);
                     }
                 }),

@@ -54,7 +54,7 @@ pub struct HolderAtStart {
     pub devices: Vec<String>,
     /// The program it runs (what says it is a daemon holding the GPU by design, not argv[0]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub exe: Option<crate::procfs::Executable>,
+    pub exe: Option<crate::procfs::command::Executable>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -146,7 +146,7 @@ const BENIGN: [(&str, &str); 10] = [
 /// Why a holder of the device files is benign, when it is: by the program it runs
 /// (/proc/PID/exe), a system one (root's, where only root writes), never by argv[0], which any
 /// process sets (`exec -a nvidia-persistenced`).
-pub fn benign(exe: Option<&crate::procfs::Executable>) -> Option<&'static str> {
+pub fn benign(exe: Option<&crate::procfs::command::Executable>) -> Option<&'static str> {
     let exe = exe.filter(|e| e.system)?;
     BENIGN.iter().find(|(name, _)| exe.name() == *name).map(|(_, why)| *why)
 }

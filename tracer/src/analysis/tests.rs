@@ -321,7 +321,7 @@ fn without_nvml_a_holder_from_before_is_the_suspect() {
     let model = Model::from_records(&t.0);
     let mut h = header(24 * GIB, &[(4242, 14 * GIB)]);
     (h.gpus, h.prior_use, h.nvml) = (vec![], vec![], "NVML unavailable (no library)".into());
-    let program = |path: &str, system| Some(crate::procfs::Executable { path: path.into(), dev: 1, ino: 2, system });
+    let program = |path: &str, system| Some(crate::procfs::command::Executable { path: path.into(), dev: 1, ino: 2, system });
     let persistenced = HolderAtStart {
         pid: 90,
         ppid: 1,
