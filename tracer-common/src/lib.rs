@@ -55,7 +55,7 @@ pub const SOCK_HEAD_MAX: usize = 64;
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct SockRecord {
-    pub header: Header,
+    pub header: RecordHeader,
     pub fd: i32,
     pub inbound: u32,
     /// Bytes read (the return value) or bytes asked to be written.
@@ -167,7 +167,7 @@ pub struct KernelOffsets {
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
-pub struct Header {
+pub struct RecordHeader {
     pub kind: u32,
     pub tgid: u32,
     pub tid: u32,
@@ -179,7 +179,7 @@ pub struct Header {
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct IoctlRecord {
-    pub header: Header,
+    pub header: RecordHeader,
     pub fd: i32,
     /// The request as the process passed it.
     pub cmd: u32,
@@ -208,7 +208,7 @@ pub struct IoctlRecord {
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct OpenRecord {
-    pub header: Header,
+    pub header: RecordHeader,
     pub fd: i32,
     pub flags: i32,
     /// The new `struct file *` (0 when unknown).
@@ -224,7 +224,7 @@ pub struct OpenRecord {
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct FdRecord {
-    pub header: Header,
+    pub header: RecordHeader,
     pub a: i64,
     pub b: i64,
     pub c: i64,
@@ -233,7 +233,7 @@ pub struct FdRecord {
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct ExecRecord {
-    pub header: Header,
+    pub header: RecordHeader,
     pub filename: [u8; 64],
     /// The argv the new program was given, NUL-separated: the first `args_len` bytes of it
     /// (`args_len` 0: unknown), all of it when `args_whole` is 1.

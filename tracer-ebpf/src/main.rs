@@ -27,8 +27,8 @@ use aya_ebpf::{
 use aya_log_ebpf::warn;
 use tracer_common::{
     alloc, control, control_params_size, device, escape, ioc_nr, ioc_size, ioctl_flag, kind, rm_cmd, rm_command_traced, rm_escape_traced,
-    stat, traced, u32_at, u64_at, uvm_command_traced, xfer, Config, ExecRecord, FdKey, FdRecord, Header, IoctlRecord, KernelOffsets,
-    OpenRecord, Reading, SockRecord, UvmWindow, CALL_SLOTS, CLASS_PARAMS_MAX, EXEC_ARGS, PARAMS_MAX, PID_SLOTS, SOCK_HEAD_MAX,
+    stat, traced, u32_at, u64_at, uvm_command_traced, xfer, Config, ExecRecord, FdKey, FdRecord, IoctlRecord, KernelOffsets, OpenRecord,
+    Reading, RecordHeader, SockRecord, UvmWindow, CALL_SLOTS, CLASS_PARAMS_MAX, EXEC_ARGS, PARAMS_MAX, PID_SLOTS, SOCK_HEAD_MAX,
 };
 
 #[map]
@@ -209,9 +209,9 @@ const EXEC_FILENAME_LOC: usize = 8;
 const OOM_VICTIM_PID: usize = 8;
 
 #[inline(always)]
-fn header(kind: u32) -> Header {
+fn header(kind: u32) -> RecordHeader {
     let pid_tgid = bpf_get_current_pid_tgid();
-    Header { kind, tgid: (pid_tgid >> 32) as u32, tid: pid_tgid as u32, _pad: 0, ts_ns: unsafe { bpf_ktime_get_ns() } }
+    RecordHeader { kind, tgid: (pid_tgid >> 32) as u32, tid: pid_tgid as u32, _pad: 0, ts_ns: unsafe { bpf_ktime_get_ns() } }
 }
 
 fn send_fd_record(kind: u32, a: i64, b: i64, c: i64) {

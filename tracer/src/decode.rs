@@ -6,8 +6,8 @@ use std::mem::size_of;
 
 use thiserror::Error;
 use tracer_common::{
-    control, control_params_size, device, escape, ioc_nr, ioc_size, ioctl_flag, kind, uvm, ExecRecord, FdRecord, Header, IoctlRecord,
-    OpenRecord, SockRecord,
+    control, control_params_size, device, escape, ioc_nr, ioc_size, ioctl_flag, kind, uvm, ExecRecord, FdRecord, IoctlRecord, OpenRecord,
+    RecordHeader, SockRecord,
 };
 
 use crate::abi::{class, offsets as o, DriverVersion, Layout};
@@ -143,10 +143,10 @@ fn c_string(bytes: &[u8]) -> String {
 
 /// Parses one ring buffer record.
 pub fn parse_record(bytes: &[u8]) -> Result<Raw, DecodeError> {
-    if bytes.len() < size_of::<Header>() {
+    if bytes.len() < size_of::<RecordHeader>() {
         return Err(DecodeError::Short(bytes.len()));
     }
-    let header: Header = read(bytes, 0)?;
+    let header: RecordHeader = read(bytes, 0)?;
     let k = header.kind;
     let fd_record = || read::<FdRecord>(bytes, k);
     let raw_kind = match k {
@@ -222,9 +222,9 @@ pub fn parse_record(bytes: &[u8]) -> Result<Raw, DecodeError> {
 }
 
 /// Little-endian field reader over a params struct that may be shorter than expected.
-struct Fields<'a>(&'a [u8]);
+struct Params<'a>(&'a [u8]);
 
-impl Fields<'_> {
+impl Params<'_> {
     fn u32(&self, at: usize) -> Option<u32> {
         self.0.get(at..at + 4).map(|b| u32::from_le_bytes(b.try_into().unwrap()))
     }
@@ -255,7 +255,7 @@ pub fn decode_ioctl(layout: &Layout, raw: &RawIoctl) -> Option<Event> {
     if raw.flags & ioctl_flag::PARAMS_FAULT != 0 {
         return Some(undecodable(raw, "reading the params from the process's memory failed"));
     }
-    let p = Fields(&raw.params);
+    let p = Params(&raw.params);
     let nr = ioc_nr(raw.escape_cmd);
     let size = ioc_size(raw.escape_cmd);
     let needed = match (raw.device, raw.cmd) {
@@ -316,7 +316,7 @@ pub fn decode_ioctl(layout: &Layout, raw: &RawIoctl) -> Option<Event> {
 
 /// The controls the kernel side lets through (`tracer_common::control`), their params copied
 /// from behind NVOS54's pointer.
-fn decode_control(layout: &Layout, raw: &RawIoctl, p: &Fields) -> Option<Event> {
+fn decode_control(layout: &Layout, raw: &RawIoctl, p: &Params) -> Option<Event> {
     let (client, cmd) = (p.u32(0)?, p.u32(control::CMD)?);
     let fabric_control = matches!(
         cmd,
@@ -327,7 +327,7 @@ fn decode_control(layout: &Layout, raw: &RawIoctl, p: &Fields) -> Option<Event> 
         return None;
     }
     let status = status_or_errno(raw, p.u32(control::STATUS)?);
-    let c = Fields(&raw.class_params);
+    let c = Params(&raw.class_params);
     let need = control_params_size(cmd).unwrap_or(0) as usize;
     if raw.class_params.len() < need {
         let why = if raw.flags & ioctl_flag::CLASS_FAULT != 0 { "reading" } else { "capturing" };
@@ -416,7 +416,7 @@ fn status_or_errno(raw: &RawIoctl, status: u32) -> u32 {
     }
 }
 
-fn decode_rm_alloc(layout: &Layout, raw: &RawIoctl, p: &Fields, size: u32) -> Option<Event> {
+fn decode_rm_alloc(layout: &Layout, raw: &RawIoctl, p: &Params, size: u32) -> Option<Event> {
     // The struct's size says its generation: a 48-byte NVOS64 is 535's even when the trace was
     // decoded with an older version's layout (a --driver-version given wrong).
     let status_at = if size == 32 {
@@ -445,11 +445,11 @@ fn decode_rm_alloc(layout: &Layout, raw: &RawIoctl, p: &Fields, size: u32) -> Op
         _ => {
             // A new client's handle is hObjectNew; it is its own root.
             let client = if class::is_client(hclass) { object } else { client };
-            let gpu = if hclass == class::DEVICE { Fields(&raw.class_params).u32(o::DEVICE_ID) } else { None };
+            let gpu = if hclass == class::DEVICE { Params(&raw.class_params).u32(o::DEVICE_ID) } else { None };
             return Some(Event::Object { fd: raw.fd, client, parent, object, class: hclass, status, gpu });
         }
     };
-    let c = Fields(&raw.class_params);
+    let c = Params(&raw.class_params);
     let bytes = match hclass {
         class::LOCAL_USER | class::SYSTEM | class::NV50_MEMORY_VIRTUAL | class::EXTENDED_USER => c.u64(o::MEM_SIZE),
         class::MULTICAST_FABRIC => c.u64(layout.multicast_params.1),
@@ -490,7 +490,7 @@ fn decode_rm_alloc(layout: &Layout, raw: &RawIoctl, p: &Fields, size: u32) -> Op
 /// VID_HEAP_CONTROL: RM turns ALLOC_SIZE into an RM_ALLOC of NV50_MEMORY_VIRTUAL (flags VIRTUAL),
 /// EXTENDED_USER (attr2 USE_EGM, 550 to 590), LOCAL_USER (attr LOCATION VIDMEM) or SYSTEM
 /// (anything else).
-fn decode_vid_heap(layout: &Layout, raw: &RawIoctl, p: &Fields) -> Option<Event> {
+fn decode_vid_heap(layout: &Layout, raw: &RawIoctl, p: &Params) -> Option<Event> {
     let function = p.u32(o::VID_FUNCTION)?;
     let client = p.u32(o::VID_ROOT)?;
     let parent = p.u32(o::VID_PARENT)?;
@@ -536,7 +536,7 @@ fn decode_vid_heap(layout: &Layout, raw: &RawIoctl, p: &Fields) -> Option<Event>
 /// memory but a mapping of the whole framebuffer (the X driver asks for it), of
 /// LOCAL_PRIVILEGED a 4 GiB window with none: objects, like any class not known to be memory,
 /// never counted as the size of the card.
-fn decode_alloc_memory(raw: &RawIoctl, p: &Fields) -> Option<Event> {
+fn decode_alloc_memory(raw: &RawIoctl, p: &Params) -> Option<Event> {
     let hclass = p.u32(o::NVOS02_CLASS)?;
     let flags = p.u32(o::NVOS02_FLAGS)?;
     let vidmem = (flags >> o::NVOS02_LOCATION_SHIFT) & 0xf == o::NVOS02_LOCATION_VIDMEM;
@@ -568,7 +568,7 @@ fn decode_alloc_memory(raw: &RawIoctl, p: &Fields) -> Option<Event> {
 
 /// UVM params arrive as the head window followed by the 16-byte tail window (see
 /// `Layout::uvm_windows`).
-fn decode_uvm(layout: &Layout, raw: &RawIoctl, p: &Fields) -> Option<Event> {
+fn decode_uvm(layout: &Layout, raw: &RawIoctl, p: &Params) -> Option<Event> {
     let uvm_alloc = |via, memory, base: u64, length: u64, status: u32| {
         Event::Alloc(Alloc {
             fd: raw.fd,

@@ -35,20 +35,20 @@ pub struct Config {
 pub const DUMPS_PER_USER: usize = 3;
 
 /// Whom a trigger's dump is counted against: its service (by its root's pid) and the user it
-/// runs as, together. One party's failures never hold back another's dumps.
+/// runs as, together. One service's or user's failures never hold back another's dumps.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Party {
+pub struct ChargedTo {
     pub service: u32,
     pub uid: Option<u32>,
 }
 
-impl Party {
-    /// The party of `pid` in the live model. A process whose user is not known is a service of
+impl ChargedTo {
+    /// Whom a failure of `pid` is charged to, in the live model. A process whose user is not known is a service of
     /// its own, and shares one user's dumps with every other such process.
-    pub fn of(live: &Model, pid: u32) -> Party {
+    pub fn of(live: &Model, pid: u32) -> ChargedTo {
         match live.processes.get(&pid).and_then(|p| p.place.as_ref()?.uid) {
-            Some(uid) => Party { service: crate::analysis::services::service_root(live, pid), uid: Some(uid) },
-            None => Party { service: pid, uid: None },
+            Some(uid) => ChargedTo { service: crate::analysis::services::service_root(live, pid), uid: Some(uid) },
+            None => ChargedTo { service: pid, uid: None },
         }
     }
 }
@@ -110,8 +110,8 @@ impl Trigger {
 /// A dump ready to write: the state at its window's start, then the window, in order.
 pub struct Dump {
     pub trigger: Trigger,
-    /// Whose failure it is (None: someone asked): the dump is kept within that party's share.
-    pub party: Option<Party>,
+    /// Whose failure it is (None: someone asked): the dump is kept within that one's share.
+    pub charged_to: Option<ChargedTo>,
     pub trigger_ts: u64,
     /// Triggers that came while it waited for its aftermath, counted in it.
     pub joined: u64,
@@ -159,7 +159,7 @@ struct Segment {
 
 struct Pending {
     trigger: Trigger,
-    party: Option<Party>,
+    charged_to: Option<ChargedTo>,
     trigger_ts: u64,
     joined: u64,
     window_start: u64,
@@ -200,8 +200,8 @@ pub struct Flight {
     /// Running processes that opened an NVIDIA file or allocated (compaction keeps no history).
     gpu_users: HashSet<u32>,
     /// When each kind of trigger last started a dump, per service and user (a process another
-    /// user runs below a service is a party of its own).
-    last_trigger: HashMap<(&'static str, Party), u64>,
+    /// user runs below a service is charged on its own).
+    last_trigger: HashMap<(&'static str, ChargedTo), u64>,
     /// When each kind of trigger started a dump for each user's services, the last few (None:
     /// every process whose user is not known).
     user_dumps: HashMap<(&'static str, Option<u32>), VecDeque<u64>>,
@@ -267,33 +267,33 @@ impl Flight {
             _ => self.gpu_users.contains(&record.pid),
         };
         if let Some(trigger) = Trigger::of(record, live, used_gpu) {
-            self.trigger(trigger, Some(Party::of(live, record.pid)), record.ts);
+            self.trigger(trigger, Some(ChargedTo::of(live, record.pid)), record.ts);
         }
         self.evict(record.ts);
     }
 
-    /// A trigger at `ts`, charged to `party` (None: someone asked): a dump starts waiting for its
+    /// A trigger at `ts`, charged to `charged_to` (None: someone asked): a dump starts waiting for its
     /// aftermath, or the one waiting counts it, or it is too soon after the last of its service
     /// or its user has had their share, and it is counted only.
-    pub fn trigger(&mut self, trigger: Trigger, party: Option<Party>, ts: u64) {
+    pub fn trigger(&mut self, trigger: Trigger, charged_to: Option<ChargedTo>, ts: u64) {
         self.counters.triggers += 1;
         if let Some(p) = &mut self.pending {
             p.joined += 1;
             return;
         }
         // Each kind on its own: a dump of memory left behind never holds back the failure's.
-        if let Some(party) = party {
+        if let Some(charged_to) = charged_to {
             let kind = trigger.name();
             let interval = self.config.min_interval_ns;
             let recent = |t: &u64| ts < t.saturating_add(interval);
-            if self.last_trigger.get(&(kind, party)).is_some_and(recent) {
+            if self.last_trigger.get(&(kind, charged_to)).is_some_and(recent) {
                 self.counters.suppressed += 1;
                 return;
             }
             // Processes whose user could not be read share one user's dumps: each such
             // process is a service of its own, and one that exits at once is what a user racing
             // the watch's read of /proc would make in a loop.
-            let times = self.user_dumps.entry((kind, party.uid)).or_default();
+            let times = self.user_dumps.entry((kind, charged_to.uid)).or_default();
             times.retain(recent);
             if times.len() >= DUMPS_PER_USER {
                 self.counters.suppressed += 1;
@@ -303,14 +303,14 @@ impl Flight {
             // Parties whose interval is over are forgotten: the books hold the last interval's.
             self.last_trigger.retain(|_, t| recent(t));
             self.user_dumps.retain(|_, times| times.back().is_some_and(recent));
-            self.last_trigger.insert((kind, party), ts);
+            self.last_trigger.insert((kind, charged_to), ts);
         }
         self.close_segment();
         let segments = self.segments.iter().map(|s| s.bytes.clone()).collect();
         // The state at the window's start: the base, as the window's first record found it.
         self.pending = Some(Pending {
             trigger,
-            party,
+            charged_to,
             trigger_ts: ts,
             joined: 0,
             window_start: self.window_start,
@@ -337,7 +337,7 @@ impl Flight {
         self.counters.dumps += 1;
         Some(Dump {
             trigger: p.trigger,
-            party: p.party,
+            charged_to: p.charged_to,
             trigger_ts: p.trigger_ts,
             joined: p.joined,
             window_start: p.window_start,

@@ -1,15 +1,14 @@
 //! The HTTP side of `gputrace watch` (`--listen`, loopback by default): `/healthz`, `/metrics`
 //! (Prometheus's text format) and `/report` (the live state as the report's JSON). It runs as
 //! root on a shared host, so every connection is bounded and none can keep the others out:
-//! - at most [`MAX_CONNECTIONS`] at once. Past that, who holds the places is asked of the kernel:
+//! - at most [`MAX_CONNECTIONS`] at once. Past that, who holds the slots is asked of the kernel:
 //!   a user (root aside) who holds [`MAX_PER_USER`] already is answered 503, and anyone else
 //!   evicts a connection without a whole request head yet: one whose other end was closed, else
 //!   the one that has waited longest, taken from the user (or, from another host, the host) who
-//!   holds the most (a flood of connections, slow or fast, never holds a place against a
-//!   scraper); 503 only when every place holds a complete request;
+//!   holds the most (a flood of connections, slow or fast, never holds a slot against a
+//!   scraper); 503 only when every slot holds a complete request;
 //! - connections are taken on a task of their own, which lets every connection taken read what
-//!   it was sent before the next one can evict it (a backlog taken in one go made way for itself
-//!   by evicting a scraper whose request had come whole but was not read yet);
+//!   it was sent before the next one can evict it;
 //! - a request head of at most [`MAX_HEAD`] bytes, whole within [`HEAD_TIMEOUT`]; GET or HEAD;
 //! - `/report` holds command lines and request lines: only root and the user who started the
 //!   watch get it. The peer's uid is the kernel's answer for that one connection (sock_diag
@@ -29,7 +28,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::AbortHandle;
 
 pub const MAX_CONNECTIONS: usize = 16;
-/// The places one user other than root may hold once they are all taken.
+/// The slots one user other than root may hold once they are all taken.
 pub const MAX_PER_USER: usize = 4;
 pub const MAX_HEAD: usize = 8 * 1024;
 /// How long a connection has to send its whole request head.
@@ -103,9 +102,9 @@ impl Peer {
     }
 }
 
-/// Whose a place counts as, when the places are all taken.
+/// Whose a slot counts as, when the slots are all taken.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Holder {
+enum Occupant {
     User(u32),
     /// Not a socket of this host (or the kernel did not say): its host's, by address (an IPv6
     /// one by its /64, which one host is commonly given whole).
@@ -114,73 +113,73 @@ enum Holder {
     Gone,
 }
 
-impl Holder {
-    fn of(peer: Peer, addr: SocketAddr) -> Holder {
+impl Occupant {
+    fn of(peer: Peer, addr: SocketAddr) -> Occupant {
         match peer {
-            Peer::User(uid) => Holder::User(uid),
-            Peer::Gone => Holder::Gone,
+            Peer::User(uid) => Occupant::User(uid),
+            Peer::Gone => Occupant::Gone,
             Peer::Unknown => match plain_ip(addr.ip()) {
-                IpAddr::V6(v6) => Holder::Host(IpAddr::V6((u128::from(v6) & !u128::from(u64::MAX)).into())),
-                v4 => Holder::Host(v4),
+                IpAddr::V6(v6) => Occupant::Host(IpAddr::V6((u128::from(v6) & !u128::from(u64::MAX)).into())),
+                v4 => Occupant::Host(v4),
             },
         }
     }
 }
 
-/// A place as the choice of who makes way sees it.
+/// A slot as the choice of who makes way sees it.
 #[derive(Clone, Copy)]
 struct Claim {
-    holder: Holder,
+    occupant: Occupant,
     /// Its request head came whole.
     headed: bool,
     since: Instant,
 }
 
-/// The place that makes way for a newcomer, if any: never one whose request head came whole,
-/// and none for a user (root aside) who holds [`MAX_PER_USER`] already. First a place whose
+/// The slot that makes way for a newcomer, if any: never one whose request head came whole,
+/// and none for a user (root aside) who holds [`MAX_PER_USER`] already. First a slot whose
 /// other end was closed, then one of whoever holds the most, the one waiting longest.
-fn make_way(claims: &[Claim], newcomer: Holder) -> Option<usize> {
-    let held_by = |h: Holder| claims.iter().filter(|c| c.holder == h).count();
-    if matches!(newcomer, Holder::User(uid) if uid != 0) && held_by(newcomer) >= MAX_PER_USER {
+fn make_way(claims: &[Claim], newcomer: Occupant) -> Option<usize> {
+    let held_by = |h: Occupant| claims.iter().filter(|c| c.occupant == h).count();
+    if matches!(newcomer, Occupant::User(uid) if uid != 0) && held_by(newcomer) >= MAX_PER_USER {
         return None;
     }
     let evictable = claims.iter().enumerate().filter(|(_, c)| !c.headed);
-    evictable.max_by_key(|(_, c)| (c.holder == Holder::Gone, held_by(c.holder), std::cmp::Reverse(c.since))).map(|(i, _)| i)
+    evictable.max_by_key(|(_, c)| (c.occupant == Occupant::Gone, held_by(c.occupant), std::cmp::Reverse(c.since))).map(|(i, _)| i)
 }
 
-/// One place among the [`MAX_CONNECTIONS`].
-struct Place {
+/// One slot among the [`MAX_CONNECTIONS`].
+struct Slot {
     id: u64,
     since: Instant,
-    /// Its addresses, and who holds it once asked (only when the places are all taken).
+    /// Its addresses, and who holds it once asked (only when the slots are all taken).
     peer: SocketAddr,
     local: Option<SocketAddr>,
-    holder: Option<Holder>,
+    occupant: Option<Occupant>,
     /// Its request head came whole: it waits for its answer, never evicted.
     headed: Arc<AtomicBool>,
     task: AbortHandle,
 }
 
 #[derive(Default)]
-struct Places {
-    held: Vec<Place>,
+struct Slots {
+    held: Vec<Slot>,
     next: u64,
 }
 
-/// Gives a place back when its connection's task ends, however it ends.
-struct Leave(Arc<Mutex<Places>>, u64);
+/// Gives a slot back when its connection's task ends, however it ends.
+struct Leave(Arc<Mutex<Slots>>, u64);
 
 impl Drop for Leave {
     fn drop(&mut self) {
-        let mut places = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        places.held.retain(|p| p.id != self.1);
+        let mut slots = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        slots.held.retain(|p| p.id != self.1);
     }
 }
 
 pub struct Server {
     listener: TcpListener,
     local: SocketAddr,
-    places: Arc<Mutex<Places>>,
+    slots: Arc<Mutex<Slots>>,
 }
 
 impl Server {
@@ -189,7 +188,7 @@ impl Server {
         std_listener.set_nonblocking(true)?;
         let listener = TcpListener::from_std(std_listener)?;
         let local = listener.local_addr()?;
-        Ok(Server { listener, local, places: Arc::default() })
+        Ok(Server { listener, local, slots: Arc::default() })
     }
 
     pub fn local_addr(&self) -> SocketAddr {
@@ -224,27 +223,28 @@ impl Server {
     async fn accept(&self, to_loop: &mpsc::Sender<Request>) -> std::io::Result<()> {
         let (stream, peer) = self.listener.accept().await?;
         let local = stream.local_addr().ok();
-        let mut places = self.places.lock().unwrap_or_else(|e| e.into_inner());
-        let mut holder = None;
-        if places.held.len() >= MAX_CONNECTIONS {
-            // One netlink question per connection, and only while every place is taken.
-            let owner = |peer: SocketAddr, local: Option<SocketAddr>| Holder::of(local.map_or(Peer::Unknown, |l| tcp_owner(peer, l)), peer);
+        let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        let mut occupant = None;
+        if slots.held.len() >= MAX_CONNECTIONS {
+            // One netlink question per connection, and only while every slot is taken.
+            let owner =
+                |peer: SocketAddr, local: Option<SocketAddr>| Occupant::of(local.map_or(Peer::Unknown, |l| tcp_owner(peer, l)), peer);
             let newcomer = owner(peer, local);
-            if newcomer == Holder::Gone {
-                // Closed before it was taken: nobody to answer, and no place given.
+            if newcomer == Occupant::Gone {
+                // Closed before it was taken: nobody to answer, and no slot given.
                 return Ok(());
             }
-            holder = Some(newcomer);
-            let claims: Vec<Claim> = places
+            occupant = Some(newcomer);
+            let claims: Vec<Claim> = slots
                 .held
                 .iter_mut()
                 .map(|p| {
-                    let holder = *p.holder.get_or_insert_with(|| owner(p.peer, p.local));
-                    Claim { holder, headed: p.headed.load(Ordering::Acquire), since: p.since }
+                    let occupant = *p.occupant.get_or_insert_with(|| owner(p.peer, p.local));
+                    Claim { occupant, headed: p.headed.load(Ordering::Acquire), since: p.since }
                 })
                 .collect();
             match make_way(&claims, newcomer) {
-                Some(i) => places.held.swap_remove(i).task.abort(),
+                Some(i) => slots.held.swap_remove(i).task.abort(),
                 None => {
                     let busy = Response::text(
                         503,
@@ -257,12 +257,12 @@ impl Server {
                 }
             }
         }
-        let id = places.next;
-        places.next += 1;
+        let id = slots.next;
+        slots.next += 1;
         let headed = Arc::new(AtomicBool::new(false));
-        let leave = Leave(self.places.clone(), id);
+        let leave = Leave(self.slots.clone(), id);
         let task = tokio::spawn(serve(stream, peer, to_loop.clone(), headed.clone(), leave));
-        places.held.push(Place { id, since: Instant::now(), peer, local, holder, headed, task: task.abort_handle() });
+        slots.held.push(Slot { id, since: Instant::now(), peer, local, occupant, headed, task: task.abort_handle() });
         Ok(())
     }
 }
@@ -553,29 +553,29 @@ mod tests {
     fn the_place_that_makes_way_is_a_closed_one_then_the_oldest_of_whoever_holds_most() {
         let t0 = Instant::now();
         let at = |ms: u64| t0 + Duration::from_millis(ms);
-        let (root, nobody) = (Holder::User(0), Holder::User(65534));
-        let remote = Holder::Host("192.0.2.7".parse().unwrap());
+        let (root, nobody) = (Occupant::User(0), Occupant::User(65534));
+        let remote = Occupant::Host("192.0.2.7".parse().unwrap());
         // A scraper waiting longest, among a flood's connections: the flood's oldest goes.
-        let mut claims: Vec<Claim> = (1..16).map(|ms| Claim { holder: nobody, headed: false, since: at(ms) }).collect();
-        claims.insert(0, Claim { holder: root, headed: false, since: at(0) });
+        let mut claims: Vec<Claim> = (1..16).map(|ms| Claim { occupant: nobody, headed: false, since: at(ms) }).collect();
+        claims.insert(0, Claim { occupant: root, headed: false, since: at(0) });
         assert_eq!(make_way(&claims, root), Some(1));
-        // A closed one goes first, even the youngest of a lone holder.
-        claims.push(Claim { holder: Holder::Gone, headed: false, since: at(99) });
+        // A closed one goes first, even the youngest of a lone occupant.
+        claims.push(Claim { occupant: Occupant::Gone, headed: false, since: at(99) });
         assert_eq!(make_way(&claims, root), Some(16));
         // The flood's user is capped; root never is.
         assert_eq!(make_way(&claims, nobody), None);
-        // Whole requests are never evicted: with every place headed, nobody makes way.
+        // Whole requests are never evicted: with every slot headed, nobody makes way.
         let headed: Vec<Claim> = claims.iter().map(|c| Claim { headed: true, ..*c }).collect();
         assert_eq!(make_way(&headed, root), None);
         // Another host's flood is counted as its host's, against a lone local scraper.
-        let mut claims: Vec<Claim> = (1..16).map(|ms| Claim { holder: remote, headed: false, since: at(ms) }).collect();
-        claims.insert(0, Claim { holder: root, headed: false, since: at(0) });
+        let mut claims: Vec<Claim> = (1..16).map(|ms| Claim { occupant: remote, headed: false, since: at(ms) }).collect();
+        claims.insert(0, Claim { occupant: root, headed: false, since: at(0) });
         assert_eq!(make_way(&claims, remote), Some(1));
-        // One host's IPv6 addresses are one holder (its /64), an IPv4-mapped one its IPv4's.
+        // One host's IPv6 addresses are one occupant (its /64), an IPv4-mapped one its IPv4's.
         let (a, b) = ("[2001:db8::1]:1".parse().unwrap(), "[2001:db8::ffff:2]:2".parse().unwrap());
-        assert_eq!(Holder::of(Peer::Unknown, a), Holder::of(Peer::Unknown, b));
-        assert_ne!(Holder::of(Peer::Unknown, a), Holder::of(Peer::Unknown, "[2001:db8:0:1::1]:1".parse().unwrap()));
-        let mapped = Holder::of(Peer::Unknown, "[::ffff:192.0.2.7]:1".parse().unwrap());
+        assert_eq!(Occupant::of(Peer::Unknown, a), Occupant::of(Peer::Unknown, b));
+        assert_ne!(Occupant::of(Peer::Unknown, a), Occupant::of(Peer::Unknown, "[2001:db8:0:1::1]:1".parse().unwrap()));
+        let mapped = Occupant::of(Peer::Unknown, "[::ffff:192.0.2.7]:1".parse().unwrap());
         assert_eq!(mapped, remote);
     }
 

@@ -27,7 +27,7 @@ const CAP_BPF: u32 = 39;
 const VERSION_3: u32 = 0x2008_0522;
 
 #[repr(C)]
-struct Header {
+struct CapHeader {
     version: u32,
     pid: i32,
 }
@@ -94,7 +94,7 @@ pub fn keep_only_what_recording_needs(needs: Needs) -> io::Result<()> {
         prctl(PR_CAPBSET_DROP, libc::c_ulong::from(cap))?;
     }
     prctl(PR_SET_NO_NEW_PRIVS, 1)?;
-    let mut header = Header { version: VERSION_3, pid: 0 };
+    let mut header = CapHeader { version: VERSION_3, pid: 0 };
     let mut data = [Data::default(); 2];
     // SAFETY: capget fills two Data structs for version 3.
     if unsafe { libc::syscall(libc::SYS_capget, &mut header, data.as_mut_ptr()) } != 0 {

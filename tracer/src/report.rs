@@ -13,7 +13,7 @@ use crate::analysis::holders::{mps_server, suspects};
 pub use crate::analysis::nvml::Disagreement;
 use crate::analysis::nvml::{disagreements, nvml_peaks, unaccounted};
 use crate::analysis::usage::{allocations_by_pid, gpu_reports, process_report};
-pub use crate::analysis::usage::{GpuReport, Kept, KindTotals, ProcessReport};
+pub use crate::analysis::usage::{GpuReport, KeptAlive, KindTotals, ProcessReport};
 use crate::analysis::whatif::{whatif, Failed, Outcome, Settings, WhyNot};
 use crate::model::Model;
 use crate::trace::Header;

@@ -624,9 +624,9 @@ mod tests {
 
     /// Records what it is given; asked nothing.
     #[derive(Default)]
-    struct Kept(Vec<Record>);
+    struct Collected(Vec<Record>);
 
-    impl Sink for Kept {
+    impl Sink for Collected {
         type Ask = ();
         fn destination(&self) -> String {
             String::new()
@@ -650,11 +650,11 @@ mod tests {
         }
     }
 
-    fn session() -> Session<Kept> {
+    fn session() -> Session<Collected> {
         Session {
             pipeline: Pipeline::new(crate::abi::Layout::for_version(crate::abi::NEWEST_KNOWN), ProcResolver, false, None),
             model: Model::new(),
-            sink: Kept::default(),
+            sink: Collected::default(),
             out: Vec::new(),
             updates: Vec::new(),
             lost_seen: 0,

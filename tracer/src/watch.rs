@@ -15,7 +15,7 @@ use tokio::sync::mpsc;
 
 use crate::dir::Dir;
 use crate::event::Event;
-use crate::flight::{Config, Dump, Flight, Party, Trigger};
+use crate::flight::{ChargedTo, Config, Dump, Flight, Trigger};
 use crate::http::{Endpoint, Response, Route};
 use crate::model::{display_command, Model};
 use crate::privileges::Needs;
@@ -383,7 +383,7 @@ impl DumpJob {
         header.prior_use.retain(|p| alive.contains(&p.pid));
         header.holders_at_start.retain(|h| alive.contains(&h.pid));
         let wall = header.wall_clock_start_ns + d.trigger_ts.saturating_sub(header.monotonic_start_ns);
-        let name = format!("gputrace-dump-{}-{}-{}{}", stamp(wall), self.number, d.trigger.name(), Share::of(d.party).suffix());
+        let name = format!("gputrace-dump-{}-{}-{}{}", stamp(wall), self.number, d.trigger.name(), Share::of(d.charged_to).suffix());
         let (trace, partial) = (format!("{name}.trace"), format!(".{name}.trace.partial"));
         let path = self.dir.display(&trace);
         let mut writer = Writer::create_in(&self.dir, partial.as_ref(), &header, self.user.as_ref())?;
@@ -430,11 +430,11 @@ fn rotate(dir: &Dir, budget: u64, newest: &str, user: Option<&User>) {
     let sizes: HashMap<&std::ffi::OsStr, u64> = entries.iter().map(|e| (e.name.as_os_str(), e.len)).collect();
     let size = |name: String| sizes.get(std::ffi::OsStr::new(&name)).copied().unwrap_or(0);
     let with_report = |stem: &str| size(format!("{stem}.trace")) + size(format!("{stem}.report.txt"));
-    let dumps: Vec<Kept> = entries
+    let dumps: Vec<StoredDump> = entries
         .iter()
         .filter_map(|e| {
             let stem = e.name.to_str()?.strip_suffix(".trace").filter(|s| s.starts_with("gputrace-dump-"))?;
-            Some(Kept { mtime: e.mtime, bytes: with_report(stem), share: Share::of_name(stem), stem: stem.to_string() })
+            Some(StoredDump { mtime: e.mtime, bytes: with_report(stem), share: Share::of_name(stem), stem: stem.to_string() })
         })
         .collect();
     let newest = newest.strip_suffix(".trace").unwrap_or(newest);
@@ -459,11 +459,11 @@ enum Share {
 }
 
 impl Share {
-    fn of(party: Option<Party>) -> Share {
-        match party {
+    fn of(charged_to: Option<ChargedTo>) -> Share {
+        match charged_to {
             None => Share::Asked,
-            Some(Party { uid: Some(uid), .. }) => Share::User(uid),
-            Some(Party { uid: None, .. }) => Share::Unknown,
+            Some(ChargedTo { uid: Some(uid), .. }) => Share::User(uid),
+            Some(ChargedTo { uid: None, .. }) => Share::Unknown,
         }
     }
 
@@ -488,7 +488,7 @@ impl Share {
 
 /// A dump in the directory: its trace's name without `.trace`, its and its report's bytes.
 #[derive(Clone, Debug)]
-struct Kept {
+struct StoredDump {
     mtime: i64,
     stem: String,
     bytes: u64,
@@ -500,11 +500,11 @@ struct Kept {
 /// user's failures in a loop then remove their own dumps, never the evidence of another's
 /// failure; with one share it is oldest first. `newest` (just written) counts in its share but
 /// is never removed.
-fn over_budget(mut dumps: Vec<Kept>, newest: &str, budget: u64) -> Vec<String> {
+fn over_budget(mut dumps: Vec<StoredDump>, newest: &str, budget: u64) -> Vec<String> {
     dumps.sort_by(|a, b| (a.mtime, &a.stem).cmp(&(b.mtime, &b.stem)));
     let mut total: u64 = dumps.iter().map(|d| d.bytes).sum();
     // Each share's bytes, and its dumps that may go, oldest first.
-    let mut shares: HashMap<Share, (u64, VecDeque<Kept>)> = HashMap::new();
+    let mut shares: HashMap<Share, (u64, VecDeque<StoredDump>)> = HashMap::new();
     for d in dumps {
         let share = shares.entry(d.share).or_default();
         share.0 += d.bytes;
@@ -642,8 +642,8 @@ mod tests {
         assert!(ok.body.contains("sk-secret"), "the report is the unredacted state");
     }
 
-    fn kept(mtime: i64, share: Share) -> Kept {
-        Kept { mtime, stem: format!("gputrace-dump-{mtime}{}", share.suffix()), bytes: 10, share }
+    fn kept(mtime: i64, share: Share) -> StoredDump {
+        StoredDump { mtime, stem: format!("gputrace-dump-{mtime}{}", share.suffix()), bytes: 10, share }
     }
 
     /// A user whose processes fail in a loop fills the budget with dumps of their own: theirs
@@ -668,7 +668,7 @@ mod tests {
 
     #[test]
     fn with_one_share_the_oldest_dumps_go_and_the_newest_always_stays() {
-        let dumps: Vec<Kept> = [3, 1, 2].map(|t| kept(t, Share::Asked)).into();
+        let dumps: Vec<StoredDump> = [3, 1, 2].map(|t| kept(t, Share::Asked)).into();
         assert_eq!(over_budget(dumps.clone(), &kept(3, Share::Asked).stem, 15), [kept(1, Share::Asked).stem, kept(2, Share::Asked).stem]);
         assert_eq!(over_budget(dumps.clone(), &kept(1, Share::Asked).stem, 0), [kept(2, Share::Asked).stem, kept(3, Share::Asked).stem]);
         assert!(over_budget(dumps, "", 30).is_empty());
@@ -678,11 +678,11 @@ mod tests {
     /// names from before they said whose they were count as asked for.
     #[test]
     fn a_dumps_share_is_in_its_name() {
-        let party = |uid| Some(Party { service: 7, uid });
-        for share in [Share::of(None), Share::of(party(Some(0))), Share::of(party(Some(1001))), Share::of(party(None))] {
+        let charged_to = |uid| Some(ChargedTo { service: 7, uid });
+        for share in [Share::of(None), Share::of(charged_to(Some(0))), Share::of(charged_to(Some(1001))), Share::of(charged_to(None))] {
             assert_eq!(Share::of_name(&format!("gputrace-dump-20261207-101532-3-failed-allocation{}", share.suffix())), share);
         }
-        assert_eq!(Share::of(party(None)), Share::Unknown);
+        assert_eq!(Share::of(charged_to(None)), Share::Unknown);
         assert_eq!(Share::of_name("gputrace-dump-20261203-101532-1-failed-allocation"), Share::Asked);
         assert_eq!(Share::of_name("gputrace-dump-20261203-101532-1-oom-kill-uidx"), Share::Asked);
     }

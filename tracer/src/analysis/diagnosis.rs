@@ -210,7 +210,7 @@ struct Failure {
 }
 
 /// One failure with everything a fix needs.
-struct Case<'c> {
+struct Failing<'c> {
     failure: &'c Failure,
     service: &'c Service,
     /// The engine's command line (the first process of the service with one) and its family.
@@ -359,7 +359,7 @@ fn failures(accounts: &Accounts) -> Vec<Failure> {
 }
 
 /// The case a failure makes: its service, engine, requests in flight and the figures.
-fn case<'c>(accounts: &'c Accounts, failure: &'c Failure, service: &'c Service) -> Case<'c> {
+fn case<'c>(accounts: &'c Accounts, failure: &'c Failure, service: &'c Service) -> Failing<'c> {
     let ts = failure.ts;
     // A death is judged by the state just before it: its exit ends its requests at once.
     let before = if failure.symptom == Symptom::FailedAllocation { ts } else { ts.saturating_sub(1) };
@@ -396,7 +396,7 @@ fn case<'c>(accounts: &'c Accounts, failure: &'c Failure, service: &'c Service) 
         request_bytes_received: in_flight.iter().map(|r| r.bytes_in).collect(),
     };
     let engine = accounts.engine(service);
-    Case { failure, service, engine, family: ServerFamily::of(engine), in_flight, evidence }
+    Failing { failure, service, engine, family: ServerFamily::of(engine), in_flight, evidence }
 }
 
 fn diagnose_one(accounts: &Accounts, lost: u64, f: &Failure) -> Diagnosis {
@@ -430,7 +430,7 @@ fn diagnose_one(accounts: &Accounts, lost: u64, f: &Failure) -> Diagnosis {
 }
 
 /// The category, in the order the module's doc gives; why none can be told, otherwise.
-fn category(case: &Case, lost: u64) -> Result<Category, Undecided> {
+fn category(case: &Failing, lost: u64) -> Result<Category, Undecided> {
     let n = case.in_flight.len();
     let phase = case.evidence.phase;
     Ok(if case.failure.symptom == Symptom::OomKill {
@@ -454,7 +454,7 @@ fn category(case: &Case, lost: u64) -> Result<Category, Undecided> {
     })
 }
 
-fn held_by_other(case: &Case) -> bool {
+fn held_by_other(case: &Failing) -> bool {
     let (outside, free) = (case.evidence.held_outside_bytes, case.evidence.free_bytes);
     // A holder of unknown size (no NVML) is the suspect of a failure while loading: never a
     // confident does-not-fit-at-load while it may be what filled the GPU. Once the service
@@ -481,7 +481,7 @@ fn held_by_other(case: &Case) -> bool {
 
 /// Smaller model or quantization; a smaller reserve where the engine reserves up front and
 /// refused, or a smaller context where the weights fit.
-fn fix_load(case: &Case) -> Fix {
+fn fix_load(case: &Failing) -> Fix {
     let (e, failed) = (&case.evidence, case.failure.bytes.unwrap_or(0));
     // What the failing GPU needed; a sharded (tensor-parallel) model needs as much on each.
     let wanted = e.service_bytes.saturating_add(failed);
@@ -512,7 +512,7 @@ fn fix_load(case: &Case) -> Fix {
 
 /// A lower maximum context: what the longest prompt that fits alone takes, from what a
 /// request costs and the room for requests.
-fn fix_long(accounts: &Accounts, case: &Case) -> Fix {
+fn fix_long(accounts: &Accounts, case: &Failing) -> Fix {
     let culprit = one_much_larger(&case.in_flight).or_else(|| case.in_flight.first().copied());
     let failed_in = culprit.map(|r| r.bytes_in).unwrap_or(0);
     let served_before = |r: &&Request| case.service.has(r.pid) && r.first_data_at.is_some_and(|d| d < case.failure.ts);
@@ -551,7 +551,7 @@ struct RoomForRequests {
     cost: Option<Cost>,
 }
 
-fn room_for_requests(accounts: &Accounts, case: &Case) -> RoomForRequests {
+fn room_for_requests(accounts: &Accounts, case: &Failing) -> RoomForRequests {
     let pool = accounts.pool(case.service, case.evidence.gpu);
     let completions = accounts.services.completions(case.service);
     RoomForRequests {
@@ -563,7 +563,7 @@ fn room_for_requests(accounts: &Accounts, case: &Case) -> RoomForRequests {
 
 /// A concurrency cap computed from what one request costs (the largest in flight, by what a
 /// byte received cost), else the batch's share.
-fn fix_concurrent(accounts: &Accounts, case: &Case) -> Fix {
+fn fix_concurrent(accounts: &Accounts, case: &Failing) -> Fix {
     let room = room_for_requests(accounts, case);
     let n = case.in_flight.len().max(1) as u64;
     let largest = case.in_flight.iter().map(|r| r.bytes_in).max().unwrap_or(0);
@@ -599,13 +599,13 @@ fn memory_was_short(e: &Evidence) -> bool {
 /// Whether a failed allocation asked for no more than the trace's account says was free: then
 /// it did not fail for want of room the service could see (something unseen held it), and
 /// "does not fit" would be a guess.
-fn room_unseen(case: &Case) -> bool {
+fn room_unseen(case: &Failing) -> bool {
     let e = &case.evidence;
     case.failure.symptom == Symptom::FailedAllocation && e.free_bytes.zip(case.failure.bytes).is_some_and(|(free, asked)| asked <= free)
 }
 
 /// The fraction the engine reserves: its flag's value, or its default.
-fn reserve_of(case: &Case) -> f64 {
+fn reserve_of(case: &Failing) -> f64 {
     match case.family.reserve() {
         Some((name, default)) => flag(case.engine, &[name]).and_then(|v| v.parse().ok()).unwrap_or(default),
         None => DEFAULT_RESERVE,
@@ -625,7 +625,7 @@ fn one_much_larger<'r>(in_flight: &[&'r Request]) -> Option<&'r Request> {
 }
 
 /// Stop the biggest holder outside the service.
-fn fix_held(case: &Case) -> Fix {
+fn fix_held(case: &Failing) -> Fix {
     let e = &case.evidence;
     // The biggest known holder; else one whose size is unknown.
     let biggest = e.holders_outside.iter().max_by_key(|h| (h.bytes.is_some(), h.bytes.unwrap_or(0)));

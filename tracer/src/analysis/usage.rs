@@ -76,12 +76,12 @@ pub struct ProcessReport {
     /// Memory of exited processes that this one keeps alive by holding the file it lives on
     /// (not in its own figures above): who allocated it, and how much.
     #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub keeps: Vec<Kept>,
+    pub keeps: Vec<KeptAlive>,
 }
 
 /// Physical memory an exited process allocated, kept alive by another.
 #[derive(Clone, Debug, Serialize, PartialEq)]
-pub struct Kept {
+pub struct KeptAlive {
     /// The process that allocated it (exited).
     pub pid: u32,
     pub command: String,
@@ -146,7 +146,11 @@ pub fn process_report(
         keeps: keeps
             .into_iter()
             .flatten()
-            .map(|(&pid, &bytes)| Kept { pid, command: model.processes.get(&pid).map(Process::command_line).unwrap_or_default(), bytes })
+            .map(|(&pid, &bytes)| KeptAlive {
+                pid,
+                command: model.processes.get(&pid).map(Process::command_line).unwrap_or_default(),
+                bytes,
+            })
             .collect(),
     }
 }

@@ -393,7 +393,7 @@ fn short_params_are_undecodable_not_a_panic() {
 
 fn ioctl_record_bytes(escape_cmd: u32, flags: u8, params: &[u8]) -> Vec<u8> {
     let mut r = IoctlRecord {
-        header: Header { kind: kind::IOCTL, tgid: 100, tid: 101, _pad: 0, ts_ns: 5_000 },
+        header: RecordHeader { kind: kind::IOCTL, tgid: 100, tid: 101, _pad: 0, ts_ns: 5_000 },
         fd: 4,
         cmd: rm_cmd(escape::IOCTL_XFER_CMD, 16),
         ret: 0,
@@ -576,7 +576,7 @@ fn rm_share_is_decoded_with_its_policy() {
 
 fn exec_record_bytes(args: &[u8], args_len: u32, args_whole: u32) -> Vec<u8> {
     let mut r = ExecRecord {
-        header: Header { kind: kind::EXEC, tgid: 100, tid: 100, _pad: 0, ts_ns: 5_000 },
+        header: RecordHeader { kind: kind::EXEC, tgid: 100, tid: 100, _pad: 0, ts_ns: 5_000 },
         filename: [0; 64],
         args_len,
         args_whole,

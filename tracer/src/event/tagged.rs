@@ -222,7 +222,7 @@ impl<'de> Visitor<'de> for RecordVisitor {
                 tag = Some(name);
                 continue;
             }
-            let mut fields = Fields { map: &mut map, own: &mut own };
+            let mut fields = RecordFields { map: &mut map, own: &mut own };
             let event = Event::deserialize(Tagged { name, fields: &mut fields })?;
             // Only a unit variant leaves fields unread: the record's own, or ones passed over.
             while fields.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
@@ -237,12 +237,12 @@ impl<'de> Visitor<'de> for RecordVisitor {
 
 /// The rest of the record's map as the fields of its event: the record's own fields met among
 /// them are taken aside.
-struct Fields<'a, A> {
+struct RecordFields<'a, A> {
     map: &'a mut A,
     own: &'a mut Own,
 }
 
-impl<'de, A: MapAccess<'de>> MapAccess<'de> for Fields<'_, A> {
+impl<'de, A: MapAccess<'de>> MapAccess<'de> for RecordFields<'_, A> {
     type Error = A::Error;
 
     fn next_key_seed<K: DeserializeSeed<'de>>(&mut self, seed: K) -> Result<Option<K::Value>, A::Error> {

@@ -65,7 +65,7 @@ fn a_dump_carries_what_was_held_before_its_window() {
     assert_eq!(flight.counters.dumps, 1);
 }
 
-const ROOTS: Option<Party> = Some(Party { service: 4, uid: Some(0) });
+const ROOTS: Option<ChargedTo> = Some(ChargedTo { service: 4, uid: Some(0) });
 
 /// Triggers while a dump waits join it; one of the same kind for the same service soon after it
 /// is counted, not dumped; asking always works, and another kind has its own interval.
@@ -93,7 +93,7 @@ fn dumps_are_rate_limited() {
 #[test]
 fn one_party_never_spends_anothers_dumps() {
     let mut flight = Flight::new(config());
-    let mallory = |service| Some(Party { service, uid: Some(1001) });
+    let mallory = |service| Some(ChargedTo { service, uid: Some(1001) });
     flight.trigger(Trigger::FailedAllocation { pid: 70, bytes: GIB }, mallory(70), S);
     assert!(flight.take_dump(Some(3 * S)).is_some());
     flight.trigger(Trigger::FailedAllocation { pid: 4, bytes: GIB }, ROOTS, 6 * S);
@@ -103,10 +103,10 @@ fn one_party_never_spends_anothers_dumps() {
         let _ = flight.take_dump(Some((12 + 3 * i as u64) * S));
     }
     assert_eq!(flight.counters.dumps, 2 + (DUMPS_PER_USER as u64 - 1), "the user's share, the first already spent");
-    flight.trigger(Trigger::FailedAllocation { pid: 5, bytes: GIB }, Some(Party { service: 5, uid: Some(0) }), 45 * S);
+    flight.trigger(Trigger::FailedAllocation { pid: 5, bytes: GIB }, Some(ChargedTo { service: 5, uid: Some(0) }), 45 * S);
     assert!(flight.take_dump(Some(47 * S)).is_some(), "another of root's services still gets its dump");
-    // Another user's process below root's service (started through it) is a party of its own.
-    flight.trigger(Trigger::FailedAllocation { pid: 90, bytes: GIB }, Some(Party { service: 5, uid: Some(1002) }), 50 * S);
+    // Another user's process below root's service (started through it) is charged on its own.
+    flight.trigger(Trigger::FailedAllocation { pid: 90, bytes: GIB }, Some(ChargedTo { service: 5, uid: Some(1002) }), 50 * S);
     assert!(flight.waiting().is_some());
 }
 
@@ -116,7 +116,7 @@ fn one_party_never_spends_anothers_dumps() {
 #[test]
 fn processes_of_unknown_users_share_one_users_dumps() {
     let mut flight = Flight::new(config());
-    let unknown = |pid| Some(Party { service: pid, uid: None });
+    let unknown = |pid| Some(ChargedTo { service: pid, uid: None });
     for (i, pid) in (100..110).enumerate() {
         flight.trigger(Trigger::FailedAllocation { pid, bytes: GIB }, unknown(pid), (1 + 3 * i as u64) * S);
         let _ = flight.take_dump(Some((3 + 3 * i as u64) * S));
@@ -143,12 +143,12 @@ fn a_fork_is_its_parents_user() {
         rec(4, 12, process(1, Seen::Forked)),
     ];
     let live = Model::from_records(&records);
-    assert_eq!(Party::of(&live, 11).uid, Some(65534), "nobody's workload");
-    assert_eq!(Party::of(&live, 12).uid, Some(0), "root's");
-    assert_ne!(Party::of(&live, 11), Party::of(&live, 12));
+    assert_eq!(ChargedTo::of(&live, 11).uid, Some(65534), "nobody's workload");
+    assert_eq!(ChargedTo::of(&live, 12).uid, Some(0), "root's");
+    assert_ne!(ChargedTo::of(&live, 11), ChargedTo::of(&live, 12));
     // Unknown users' processes are services of their own.
     let unknown = Model::from_records(&[rec(1, 20, process(0, Seen::Running)), rec(1, 21, process(0, Seen::Running))]);
-    assert_ne!(Party::of(&unknown, 20), Party::of(&unknown, 21));
+    assert_ne!(ChargedTo::of(&unknown, 20), ChargedTo::of(&unknown, 21));
 }
 
 /// Hours of pid churn (a server restarted, workers by the thousand): the window stays under its

@@ -15,14 +15,14 @@ use crate::units::bytes;
 
 /// Fields a script reads, and the same said in words.
 #[derive(Clone, Debug, Serialize, PartialEq)]
-pub struct Said {
+pub struct Worded {
     pub fields: Value,
     pub text: String,
 }
 
-impl Said {
-    fn new(fields: impl Serialize, text: String) -> Said {
-        Said { fields: serde_json::to_value(fields).unwrap_or_default(), text }
+impl Worded {
+    fn new(fields: impl Serialize, text: String) -> Worded {
+        Worded { fields: serde_json::to_value(fields).unwrap_or_default(), text }
     }
 }
 
@@ -45,8 +45,8 @@ pub struct Verdict {
     pub service: Option<String>,
     /// The GPU it happened on (as in the evidence), when one can be told.
     pub gpu: Option<u32>,
-    pub evidence: Said,
-    pub fix: Said,
+    pub evidence: Worded,
+    pub fix: Worded,
     /// The same failure again right after (a framework's retries: PyTorch frees its cache and
     /// asks once more), folded into this one.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -78,7 +78,7 @@ impl Verdict {
             && self.fix.text == other.fix.text
     }
 
-    /// Said after the evidence when the failure repeated as it was (" The same failure 3 more
+    /// Worded after the evidence when the failure repeated as it was (" The same failure 3 more
     /// time(s), the last at 1.20 s (retries)."), or nothing.
     pub fn repeats(&self) -> String {
         self.repeated
@@ -100,8 +100,8 @@ pub fn verdict(d: &Diagnosis) -> Verdict {
             } else {
                 "No allocation failed, no server refused or was killed.".to_string()
             };
-            let evidence = Said { fields: json!({"failures": 0, "lost_records": lost_records}), text };
-            (evidence, Said { fields: json!({}), text: "Nothing to change.".into() })
+            let evidence = Worded { fields: json!({"failures": 0, "lost_records": lost_records}), text };
+            (evidence, Worded { fields: json!({}), text: "Nothing to change.".into() })
         }
         Finding::Undecided { lost_records, why, evidence: e } => {
             let why = undecided(why, e.as_ref());
@@ -109,13 +109,13 @@ pub fn verdict(d: &Diagnosis) -> Verdict {
                 Some(e) => format!("{}; {why}", context(d, e)),
                 None => why,
             };
-            let evidence = Said { fields: json!({"lost_records": lost_records}), text };
+            let evidence = Worded { fields: json!({"lost_records": lost_records}), text };
             let fix = "Record again with nothing lost (a larger ring buffer, fewer traced processes) to decide.";
-            (evidence, Said { fields: json!({}), text: fix.into() })
+            (evidence, Worded { fields: json!({}), text: fix.into() })
         }
         Finding::Judged { evidence: e, fix } => {
             let text = format!("{}, with {} request(s) in flight.", context(d, e), e.requests_in_flight);
-            (Said::new(e, text), worded_fix(fix, e))
+            (Worded::new(e, text), worded_fix(fix, e))
         }
     };
     Verdict {
@@ -187,7 +187,7 @@ fn undecided(why: &Undecided, e: Option<&Evidence>) -> String {
     }
 }
 
-fn worded_fix(fix: &Fix, e: &Evidence) -> Said {
+fn worded_fix(fix: &Fix, e: &Evidence) -> Worded {
     match fix {
         Fix::StopHolder(f) => stop_holder(f, e),
         Fix::SmallerLoad(f) => smaller_load(f, e),
@@ -198,14 +198,14 @@ fn worded_fix(fix: &Fix, e: &Evidence) -> Said {
             let text = format!(
                 "The kernel's OOM killer killed pid {killed_pid}: host memory ran out, not the GPU's (on unified-memory machines GPU memory is host RAM). Give it more host memory (the cgroup's limit), or load a smaller or quantized model{reserve}."
             );
-            Said::new(json!({"killed_pid": killed_pid}), text)
+            Worded::new(json!({"killed_pid": killed_pid}), text)
         }
     }
 }
 
-fn stop_holder(f: &StopHolder, e: &Evidence) -> Said {
+fn stop_holder(f: &StopHolder, e: &Evidence) -> Worded {
     #[derive(Serialize)]
-    struct Fields<'h> {
+    struct StopHolderFields<'h> {
         kill: u32,
         holders: &'h [crate::analysis::accounts::Holder],
         held_outside_bytes: u64,
@@ -225,12 +225,12 @@ fn stop_holder(f: &StopHolder, e: &Evidence) -> Said {
             "Stop pid {pid} (`{command}`), which held the GPU's device files before recording began (NVML was unavailable, so how much it holds is unknown; `gputrace doctor` says more): `kill {pid}`. Then start the server again."
         ),
     };
-    Said::new(Fields { kill: pid, holders: &e.holders_outside, held_outside_bytes: e.held_outside_bytes }, text)
+    Worded::new(StopHolderFields { kill: pid, holders: &e.holders_outside, held_outside_bytes: e.held_outside_bytes }, text)
 }
 
-fn smaller_load(f: &SmallerLoad, e: &Evidence) -> Said {
+fn smaller_load(f: &SmallerLoad, e: &Evidence) -> Worded {
     #[derive(Serialize)]
-    struct Fields {
+    struct SmallerLoadFields {
         load_bytes: u64,
         parameters_fp16_billions: f64,
         bytes_8bit: u64,
@@ -266,7 +266,7 @@ fn smaller_load(f: &SmallerLoad, e: &Evidence) -> Said {
             bytes(wanted / 4)
         ),
     };
-    let fields = Fields {
+    let fields = SmallerLoadFields {
         load_bytes: wanted,
         parameters_fp16_billions: (params * 10.0).round() / 10.0,
         bytes_8bit: wanted / 2,
@@ -274,12 +274,12 @@ fn smaller_load(f: &SmallerLoad, e: &Evidence) -> Said {
         shortfall_bytes: f.shortfall_bytes,
         gpus,
     };
-    Said::new(fields, text)
+    Worded::new(fields, text)
 }
 
-fn shorter_context(f: &ShorterContext) -> Said {
+fn shorter_context(f: &ShorterContext) -> Worded {
     #[derive(Serialize)]
-    struct Fields<'s> {
+    struct ShorterContextFields<'s> {
         failed_request_bytes: u64,
         largest_served_request_bytes: u64,
         /// The largest prompt that fits alone, in bytes received, and in tokens at
@@ -331,7 +331,7 @@ fn shorter_context(f: &ShorterContext) -> Said {
         "One request of {} received failed {against}: lower the maximum context{how} so longer requests are refused cleanly instead of failing the server{why}.",
         bytes(f.failed_request_bytes)
     );
-    let fields = Fields {
+    let fields = ShorterContextFields {
         failed_request_bytes: f.failed_request_bytes,
         largest_served_request_bytes: f.largest_served_request_bytes.unwrap_or(0),
         largest_fitting_request_bytes: f.largest_fitting_request_bytes,
@@ -340,12 +340,12 @@ fn shorter_context(f: &ShorterContext) -> Said {
         fits_estimated: f.estimate.is_some(),
         flag: f.setting.as_ref().map_or("", |(s, _)| s.name()),
     };
-    Said::new(fields, text)
+    Worded::new(fields, text)
 }
 
-fn cap_concurrency(f: &CapConcurrency) -> Said {
+fn cap_concurrency(f: &CapConcurrency) -> Worded {
     #[derive(Serialize)]
-    struct Fields<'f> {
+    struct CapConcurrencyFields<'f> {
         in_flight: u64,
         bytes_per_request: u64,
         per_request_measured_alone: bool,
@@ -390,7 +390,7 @@ fn cap_concurrency(f: &CapConcurrency) -> Said {
         bytes(f.bytes_per_request),
         bytes(f.room_bytes)
     );
-    let fields = Fields {
+    let fields = CapConcurrencyFields {
         in_flight: n,
         bytes_per_request: f.bytes_per_request,
         per_request_measured_alone: f.per_request_measured_alone,
@@ -401,5 +401,5 @@ fn cap_concurrency(f: &CapConcurrency) -> Said {
         litellm_max_parallel_requests: litellm_cap,
         litellm_deployments: fronts,
     };
-    Said::new(fields, text)
+    Worded::new(fields, text)
 }
