@@ -145,39 +145,83 @@ fn install_test_tools() -> Result<()> {
     Ok(())
 }
 
+/// The end-to-end suites `xtask test --quick` runs: those of a few seconds to a minute that
+/// cover recording, the report's verdicts on every scenario and the CLI. The rest (the QEMU
+/// guests, fuzzing, the package, whatif's re-runs, the hostile users, attaching, the watch's
+/// memory, Prometheus, Chromium) run in the whole `xtask test`.
+const QUICK_SUITES: [&str; 4] = ["cli", "scenarios", "headroom", "record"];
+
+/// How long each step of a test run took, said at its end.
+struct Steps(Vec<(&'static str, Instant)>);
+
+impl Steps {
+    fn start() -> Steps {
+        Steps(vec![("", Instant::now())])
+    }
+
+    fn done(&mut self, step: &'static str) {
+        self.0.push((step, Instant::now()));
+    }
+
+    fn said(&self) -> String {
+        let each = self.0.windows(2).map(|w| format!("{} {:.0} s", w[1].0, w[1].1.duration_since(w[0].1).as_secs_f64()));
+        let total = self.0.last().map_or(0.0, |(_, at)| at.duration_since(self.0[0].1).as_secs_f64());
+        format!("{} (in all {:.1} min)", each.collect::<Vec<_>>().join(", "), total / 60.0)
+    }
+}
+
 /// Runs every test binary, showing its output as it comes, and closes with one line that totals
-/// them all (cargo's own last line is only the last binary's, often a doc-test run of none).
-fn test() -> Result<()> {
+/// them all (cargo's own last line is only the last binary's, often a doc-test run of none), and
+/// one that says how long each step took. `quick`: the format, the lints, every unit test and
+/// the quick end-to-end suites ([`QUICK_SUITES`]), for the loop between two edits.
+fn test(quick: bool) -> Result<()> {
+    let mut steps = Steps::start();
     build()?;
+    steps.done("build");
     let as_root = is_root();
     if !as_root {
         eprintln!("xtask: not root: the end-to-end tests are skipped, and counted so (run `sudo cargo xtask test` for them)");
-    } else {
+    } else if !quick {
         install_test_tools()?;
     }
     // The package the install test puts on a copy of this machine's root.
-    let package = if as_root { Some(dist::dist(None)?) } else { None };
+    let package = if as_root && !quick { Some(dist::dist(None)?) } else { None };
+    steps.done("package");
     // The team's habits, enforced: formatted as rustfmt.toml says, and clippy-clean.
     run(Command::new("cargo").current_dir(root()).args(["fmt", "--all", "--check"])).map_err(|e| format!("{e}: run `cargo fmt --all`"))?;
     run(Command::new("cargo").current_dir(root()).args(["clippy", "--quiet", "--release", "--all-targets", "--", "-D", "warnings"]))?;
-    // A bounded run of every fuzz target: a crash fails the test run.
-    fuzz(FUZZ_SECONDS_IN_TEST)?;
+    steps.done("fmt and clippy");
     // gputrace on the kernels users run: Debian 12's arm64 and amd64 6.1 and Debian 11's amd64
     // 5.10, under QEMU (root: the guests' packages are installed with apt). Each guest counts as
     // one test in the totals.
     let mut guests = Vec::new();
-    for guest in ["arm64", "x86", "x86-5.10"] {
-        if as_root {
-            let outcome = vm::vm(guest);
-            if let Err(e) = &outcome {
-                eprintln!("xtask: the {guest} guest failed: {e}");
+    if !quick {
+        // A bounded run of every fuzz target: a crash fails the test run.
+        fuzz(FUZZ_SECONDS_IN_TEST)?;
+        steps.done("fuzzing");
+        for guest in ["arm64", "x86", "x86-5.10"] {
+            if as_root {
+                let outcome = vm::vm(guest);
+                if let Err(e) = &outcome {
+                    eprintln!("xtask: the {guest} guest failed: {e}");
+                }
+                guests.push(outcome.is_ok());
             }
-            guests.push(outcome.is_ok());
         }
+        steps.done("guests");
     }
+    // Quick: every unit test (the libraries', binaries', layers'), and of the end-to-end suites
+    // the quick ones.
+    let selection: Vec<String> = if quick {
+        let suites = QUICK_SUITES.iter().flat_map(|s| ["--test", s]);
+        ["--lib", "--bins", "--test", "layers"].into_iter().chain(suites).map(String::from).collect()
+    } else {
+        Vec::new()
+    };
     let mut child = Command::new("cargo")
         .current_dir(root())
         .args(["test", "--release"])
+        .args(&selection)
         .env("GPUTRACE_BIN", bin("gputrace"))
         .envs(package.map(|deb| ("GPUTRACE_DEB", deb)))
         // One at a time: the end-to-end tests share the kernel's tracepoints. As root, the
@@ -201,12 +245,14 @@ fn test() -> Result<()> {
         }
     }
     let status = child.wait().map_err(|e| e.to_string())?;
+    steps.done("tests");
     passed += guests.iter().filter(|ok| **ok).count() as u64;
     failed += guests.iter().filter(|ok| !**ok).count() as u64;
-    if !as_root {
+    if !as_root && !quick {
         ignored += 3;
     }
     println!("tests: {passed} passed, {failed} failed, {ignored} skipped");
+    println!("xtask: {}", steps.said());
     if !status.success() {
         Err(format!("cargo test failed ({status})"))
     } else if guests.contains(&false) {
@@ -654,7 +700,11 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("setup") => setup(),
         Some("build") => build(),
-        Some("test") => test(),
+        Some("test") => match args.get(1).map(String::as_str) {
+            None => test(false),
+            Some("--quick") => test(true),
+            Some(other) => Err(format!("usage: cargo xtask test [--quick]: {other:?} is not an option")),
+        },
         Some("demo") => demo(args.get(1).map(String::as_str), args.get(2).map(String::as_str)),
         Some("bench") => bench(),
         Some("fuzz") => match args.get(1).map(|s| s.parse::<u64>()) {
@@ -664,7 +714,7 @@ fn main() -> ExitCode {
         },
         Some("dist") => dist::dist(args.get(1).map(String::as_str)).map(|_| ()),
         Some("vm") => vm::vm(args.get(1).map_or("arm64", String::as_str)),
-        _ => Err("usage: cargo xtask setup | build | test | demo [SCENARIO [vllm|llama]] | bench | fuzz [SECONDS] | vm [arm64|x86] | dist [amd64|arm64]".into()),
+        _ => Err("usage: cargo xtask setup | build | test [--quick] | demo [SCENARIO [vllm|llama]] | bench | fuzz [SECONDS] | vm [arm64|x86] | dist [amd64|arm64]".into()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
