@@ -117,6 +117,10 @@ impl Model {
         let held = self.processes.get(&pid).and_then(|p| p.fds.get(&fd)).is_some_and(|f| f.file == file);
         if met_again && device == Device::Ctl && held {
             self.unpark_exports(file, ts);
+        } else if met_again {
+            // Another file at a parked one's address: that one was released for good (no file
+            // in flight keeps the address a live one has), and its exports are nobody's.
+            self.parked_exports.remove(&file);
         }
     }
 
