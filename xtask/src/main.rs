@@ -2,12 +2,12 @@
 //! Each command installs and builds what it needs, so a fresh machine needs nothing else.
 //! Few dependencies, so it builds in seconds.
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 use std::time::Instant;
 
 mod dist;
+mod suite;
 mod vm;
 
 type Result<T> = std::result::Result<T, String>;
@@ -143,123 +143,6 @@ fn install_test_tools() -> Result<()> {
         run(Command::new("python3").args(["-m", "pip", "install", "-q", "kubernetes-validate"]))?;
     }
     Ok(())
-}
-
-/// The end-to-end suites `xtask test --quick` runs: those of a few seconds to a minute that
-/// cover recording, the report's verdicts on every scenario and the CLI. The rest (the QEMU
-/// guests, fuzzing, the package, whatif's re-runs, the hostile users, attaching, the watch's
-/// memory, Prometheus, Chromium) run in the whole `xtask test`.
-const QUICK_SUITES: [&str; 4] = ["cli", "scenarios", "headroom", "record"];
-
-/// How long each step of a test run took, said at its end.
-struct Steps(Vec<(&'static str, Instant)>);
-
-impl Steps {
-    fn start() -> Steps {
-        Steps(vec![("", Instant::now())])
-    }
-
-    fn done(&mut self, step: &'static str) {
-        self.0.push((step, Instant::now()));
-    }
-
-    fn said(&self) -> String {
-        let each = self.0.windows(2).map(|w| format!("{} {:.0} s", w[1].0, w[1].1.duration_since(w[0].1).as_secs_f64()));
-        let total = self.0.last().map_or(0.0, |(_, at)| at.duration_since(self.0[0].1).as_secs_f64());
-        format!("{} (in all {:.1} min)", each.collect::<Vec<_>>().join(", "), total / 60.0)
-    }
-}
-
-/// Runs every test binary, showing its output as it comes, and closes with one line that totals
-/// them all (cargo's own last line is only the last binary's, often a doc-test run of none), and
-/// one that says how long each step took. `quick`: the format, the lints, every unit test and
-/// the quick end-to-end suites ([`QUICK_SUITES`]), for the loop between two edits.
-fn test(quick: bool) -> Result<()> {
-    let mut steps = Steps::start();
-    build()?;
-    steps.done("build");
-    let as_root = is_root();
-    if !as_root {
-        eprintln!("xtask: not root: the end-to-end tests are skipped, and counted so (run `sudo cargo xtask test` for them)");
-    } else if !quick {
-        install_test_tools()?;
-    }
-    // The package the install test puts on a copy of this machine's root.
-    let package = if as_root && !quick { Some(dist::dist(None)?) } else { None };
-    steps.done("package");
-    // The team's habits, enforced: formatted as rustfmt.toml says, and clippy-clean.
-    run(Command::new("cargo").current_dir(root()).args(["fmt", "--all", "--check"])).map_err(|e| format!("{e}: run `cargo fmt --all`"))?;
-    run(Command::new("cargo").current_dir(root()).args(["clippy", "--quiet", "--release", "--all-targets", "--", "-D", "warnings"]))?;
-    steps.done("fmt and clippy");
-    // gputrace on the kernels users run: Debian 12's arm64 and amd64 6.1 and Debian 11's amd64
-    // 5.10, under QEMU (root: the guests' packages are installed with apt). Each guest counts as
-    // one test in the totals.
-    let mut guests = Vec::new();
-    if !quick {
-        // A bounded run of every fuzz target: a crash fails the test run.
-        fuzz(FUZZ_SECONDS_IN_TEST)?;
-        steps.done("fuzzing");
-        for guest in ["arm64", "x86", "x86-5.10"] {
-            if as_root {
-                let outcome = vm::vm(guest);
-                if let Err(e) = &outcome {
-                    eprintln!("xtask: the {guest} guest failed: {e}");
-                }
-                guests.push(outcome.is_ok());
-            }
-        }
-        steps.done("guests");
-    }
-    // Quick: every unit test (the libraries', binaries', layers'), and of the end-to-end suites
-    // the quick ones.
-    let selection: Vec<String> = if quick {
-        let suites = QUICK_SUITES.iter().flat_map(|s| ["--test", s]);
-        ["--lib", "--bins", "--test", "layers"].into_iter().chain(suites).map(String::from).collect()
-    } else {
-        Vec::new()
-    };
-    let mut child = Command::new("cargo")
-        .current_dir(root())
-        .args(["test", "--release"])
-        .args(&selection)
-        .env("GPUTRACE_BIN", bin("gputrace"))
-        .envs(package.map(|deb| ("GPUTRACE_DEB", deb)))
-        // One at a time: the end-to-end tests share the kernel's tracepoints. As root, the
-        // root-only tests (ignored otherwise, so a skip always shows) run too.
-        .args(["--", "--test-threads=1"])
-        .args(as_root.then_some("--include-ignored"))
-        .stdout(Stdio::piped())
-        .spawn()
-        .map_err(|e| format!("cannot run cargo test: {e}"))?;
-    let (mut passed, mut failed, mut ignored) = (0u64, 0u64, 0u64);
-    for line in BufReader::new(child.stdout.take().expect("piped")).lines() {
-        let line = line.map_err(|e| e.to_string())?;
-        println!("{line}");
-        if let Some(rest) = line.strip_prefix("test result: ") {
-            let count = |what: &str| {
-                rest.split(';').find_map(|part| part.trim().strip_suffix(what)?.trim().rsplit(' ').next()?.parse::<u64>().ok()).unwrap_or(0)
-            };
-            passed += count("passed");
-            failed += count("failed");
-            ignored += count("ignored");
-        }
-    }
-    let status = child.wait().map_err(|e| e.to_string())?;
-    steps.done("tests");
-    passed += guests.iter().filter(|ok| **ok).count() as u64;
-    failed += guests.iter().filter(|ok| !**ok).count() as u64;
-    if !as_root && !quick {
-        ignored += 3;
-    }
-    println!("tests: {passed} passed, {failed} failed, {ignored} skipped");
-    println!("xtask: {}", steps.said());
-    if !status.success() {
-        Err(format!("cargo test failed ({status})"))
-    } else if guests.contains(&false) {
-        Err("a guest kernel's run failed (see above)".into())
-    } else {
-        Ok(())
-    }
 }
 
 /// Every scenario, for both server families, on the fake GPU under `gputrace record`: one line
@@ -701,10 +584,12 @@ fn main() -> ExitCode {
         Some("setup") => setup(),
         Some("build") => build(),
         Some("test") => match args.get(1).map(String::as_str) {
-            None => test(false),
-            Some("--quick") => test(true),
+            None => suite::test(false),
+            Some("--quick") => suite::test(true),
             Some(other) => Err(format!("usage: cargo xtask test [--quick]: {other:?} is not an option")),
         },
+        // Not for people: what `xtask test` runs beside the end-to-end tests.
+        Some("beside-the-tests") => suite::beside_the_tests(),
         Some("demo") => demo(args.get(1).map(String::as_str), args.get(2).map(String::as_str)),
         Some("bench") => bench(),
         Some("fuzz") => match args.get(1).map(|s| s.parse::<u64>()) {
