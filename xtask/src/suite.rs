@@ -206,7 +206,8 @@ fn beside_log() -> PathBuf {
 fn start_beside_the_tests() -> Result<std::process::Child> {
     let log = std::fs::File::create(beside_log()).map_err(|e| format!("cannot write {}: {e}", beside_log().display()))?;
     let err = log.try_clone().map_err(|e| e.to_string())?;
-    let me = std::env::current_exe().map_err(|e| format!("cannot find xtask's own binary: {e}"))?;
+    // Not current_exe(): building the tests has just linked xtask's binary anew.
+    let me = bin("xtask");
     eprintln!("xtask: clippy, fuzzing and the guests run beside the tests, niced (their output: {})", beside_log().display());
     Command::new("nice")
         .args(["-n", "19"])
