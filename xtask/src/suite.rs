@@ -3,7 +3,8 @@
 //! The whole run: the build, the package, the format, the test binaries built once; then the
 //! end-to-end tests (which mostly wait on the fake GPU, its servers and the kernel) while, beside
 //! them and niced, so that they take only the CPU the tests leave idle, clippy, fuzzing and the
-//! QEMU guests; at its end every count and how long each step took. The tests run one at a time
+//! QEMU guests; the suites that watch the whole host once those are done ([`ALONE_SUITES`]); at
+//! its end every count and how long each step took. The tests run one at a time
 //! (they share the kernel's tracepoints), each test binary straight, not under `cargo test`,
 //! whose lock on the build directory would keep the builds beside them waiting.
 //!
@@ -22,6 +23,13 @@ use crate::{bin, build, dist, fuzz, install_test_tools, is_root, root, run, vm, 
 /// rest (the QEMU guests, fuzzing, the package, recording's every driver path, whatif's re-runs,
 /// the hostile users, attaching, the watch, Prometheus, Chromium) run in the whole `xtask test`.
 const QUICK_SUITES: [&str; 3] = ["cli", "scenarios", "headroom"];
+
+/// The end-to-end suites that watch the whole host (`watch`, `record --all`) and bound what it
+/// costs them (a dump budget of a few dumps, a watch's memory, a scraper's wait): the processes
+/// a build forks by the thousand are in their window, so they run once the run beside the tests
+/// is done. (A build beside them made hostile's dumps outgrow their budget: every dump but the
+/// newest went, root's with them.)
+const ALONE_SUITES: [&str; 5] = ["hostile", "watch", "watch_memory", "prometheus", "dist"];
 
 /// The guests: Debian 12's arm64 and amd64 6.1 and Debian 11's amd64 5.10.
 const GUESTS: [&str; 3] = ["arm64", "x86", "x86-5.10"];
@@ -161,8 +169,10 @@ pub fn test(quick: bool) -> Result<()> {
     } else {
         Some(start_beside_the_tests()?)
     };
+    let (alone, beside_them): (Vec<TestBinary>, Vec<TestBinary>) =
+        binaries.into_iter().partition(|b| b.kind == "test" && ALONE_SUITES.contains(&b.name.as_str()));
     let mut counts = Counts::default();
-    let tests_passed = run_tests(&binaries, as_root, package.as_ref(), &mut counts)?;
+    let mut tests_passed = run_tests(&beside_them, as_root, package.as_ref(), &mut counts)?;
     steps.done("tests");
     let beside_passed = match beside {
         Some(beside) => {
@@ -177,6 +187,8 @@ pub fn test(quick: bool) -> Result<()> {
         }
         None => true,
     };
+    tests_passed &= run_tests(&alone, as_root, package.as_ref(), &mut counts)?;
+    steps.done("the suites that watch the whole host");
     // Doc tests, if any are ever written: cargo runs them itself.
     let doc = Command::new("cargo").current_dir(root()).args(["test", "--release", "--doc"]).stdout(Stdio::piped()).output();
     let doc = doc.map_err(|e| format!("cannot run cargo test --doc: {e}"))?;
