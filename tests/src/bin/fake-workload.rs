@@ -525,7 +525,8 @@ fn collide(truth: &mut Truth) -> Result<(), String> {
             first_go.1.recv().ok();
             gpu.free_handle(fakegpu::driver::SLOW_FREE_HANDLE, false)
         });
-        let first_slot = slot(first_tid.1.recv().map_err(|e| e.to_string())?);
+        let first_tid = first_tid.1.recv().map_err(|e| e.to_string())?;
+        let first_slot = slot(first_tid);
         // Threads come and go until one gets a number of the first one's slot (the kernel hands
         // them out in turn, so within CALL_SLOTS of them where pid_max is larger).
         let (second_go_tx, second_go_rx) = channel::<()>();
@@ -553,12 +554,30 @@ fn collide(truth: &mut Truth) -> Result<(), String> {
         }
         let second = second.ok_or("no thread number shares the first one's slot (is pid_max above CALL_SLOTS?)")?;
         first_go.0.send(()).ok();
-        std::thread::sleep(std::time::Duration::from_millis(100));
+        // The second goes once the first is inside its free (blocked in the ioctl, its call
+        // taken into the slot at the syscall's entry), however long a busy host took to get it
+        // there.
+        in_ioctl(first_tid)?;
         second_go_tx.send(()).ok();
         let (_, freed) = second.join().map_err(|_| "the second thread panicked")?;
         freed.expect("the sharing thread frees").map_err(|s| format!("the buffer's free failed: {s:?}"))?;
         first.join().map_err(|_| "the first thread panicked")?.map_err(|s| format!("the slow free failed: {s:?}"))
     })
+}
+
+/// Waits until thread `tid` of this process is blocked in an ioctl (its /proc syscall file names
+/// the call), 10 s at most.
+fn in_ioctl(tid: u32) -> Result<(), String> {
+    let path = format!("/proc/self/task/{tid}/syscall");
+    let ioctl = libc::SYS_ioctl.to_string();
+    for _ in 0..10_000 {
+        let now = std::fs::read_to_string(&path).map_err(|e| format!("{path}: {e}"))?;
+        if now.split_whitespace().next() == Some(ioctl.as_str()) {
+            return Ok(());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    Err(format!("thread {tid} was not in an ioctl within 10 s"))
 }
 
 fn oom(truth: &mut Truth, bytes: u64) -> Result<(), String> {
