@@ -190,7 +190,7 @@ pub fn test(quick: bool) -> Result<()> {
         None => true,
     };
     tests_passed &= run_tests(&alone, as_root, package.as_ref(), &mut counts)?;
-    steps.done("the suites that watch the whole host");
+    steps.done("the suites run alone");
     // Doc tests, if any are ever written: cargo runs them itself.
     let doc = Command::new("cargo").current_dir(root()).args(["test", "--release", "--doc"]).stdout(Stdio::piped()).output();
     let doc = doc.map_err(|e| format!("cannot run cargo test --doc: {e}"))?;
