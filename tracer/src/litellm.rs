@@ -52,14 +52,6 @@ pub fn config_arg(command: &[String]) -> Option<&str> {
 /// LiteLLM gives each (see [`Deployment::max_parallel_requests`]). What is not a plain value
 /// (an alias, `os.environ/...`) is taken as unset; text that is no YAML yields what came before.
 pub fn deployments(config: &str) -> Vec<Deployment> {
-    #[derive(Default)]
-    struct Entry {
-        model: String,
-        api_base: String,
-        /// Each key's value as written: None unset, Some(None) no plain count.
-        limits: [Option<Option<u64>>; 3],
-    }
-    const LIMITS: [&str; 3] = ["max_parallel_requests", "rpm", "tpm"];
     // Where the parser is: the keys (and sequence positions) from the top, and whether the next
     // scalar of the innermost mapping is a key.
     enum Frame {
@@ -144,23 +136,37 @@ pub fn deployments(config: &str) -> Vec<Deployment> {
             Yaml::Nothing | Yaml::StreamStart | Yaml::DocumentStart | Yaml::DocumentEnd => {}
         }
     }
-    entries
-        .into_iter()
-        .filter_map(|e| {
-            let (host, port) = host_and_port(&e.api_base)?;
-            // LiteLLM's calculate_max_parallel_requests, in its order: the first key set decides.
-            // A value that is no plain count (os.environ/..., an alias) leaves the limit unknown,
-            // and 0 makes no semaphore: neither is checked.
-            let [parallel, rpm, tpm] = e.limits;
-            let keys = [(parallel, "max_parallel_requests"), (rpm, "rpm"), (tpm, "tpm"), (default, "default_max_parallel_requests")];
-            let (max_parallel_requests, limit_from) = match keys.into_iter().find_map(|(v, key)| Some((v?, key))) {
-                Some((Some(n), "tpm")) => (Some((n.saturating_mul(6) / 1000).max(1)), "tpm"),
-                Some((Some(n), key)) if n > 0 => (Some(n), key),
-                _ => (None, ""),
-            };
-            Some(Deployment { model: e.model, host, port, max_parallel_requests, limit_from: limit_from.into(), local: None })
-        })
-        .collect()
+    entries.into_iter().filter_map(|e| e.deployment(default)).collect()
+}
+
+/// One `model_list` entry as read.
+#[derive(Default)]
+struct Entry {
+    model: String,
+    api_base: String,
+    /// Each key's value as written: None unset, Some(None) no plain count.
+    limits: [Option<Option<u64>>; 3],
+}
+
+const LIMITS: [&str; 3] = ["max_parallel_requests", "rpm", "tpm"];
+
+impl Entry {
+    /// The deployment, where its `api_base` names a host and port; `default` is the router's
+    /// `default_max_parallel_requests` as written.
+    fn deployment(self, default: Option<Option<u64>>) -> Option<Deployment> {
+        let (host, port) = host_and_port(&self.api_base)?;
+        // LiteLLM's calculate_max_parallel_requests, in its order: the first key set decides.
+        // A value that is no plain count (os.environ/..., an alias) leaves the limit unknown,
+        // and 0 makes no semaphore: neither is checked.
+        let [parallel, rpm, tpm] = self.limits;
+        let keys = [(parallel, "max_parallel_requests"), (rpm, "rpm"), (tpm, "tpm"), (default, "default_max_parallel_requests")];
+        let (max_parallel_requests, limit_from) = match keys.into_iter().find_map(|(v, key)| Some((v?, key))) {
+            Some((Some(n), "tpm")) => (Some((n.saturating_mul(6) / 1000).max(1)), "tpm"),
+            Some((Some(n), key)) if n > 0 => (Some(n), key),
+            _ => (None, ""),
+        };
+        Some(Deployment { model: self.model, host, port, max_parallel_requests, limit_from: limit_from.into(), local: None })
+    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]

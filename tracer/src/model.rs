@@ -522,11 +522,7 @@ impl Model {
             | Event::Share { status, .. }
                 if *status != 0 => {}
             Event::Share { client, object, share_type, action, .. } => self.on_share(*client, *object, *share_type, *action),
-            Event::ClientMaker { client, maker } => {
-                if let Some(c) = self.clients.get_mut(client) {
-                    c.pid = (*maker != 0).then_some(*maker);
-                }
-            }
+            Event::ClientMaker { client, maker } => self.on_client_maker(*client, *maker),
             Event::Object { fd, client, parent, object, class, gpu, .. } => {
                 self.on_object(pid, ts, *fd, (*client, *parent, *object), *class, *gpu)
             }
@@ -575,17 +571,26 @@ impl Model {
             }
             Event::Mark { phase } => self.marks.push((ts, pid, phase.clone())),
             Event::Sample(sample) => self.samples.push((ts, sample.clone())),
-            Event::Proxy { deployments, .. } if deployments.is_empty() => {
-                self.proxies.remove(&pid);
-            }
-            Event::Proxy { uid, command, config, deployments, workers } => {
-                if self.proxies.len() < MAX_PROXIES || self.proxies.contains_key(&pid) {
-                    // A crafted trace's proxy keeps what a scan would have.
-                    let deployments = deployments.iter().take(crate::litellm::MAX_DEPLOYMENTS).cloned().collect();
-                    let proxy = Proxy { ts, uid: *uid, command: command.clone(), config: config.clone(), deployments, workers: *workers };
-                    self.proxies.insert(pid, proxy);
-                }
-            }
+            Event::Proxy { .. } => self.on_proxy(pid, ts, &r.event),
+        }
+    }
+
+    fn on_client_maker(&mut self, client: u32, maker: u32) {
+        if let Some(c) = self.clients.get_mut(&client) {
+            c.pid = (maker != 0).then_some(maker);
+        }
+    }
+
+    /// A proxy seen with no deployments has stopped serving them.
+    fn on_proxy(&mut self, pid: u32, ts: u64, event: &Event) {
+        let Event::Proxy { uid, command, config, deployments, workers } = event else { return };
+        if deployments.is_empty() {
+            self.proxies.remove(&pid);
+        } else if self.proxies.len() < MAX_PROXIES || self.proxies.contains_key(&pid) {
+            // A crafted trace's proxy keeps what a scan would have.
+            let deployments = deployments.iter().take(crate::litellm::MAX_DEPLOYMENTS).cloned().collect();
+            let proxy = Proxy { ts, uid: *uid, command: command.clone(), config: config.clone(), deployments, workers: *workers };
+            self.proxies.insert(pid, proxy);
         }
     }
 
