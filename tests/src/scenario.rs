@@ -13,8 +13,16 @@ use anyhow::{anyhow, bail, Context, Result};
 
 use crate::serve::GIB;
 
-pub const NAMES: [&str; 7] =
-    ["clean", "held-by-other-process", "does-not-fit-at-load", "long-request", "concurrent-load", "host-oom", "tensor-parallel"];
+pub const NAMES: [&str; 8] = [
+    "clean",
+    "held-by-other-process",
+    "does-not-fit-at-load",
+    "long-request",
+    "concurrent-load",
+    "kept-by-service",
+    "host-oom",
+    "tensor-parallel",
+];
 pub const SERVERS: [&str; 2] = ["vllm", "llama"];
 /// Not one of the named ways to fail: a clean run with the load GPUTRACE_LOAD gives (and the
 /// server's flags GPUTRACE_SERVER_ARGS gives, as in every scenario), to try a prediction.
@@ -51,6 +59,9 @@ pub fn describe(name: &str, server: &str) -> &'static str {
         ("does-not-fit-at-load", _) => "the weights do not fit on the card",
         ("long-request", _) => "short prompts are served, one long prompt fails mid-prefill",
         ("concurrent-load", _) => "each request alone fits, a burst of them at once does not",
+        ("kept-by-service", _) => {
+            "identical prompts one at a time; the server keeps a cache entry per request, never evicted, until an ordinary one fails"
+        }
         ("host-oom", _) => "a unified-memory server in a memory-limited cgroup is killed by the kernel's OOM killer while loading",
         ("tensor-parallel", "vllm") => {
             "four tensor-parallel ranks, one per GPU; the rank on the smaller fourth card runs out loading its shard"
@@ -59,6 +70,14 @@ pub fn describe(name: &str, server: &str) -> &'static str {
         _ => "?",
     }
 }
+
+/// kept-by-service: what each request keeps (MiB), per family; the prompt (tokens) every request
+/// sends; the requests before the load (before a recording attaches late) and in it.
+pub const KEPT_MIB_VLLM: u64 = 416;
+pub const KEPT_MIB_LLAMA: u64 = 336;
+pub const KEPT_PROMPT: u64 = 1500;
+pub const KEPT_WARMUP: u64 = 6;
+pub const KEPT_REQUESTS: u64 = 30;
 
 struct Tools {
     gputrace: PathBuf,
@@ -504,6 +523,14 @@ fn scenario_inside(t: &Tools, name: &str, server: &str) -> Result<()> {
             // slots on one unified cache, each able to take the whole context.
             let cap: &[&str] = if llama { &["--parallel", "8", "--kv-unified"] } else { &["--max-num-seqs", "256"] };
             t.serve(server, port, cap, &["--sequential", one], &["--concurrent", wave])
+        }
+        "kept-by-service" => {
+            // Each request leaves an entry (about a twentieth of the room after load) that is
+            // never freed; the 21st of the same size no longer fits.
+            let keep = if llama { KEPT_MIB_LLAMA } else { KEPT_MIB_VLLM };
+            let load = format!("{KEPT_REQUESTS}x{KEPT_PROMPT}");
+            let warmup = format!("{KEPT_WARMUP}x{KEPT_PROMPT}");
+            t.serve(server, port, &["--keep-mib-per-request", &keep.to_string()], &["--sequential", &warmup], &["--sequential", &load])
         }
         "held-by-other-process" => {
             // The earlier server, not recorded: it is what the recorder finds already there.

@@ -72,6 +72,14 @@ fn report(name: &str, server: &str, met: Met, env: &[(&str, &str)]) -> Value {
     if let Some(window) = in_flight_by_truth(&dir.join("workload.jsonl")) {
         summary["server_truth"] = serde_json::json!({ "requests_in_flight": [window.0, window.1] });
     }
+    // And what it kept, entry by entry.
+    let kept: Vec<u64> = fakegpu::truth::read_lines::<Value>(&dir.join("workload.jsonl"))
+        .unwrap_or_default()
+        .iter()
+        .filter(|w| w["event"] == "kept")
+        .filter_map(|w| w["bytes"].as_u64())
+        .collect();
+    summary["kept_truth"] = kept.into();
     std::fs::remove_dir_all(&dir).ok();
     summary
 }
@@ -171,6 +179,41 @@ fn a_long_request_on_a_tensor_parallel_pair_attached_late() {
         let before: Vec<u64> = seen["gpus"].as_array().unwrap().iter().map(|g| g["held_before_bytes"].as_u64().unwrap()).collect();
         assert!(before.len() == 2 && before.iter().all(|&b| b >= 30 << 30), "each rank's memory on its own GPU: {before:?}");
     }
+}
+
+/// A server that keeps memory per request, met by `record --pid` after it had served a few:
+/// kept-by-service on the growth since attaching, and said so; what each request kept within
+/// 10% of the fake's truth, and in all within 10% of what it kept after the attach (the first
+/// request seen is in with whatever its pool grew by, so not counted).
+fn kept_after_attaching(server: &str) {
+    let _root = as_root();
+    let seen = report("kept-by-service", server, Met::Attached, &[]);
+    let d = &seen["diagnosis"];
+    assert_eq!(d["category"], "kept-by-service", "{server}: {d:#}");
+    let kept = &d["evidence"]["fields"]["kept"];
+    assert_eq!(kept["since_attaching"], true, "{server}: {kept:#}");
+    assert!(d["evidence"]["text"].as_str().unwrap().contains("when tracing began (it was serving already)"), "{server}: {d:#}");
+    let truth: Vec<u64> = seen["kept_truth"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap()).collect();
+    let warmup = fakegpu::scenario::KEPT_WARMUP as usize;
+    let since: u64 = truth.iter().skip(warmup).sum();
+    let (kept_bytes, per_request) = (kept["kept_bytes"].as_u64().unwrap(), kept["kept_per_request_bytes"].as_u64().unwrap());
+    assert!(kept_bytes.abs_diff(since) * 10 <= since, "{server}: kept {kept_bytes} since attaching, the truth {since}: {kept:#}");
+    assert!(per_request.abs_diff(truth[0]) * 10 <= truth[0], "{server}: {per_request} a request, the truth {}", truth[0]);
+    assert_eq!(kept["requests_served"].as_u64(), Some((truth.len() - warmup) as u64), "{server}: requests served since attaching");
+    let fix = d["fix"]["text"].as_str().unwrap();
+    assert!(!fix.contains("context") || fix.contains("A lower context or concurrency limit would not help"), "{server}: {fix}");
+}
+
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn kept_memory_after_attaching_to_vllm() {
+    kept_after_attaching("vllm");
+}
+
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn kept_memory_after_attaching_to_llama() {
+    kept_after_attaching("llama");
 }
 
 /// The cap counts what the server had before tracing as held by it: equal to the recording

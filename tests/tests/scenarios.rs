@@ -330,6 +330,9 @@ fn diagnosed_right(o: &Outcome, name: &str, server: &str, what: &str) {
                 let alone = workload_events(o, "prefill").find(|w| w["in_flight"] == 1).map(|w| w["bytes"].as_u64().unwrap()).unwrap();
                 assert!(each >= alone && each < alone + alone / 10, "{what}: one request's cost {each}, the workload says {alone}");
             }
+            if name == "kept-by-service" {
+                kept_right(o, d, what);
+            }
             if name == "does-not-fit-at-load" {
                 assert!(fix["load_bytes"].as_u64().unwrap() > o.header.gpus[0].total_bytes.unwrap(), "{what}: more than the card");
             }
@@ -354,6 +357,29 @@ fn diagnosed_right(o: &Outcome, name: &str, server: &str, what: &str) {
     }
 }
 
+/// kept-by-service against the fake's ground truth: what each request kept and what was kept in
+/// all (the first request's entry is in with the pool's first growth, so not counted: within
+/// 10%), the failing server's process named, and a fix that caps neither context nor concurrency.
+fn kept_right(o: &Outcome, d: &Value, what: &str) {
+    let kept = &d["evidence"]["fields"]["kept"];
+    let truth: Vec<u64> = workload_events(o, "kept").map(|w| w["bytes"].as_u64().unwrap()).collect();
+    let each = truth[0];
+    assert!(truth.len() >= 10 && truth.iter().all(|&b| b == each), "{what}: {truth:?}");
+    let total: u64 = truth.iter().sum();
+    let (kept_bytes, per_request) = (kept["kept_bytes"].as_u64().unwrap(), kept["kept_per_request_bytes"].as_u64().unwrap());
+    assert!(kept_bytes.abs_diff(total) * 10 <= total, "{what}: kept {kept_bytes} against the truth's {total}: {kept:#}");
+    assert!(per_request.abs_diff(each) * 10 <= each, "{what}: {per_request} a request against the truth's {each}");
+    assert_eq!(kept["requests_served"].as_u64(), Some(truth.len() as u64), "{what}: every request served kept an entry");
+    assert_eq!(kept["since_attaching"], false, "{what}");
+    let server = o.model.processes[&(d["pid"].as_u64().unwrap() as u32)].command.join(" ");
+    assert!(server.contains("--keep-mib-per-request"), "{what}: the failing process is the server's: {server}");
+    let fix = d["fix"]["text"].as_str().unwrap();
+    for cap in ["--max-model-len", "--max-num-seqs", "-np", "--parallel", " -c ", "max_parallel_requests"] {
+        assert!(!fix.contains(cap), "{what}: no context or concurrency cap for memory the server keeps: {fix}");
+    }
+    assert_eq!(d["fix"]["fields"]["requests_from_fresh_start"].as_u64(), Some(truth.len() as u64), "{what}: {fix}");
+}
+
 fn check(name: &str, server: &str, nvml: &str) {
     let o = run(name, server, nvml);
     let what = format!("{server} {name} (NVML {nvml})");
@@ -374,6 +400,15 @@ fn check(name: &str, server: &str, nvml: &str) {
             assert_eq!(failures.len(), 1, "{what}");
             assert_eq!(failed_phase.as_deref(), Some("load"), "{what}");
             assert_eq!(failures[0].status, 0x51, "{what}: NV_ERR_NO_MEMORY");
+        }
+        "kept-by-service" => {
+            assert_eq!(failures.len(), 1, "{what}");
+            assert_eq!(failed_phase.as_deref(), Some("prefill"), "{what}");
+            // An ordinary request: every one sent was alike, and those before it were served.
+            let prompts: Vec<u64> = workload_events(&o, "request").map(|w| w["prompt_tokens"].as_u64().unwrap()).collect();
+            assert!(prompts.iter().all(|&p| p == prompts[0]), "{what}: {prompts:?}");
+            let served = workload_events(&o, "response").filter(|r| r["status"] == "HTTP/1.1 200 OK").count();
+            assert!(served >= 10, "{what}: {served} served before it failed");
         }
         "long-request" | "concurrent-load" => {
             assert_eq!(failures.len(), 1, "{what}");
@@ -462,6 +497,7 @@ scenarios! {
     vllm_does_not_fit_at_load: "does-not-fit-at-load", "vllm", "discrete";
     vllm_long_request: "long-request", "vllm", "discrete";
     vllm_concurrent_load: "concurrent-load", "vllm", "discrete";
+    vllm_kept_by_service: "kept-by-service", "vllm", "discrete";
     vllm_host_oom: "host-oom", "vllm", "discrete";
     vllm_tensor_parallel: "tensor-parallel", "vllm", "discrete";
     llama_clean: "clean", "llama", "discrete";
@@ -471,6 +507,7 @@ scenarios! {
     llama_does_not_fit_at_load: "does-not-fit-at-load", "llama", "discrete";
     llama_long_request: "long-request", "llama", "discrete";
     llama_concurrent_load: "concurrent-load", "llama", "discrete";
+    llama_kept_by_service: "kept-by-service", "llama", "discrete";
     llama_host_oom: "host-oom", "llama", "discrete";
     llama_tensor_parallel: "tensor-parallel", "llama", "discrete";
 }

@@ -50,24 +50,33 @@ fn labels_of(selector: &str) -> Vec<(String, String)> {
 /// scraped from node1: GPUServerLimitAboveHeadroom is quiet at 4 minutes and fires at 5 with the
 /// series' labels and its text.
 fn limit_alert_fires_on(sample: &str, dir: &Path) {
-    let (selector, value) = sample.rsplit_once(' ').unwrap();
-    let mut labels = labels_of(selector);
+    let labels = labels_of(sample.rsplit_once(' ').unwrap().0);
     let label = |name: &str| labels.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone()).unwrap_or_else(|| panic!("{name} in {sample}"));
+    let value = sample.rsplit_once(' ').unwrap().1;
     let summary = format!("`{}` on node1: {} is {value} past what memory fits ({})", label("service"), label("limit"), label("bounds"));
     let description = "In requests at once for concurrency, in prompt tokens for context and batch-tokens: a burst that large or a prompt that long fails with CUDA out of memory. /report's headroom gives the value to set.";
+    alert_fires_on(sample, dir, "GPUServerLimitAboveHeadroom", ("4m", "5m"), &summary, description);
+}
+
+/// `promtool test rules` on the deploy/ rules with one served sample held for ten minutes, as
+/// scraped from node1: `alert` is quiet at `quiet` and fires at `fires` with the series' labels
+/// and the text given.
+fn alert_fires_on(sample: &str, dir: &Path, alert: &str, (quiet, fires): (&str, &str), summary: &str, description: &str) {
+    let (selector, value) = sample.rsplit_once(' ').unwrap();
+    let mut labels = labels_of(selector);
     labels.extend([("instance", "node1"), ("job", "gputrace"), ("severity", "warning")].map(|(n, v)| (n.to_string(), v.to_string())));
     let json = |v: &str| serde_json::to_string(v).unwrap();
     let exp_labels: Vec<String> = labels.iter().map(|(n, v)| format!("{n}: {}", json(v))).collect();
     let series = format!("{},instance=\"node1\",job=\"gputrace\"}}", selector.strip_suffix('}').unwrap()).replace('\'', "''");
     let rules = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/prometheus/gputrace-rules.yaml");
     let test = format!(
-        "rule_files: [{}]\nevaluation_interval: 30s\ntests:\n  - interval: 30s\n    input_series:\n      - series: '{series}'\n        values: '{value}x20'\n    alert_rule_test:\n      - eval_time: 4m\n        alertname: GPUServerLimitAboveHeadroom\n        exp_alerts: []\n      - eval_time: 5m\n        alertname: GPUServerLimitAboveHeadroom\n        exp_alerts:\n          - exp_labels: {{{}}}\n            exp_annotations: {{summary: {}, description: {}}}\n",
+        "rule_files: [{}]\nevaluation_interval: 30s\ntests:\n  - interval: 30s\n    input_series:\n      - series: '{series}'\n        values: '{value}x20'\n    alert_rule_test:\n      - eval_time: {quiet}\n        alertname: {alert}\n        exp_alerts: []\n      - eval_time: {fires}\n        alertname: {alert}\n        exp_alerts:\n          - exp_labels: {{{}}}\n            exp_annotations: {{summary: {}, description: {}}}\n",
         json(&rules.to_string_lossy()),
         exp_labels.join(", "),
-        json(&summary),
+        json(summary),
         json(description)
     );
-    let path = dir.join("limit-alert.test.yaml");
+    let path = dir.join(format!("{alert}.test.yaml"));
     std::fs::write(&path, &test).unwrap();
     let out = Command::new("promtool")
         .args(["test", "rules"])
@@ -121,13 +130,32 @@ fn watched(name: &str) {
 
     let (whole, window) = (report(&dir.join("run.trace")), report(dump));
     // The window (200 ms) is a fraction of the run: the load before it is in the dump only
-    // through its snapshot.
+    // through its snapshot (and, for what a server kept, the watch's history in its header).
     let span = |r: &Value| r["duration_ns"].as_f64().unwrap_or(0.0) / 1e9;
     assert!(span(&whole) > 0.4, "the run is longer than the window: {} s", span(&whole));
     let (w, d) = (&whole["diagnosis"], &window["diagnosis"]);
     assert_ne!(w["category"], "none");
-    for field in ["category", "symptom", "gpu", "fix", "evidence"] {
+    for field in ["category", "symptom", "gpu", "fix"] {
         assert_eq!(d[field], w[field], "{name}: the dump's {field} is the recording's\nwhole: {w:#}\ndump: {d:#}");
+    }
+    // The same evidence, but the times of what was kept: those are since each trace's start.
+    let timeless = |e: &Value| {
+        let mut fields = e["fields"].clone();
+        if let Some(kept) = fields.get_mut("kept").and_then(Value::as_object_mut) {
+            for at in ["ready_ts", "now_ts", "began_ts"] {
+                kept.remove(at);
+            }
+            kept["allocations"]["first"] = Value::Null;
+        }
+        fields
+    };
+    assert_eq!(
+        timeless(&d["evidence"]),
+        timeless(&w["evidence"]),
+        "{name}: the dump's evidence is the recording's\nwhole: {w:#}\ndump: {d:#}"
+    );
+    if name != "kept-by-service" {
+        assert_eq!(d["evidence"], w["evidence"], "{name}");
     }
     // The watch sees `gputrace record` as the server's parent; a wrapper, it names no service.
     assert_eq!(d["service"], w["service"], "{name}");
@@ -182,13 +210,58 @@ fn watched(name: &str) {
         let at = |what: &str| log.find(what).unwrap_or(usize::MAX);
         assert!(at("gputrace: warning: ") < at("-failed-allocation-uid0.trace"), "said before the burst failed: {log}");
     }
+    if name == "kept-by-service" {
+        kept_forecast_before_the_failure(&served("metrics-before.txt"), &log, &dir);
+    } else {
+        // No false alarm: a server that gives back what its requests used has no forecast.
+        let before = served("metrics-before.txt");
+        assert!(before.contains("gputrace_kept_bytes_per_request{") && !before.contains("gputrace_requests_until_full{"), "{before}");
+    }
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// After the warm-up's six requests, each keeping an entry: what one keeps, and the requests
+/// until full within one of what the server then served before it failed; the alert fires on
+/// that series; the log said it before the failure's dump.
+fn kept_forecast_before_the_failure(before: &str, log: &str, dir: &Path) {
+    let line =
+        |prefix: &str| before.lines().find(|l| l.starts_with(prefix)).unwrap_or_else(|| panic!("no {prefix} after the warm-up:\n{before}"));
+    let value = |prefix: &str| -> f64 { line(prefix).rsplit(' ').next().unwrap().parse().unwrap() };
+    let each = fakegpu::scenario::KEPT_MIB_VLLM as f64 * 1048576.0;
+    let kept = value("gputrace_kept_bytes_per_request{");
+    assert!((kept - each).abs() <= each / 10.0, "{kept} a request, the fake keeps {each}");
+    let workload: Vec<Value> = fakegpu::truth::read_lines(&dir.join("workload.jsonl")).unwrap();
+    let served = workload.iter().filter(|w| w["event"] == "response" && w["status"] == "HTTP/1.1 200 OK").count() as f64;
+    let truth = served - fakegpu::scenario::KEPT_WARMUP as f64;
+    let until = value("gputrace_requests_until_full{");
+    assert!((until - truth).abs() <= 1.0, "{until} requests until full after the warm-up; {truth} were served before one failed");
+    assert!(value("gputrace_seconds_until_full{") > 0.0);
+    let sample = line("gputrace_requests_until_full{");
+    let labels = labels_of(sample.rsplit_once(' ').unwrap().0);
+    let label = |name: &str| labels.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone()).unwrap();
+    let summary = format!("`{}` on node1 GPU {} keeps GPU memory request after request and runs out soon", label("service"), label("gpu"));
+    let description = "At the rate it keeps memory (gputrace_kept_bytes_per_request), fewer than 100 more requests of the largest size it served fit, or under an hour at its recent request rate; then an ordinary request fails with CUDA out of memory. A cache with no bound or a leak in the server: bound it or fix it (a restart only buys time). /report's headroom has the figures.";
+    alert_fires_on(sample, dir, "GPUMemoryKeptRunsOut", ("90s", "2m30s"), &summary, description);
+    let warned = log
+        .lines()
+        .position(|l| l.starts_with("gputrace: warning: `") && l.contains(" keeps ") && l.contains(" a request and gives none back"));
+    let dumped = log.lines().position(|l| l.contains("-failed-allocation-uid0.trace"));
+    assert!(warned.is_some() && warned < dumped, "said in the log before the failure: {log}");
 }
 
 #[test]
 #[ignore = "needs root: `sudo cargo xtask test` runs it"]
 fn a_dump_of_a_long_request_reports_what_the_recording_does() {
     watched("long-request");
+}
+
+/// A server that keeps memory per request, under a watch with a 200 ms window over seconds of
+/// requests: the dump names kept-by-service with the growth since it was ready, as the recording
+/// does; before it failed, the forecast and its alert.
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn a_dump_of_memory_a_server_keeps_reports_what_the_recording_does() {
+    watched("kept-by-service");
 }
 
 #[test]

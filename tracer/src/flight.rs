@@ -391,8 +391,7 @@ impl Flight {
     /// since a snapshot is only what is live. What compaction forgets (freed allocations, ended
     /// requests, failures) is in the window for a dump.
     pub fn compact(&mut self, now: u64, live: &mut Model) -> bool {
-        let due_by_time = now >= self.last_compaction.saturating_add(self.config.window_ns / 8);
-        if !due_by_time && self.counters.records < self.records_at_compaction + COMPACT_EVERY {
+        if !self.compaction_due(now) {
             return false;
         }
         self.last_compaction = now;
@@ -401,6 +400,12 @@ impl Flight {
         self.base = Model::from_records(&self.base.snapshot());
         *live = Model::from_records(&live.snapshot());
         true
+    }
+
+    /// The next [`Flight::compact`] compacts: what the live model forgets is to be read first.
+    pub fn compaction_due(&self, now: u64) -> bool {
+        now >= self.last_compaction.saturating_add(self.config.window_ns / 8)
+            || self.counters.records >= self.records_at_compaction + COMPACT_EVERY
     }
 
     /// Bytes the window holds now.

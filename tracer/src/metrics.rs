@@ -320,32 +320,50 @@ fn own_cost(t: &mut Text) {
     }
 }
 
-/// One figure of a moment's headroom.
-type Figure = fn(&Moment) -> u64;
+/// One figure of a service's headroom now, where it has one.
+type Figure = fn(&Headroom, &Moment) -> Option<f64>;
 
 /// Headroom per running serving service and GPU, the tightest first (bounded: those are the
-/// ones to see).
+/// ones to see); and for a service that keeps memory request after request, its rate and when
+/// it runs out.
 fn headroom(t: &mut Text, r: &Report) {
     let mut rows: Vec<(&Headroom, Moment)> = r.headroom.iter().filter_map(|h| Some((h, h.now?))).collect();
     rows.sort_by_key(|(_, now)| (now.more_requests, now.room_bytes));
     rows.truncate(TOP_SERVICES);
-    let per_gpu: [(&str, &str, Figure); 2] = [
+    let per_gpu: [(&str, &str, Figure); 5] = [
         (
             "gputrace_headroom_requests",
             "More requests of the largest size served that fit now beside those in flight, from what one cost (per serving service and GPU).",
-            |m| m.more_requests,
+            |_, m| Some(m.more_requests as f64),
         ),
         (
             "gputrace_headroom_request_bytes",
             "The largest request, in bytes received, that fits now with nothing else in flight (per serving service and GPU).",
-            |m| m.largest_fitting_request_bytes,
+            |_, m| Some(m.largest_fitting_request_bytes as f64),
+        ),
+        (
+            "gputrace_kept_bytes_per_request",
+            "Video memory a serving service keeps per request served and never gives back, over its latest requests (0: it gives everything back), per GPU.",
+            |h, _| Some(h.kept?.bytes_per_request as f64),
+        ),
+        (
+            "gputrace_requests_until_full",
+            "At the rate it keeps memory, requests of the largest size served it can still serve before one no longer fits; present while it keeps memory.",
+            |h, _| Some(h.kept?.requests_until_full? as f64),
+        ),
+        (
+            "gputrace_seconds_until_full",
+            "The same in seconds, at the recent request rate; present while it keeps memory.",
+            |h, _| h.kept?.seconds_until_full,
         ),
     ];
     for (name, help, value) in per_gpu {
         t.family(name, "gauge", help);
         for (h, now) in &rows {
-            let gpu = h.gpu.map_or_else(|| "unknown".to_string(), |g| g.to_string());
-            t.sample(name, &[("service", &h.service), ("gpu", &gpu)], value(now) as f64);
+            if let Some(v) = value(h, now) {
+                let gpu = h.gpu.map_or_else(|| "unknown".to_string(), |g| g.to_string());
+                t.sample(name, &[("service", &h.service), ("gpu", &gpu)], v);
+            }
         }
     }
     let name = "gputrace_limit_exceeds_headroom";

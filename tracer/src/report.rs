@@ -166,7 +166,11 @@ pub fn load(path: &std::path::Path, redact: bool) -> Result<(Header, Model, u64,
 /// diagnosis judged (the busiest serving one when nothing failed).
 pub fn what_if(header: &Header, model: &Model, lost: u64, settings: &Settings, search: bool) -> Result<Outcome, WhyNot> {
     let accounts = Accounts::new(header, model);
-    let failed = diagnose(&accounts, lost).first_failure().map(|(pid, gpu)| Failed { pid, gpu });
+    let diagnosed = diagnose(&accounts, lost);
+    if diagnosed.list.first().is_some_and(|d| d.category == crate::analysis::Category::KeptByService) {
+        return Err(WhyNot::KeptByService);
+    }
+    let failed = diagnosed.first_failure().map(|(pid, gpu)| Failed { pid, gpu });
     whatif(&accounts, failed, settings, search)
 }
 

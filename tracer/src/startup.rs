@@ -59,6 +59,7 @@ pub fn header(invocation: &[String], raw: bool, version: Option<DriverVersion>, 
         nvml: snapshot.note,
         command: invocation.to_vec(),
         raw,
+        rest_history: Vec::new(),
     }
 }
 

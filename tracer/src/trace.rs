@@ -87,6 +87,62 @@ pub struct Header {
     pub command: Vec<String>,
     /// Records carry the raw params bytes.
     pub raw: bool,
+    /// A dump of a watch: each serving service's level at rest over the requests it served,
+    /// as the watch kept it beyond its window (see `analysis::kept`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rest_history: Vec<RestSeries>,
+}
+
+/// A moment a service was at rest: its last request in flight had just ended (or, for the first,
+/// its first request was about to arrive).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct AtRest {
+    /// CLOCK_MONOTONIC, as records.
+    pub ts: u64,
+    /// The service's video memory on the GPU then: traced, and what it held before tracing.
+    pub bytes: u64,
+    /// Completions that had ended by then, since tracing began.
+    pub served: u64,
+}
+
+/// The requests served between two moments at rest, and what the level did over them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Stretch {
+    /// The moment at rest before.
+    pub start: u64,
+    pub end: AtRest,
+    /// What the level rose (or, negative, fell) by.
+    pub delta: i64,
+    pub requests: u64,
+    /// Its requests in flight together received more than any before: a pool may have grown.
+    pub larger: bool,
+}
+
+/// Stretches that count (none larger) folded into one: what a long history keeps of its oldest.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Folded {
+    pub delta: i64,
+    pub requests: u64,
+    pub stretches: u64,
+    pub rises: u64,
+    /// When the first that rose ended.
+    pub began_at: Option<u64>,
+}
+
+/// One service's history at rest on one GPU, as a watch keeps it: bounded, the latest stretches
+/// one by one, the older folded, every larger one's span kept (where a pool may have grown).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct RestSeries {
+    /// The service's root process.
+    pub root: u32,
+    pub gpu: Option<u32>,
+    pub ready: AtRest,
+    pub earlier: Folded,
+    pub stretches: Vec<Stretch>,
+    /// The spans of the larger stretches folded away: (start, end).
+    pub larger_spans: Vec<(u64, u64)>,
+    /// The most the requests in flight together had received, so far.
+    pub largest: u64,
 }
 
 impl Default for Header {
@@ -110,6 +166,7 @@ impl Default for Header {
             nvml: String::new(),
             command: Vec::new(),
             raw: false,
+            rest_history: Vec::new(),
         }
     }
 }

@@ -101,6 +101,8 @@ pub struct Watcher {
     /// every LIMITS_EVERY_NS (each check reads the whole live model): when the last check was,
     /// and whether one is due.
     limits_warned: HashSet<(String, String, u64)>,
+    /// Services (root pid and GPU) said to keep memory.
+    kept_warned: HashSet<(u32, Option<u32>)>,
     limits_checked: (u64, bool),
     /// The last /metrics body and when it was made: anyone may ask, as often as they like, and
     /// each one made reads the whole live model on the event loop.
@@ -132,6 +134,7 @@ impl Watcher {
             diagnoses: Arc::default(),
             own_file_table: 0,
             limits_warned: HashSet::new(),
+            kept_warned: HashSet::new(),
             limits_checked: (0, false),
             metrics: None,
         }
@@ -146,6 +149,35 @@ impl Watcher {
             let warned = &mut self.limits_warned;
             if fresh.any(|key| warned.len() < MAX_LIMITS_WARNED && warned.insert(key)) {
                 eprintln!("gputrace: warning: {}", crate::report::headroom::line(&h));
+            }
+        }
+    }
+}
+
+impl Watcher {
+    /// A service that keeps memory request after request, said once with its figures and when
+    /// it runs out at that rate (the early form of a kept-by-service failure).
+    fn warn_of_keeping(&mut self, live: &Model, now: u64) {
+        use crate::analysis::kept::{measure, Kept};
+        let accounts = crate::analysis::accounts::Accounts::new(&self.header, live);
+        let warned = &self.kept_warned;
+        let fresh: Vec<(u32, Option<u32>)> = self
+            .header
+            .rest_history
+            .iter()
+            .filter(|s| !warned.contains(&(s.root, s.gpu)))
+            .filter(|s| {
+                accounts.services.of(s.root).and_then(|service| measure(&accounts, service, s.gpu, now)).is_some_and(|k| Kept::keeps(&k))
+            })
+            .map(|s| (s.root, s.gpu))
+            .collect();
+        if fresh.is_empty() || self.kept_warned.len() >= MAX_LIMITS_WARNED {
+            return;
+        }
+        for h in crate::analysis::headroom::headroom(&accounts).iter().filter(|h| fresh.contains(&(h.pid, h.gpu))) {
+            if let Some(line) = crate::report::headroom::keeping(h) {
+                eprintln!("gputrace: warning: {line}");
+                self.kept_warned.insert((h.pid, h.gpu));
             }
         }
     }
@@ -204,7 +236,15 @@ impl Sink for Watcher {
             self.limits_checked = (now, false);
             self.warn_of_limits(live);
         }
-        self.flight.compact(now, live);
+        if self.flight.compaction_due(now) {
+            // What the requests that ended showed of each service's level at rest, kept before
+            // compaction forgets them (the header carries it into /metrics and every dump).
+            let mut history = std::mem::take(&mut self.header.rest_history);
+            crate::analysis::kept::feed(&mut history, &crate::analysis::accounts::Accounts::new(&self.header, live), now);
+            self.header.rest_history = history;
+            self.warn_of_keeping(live, now);
+            self.flight.compact(now, live);
+        }
         self.http.bind_when_due(&self.http_tx);
     }
 
@@ -337,7 +377,7 @@ impl Watcher {
     fn job(&self, dump: Dump) -> DumpJob {
         DumpJob {
             dump,
-            header: self.header.clone(),
+            header: Header { rest_history: crate::analysis::kept::for_dump(&self.header.rest_history), ..self.header.clone() },
             dir: self.dir.clone(),
             budget: self.budget,
             user: self.user.clone(),

@@ -3,11 +3,12 @@
 //! requests: one after another, then a concurrent wave. Each request's outcome goes to stdout
 //! and the ground truth as a JSON line: status, time to headers, time to first data, tokens.
 //!
-//! `fake-load --port P --server vllm|llama [--sequential 1024,2048] [--concurrent 16x2048]
+//! `fake-load --port P --server vllm|llama [--sequential 1024,2048,15x1500] [--concurrent 16x2048]
 //!            [--max-tokens 8] [--ready-timeout-s 30] [--truth FILE] [--send-after PATH]`
+//! `--sequential` takes prompt sizes one after another, `NxT` for N prompts of T tokens.
 //! With `--send-after`, the concurrent wave's connections are made at once (the server accepts
-//! them), `{"connected": N}` is printed, and the requests are sent only once PATH exists: as a
-//! proxy's pooled connections, opened before a tracer attached.
+//! them), `{"connected": N}` is printed, and every request is sent only once PATH exists: the
+//! wave's as a proxy's pooled connections, opened before a tracer attached.
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::process::ExitCode;
@@ -90,6 +91,18 @@ fn request_on(mut s: TcpStream, c: Completion) -> (String, Option<f64>, Option<f
     (status, headers_at, data_at, events)
 }
 
+/// One item of `--sequential`: T tokens, or N prompts of T tokens (`NxT`); nothing for what
+/// does not parse.
+fn prompts(item: &str) -> Vec<u64> {
+    match item.split_once('x') {
+        Some((n, t)) => match (n.parse::<usize>(), t.parse::<u64>()) {
+            (Ok(n), Ok(t)) => vec![t; n],
+            _ => Vec::new(),
+        },
+        None => item.parse().ok().into_iter().collect(),
+    }
+}
+
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let value = |flag: &str| args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1)).cloned();
@@ -109,28 +122,30 @@ fn main() -> ExitCode {
         println!("{line}");
         truth.note("response", line);
     };
+    let wave = value("--concurrent").and_then(|v| {
+        let (n, t) = v.split_once('x')?;
+        Some((n.parse::<usize>().ok()?, t.parse::<u64>().ok()?))
+    });
+    let send_after = value("--send-after").map(std::path::PathBuf::from);
+    // The wave connected first, all of it, when the requests are to go later.
+    let mut early: Vec<Option<TcpStream>> = (0..wave.map_or(0, |w| w.0)).map(|_| None).collect();
+    if let Some(go) = &send_after {
+        for slot in early.iter_mut() {
+            *slot = TcpStream::connect(("127.0.0.1", port)).ok();
+        }
+        println!("{}", json!({"connected": early.iter().flatten().count()}));
+        let _ = std::io::stdout().flush();
+        wait_for_file(go);
+    }
     let mut id = 0;
-    for tokens in value("--sequential").unwrap_or_default().split(',').filter_map(|t| t.parse().ok()) {
+    for tokens in value("--sequential").unwrap_or_default().split(',').flat_map(prompts) {
         id += 1;
         let c = Completion { prompt_tokens: tokens, max_tokens };
         truth.note("request", json!({"request": id, "port": port, "prompt_tokens": tokens, "in_flight": 1}));
         report(id, c, request(port, c));
     }
-    if let Some((n, tokens)) = value("--concurrent").and_then(|v| {
-        let (n, t) = v.split_once('x')?;
-        Some((n.parse::<usize>().ok()?, t.parse::<u64>().ok()?))
-    }) {
+    if let Some((n, tokens)) = wave {
         let c = Completion { prompt_tokens: tokens, max_tokens };
-        let send_after = value("--send-after").map(std::path::PathBuf::from);
-        // Connected first, all of them, when the requests are to go later.
-        let mut early: Vec<Option<TcpStream>> = (0..n).map(|_| None).collect();
-        if send_after.is_some() {
-            for slot in early.iter_mut() {
-                *slot = TcpStream::connect(("127.0.0.1", port)).ok();
-            }
-            println!("{}", json!({"connected": early.iter().flatten().count()}));
-            let _ = std::io::stdout().flush();
-        }
         let handles: Vec<_> = early
             .into_iter()
             .enumerate()

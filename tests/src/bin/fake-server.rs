@@ -25,6 +25,10 @@
 //!   `--tensor-split 1,1` splits the weights evenly over that many GPUs, from one process.
 //!   `--touch-host-mib N` reads N MiB of "model file" into host memory per weights GiB while
 //!   loading (the host RAM spike that gets servers OOM-killed on unified-memory machines).
+//! Either family: `--keep-mib-per-request N` keeps N MiB of video memory per request served,
+//! allocated at the end of its prefill and never freed (a prompt cache with no bound, a leak):
+//! noted `kept` in the ground truth. Out of memory there fails the server as any other
+//! allocation in prefill does.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
@@ -62,6 +66,8 @@ struct Args {
     max_model_len: Option<u64>,
     helper: bool,
     touch_host_mib: u64,
+    /// Video memory kept per request served, never freed.
+    keep_per_request: u64,
     /// GPUs the model is sharded over: vLLM's tensor-parallel ranks, llama's --tensor-split.
     shards: u32,
     /// A vLLM worker's rank (and GPU).
@@ -101,6 +107,7 @@ fn parse_args() -> Args {
         max_model_len: value("--max-model-len").and_then(|v| v.parse().ok()),
         helper: raw.iter().any(|a| a == "--helper"),
         touch_host_mib: value("--touch-host-mib").and_then(|v| v.parse().ok()).unwrap_or(0),
+        keep_per_request: value("--keep-mib-per-request").and_then(|v| v.parse::<u64>().ok()).unwrap_or(0) * MIB,
         shards: value("--tensor-parallel-size")
             .and_then(|v| v.parse().ok())
             .or_else(|| value("--tensor-split").map(|v| v.split(',').count() as u32))
@@ -451,13 +458,15 @@ fn vllm_engine(args: &Args, truth: &Truth) -> ExitCode {
             std::thread::sleep(Duration::from_secs(3600));
         }
     });
-    serve_batches(&mut gpu, truth, &model, rx, args.max_num_seqs.max(1) as usize)
+    serve_batches(&mut gpu, truth, &model, rx, (args.max_num_seqs.max(1) as usize, args.keep_per_request))
 }
 
 /// Prefill the waiting requests as one batch, then decode them together; activations grow to the
-/// largest batch seen and are reused after.
-fn serve_batches(gpu: &mut Gpu, truth: &Truth, model: &ModelSpec, rx: Receiver<Waiting>, max_num_seqs: usize) -> ExitCode {
+/// largest batch seen and are reused after. `(max_num_seqs, keep)`: the most in a batch, and what
+/// each request leaves behind.
+fn serve_batches(gpu: &mut Gpu, truth: &Truth, model: &ModelSpec, rx: Receiver<Waiting>, (max_num_seqs, keep): (usize, u64)) -> ExitCode {
     let mut workspace = 0u64;
+    let mut kept: Vec<Buffer> = Vec::new();
     let mut out = std::io::stdout();
     // Requests past --max-num-seqs wait for a later batch.
     let mut queued: std::collections::VecDeque<Waiting> = std::collections::VecDeque::new();
@@ -487,6 +496,19 @@ fn serve_batches(gpu: &mut Gpu, truth: &Truth, model: &ModelSpec, rx: Receiver<W
                 return ExitCode::from(1);
             }
             workspace += grow;
+        }
+        for w in batch.iter().filter(|_| keep > 0) {
+            match alloc(gpu, truth, Path::RmAlloc, keep, "prefill", in_flight) {
+                Some(b) => {
+                    truth.note("kept", json!({"request": w.id, "bytes": keep, "handle": b.handle}));
+                    kept.push(b);
+                }
+                None => {
+                    eprintln!("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {}. EngineCore died.", gib(keep));
+                    fatal(truth, in_flight);
+                    return ExitCode::from(1);
+                }
+            }
         }
         std::thread::sleep(Duration::from_millis(20 + tokens / 200));
         let steps = batch.iter().map(|w| w.completion.max_tokens).max().unwrap_or(0);
@@ -536,6 +558,7 @@ fn llama(args: &Args, truth: Arc<Truth>) -> ExitCode {
         slots: (Mutex::new(args.parallel.max(1)), std::sync::Condvar::new()),
         ctx: args.slot_ctx,
         activation_per_token: model.activation_per_token,
+        keep: (args.keep_per_request, Mutex::new(Vec::new())),
         truth: truth.clone(),
     });
     {
@@ -640,6 +663,8 @@ struct Llama {
     /// A slot's context, in tokens.
     ctx: u64,
     activation_per_token: u64,
+    /// What each request leaves behind, and what was left.
+    keep: (u64, Mutex<Vec<Buffer>>),
     truth: Arc<Truth>,
 }
 
@@ -664,62 +689,72 @@ impl Llama {
         let mut n = freed.wait_while(free.lock().unwrap(), |n| *n == 0).unwrap();
         *n -= 1;
         drop(n);
-        llama_request(&mut stream, c, self.activation_per_token, &self.gpu, &self.pool, &self.in_flight, &self.truth);
+        self.complete(&mut stream, c);
         *free.lock().unwrap() += 1;
         freed.notify_one();
     }
 }
 
-/// Prefill grows the scratch pool as needed, then the headers and the first data go out together
-/// (time-to-first-token), then decode, which allocates nothing.
-fn llama_request(
-    stream: &mut TcpStream,
-    c: Completion,
-    act: u64,
-    gpu: &Mutex<Option<Gpu>>,
-    pool: &Mutex<Pool>,
-    in_flight: &Mutex<usize>,
-    truth: &Truth,
-) {
-    let n = {
-        let mut n = in_flight.lock().unwrap();
-        *n += 1;
-        *n
-    };
-    let needed = c.prompt_tokens * act;
-    truth.note("prefill", json!({"prompt_tokens": c.prompt_tokens, "bytes": needed, "in_flight": n}));
-    {
-        let mut p = pool.lock().unwrap();
-        p.in_use += needed;
-        while p.in_use > p.capacity {
-            let chunk = (p.in_use - p.capacity).next_multiple_of(64 * MIB);
-            let now = *in_flight.lock().unwrap();
-            let mut g = gpu.lock().unwrap();
-            match alloc(g.as_mut().unwrap(), truth, Path::RmAllocNvos21, chunk, "prefill", now) {
-                Some(b) => {
-                    p.capacity += chunk;
-                    p.chunks.push(b);
-                }
-                None => {
-                    eprintln!("CUDA error: out of memory\n  current device: 0, in function alloc at ggml-cuda.cu:509\n  cuMemCreate(&handle, reserve_size, &prop, 0)");
-                    fatal(truth, now);
-                    std::process::abort();
+impl Llama {
+    /// Prefill grows the scratch pool as needed (and keeps what each request leaves behind), then
+    /// the headers and the first data go out together (time-to-first-token), then decode, which
+    /// allocates nothing.
+    fn complete(&self, stream: &mut TcpStream, c: Completion) {
+        let (truth, in_flight) = (&self.truth, &self.in_flight);
+        let n = {
+            let mut n = in_flight.lock().unwrap();
+            *n += 1;
+            *n
+        };
+        let needed = c.prompt_tokens * self.activation_per_token;
+        truth.note("prefill", json!({"prompt_tokens": c.prompt_tokens, "bytes": needed, "in_flight": n}));
+        {
+            let mut p = self.pool.lock().unwrap();
+            p.in_use += needed;
+            while p.in_use > p.capacity {
+                let chunk = (p.in_use - p.capacity).next_multiple_of(64 * MIB);
+                match self.alloc(chunk) {
+                    Some(b) => {
+                        p.capacity += chunk;
+                        p.chunks.push(b);
+                    }
+                    None => self.abort(),
                 }
             }
         }
-    }
-    std::thread::sleep(Duration::from_millis(40 + c.prompt_tokens / 200));
-    pool.lock().unwrap().in_use -= needed;
-    stream_headers(stream);
-    for i in 0..c.max_tokens {
-        if !stream_token(stream, i) {
-            break;
+        std::thread::sleep(Duration::from_millis(40 + c.prompt_tokens / 200));
+        let (keep, kept) = &self.keep;
+        if *keep > 0 {
+            let Some(b) = self.alloc(*keep) else { self.abort() };
+            truth.note("kept", json!({"prompt_tokens": c.prompt_tokens, "bytes": keep, "handle": b.handle}));
+            kept.lock().unwrap().push(b);
         }
-        std::thread::sleep(Duration::from_millis(10));
+        self.pool.lock().unwrap().in_use -= needed;
+        stream_headers(stream);
+        for i in 0..c.max_tokens {
+            if !stream_token(stream, i) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        stream_done(stream);
+        *in_flight.lock().unwrap() -= 1;
+        truth.note("done", json!({"prompt_tokens": c.prompt_tokens}));
     }
-    stream_done(stream);
-    *in_flight.lock().unwrap() -= 1;
-    truth.note("done", json!({"prompt_tokens": c.prompt_tokens}));
+
+    /// Video memory in prefill, as ggml's pool and cache allocate it.
+    fn alloc(&self, bytes: u64) -> Option<Buffer> {
+        let now = *self.in_flight.lock().unwrap();
+        let mut g = self.gpu.lock().unwrap();
+        alloc(g.as_mut().unwrap(), &self.truth, Path::RmAllocNvos21, bytes, "prefill", now)
+    }
+
+    /// Out of memory at run time: llama-server aborts.
+    fn abort(&self) -> ! {
+        eprintln!("CUDA error: out of memory\n  current device: 0, in function alloc at ggml-cuda.cu:509\n  cuMemCreate(&handle, reserve_size, &prop, 0)");
+        fatal(&self.truth, *self.in_flight.lock().unwrap());
+        std::process::abort();
+    }
 }
 
 fn main() -> ExitCode {

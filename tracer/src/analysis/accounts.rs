@@ -197,13 +197,19 @@ impl<'a> Accounts<'a> {
 
     /// The service's pool on `gpu`.
     pub fn pool(&self, service: &Service, gpu: Option<u32>) -> Pool<'_> {
+        self.pool_of(service, gpu, |_| true)
+    }
+
+    /// The service's pool on `gpu`, of the allocations `reused` takes (memory the service keeps
+    /// is held, not room a request reuses).
+    pub fn pool_of(&self, service: &Service, gpu: Option<u32>, reused: impl Fn(&Allocation) -> bool) -> Pool<'_> {
         let pids: HashSet<u32> = service.pids.iter().copied().collect();
         let allocations: Vec<&Allocation> = self
             .model
             .allocations
             .iter()
             .filter(|a| a.memory == Memory::Video && pids.contains(&a.pid) && self.counts_on(self.model.gpu_for(a.pid, a.gpu), gpu))
-            .filter(|a| self.services.phase(service, a.ts) == Phase::Prefill)
+            .filter(|a| self.services.phase(service, a.ts) == Phase::Prefill && reused(a))
             .collect();
         Pool::new(allocations)
     }

@@ -5,8 +5,10 @@
 //! cause. Causes are checked in the order a careful engineer would:
 //! 1. held-by-other-process: memory held outside the failing service covers the shortfall;
 //! 2. does-not-fit-at-load: it failed before the service served a request;
-//! 3. long-request: one request in flight, or one far larger than the others;
-//! 4. concurrent-load: several in flight, each of which alone fits.
+//! 3. kept-by-service: the service's level at rest rose request after request (see `kept`), the
+//!    load in flight was no larger than loads it served, and what it kept covers the shortfall;
+//! 4. long-request: one request in flight, or one far larger than the others;
+//! 5. concurrent-load: several in flight, each of which alone fits.
 //!
 //! Besides: host-oom (the kernel's OOM killer), none, and inconclusive (evidence missing or lost).
 //! The evidence is typed ([`Evidence`]); each category's fix is its own function, which asks the
@@ -17,8 +19,9 @@ use serde::Serialize;
 use super::accounts::{Accounts, Holder};
 use super::cost::Cost;
 use super::holders::is_mps_server;
+use super::kept::{self, Kept, KeptAllocations};
 use super::proxy::{share, Front};
-use super::server::{flag, ServerFamily, Setting};
+use super::server::{cache_bound, flag, ServerFamily, Setting};
 use super::services::Service;
 use super::{Category, Phase, Symptom};
 use crate::abi::status;
@@ -60,6 +63,7 @@ pub enum Fix {
     SmallerLoad(SmallerLoad),
     ShorterContext(ShorterContext),
     CapConcurrency(CapConcurrency),
+    BoundKept(BoundKept),
     MoreHostMemory {
         killed_pid: u32,
         /// The engine's reserve flag, where it has one.
@@ -139,6 +143,23 @@ pub struct ShorterContext {
     pub estimate: Option<Cost>,
 }
 
+/// kept-by-service: bound what the server keeps, or fix the leak; never a context or a
+/// concurrency cap.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BoundKept {
+    pub kept_bytes: u64,
+    pub requests: u64,
+    pub per_request_bytes: u64,
+    /// What a restart gives back now: what it kept, besides what it reloads.
+    pub restart_frees_bytes: u64,
+    /// The requests a fresh start serves before one fails again: as many as it served this time;
+    /// for a service met serving, the room at the failure and what was kept since, over what a
+    /// request keeps (None where free memory is unknown).
+    pub requests_from_fresh_start: Option<u64>,
+    /// A setting on the command line that bounds a cache, and its value: the one to lower.
+    pub cache_setting: Option<(String, String)>,
+}
+
 /// concurrent-load: a concurrency cap from what one request costs.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CapConcurrency {
@@ -182,6 +203,38 @@ pub struct Evidence {
     pub phase: Phase,
     pub requests_in_flight: usize,
     pub request_bytes_received: Vec<u64>,
+    /// What the service kept at rest over the requests it served (kept-by-service only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kept: Option<KeptEvidence>,
+}
+
+/// What a service kept, as a kept-by-service verdict shows it. Times are nanoseconds since
+/// the trace start.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct KeptEvidence {
+    /// At rest right before the first request seen (right after it became ready, or after
+    /// attaching), and after the last request that ended before the failure.
+    pub ready_bytes: u64,
+    pub ready_ts: u64,
+    pub now_bytes: u64,
+    pub now_ts: u64,
+    /// Requests that ended in between.
+    pub requests_served: u64,
+    /// What the level rose by over the requests served with no load larger than before, those
+    /// requests, and what each kept on average.
+    pub kept_bytes: u64,
+    pub kept_over_requests: u64,
+    pub kept_per_request_bytes: u64,
+    /// The same among the latest half of them.
+    pub recent_per_request_bytes: u64,
+    /// When the level first rose with no larger load.
+    pub began_ts: Option<u64>,
+    /// The most requests in flight together had received, served; and the failing load.
+    pub largest_served_load_bytes: u64,
+    pub failing_load_bytes: u64,
+    pub allocations: KeptAllocations,
+    /// The service ran before tracing began: the growth is since attaching.
+    pub since_attaching: bool,
 }
 
 /// Every failure's diagnosis, and how many more there were.
@@ -217,6 +270,8 @@ struct Failing<'c> {
     engine: &'c [String],
     family: ServerFamily,
     in_flight: Vec<&'c Request>,
+    /// What the service kept, where it keeps memory.
+    kept: Option<Kept>,
     evidence: Evidence,
 }
 
@@ -394,9 +449,11 @@ fn case<'c>(accounts: &'c Accounts, failure: &'c Failure, service: &'c Service) 
         phase: accounts.services.phase(service, before),
         requests_in_flight: in_flight.len(),
         request_bytes_received: in_flight.iter().map(|r| r.bytes_in).collect(),
+        kept: None,
     };
     let engine = accounts.engine(service);
-    Failing { failure, service, engine, family: ServerFamily::of(engine), in_flight, evidence }
+    let kept = (evidence.phase != Phase::Load).then(|| kept::measure(accounts, service, gpu, before)).flatten().filter(Kept::keeps);
+    Failing { failure, service, engine, family: ServerFamily::of(engine), in_flight, kept, evidence }
 }
 
 fn diagnose_one(accounts: &Accounts, lost: u64, f: &Failure) -> Diagnosis {
@@ -411,7 +468,7 @@ fn diagnose_one(accounts: &Accounts, lost: u64, f: &Failure) -> Diagnosis {
         finding: Finding::Undecided { lost_records: lost, why: Undecided::NoService, evidence: None },
     };
     let Some(service) = accounts.services.of(f.pid) else { return judged };
-    let case = case(accounts, f, service);
+    let mut case = case(accounts, f, service);
     let category = match category(&case, lost) {
         Ok(category) => category,
         Err(why) => {
@@ -419,11 +476,13 @@ fn diagnose_one(accounts: &Accounts, lost: u64, f: &Failure) -> Diagnosis {
             return Diagnosis { finding, ..judged };
         }
     };
-    let fix = match category {
-        Category::HeldByOtherProcess => fix_held(&case),
-        Category::DoesNotFitAtLoad => fix_load(&case),
-        Category::LongRequest => fix_long(accounts, &case),
-        Category::ConcurrentLoad => fix_concurrent(accounts, &case),
+    let kept = case.kept.take();
+    let fix = match (category, kept) {
+        (Category::HeldByOtherProcess, _) => fix_held(&case),
+        (Category::DoesNotFitAtLoad, _) => fix_load(&case),
+        (Category::KeptByService, Some(kept)) => fix_kept(accounts, &mut case, kept),
+        (Category::LongRequest, _) => fix_long(accounts, &case),
+        (Category::ConcurrentLoad, _) => fix_concurrent(accounts, &case),
         _ => Fix::MoreHostMemory { killed_pid: f.pid, reserve: case.family.reserve().map(|(name, _)| name) },
     };
     Diagnosis { category, gpu: case.evidence.gpu, finding: Finding::Judged { evidence: case.evidence, fix }, ..judged }
@@ -445,6 +504,8 @@ fn category(case: &Failing, lost: u64) -> Result<Category, Undecided> {
         return Err(Undecided::RoomUnseen);
     } else if phase == Phase::Load {
         Category::DoesNotFitAtLoad
+    } else if kept_explains(case) {
+        Category::KeptByService
     } else if n == 1 || one_much_larger(&case.in_flight).is_some() {
         Category::LongRequest
     } else if n > 1 {
@@ -622,6 +683,64 @@ fn one_much_larger<'r>(in_flight: &[&'r Request]) -> Option<&'r Request> {
     let largest = *sizes.last()?;
     let median_of_rest = sizes[(sizes.len() - 1) / 2];
     (largest >= median_of_rest.max(1).saturating_mul(4)).then(|| in_flight.iter().max_by_key(|r| r.bytes_in).copied()).flatten()
+}
+
+/// The load in flight, all its requests received together.
+fn failing_load(case: &Failing) -> u64 {
+    case.in_flight.iter().map(|r| r.bytes_in).fold(0, u64::saturating_add)
+}
+
+/// The service keeps memory, the load in flight was no larger than loads it served (an eighth
+/// more at most: the same prompt in other words), and what it kept covers what the failed
+/// allocation lacked.
+fn kept_explains(case: &Failing) -> bool {
+    let Some(kept) = &case.kept else { return false };
+    let largest = kept.largest_load_bytes;
+    let no_larger = failing_load(case) <= largest.saturating_add(largest / 8);
+    let covers = match (case.failure.symptom, case.failure.bytes, case.evidence.free_bytes) {
+        (Symptom::FailedAllocation, Some(b), Some(free)) => free < b && free.saturating_add(kept.kept_bytes) >= b,
+        (Symptom::FailedAllocation, Some(b), None) => kept.kept_bytes >= b,
+        _ => false,
+    };
+    no_larger && covers
+}
+
+/// What it kept, moved into the evidence; a restart's gain and what a fresh start serves.
+fn fix_kept(accounts: &Accounts, case: &mut Failing, k: Kept) -> Fix {
+    let failing_load = failing_load(case);
+    let since = |ts: u64| ts.saturating_sub(accounts.start());
+    let mut allocations = kept::allocations(accounts, case.service, &k);
+    allocations.first.iter_mut().for_each(|a| a.ts = since(a.ts));
+    let per_request = k.per_request().max(1);
+    case.evidence.kept = Some(KeptEvidence {
+        ready_bytes: k.ready.bytes,
+        ready_ts: since(k.ready.ts),
+        now_bytes: k.now.bytes,
+        now_ts: since(k.now.ts),
+        requests_served: k.now.served.saturating_sub(k.ready.served),
+        kept_bytes: k.kept_bytes,
+        kept_over_requests: k.requests,
+        kept_per_request_bytes: k.per_request(),
+        recent_per_request_bytes: k.recent_per_request(),
+        began_ts: k.began_at.map(since),
+        largest_served_load_bytes: k.largest_load_bytes,
+        failing_load_bytes: failing_load,
+        allocations,
+        since_attaching: k.since_attaching,
+    });
+    Fix::BoundKept(BoundKept {
+        kept_bytes: k.kept_bytes,
+        requests: k.requests,
+        per_request_bytes: k.per_request(),
+        restart_frees_bytes: k.kept_bytes,
+        requests_from_fresh_start: if k.since_attaching {
+            // What it kept before tracing is not known: from what is free and kept since.
+            case.evidence.free_bytes.map(|free| free.saturating_add(k.kept_bytes) / per_request)
+        } else {
+            Some(k.now.served.saturating_sub(k.ready.served))
+        },
+        cache_setting: cache_bound(case.engine),
+    })
 }
 
 /// Stop the biggest holder outside the service.

@@ -5,7 +5,9 @@
 //! What a request costs is measured from the service's own memory ([`super::cost`]). The room
 //! for requests at a moment is what is free on the GPU (the card less what this service holds
 //! and what everyone else does) plus its pool ([`super::accounts::RoomOverTime`]); headroom is
-//! how many requests of the largest size served fit in it.
+//! how many requests of the largest size served fit in it. A service that keeps memory request
+//! after request ([`super::kept`]) has its forecast: at that rate, how many more requests (and
+//! seconds) before one no longer fits; what it keeps is held, not in its pool.
 
 use std::collections::BTreeMap;
 
@@ -13,6 +15,7 @@ use serde::Serialize;
 
 use super::accounts::{Accounts, RoomOverTime};
 use super::cost::Cost;
+use super::kept;
 use super::proxy::Front;
 use super::server::{count, flag_named, ServerFamily};
 use super::services::{is_completion, Service};
@@ -44,6 +47,26 @@ pub struct Headroom {
     /// The server's own limits that let in more than memory takes (now, or at the tightest).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub limits_exceeded: Vec<Limit>,
+    /// What it keeps per request served; absent until it was seen at rest after a request.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kept: Option<KeptRate>,
+}
+
+/// What a service keeps per request, and when it runs out at that rate.
+#[derive(Clone, Copy, Debug, Serialize, PartialEq)]
+pub struct KeptRate {
+    /// Over its latest requests; 0 where it gives everything back (or only warmed up).
+    pub bytes_per_request: u64,
+    /// What it kept since it was ready (or since tracing began), over how many requests.
+    pub kept_bytes: u64,
+    pub requests: u64,
+    pub since_attaching: bool,
+    /// At that rate, the requests of the largest size served that still fit before one does
+    /// not, and the seconds at the recent request rate: while it keeps memory and runs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub requests_until_full: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub seconds_until_full: Option<f64>,
 }
 
 /// Headroom at one moment.
@@ -141,7 +164,9 @@ pub fn headroom(accounts: &Accounts) -> Vec<Headroom> {
 fn headroom_on(accounts: &Accounts, service: &Service, gpu: Option<u32>, requests: &[&Request], largest: u64) -> Option<Headroom> {
     // Nothing is built for a GPU of unknown size.
     accounts.sized(gpu)?;
-    let pool = accounts.pool(service, gpu);
+    let kept = kept::measure(accounts, service, gpu, accounts.model.last_ts.saturating_add(1));
+    let keeping = kept.as_ref().filter(|k| k.keeps());
+    let pool = accounts.pool_of(service, gpu, |a| keeping.is_none_or(|k| !k.holds(a)));
     let cost = pool.cost(requests)?;
     let room = accounts.room_over_time(service, gpu, pool)?;
     // Moments while it served (until a process of it that held memory exited): whenever what
@@ -165,6 +190,7 @@ fn headroom_on(accounts: &Accounts, service: &Service, gpu: Option<u32>, request
         .filter(|m| (m.more_requests, m.room_bytes) < (last.more_requests, last.room_bytes))
         .unwrap_or(last);
     let now = exited.is_none().then_some(last);
+    let kept = kept.map(|k| rate(&k, now.as_ref(), cost.of(largest)));
     Some(Headroom {
         service: service.name.clone(),
         pid: service.root,
@@ -177,7 +203,26 @@ fn headroom_on(accounts: &Accounts, service: &Service, gpu: Option<u32>, request
         limits_exceeded: limits(accounts.engine(service), &accounts.fronting(service), &cost, &now.unwrap_or(tightest)),
         now,
         tightest,
+        kept,
     })
+}
+
+/// What `k` keeps a request, and at `now` (while it runs) how long until a request of the
+/// largest size served, costing `cost`, no longer fits.
+fn rate(k: &kept::Kept, now: Option<&Moment>, cost: u64) -> KeptRate {
+    let keeps = k.keeps();
+    let each = if keeps { k.recent_per_request().max(1) } else { 0 };
+    let requests_until_full = now.filter(|_| keeps).map(|m| m.room_bytes.saturating_sub(cost) / each);
+    let span = k.now.ts.saturating_sub(k.recent_since) as f64 / 1e9;
+    let per_second = (span > 0.0).then(|| k.recent_requests as f64 / span).filter(|r| *r > 0.0);
+    KeptRate {
+        bytes_per_request: each,
+        kept_bytes: k.kept_bytes,
+        requests: k.requests,
+        since_attaching: k.since_attaching,
+        requests_until_full,
+        seconds_until_full: requests_until_full.zip(per_second).map(|(n, r)| (n as f64 / r * 10.0).round() / 10.0),
+    }
 }
 
 /// Headroom at `ts`: the room then, and how many requests of the `largest` size fit in it.

@@ -7,6 +7,7 @@
 //! - `holders`, `usage`, `nvml`: who holds what, per GPU and process, and NVML beside the trace;
 //! - `cost`: what a request costs, from a service's pool for requests;
 //! - `accounts`: what a service, a GPU and everyone else held at any moment;
+//! - `kept`: what a service kept request after request (its level at rest);
 //! - `diagnosis` (which cause), `headroom` (how much more fits) and `whatif` (what a setting
 //!   would do): siblings on `accounts`, none importing another.
 //!
@@ -19,6 +20,7 @@ pub mod cost;
 pub mod diagnosis;
 pub mod headroom;
 pub mod holders;
+pub mod kept;
 pub mod nvml;
 pub mod proxy;
 pub mod server;
@@ -63,6 +65,7 @@ impl Phase {
 pub enum Category {
     HeldByOtherProcess,
     DoesNotFitAtLoad,
+    KeptByService,
     LongRequest,
     ConcurrentLoad,
     HostOom,
@@ -76,6 +79,7 @@ impl Category {
         match self {
             Category::HeldByOtherProcess => "held-by-other-process",
             Category::DoesNotFitAtLoad => "does-not-fit-at-load",
+            Category::KeptByService => "kept-by-service",
             Category::LongRequest => "long-request",
             Category::ConcurrentLoad => "concurrent-load",
             Category::HostOom => "host-oom",

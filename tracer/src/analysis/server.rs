@@ -159,6 +159,26 @@ pub fn flag_named<'n>(command: &[String], names: &[&'n str]) -> Option<(&'n str,
     })
 }
 
+/// A setting on the command line that bounds what a server keeps, and its value: a flag that
+/// names a cache and a size or limit (`--prompt-cache-size`, `--cache-ram`, `--max-cache-entries`),
+/// or the LoRA adapters held at once (`--max-loras`). The first given.
+pub fn cache_bound(command: &[String]) -> Option<(String, String)> {
+    const LIMITS: [&str; 9] = ["size", "max", "ram", "limit", "capacity", "entries", "bytes", "mb", "gb"];
+    command.iter().enumerate().find_map(|(i, a)| {
+        let (name, value) = match a.split_once('=') {
+            Some((name, value)) => (name, Some(value.to_string())),
+            None => (a.as_str(), command.get(i + 1).filter(|v| !v.starts_with('-')).cloned()),
+        };
+        let words = name.strip_prefix("--")?.to_ascii_lowercase();
+        let bounds_cache = words.contains("cache") && words.split(['-', '_']).any(|w| LIMITS.contains(&w));
+        if bounds_cache || words == "max-loras" {
+            Some((name.to_string(), value?))
+        } else {
+            None
+        }
+    })
+}
+
 /// A count as a server's parser takes it: digits, or vLLM's human-readable forms (`32k` is
 /// 32,000 and `25.6k` 25,600, lowercase decimal; `32K` is 32,768, uppercase binary, whole
 /// numbers only). None for anything else, `auto` included, and past u64.
@@ -194,6 +214,18 @@ mod tests {
 
     fn argv(s: &str) -> Vec<String> {
         s.split(' ').map(String::from).collect()
+    }
+
+    #[test]
+    fn a_cache_bound_is_a_flag_that_names_a_cache_and_a_size_with_its_value() {
+        let bound = |s: &str| cache_bound(&argv(s));
+        assert_eq!(bound("server --prompt-cache-size 4096 -c 8192"), Some(("--prompt-cache-size".into(), "4096".into())));
+        assert_eq!(bound("llama-server --cache-ram=8192"), Some(("--cache-ram".into(), "8192".into())));
+        assert_eq!(bound("vllm serve m --max-loras 4"), Some(("--max-loras".into(), "4".into())));
+        // A cache switched on, a KV cache's type, a size that is no cache's: none bounds it.
+        assert_eq!(bound("vllm serve m --enable-prefix-caching --max-model-len 8192"), None);
+        assert_eq!(bound("llama-server --cache-type-k q8_0 --ctx-size 8192"), None);
+        assert_eq!(bound("server --cache-size --port 8000"), None);
     }
 
     #[test]

@@ -10,6 +10,8 @@ use crate::report::verdict::{verdicts, Verdict};
 use crate::report::whatif::outcome;
 use crate::trace::{Gpu, Header, HolderAtStart, PriorUse};
 
+mod kept;
+
 const GIB: u64 = 1 << 30;
 const API: u32 = 100;
 const ENGINE: u32 = 101;

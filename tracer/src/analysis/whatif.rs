@@ -104,6 +104,9 @@ pub enum WhyNot {
     CapacityUnknown,
     /// A context was tried, and the recorded command line does not say its own (these flags).
     ContextUnknown(&'static [&'static str]),
+    /// The failure was memory the server kept request after request: a replay of the requests
+    /// under other settings says nothing of what it keeps.
+    KeptByService,
 }
 
 /// The failure a replay is made of: its process and the GPU it was judged on.

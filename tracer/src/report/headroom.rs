@@ -3,7 +3,7 @@
 //! in front by name.
 
 use crate::analysis::cost::BYTES_PER_TOKEN;
-use crate::analysis::headroom::{Bound, Headroom, Limit, Moment};
+use crate::analysis::headroom::{Bound, Headroom, KeptRate, Limit, Moment};
 use crate::analysis::proxy::{counts, share, Front};
 use crate::units::{bytes, one_line};
 
@@ -69,7 +69,46 @@ pub fn line(h: &Headroom) -> String {
     for l in &h.limits_exceeded {
         line += &format!(". {}", limit(l));
     }
+    if let Some(k) = h.kept.filter(|k| k.bytes_per_request > 0) {
+        line += &format!(". It {}", kept(&k));
+    }
     line
+}
+
+/// The watch's warning that a service keeps memory: "`vllm serve m` on GPU 0 keeps ...".
+pub fn keeping(h: &Headroom) -> Option<String> {
+    let k = h.kept.filter(|k| k.bytes_per_request > 0)?;
+    let gpu = h.gpu.map(|g| format!(" on GPU {g}")).unwrap_or_default();
+    Some(format!("`{}`{gpu} {}", h.service, kept(&k)))
+}
+
+/// What a service keeps, and when it runs out at that rate: "keeps 256.0 MiB a request ...".
+fn kept(k: &KeptRate) -> String {
+    let since = if k.since_attaching { "since tracing began" } else { "since it was ready" };
+    let mut text = format!(
+        "keeps {} a request and gives none back (a cache with no bound, or a leak): {} {since}, over {} requests",
+        bytes(k.bytes_per_request),
+        bytes(k.kept_bytes),
+        k.requests
+    );
+    if let Some(n) = k.requests_until_full {
+        text += &format!("; at that rate {n} more requests of the largest size fit before one fails");
+        if let Some(s) = k.seconds_until_full {
+            text += &format!(", {} at the recent request rate", duration(s));
+        }
+    }
+    text
+}
+
+/// "45 s", "12 min", "3.5 h".
+fn duration(seconds: f64) -> String {
+    if seconds < 120.0 {
+        format!("{seconds:.0} s")
+    } else if seconds < 7200.0 {
+        format!("{:.0} min", seconds / 60.0)
+    } else {
+        format!("{:.1} h", seconds / 3600.0)
+    }
 }
 
 /// "LiteLLM (pid 77 of uid 0, /srv/litellm.yaml, 4 workers) deployment `local-llama`".

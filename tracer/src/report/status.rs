@@ -36,6 +36,13 @@ pub fn headroom(headroom: &[Headroom]) -> Option<String> {
     if let Some(l) = h.limits_exceeded.first() {
         text += &format!(" (set {} {})", l.setting, l.cap);
     }
+    // A service that keeps memory: when it runs out at that rate, the service's own.
+    let keeping = headroom.iter().filter_map(|h| Some((h, h.kept?.requests_until_full?))).min_by_key(|(_, n)| *n);
+    if let Some((k, n)) = keeping {
+        let name = k.service.split_whitespace().next().map_or("?", |c| c.rsplit('/').next().unwrap_or(c));
+        let each = k.kept.map_or(0, |r| r.bytes_per_request);
+        text += &format!(" · {} keeps {} a request: full in {n} requests", one_line(name), bytes(each));
+    }
     Some(text)
 }
 
@@ -65,6 +72,7 @@ mod tests {
             now: more.map(moment),
             tightest: moment(0),
             limits_exceeded: vec![],
+            kept: None,
         }
     }
 
@@ -84,5 +92,24 @@ mod tests {
         }];
         let shown = headroom(&[served("llama-server -m m", Some(16)), tight, served("gone", None)]);
         assert_eq!(shown.as_deref(), Some("headroom vllm GPU 0: 3 more, 142.0 KiB alone (set --max-num-seqs 4)"));
+    }
+
+    #[test]
+    fn the_status_line_says_when_a_server_that_keeps_memory_runs_out() {
+        let mut keeping = served("llama-server -m m", Some(16));
+        let rate = crate::analysis::headroom::KeptRate {
+            bytes_per_request: 256 << 20,
+            kept_bytes: 1 << 30,
+            requests: 4,
+            since_attaching: false,
+            requests_until_full: Some(9),
+            seconds_until_full: Some(30.0),
+        };
+        keeping.kept = Some(rate);
+        let shown = headroom(&[served("vllm serve m", Some(3)), keeping]);
+        assert_eq!(
+            shown.as_deref(),
+            Some("headroom vllm GPU 0: 3 more, 142.0 KiB alone · llama-server keeps 256.0 MiB a request: full in 9 requests")
+        );
     }
 }

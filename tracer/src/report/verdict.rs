@@ -8,7 +8,7 @@ use serde_json::{json, Value};
 use super::headroom::{front_name, past_any_share};
 use crate::analysis::cost::BYTES_PER_TOKEN;
 use crate::analysis::diagnosis::{
-    CapConcurrency, Diagnosis, Evidence, Finding, Fix, Reserve, ShorterContext, SmallerLoad, StopHolder, Undecided,
+    BoundKept, CapConcurrency, Diagnosis, Evidence, Finding, Fix, KeptEvidence, Reserve, ShorterContext, SmallerLoad, StopHolder, Undecided,
 };
 use crate::analysis::{Category, Symptom};
 use crate::units::bytes;
@@ -114,7 +114,8 @@ pub fn verdict(d: &Diagnosis) -> Verdict {
             (evidence, Worded { fields: json!({}), text: fix.into() })
         }
         Finding::Judged { evidence: e, fix } => {
-            let text = format!("{}, with {} request(s) in flight.", context(d, e), e.requests_in_flight);
+            let kept = e.kept.as_ref().map(kept).unwrap_or_default();
+            let text = format!("{}, with {} request(s) in flight.{kept}", context(d, e), e.requests_in_flight);
             (Worded::new(e, text), worded_fix(fix, e))
         }
     };
@@ -193,6 +194,7 @@ fn worded_fix(fix: &Fix, e: &Evidence) -> Worded {
         Fix::SmallerLoad(f) => smaller_load(f, e),
         Fix::ShorterContext(f) => shorter_context(f),
         Fix::CapConcurrency(f) => cap_concurrency(f),
+        Fix::BoundKept(f) => bound_kept(f),
         Fix::MoreHostMemory { killed_pid, reserve } => {
             let reserve = reserve.map(|name| format!(", or lower {name}")).unwrap_or_default();
             let text = format!(
@@ -201,6 +203,70 @@ fn worded_fix(fix: &Fix, e: &Evidence) -> Worded {
             Worded::new(json!({"killed_pid": killed_pid}), text)
         }
     }
+}
+
+/// What the service kept at rest, request after request: " At rest it held ..."
+fn kept(k: &KeptEvidence) -> String {
+    let secs = |ts: u64| format!("{:.2} s", ts as f64 / 1e9);
+    let from = if k.since_attaching { "when tracing began (it was serving already)" } else { "right after it became ready" };
+    let began = k.began_ts.map(|t| format!(", from {} on", secs(t))).unwrap_or_default();
+    let a = &k.allocations;
+    let phases: Vec<String> = a.by_phase.iter().map(|(phase, n)| format!("{n} in {}", phase.name())).collect();
+    let sizes = if a.smallest == a.largest { bytes(a.largest) } else { format!("{} to {}", bytes(a.smallest), bytes(a.largest)) };
+    let first = a.first.first().map(|f| format!(", the first by pid {} (thread {}) at {}", f.pid, f.tid, secs(f.ts))).unwrap_or_default();
+    format!(
+        " At rest the service held {} {from} and {} after its last request before the failure, {} requests later: over the {} of them no larger than one served before, it kept {} ({} a request{began}). Still held: {} allocation(s) of {sizes} ({}){first}. The load that failed had received {}, no more than the {} served before it.",
+        bytes(k.ready_bytes),
+        bytes(k.now_bytes),
+        k.requests_served,
+        k.kept_over_requests,
+        bytes(k.kept_bytes),
+        bytes(k.kept_per_request_bytes),
+        a.count,
+        phases.join(", "),
+        bytes(k.failing_load_bytes),
+        bytes(k.largest_served_load_bytes),
+    )
+}
+
+fn bound_kept(f: &BoundKept) -> Worded {
+    #[derive(Serialize)]
+    struct BoundKeptFields<'f> {
+        kept_bytes: u64,
+        requests: u64,
+        per_request_bytes: u64,
+        restart_frees_bytes: u64,
+        requests_from_fresh_start: Option<u64>,
+        /// A setting on the command line that bounds a cache (empty: none named).
+        flag: &'f str,
+        value: &'f str,
+    }
+    let again = f
+        .requests_from_fresh_start
+        .map(|n| format!(", and from a fresh start it fails again after about {n} requests like these"))
+        .unwrap_or_default();
+    let bound = match &f.cache_setting {
+        Some((flag, value)) => format!("lower `{flag}` (now {value}) so the cache stays within what is free, or fix the leak"),
+        None => "bound the cache (its size or entry limit) or fix the leak".to_string(),
+    };
+    let text = format!(
+        "The server keeps memory request after request and never gives it back (a cache with no bound, or a leak in the server): {} over {} requests, {} a request. Restarting frees the {} it kept{again}: {bound}. A lower context or concurrency limit would not help: the failing request was no larger than those served.",
+        bytes(f.kept_bytes),
+        f.requests,
+        bytes(f.per_request_bytes),
+        bytes(f.restart_frees_bytes),
+    );
+    let (flag, value) = f.cache_setting.as_ref().map_or(("", ""), |(f, v)| (f.as_str(), v.as_str()));
+    let fields = BoundKeptFields {
+        kept_bytes: f.kept_bytes,
+        requests: f.requests,
+        per_request_bytes: f.per_request_bytes,
+        restart_frees_bytes: f.restart_frees_bytes,
+        requests_from_fresh_start: f.requests_from_fresh_start,
+        flag,
+        value,
+    };
+    Worded::new(fields, text)
 }
 
 fn stop_holder(f: &StopHolder, e: &Evidence) -> Worded {

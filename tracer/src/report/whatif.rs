@@ -70,5 +70,6 @@ pub fn why_not(why: &WhyNot) -> String {
         WhyNot::ContextUnknown(names) => {
             format!("the recorded command line does not say its context ({}): the KV cache cannot be scaled", names.join(", "))
         }
+        WhyNot::KeptByService => "the failure was memory the server keeps request after request (kept-by-service): no setting whatif replays bounds what it keeps, so under any of them it fails again once it has served enough requests; the report's fix says how many a fresh start serves".into(),
     }
 }
