@@ -109,22 +109,40 @@ impl Tools {
         })
     }
 
-    /// The fake server, with GPUTRACE_SERVER_ARGS's flags last; with GPUTRACE_SCRIPT set,
-    /// started by a shell script (`bash run.sh`) that stays its parent, as a server started
-    /// from a wrapper script is.
+    /// The fake server, with GPUTRACE_SERVER_ARGS's flags last. Started as people start servers:
+    /// with GPUTRACE_SCRIPT set, by a shell script (`bash run.sh`) that stays its parent; with
+    /// GPUTRACE_WRAP (`timeout 600 nice`, `env X=1`), under those wrappers; with
+    /// GPUTRACE_LAUNCHER set, by a launcher whose own command line does not show the server's
+    /// (`fakegpu launch FILE`, as a Python script that starts `vllm serve ...`).
     fn server_cmd(&self, server: &str, port: u16, extra: &[&str]) -> Command {
+        let mut argv: Vec<String> = vec![self.server.display().to_string()];
+        argv.extend(["--server", server, "--port", &port.to_string(), "--truth"].map(String::from));
+        argv.push(self.dir.join("workload.jsonl").display().to_string());
+        argv.extend(extra.iter().map(|a| a.to_string()));
+        // The setting a fix names, tried: after the scenario's own flags, so it wins.
+        argv.extend(std::env::var("GPUTRACE_SERVER_ARGS").unwrap_or_default().split_whitespace().map(String::from));
+        let wrap: Vec<String> = std::env::var("GPUTRACE_WRAP").unwrap_or_default().split_whitespace().map(String::from).collect();
         let mut c = if std::env::var_os("GPUTRACE_SCRIPT").is_some() {
             let script = self.dir.join("run.sh");
             let _ = std::fs::write(&script, "#!/bin/sh\n# not exec'd: the shell stays the server's parent\n\"$@\"\n");
             let mut c = Command::new("bash");
-            c.arg(script).arg(&self.server);
+            c.arg(script).args(&argv);
+            c
+        } else if std::env::var_os("GPUTRACE_LAUNCHER").is_some() {
+            let file = self.dir.join("server-command");
+            let _ = std::fs::write(&file, argv.join("\n"));
+            let mut c = Command::new(std::env::current_exe().unwrap_or_else(|_| "fakegpu".into()));
+            c.arg("launch").arg(file);
             c
         } else {
-            Command::new(&self.server)
+            let (program, args) = match wrap.split_first() {
+                Some((first, rest)) => (first.clone(), rest.iter().chain(&argv).cloned().collect()),
+                None => (argv[0].clone(), argv[1..].to_vec()),
+            };
+            let mut c = Command::new(program);
+            c.args(args);
+            c
         };
-        c.args(["--server", server, "--port", &port.to_string(), "--truth"]).arg(self.dir.join("workload.jsonl")).args(extra);
-        // The setting a fix names, tried: after the scenario's own flags, so it wins.
-        c.args(std::env::var("GPUTRACE_SERVER_ARGS").unwrap_or_default().split_whitespace());
         c.stdout(Stdio::null()).stderr(log(&self.dir, "server.log"));
         c
     }

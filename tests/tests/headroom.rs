@@ -160,3 +160,35 @@ fn a_litellm_proxy_in_front_is_checked_and_named() {
     );
     eprintln!("vllm: LiteLLM's 256 named against {fits} that fit; the concurrent-load fix: {text}");
 }
+
+/// Started under wrappers (`timeout 600 nice fake-server ...`, `env X=1 fake-server ...`), a
+/// server is named by its own command line, not the wrapper's, and its own limit is checked.
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn a_server_under_wrappers_is_named_by_its_own_command_line() {
+    let _root = as_root();
+    for wrap in ["timeout 600 nice", "env X=1"] {
+        let env = [("GPUTRACE_WRAP", wrap), ("GPUTRACE_SERVER_ARGS", "--max-num-seqs 256"), ("GPUTRACE_LOAD", "--sequential 1024")];
+        let report = summary(&scenario("probe", "vllm", &env));
+        let h = &report["headroom"][0];
+        let name = h["service"].as_str().unwrap_or_default();
+        assert!(name.starts_with("fake-server --server vllm") && name.contains("--max-num-seqs 256"), "{wrap}: named {name:?}");
+        assert_eq!(h["limits_exceeded"][0]["setting"], "--max-num-seqs", "{wrap}: {h:#}");
+    }
+}
+
+/// Started by a launcher that stays its parent and whose own command line carries none of the
+/// server's flags (a Python script that starts `vllm serve --max-num-seqs 256`): the limit is
+/// read from the server that listens and allocates, and flagged past what fits.
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn a_launchers_server_has_its_own_limits_checked() {
+    let _root = as_root();
+    let env = [("GPUTRACE_LAUNCHER", "1"), ("GPUTRACE_SERVER_ARGS", "--max-num-seqs 256"), ("GPUTRACE_LOAD", "--sequential 1024")];
+    let report = summary(&scenario("probe", "vllm", &env));
+    let h = &report["headroom"][0];
+    assert!(h["service"].as_str().unwrap_or_default().contains("launch"), "the service is the launcher's: {h:#}");
+    let limit = &h["limits_exceeded"][0];
+    assert_eq!((limit["setting"].as_str(), limit["value"].as_u64()), (Some("--max-num-seqs"), Some(256)), "{h:#}");
+    assert!(limit["fits"].as_u64().unwrap() < 256, "{h:#}");
+}

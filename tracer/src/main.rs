@@ -125,7 +125,8 @@ enum Command {
         trace: PathBuf,
         /// Requests served at once; later ones wait (vLLM --max-num-seqs, llama-server -np or
         /// --parallel, SGLang --max-running-requests, TGI --max-concurrent-requests)
-        #[arg(long = "max-num-seqs", visible_aliases = ["parallel", "max-running-requests", "max-concurrent-requests"], value_name = "N")]
+        /// (LiteLLM's max_parallel_requests in front of it alone replays the same)
+        #[arg(long = "max-num-seqs", visible_aliases = ["parallel", "max-running-requests", "max-concurrent-requests", "max-parallel-requests"], value_name = "N", value_parser = at_least_one)]
         max_concurrency: Option<u64>,
         /// The longest prompt admitted, in tokens; for llama-server also its KV cache's size (vLLM
         /// --max-model-len, llama-server -c or --ctx-size, SGLang --context-length); 32k is 32,000,
@@ -140,7 +141,7 @@ enum Command {
         #[arg(long, value_name = "BITS", value_parser = clap::builder::TypedValueParser::map(clap::builder::PossibleValuesParser::new(["8", "4"]), |b| b.parse::<u32>().unwrap_or(16)))]
         quantize: Option<u32>,
         /// The card's size: 80GiB, 141GiB
-        #[arg(long, value_name = "BYTES", value_parser = gputrace::units::parse_bytes)]
+        #[arg(long, value_name = "BYTES", value_parser = card_size)]
         capacity: Option<u64>,
         /// The GPUs the model is sharded over (vLLM --tensor-parallel-size, SGLang --tp-size, TGI
         /// --num-shard; llama-server's --tensor-split entries): each holds its share of the
@@ -206,7 +207,7 @@ struct Judging {
     #[arg(long)]
     redact: bool,
     /// Each GPU's capacity where NVML cannot tell it (no NVML, unified memory): 80GiB, 128GiB...
-    #[arg(long, value_name = "BYTES", value_parser = gputrace::units::parse_bytes)]
+    #[arg(long, value_name = "BYTES", value_parser = card_size)]
     capacity: Option<u64>,
 }
 
@@ -316,10 +317,38 @@ fn fraction(text: &str) -> Result<f64, String> {
     }
 }
 
-/// A context as vLLM takes it: 131072, 32k (32,000), 32K (32,768).
+/// A context as vLLM takes it: 131072, 32k (32,000), 32K (32,768); at least one token.
 fn tokens(text: &str) -> Result<u64, String> {
-    gputrace::analysis::server::count(text)
-        .ok_or_else(|| format!("{text:?} is not a number of tokens: give one as 131072, 32k (32,000) or 32K (32,768)"))
+    match gputrace::analysis::server::count(text) {
+        Some(0) => Err("a context of 0 tokens admits no prompt: give 1 or more".into()),
+        Some(n) => Ok(n),
+        None => Err(format!("{text:?} is not a number of tokens: give one as 131072, 32k (32,000) or 32K (32,768)")),
+    }
+}
+
+/// Requests at once: at least one (none would serve nothing).
+fn at_least_one(text: &str) -> Result<u64, String> {
+    match text.trim().parse::<u64>() {
+        Ok(0) => Err("0 requests at once serves none: give 1 or more".into()),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("{text:?} is not a number of requests: give one as 8")),
+    }
+}
+
+/// A card's size, with its unit: 80GiB. A bare number would be bytes, and GB names a unit NVML
+/// does not count in (an 80 GB card is 80 GiB): both refused with what to write.
+fn card_size(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let number = t.trim_end_matches(|c: char| c.is_ascii_alphabetic()).trim();
+    let unit = t[number.len()..].trim().to_ascii_lowercase();
+    match unit.as_str() {
+        "" => Err(format!("{t:?} has no unit: write the card's size as {number}GiB")),
+        "kb" | "mb" | "gb" | "tb" => {
+            let binary = format!("{}iB", &t[number.len()..].trim()[..1].to_ascii_uppercase());
+            Err(format!("{t:?}: write {number}{binary} (an 80 GB card is 80 GiB, as nvidia-smi counts it), or the bytes with B"))
+        }
+        _ => gputrace::units::parse_bytes(t),
+    }
 }
 
 fn what_if(path: &std::path::Path, settings: &whatif::Settings, search: bool, json: bool) -> anyhow::Result<ExitCode> {
@@ -360,6 +389,15 @@ fn generate(what: Generate) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A reader that leaves first (`| head`, `| grep -q`) ends the command as it ends `cat`: quietly,
+/// by SIGPIPE's default action (Rust ignores the signal, and the write's error would be a panic).
+/// Not for `record` and `watch`, which write to sockets of their own and have a trace to finish,
+/// nor `dump` and `mark`, whose peer is the watch: they say a write that failed.
+fn end_quietly_on_a_closed_pipe() {
+    // SAFETY: restores the default action of a signal; no handler runs.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+}
+
 fn main() -> ExitCode {
     // llama-server's `-np` is two letters after one dash, which no parser of options takes: the
     // same as `--parallel` to `whatif` (and nothing to any other command: `record -- mpirun -np`).
@@ -370,6 +408,12 @@ fn main() -> ExitCode {
         }
     }
     let cli = Cli::parse_from(args);
+    if matches!(
+        cli.command,
+        Command::Doctor { .. } | Command::Export { .. } | Command::Report { .. } | Command::Whatif { .. } | Command::Generate { .. }
+    ) {
+        end_quietly_on_a_closed_pipe();
+    }
     let result = match cli.command {
         Command::Doctor { json, idle_minutes } => {
             let findings = gputrace::doctor::assess(&gputrace::doctor::observe(), idle_minutes);

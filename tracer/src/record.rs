@@ -164,8 +164,12 @@ impl Sink for TraceFile {
         };
         if self.json {
             summary.fd_filter = Some(filter);
-            println!("{}", serde_json::to_string_pretty(&summary)?);
-            return Ok(());
+            // A reader gone (`| head`) leaves the trace written: nothing more to say.
+            let mut out = std::io::stdout().lock();
+            return match writeln!(out, "{}", serde_json::to_string_pretty(&summary)?) {
+                Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+                done => Ok(done?),
+            };
         }
         eprint!("{}", crate::units::for_terminal(&summary.text()));
         if filter.map_inserts_failed > 0 {

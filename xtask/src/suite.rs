@@ -19,10 +19,10 @@ use std::time::Instant;
 use crate::{bin, build, dist, fuzz, install_test_tools, is_root, root, run, vm, Result, FUZZ_SECONDS_IN_TEST};
 
 /// The end-to-end suites `--quick` runs: those of under a minute that cover the report's
-/// verdicts on every scenario recorded, headroom and the limits behind a proxy, and the CLI. The
-/// rest (the QEMU guests, fuzzing, the package, recording's every driver path, whatif's re-runs,
+/// verdicts on every scenario recorded, headroom and the limits behind a proxy, the CLI and closed
+/// pipes. The rest (the QEMU guests, fuzzing, the package, recording's every driver path, whatif's re-runs,
 /// the hostile users, attaching, the watch, Prometheus, Chromium) run in the whole `xtask test`.
-const QUICK_SUITES: [&str; 3] = ["cli", "scenarios", "headroom"];
+const QUICK_SUITES: [&str; 4] = ["cli", "scenarios", "headroom", "pipes"];
 
 /// The end-to-end suites that run once the run beside the tests is done: those that watch the
 /// whole host (`watch`, `record --all`) and bound what it costs them (a dump budget of a few

@@ -2,6 +2,9 @@
 //! Runs CMD with fake NVIDIA GPUs at /dev/nvidia* (one per `--video` size), in a private mount
 //! namespace (root only).
 //! `fakegpu scenario NAME --server vllm|llama --dir DIR`: runs a named scenario under gputrace.
+//! `fakegpu launch FILE`: a launcher, as a Python script that starts `vllm serve ...` is: runs the
+//! command FILE holds (an argument a line), which its own command line does not show, and stays
+//! its parent; SIGTERM is passed on to it.
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -14,6 +17,7 @@ fn usage() -> ExitCode {
     eprintln!("       fakegpu scenario NAME --server vllm|llama --dir DIR [--nvml discrete|unified|none] [--gputrace PATH]");
     eprintln!("       fakegpu scenarios    (lists them)");
     eprintln!("       fakegpu doctor SETUP --nvml discrete|unified|none --dir DIR [--gputrace PATH]");
+    eprintln!("       fakegpu launch FILE    (runs the command FILE holds, an argument a line)");
     ExitCode::from(2)
 }
 
@@ -82,6 +86,33 @@ fn doctor(args: &[String]) -> ExitCode {
     exit(run(Run { config, driver_log: Some(dir.join("driver.jsonl")), command }))
 }
 
+static STOP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+extern "C" fn on_sigterm(_: libc::c_int) {
+    STOP.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// `fakegpu launch FILE`: the command in FILE, waited for; its exit status is the launcher's.
+fn launch(file: &Path) -> anyhow::Result<i32> {
+    use anyhow::Context;
+    let text = std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+    let argv: Vec<&str> = text.lines().collect();
+    let (program, args) = argv.split_first().context("no command to launch")?;
+    // SAFETY: installs a handler that only stores to an atomic.
+    unsafe { libc::signal(libc::SIGTERM, on_sigterm as *const () as libc::sighandler_t) };
+    let mut child = std::process::Command::new(program).args(args).spawn().with_context(|| format!("starting {program}"))?;
+    loop {
+        if let Some(status) = child.try_wait()? {
+            return Ok(status.code().unwrap_or(1));
+        }
+        if STOP.swap(false, std::sync::atomic::Ordering::Relaxed) {
+            // SAFETY: kill(2) of our own child.
+            unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
@@ -95,6 +126,7 @@ fn main() -> ExitCode {
             return ExitCode::SUCCESS;
         }
         Some("doctor") => return doctor(&args[1..]),
+        Some("launch") if args.len() == 2 => return exit(launch(Path::new(&args[1]))),
         Some("inside-doctor") if args.len() == 5 => {
             return exit(scenario::doctor_inside(&args[1], &args[2], Path::new(&args[3]), Path::new(&args[4])).map(|()| 0));
         }

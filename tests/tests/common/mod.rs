@@ -7,7 +7,9 @@ use std::sync::{Mutex, MutexGuard};
 
 /// The start of every root-only test: one at a time (they share the kernel's tracepoints and the
 /// machine), and root, or a failure that says so. Such tests are `#[ignore]`d, so without root
-/// they show as skipped; `cargo xtask test` runs them with `--include-ignored` as root.
+/// they show as skipped; `cargo xtask test` runs them with `--include-ignored` as root. (A crate
+/// whose tests need no root includes this module for the rest.)
+#[allow(dead_code)]
 pub fn as_root() -> MutexGuard<'static, ()> {
     static SERIAL: Mutex<()> = Mutex::new(());
     // SAFETY: geteuid has no preconditions.

@@ -188,11 +188,25 @@ impl<'a> Accounts<'a> {
         super::proxy::fronting(self.model, &self.services.list, service)
     }
 
-    /// The engine's command line: the first process of the service with one.
+    /// The engine's command line, whose settings the fixes and limits read: of the service's
+    /// processes that serve (listen, or allocate on a GPU) and are no wrapper, the first met of a
+    /// known engine family, else the first met; a launcher's own command line (a script that
+    /// starts `vllm serve ...`) carries none of the server's flags. With none serving, the first
+    /// process of the service with a command line.
     pub fn engine(&self, service: &Service) -> &'a [String] {
         let root = &self.model.processes[&service.root].command;
-        let in_service = self.model.processes.values().filter(|p| service.has(p.pid));
-        in_service.map(|p| p.command.as_slice()).find(|c| !c.is_empty()).unwrap_or(root)
+        let in_service = || self.model.processes.values().filter(|p| service.has(p.pid) && !p.command.is_empty());
+        let serving = |p: &&crate::model::Process| {
+            (p.listened.is_some() || p.usage.allocations > 0 || p.attached.as_ref().is_some_and(|a| !a.listening.is_empty()))
+                && !super::services::is_wrapper(p)
+        };
+        let mut servers: Vec<&crate::model::Process> = in_service().filter(serving).collect();
+        servers.sort_by_key(|p| (p.first_ts, p.pid));
+        let known = servers.iter().find(|p| super::server::ServerFamily::of(&p.command) != super::server::ServerFamily::Unknown);
+        match known.or(servers.first()) {
+            Some(p) => &p.command,
+            None => in_service().map(|p| p.command.as_slice()).next().unwrap_or(root),
+        }
     }
 
     /// The service's pool on `gpu`.

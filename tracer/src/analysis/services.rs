@@ -77,6 +77,52 @@ const NOT_A_SERVICE: [&str; 26] = [
     "dumb-init",
 ];
 
+/// Programs that run a command without being it: a service started under one is named after
+/// (and its settings read from) the server it runs. Known by the program's name as the process
+/// was started (its argv[0]; the trace records no executable).
+const WRAPPERS: [&str; 16] = [
+    "timeout",
+    "nice",
+    "nohup",
+    "setsid",
+    "env",
+    "numactl",
+    "taskset",
+    "ionice",
+    "stdbuf",
+    "chrt",
+    "prlimit",
+    "time",
+    "tini",
+    "dumb-init",
+    "catatonit",
+    "s6-svscan",
+];
+
+/// Project runners that run a command as their `run` subcommand: `uv run vllm serve ...`.
+const RUNNERS: [&str; 5] = ["uv", "poetry", "conda", "pdm", "pipenv"];
+
+/// Whether a process is a wrapper (see [`WRAPPERS`], [`RUNNERS`]) rather than the program it runs.
+pub fn is_wrapper(p: &crate::model::Process) -> bool {
+    let name = |a: &String| a.rsplit('/').next().unwrap_or(a).to_string();
+    match p.command.first().map(name) {
+        Some(program) if WRAPPERS.contains(&program.as_str()) => true,
+        Some(program) if RUNNERS.contains(&program.as_str()) => p.command.get(1).is_some_and(|a| a == "run"),
+        _ => false,
+    }
+}
+
+/// The process a service is named after: its root, or where the root is a wrapper, the first of
+/// its processes (in the order they were met) that is none.
+fn named_after<'m>(model: &'m Model, root: u32, pids: &[u32]) -> &'m crate::model::Process {
+    let root_p = &model.processes[&root];
+    if !is_wrapper(root_p) {
+        return root_p;
+    }
+    let runs = pids.iter().filter_map(|p| model.processes.get(p)).filter(|p| !is_wrapper(p) && !p.command.is_empty());
+    runs.min_by_key(|p| (p.first_ts, p.pid)).unwrap_or(root_p)
+}
+
 /// Whether a process is one that starts services rather than one of them (by its program's
 /// name, a login shell's `-bash` too).
 fn starts_services(p: &crate::model::Process) -> bool {
@@ -129,8 +175,8 @@ impl<'m> Services<'m> {
             for &pid in &pids {
                 service_of.insert(pid, list.len());
             }
-            let root_p = &model.processes[&root];
-            list.push(Service { root, name: root_p.command_line(), pids, ready_at: None, first_ts: root_p.first_ts });
+            let first_ts = model.processes[&root].first_ts;
+            list.push(Service { root, name: named_after(model, root, &pids).command_line(), pids, ready_at: None, first_ts });
         }
         // One pass over allocations, requests and marks, each to its service (a trace with many
         // services costs no more than one with a few).

@@ -23,15 +23,16 @@ pub fn outcome(o: &Outcome) -> String {
         bytes(o.kv_after_bytes)
     );
     let refused = if o.refused > 0 { format!("; {} request(s) past the context refused cleanly", o.refused) } else { String::new() };
+    let tried = tried(o);
     let mut out = match (o.category, o.failing_request) {
         (Category::None, _) => format!(
-            "FITS: `{}`{gpu} serves every recorded request, with {} to spare at the tightest moment; peak {} ({load}){refused}.",
+            "FITS {tried}: `{}`{gpu} serves every recorded request, with {} to spare at the tightest moment; peak {} ({load}){refused}.",
             o.service,
             bytes(o.margin_bytes.max(0) as u64),
             bytes(o.peak_bytes)
         ),
         (category, Some(n)) => format!(
-            "OOM: `{}`{gpu} would fail at request {n} ({} received, at {:.2} s), short by {}: {} ({load}){refused}.",
+            "OOM {tried}: `{}`{gpu} would fail at request {n} ({} received, at {:.2} s), short by {}: {} ({load}){refused}.",
             o.service,
             bytes(o.failing_request_bytes.unwrap_or(0)),
             o.failing_ts.unwrap_or(0) as f64 / 1e9,
@@ -39,7 +40,7 @@ pub fn outcome(o: &Outcome) -> String {
             category.name()
         ),
         (category, None) => format!(
-            "OOM: `{}`{gpu} would fail loading, short by {}: {} ({load}).",
+            "OOM {tried}: `{}`{gpu} would fail loading, short by {}: {} ({load}).",
             o.service,
             bytes(o.margin_bytes.unsigned_abs()),
             category.name()
@@ -52,12 +53,35 @@ pub fn outcome(o: &Outcome) -> String {
                 format!(" a request (a context setting of {}, shared by {slots} slots)", s.max_context_tokens.saturating_mul(slots))
             }
         };
-        out += &format!(
-            "\nSEARCH: at most {} requests of the largest size at once; a context of at most {} tokens{shared}.",
-            s.max_concurrency, s.max_context_tokens
-        );
+        out += &if s.max_concurrency == 0 || s.max_context_tokens == 0 {
+            "\nSEARCH: under these settings not one request of the largest size served fits, at any concurrency or context: the load leaves too little room (try --quantize, --gpu-memory-utilization or a larger --capacity)".to_string()
+        } else {
+            format!(
+                "\nSEARCH: at most {} requests of the largest size at once; a context of at most {} tokens{shared}.",
+                s.max_concurrency, s.max_context_tokens
+            )
+        };
     }
     out
+}
+
+/// The settings tried, as given: "with --max-num-seqs 2, -c 2048", or "as recorded".
+fn tried(o: &Outcome) -> String {
+    let s = &o.settings;
+    let given = [
+        s.max_concurrency.map(|n| format!("--max-num-seqs {n}")),
+        s.max_context.map(|n| format!("-c {n}")),
+        s.utilization.map(|u| format!("--gpu-memory-utilization {u}")),
+        s.quantize.map(|b| format!("--quantize {b}")),
+        s.capacity.map(|c| format!("--capacity {}", bytes(c))),
+        s.tensor_parallel.map(|n| format!("--tensor-parallel {n}")),
+    ];
+    let given: Vec<String> = given.into_iter().flatten().collect();
+    if given.is_empty() {
+        "as recorded".into()
+    } else {
+        format!("with {}", given.join(", "))
+    }
 }
 
 /// Why no replay can be made of a trace.
