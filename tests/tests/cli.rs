@@ -149,6 +149,23 @@ fn errors_say_what_to_do() {
     let (code, err) = run(&["record", "--", "true"], true);
     assert_eq!(code, Some(2));
     assert!(err.contains("needs root or CAP_BPF+CAP_PERFMON") && err.contains("sudo"), "{err}");
+    // A watch checks first, and creates no dump directory it would then fail on.
+    let dumps = std::env::temp_dir().join(format!("gputrace-unprivileged-dumps-{}", std::process::id()));
+    let (code, err) = run(&["watch", "--listen", "off", "--dump-dir", dumps.to_str().unwrap()], true);
+    assert_eq!(code, Some(2));
+    assert!(err.contains("needs root or CAP_BPF+CAP_PERFMON"), "{err}");
+    assert!(!dumps.exists(), "no directory created: {}", dumps.display());
+    // doctor, as nobody, cannot see root's processes' files: it says so before anything else.
+    let out = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all", "--"])
+        .arg(gputrace_bin())
+        .arg("doctor")
+        .current_dir(std::env::temp_dir())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.starts_with("PARTIAL: run as uid 65534, gputrace could not read the open files of "), "{text}");
+    assert!(!text.contains("No process holds"), "{text}");
     let (code, err) = run(&["record", "--", "no-such-command-here"], false);
     assert_eq!(code, Some(2));
     assert!(err.contains("cannot run `no-such-command-here`: command not found"), "{err}");

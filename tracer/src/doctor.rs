@@ -53,6 +53,9 @@ pub struct Observed {
     pub holders: Vec<FileHolder>,
     /// Every process there is (not zombies): whose parent, group leader or NVML pid is gone.
     pub alive: HashSet<u32>,
+    /// Processes whose open files could not be read (another user's, run without root): a
+    /// holder among them is not in `holders`.
+    pub hidden: usize,
 }
 
 impl Observed {
@@ -128,6 +131,10 @@ pub struct Doctor {
     /// NVML counts memory for these pids, which are gone, and no holder could be tied to them.
     pub unattributed: Vec<KeptFor>,
     pub recommendation: Option<Recommendation>,
+    /// Processes whose open files could not be read (not root): the view is partial.
+    pub processes_not_seen: usize,
+    /// The user it ran as (0: root).
+    pub uid: u32,
 }
 
 pub const SCHEMA: &str = "gputrace-doctor/1";
@@ -186,7 +193,19 @@ pub fn assess(o: &Observed, idle_minutes: u64) -> Doctor {
     let unified = o.unified();
     let gpus = gpu_states(o);
     holders.sort_by_key(|a| (a.verdict != Verdict::Stale, std::cmp::Reverse(a.bytes.unwrap_or(0)), a.holder.pid));
-    Doctor { schema: SCHEMA, gpus, nvml: o.nvml.clone(), unified_memory: unified, holders, unattributed, recommendation }
+    // SAFETY: geteuid has no preconditions.
+    let uid = unsafe { libc::geteuid() };
+    Doctor {
+        schema: SCHEMA,
+        gpus,
+        nvml: o.nvml.clone(),
+        unified_memory: unified,
+        holders,
+        unattributed,
+        recommendation,
+        processes_not_seen: o.hidden,
+        uid,
+    }
 }
 
 /// One holder judged: benign, stale (with why) or active, with notes.
@@ -289,6 +308,15 @@ fn bytes_or_unknown(b: Option<u64>) -> String {
 impl Doctor {
     pub fn text(&self) -> String {
         let mut out = String::new();
+        let partial = self.processes_not_seen > 0;
+        if partial {
+            let _ = writeln!(
+                out,
+                "PARTIAL: run as uid {}, gputrace could not read the open files of {} processes of other users: a holder among them is not listed below. As root (`sudo gputrace doctor`) it would be.",
+                self.uid, self.processes_not_seen
+            );
+        }
+        let seen = if partial { " it could see" } else { "" };
         if self.nvml != "ok" {
             let _ = writeln!(out, "{}. What /proc shows follows: who holds the device files, not how much.", self.nvml);
         }
@@ -301,7 +329,7 @@ impl Doctor {
             let _ = writeln!(out, "GPU {} {}: {figures}{host}", g.index, g.name);
         }
         if self.holders.is_empty() {
-            let _ = writeln!(out, "No process holds an NVIDIA device file.");
+            let _ = writeln!(out, "No process{seen} holds an NVIDIA device file.");
         } else {
             let _ = writeln!(out, "\n{:>8}  {:<10} {:>10} {:>5} {:>11}  {:<12} COMMAND", "PID", "USER", "UP", "CPU", "MEMORY", "CONTAINER");
             for a in &self.holders {
@@ -340,7 +368,7 @@ impl Doctor {
                 let _ = writeln!(out, "\nRECOMMENDED: kill {}  (`{}`: {}; it holds {held})", r.kill, r.command, r.why);
             }
             None => {
-                let _ = writeln!(out, "\nNothing stale: every holder is active or benign.");
+                let _ = writeln!(out, "\nNothing stale: every holder{seen} is active or benign.");
             }
         }
         out
@@ -397,6 +425,7 @@ pub fn observe() -> Observed {
         host_memory: procfs::meminfo(),
         holders,
         alive: procfs::all_pids().into_iter().filter(|&p| procfs::running(p)).collect(),
+        hidden: procfs::all_pids().into_iter().filter(|&p| procfs::fds::hidden(p)).count(),
     }
 }
 
@@ -435,6 +464,7 @@ mod tests {
             host_memory: Some((128 * GIB, 100 * GIB)),
             holders,
             alive,
+            hidden: 0,
         }
     }
 
@@ -498,6 +528,17 @@ mod tests {
         let d = assess(&o, 10);
         assert!(d.recommendation.is_none() && d.exit_code() == 0);
         assert!(d.text().contains("Nothing stale"));
+    }
+
+    /// Run without root, the processes of other users are out of sight: said first, and nothing
+    /// is called clean beyond what was seen.
+    #[test]
+    fn a_partial_view_says_so_before_anything_else() {
+        let o = Observed { hidden: 68, ..observed(vec![], &[]) };
+        let text = assess(&o, 10).text();
+        assert!(text.starts_with("PARTIAL: run as uid ") && text.contains("could not read the open files of 68 processes"), "{text}");
+        assert!(text.contains("No process it could see holds") && text.contains("every holder it could see"), "{text}");
+        assert!(!text.contains("No process holds"), "{text}");
     }
 
     /// A second copy of a server that could not take the port, and stopped or idle holders.

@@ -108,7 +108,8 @@ enum Command {
         judging: Judging,
     },
     /// Which "CUDA out of memory" a recorded trace shows, the evidence and the fix; per process
-    /// and per phase what was allocated; the contexts nobody freed.
+    /// and per phase what was allocated; the contexts nobody freed. Exits 3 when the trace is
+    /// incomplete (records lost, lines damaged or torn, the recorder stopped writing).
     Report {
         trace: PathBuf,
         /// Print the report as JSON (schema in docs/report-schema.md)
@@ -297,14 +298,15 @@ fn export(path: PathBuf, format: Format, output: Option<PathBuf>, judging: Judgi
     Ok(())
 }
 
-fn print_report(path: PathBuf, json: bool, judging: Judging) -> anyhow::Result<()> {
+/// The report; exits 3 where the trace is incomplete (see `Loss::incomplete`).
+fn print_report(path: PathBuf, json: bool, judging: Judging) -> anyhow::Result<ExitCode> {
     let (_, _, summary) = load(&path, &judging)?;
     if json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
     } else {
         print!("{}", gputrace::units::for_terminal(&summary.text()));
     }
-    Ok(())
+    Ok(ExitCode::from(if summary.loss.incomplete() { 3 } else { 0 }))
 }
 
 /// A fraction of the card: above 0, at most 1.
@@ -460,7 +462,7 @@ fn main() -> ExitCode {
             })
         }
         Command::Export { trace, format, output, judging } => export(trace, format, output, judging).map(|()| ExitCode::SUCCESS),
-        Command::Report { trace, json, judging } => print_report(trace, json, judging).map(|()| ExitCode::SUCCESS),
+        Command::Report { trace, json, judging } => print_report(trace, json, judging),
         Command::Whatif { trace, max_concurrency, max_context, utilization, quantize, capacity, tensor_parallel, search, json } => {
             let settings = whatif::Settings { max_concurrency, max_context, utilization, quantize, capacity, tensor_parallel };
             what_if(&trace, &settings, search, json)

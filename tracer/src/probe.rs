@@ -137,9 +137,7 @@ pub struct Kernel {
 /// privileges, tracefs, every required tracepoint, and the layout of every record the programs
 /// read.
 pub fn preflight() -> Result<Kernel, ProbeError> {
-    if !privileged() {
-        return Err(ProbeError::NotPrivileged);
-    }
+    check_privileges()?;
     let tracefs = Path::new(TRACEFS);
     if !tracefs.join("events").exists() {
         let target = std::ffi::CString::new(TRACEFS).unwrap();
@@ -163,6 +161,15 @@ pub fn preflight() -> Result<Kernel, ProbeError> {
     let exit = tracefs::format(tracefs, "sched", "sched_process_exit").unwrap_or_default();
     kernel.group_dead_at = tracefs::field(&exit, "group_dead").map_or(0, |f| f.offset);
     Ok(kernel)
+}
+
+/// The privileges loading needs, checked before anything is created (a watch's dump directory).
+pub fn check_privileges() -> Result<(), ProbeError> {
+    if privileged() {
+        Ok(())
+    } else {
+        Err(ProbeError::NotPrivileged)
+    }
 }
 
 /// Root, or the capabilities that loading tracing programs needs (CAP_SYS_ADMIN covers both).

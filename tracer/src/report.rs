@@ -73,6 +73,12 @@ pub struct Loss {
 }
 
 impl Loss {
+    /// The trace lacks part of what happened: records lost in the kernel, lines damaged or
+    /// torn, or the recorder stopped writing. `report` exits 3 then.
+    pub fn incomplete(&self) -> bool {
+        self.lost_records > 0 || self.damaged_lines > 0 || self.torn_tail || self.write_error.is_some()
+    }
+
     /// What the model itself counted as missing or refused; the caller adds what it knows of
     /// the trace file and the decoder.
     pub fn of(model: &Model) -> Loss {

@@ -42,6 +42,8 @@ pub struct Options {
 
 /// Watches until SIGTERM or SIGINT; a dump waiting for its aftermath is written first.
 pub fn run(mut opts: Options) -> Result<()> {
+    // Nothing is created before the privileges are known to be there.
+    crate::probe::check_privileges()?;
     let user = User::invoking()?;
     // Held open from here on: every dump is written, renamed and rotated relative to it.
     let dir = Arc::new(Dir::for_dumps(&opts.dump_dir, user.as_ref()).map_err(anyhow::Error::msg)?);

@@ -22,7 +22,7 @@ use crate::{bin, build, dist, fuzz, install_test_tools, is_root, root, run, vm, 
 /// verdicts on every scenario recorded, headroom and the limits behind a proxy, the CLI and closed
 /// pipes. The rest (the QEMU guests, fuzzing, the package, recording's every driver path, whatif's re-runs,
 /// the hostile users, attaching, the watch, Prometheus, Chromium) run in the whole `xtask test`.
-const QUICK_SUITES: [&str; 4] = ["cli", "scenarios", "headroom", "pipes"];
+const QUICK_SUITES: [&str; 5] = ["cli", "scenarios", "headroom", "pipes", "partial"];
 
 /// The end-to-end suites that run once the run beside the tests is done: those that watch the
 /// whole host (`watch`, `record --all`) and bound what it costs them (a dump budget of a few

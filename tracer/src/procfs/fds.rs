@@ -38,6 +38,11 @@ pub fn open_fds(pid: u32) -> Vec<i32> {
     dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).collect()
 }
 
+/// Whether a process's open files are hidden from us (another user's, without root).
+pub fn hidden(pid: u32) -> bool {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).is_err_and(|e| e.kind() == std::io::ErrorKind::PermissionDenied)
+}
+
 /// Whether two fds refer to the same open file description (kcmp(2)).
 pub fn same_file(a: (u32, i32), b: (u32, i32)) -> bool {
     const KCMP_FILE: libc::c_long = 0;

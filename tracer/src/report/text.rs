@@ -13,6 +13,7 @@ use crate::units::bytes;
 
 pub fn text(report: &Report) -> String {
     let mut out = String::new();
+    partial(report, &mut out);
     verdict(report, &mut out);
     gpus(report, &mut out);
     if !report.processes.is_empty() {
@@ -34,6 +35,30 @@ pub fn headline(report: &Report) -> String {
         format!("VERDICT: none. {}", d.evidence.text)
     } else {
         format!("VERDICT: {} ({}){service}{when}", d.category.name(), d.symptom.name())
+    }
+}
+
+/// What the trace lacks, before the verdict that rests on it: a verdict of none means nothing
+/// failed in the part recorded.
+fn partial(report: &Report, out: &mut String) {
+    let l = &report.loss;
+    let ends = report.duration_ns as f64 / 1e9;
+    let none = report.diagnosis.category == Category::None;
+    let so = if none { "; nothing failed in the part recorded, which is all a verdict of none says" } else { "" };
+    if l.torn_tail || l.damaged_lines > 0 || l.write_error.is_some() {
+        let how = match (&l.write_error, l.torn_tail) {
+            (Some(e), _) => format!("the recorder stopped writing it ({e})"),
+            (None, true) => "it was cut mid-line (the recorder killed, or the file read while written)".to_string(),
+            (None, false) => format!("{} of its lines are damaged", l.damaged_lines),
+        };
+        let _ = writeln!(out, "PARTIAL: the trace ends at {ends:.2} s and {how}: what is not in it is not judged{so}.");
+    }
+    if l.lost_records > 0 {
+        let _ = writeln!(
+            out,
+            "PARTIAL: {} records were lost in the kernel (its ring buffer was full): what else held memory then is not known{so}.",
+            l.lost_records
+        );
     }
 }
 

@@ -104,14 +104,14 @@ pub fn verdict(d: &Diagnosis) -> Verdict {
             (evidence, Worded { fields: json!({}), text: "Nothing to change.".into() })
         }
         Finding::Undecided { lost_records, why, evidence: e } => {
+            let decides = decides(why);
             let why = undecided(why, e.as_ref());
             let text = match e {
                 Some(e) => format!("{}; {why}", context(d, e)),
                 None => why,
             };
             let evidence = Worded { fields: json!({"lost_records": lost_records}), text };
-            let fix = "Record again with nothing lost (a larger ring buffer, fewer traced processes) to decide.";
-            (evidence, Worded { fields: json!({}), text: fix.into() })
+            (evidence, Worded { fields: json!({}), text: decides.into() })
         }
         Finding::Judged { evidence: e, fix } => {
             let kept = e.kept.as_ref().map(kept).unwrap_or_default();
@@ -161,6 +161,23 @@ fn context(d: &Diagnosis, e: &Evidence) -> String {
         (None, _) => {}
     }
     context
+}
+
+/// What would decide it, for each reason none could be told.
+fn decides(why: &Undecided) -> &'static str {
+    match why {
+        Undecided::RecordsLost(_) => "Record again with nothing lost (a larger ring buffer, fewer traced processes) to decide.",
+        Undecided::NoService => {
+            "Record the server from its start (`gputrace record -- CMD`, or `--pid` of the server itself) to tell which of its requests or processes it was."
+        }
+        Undecided::NotMemory => "Read the server's own log for why it exited: nothing in the trace points at GPU memory.",
+        Undecided::RoomUnseen => {
+            "Run `gputrace doctor` (as root) to see who holds the GPU, and record with NVML available so that memory from before tracing is counted."
+        }
+        Undecided::NoRequestInFlight => {
+            "Read the server's own log for what it was doing: no request was in flight, so neither a context nor a concurrency cap is the fix."
+        }
+    }
 }
 
 /// Why no category could be told.
