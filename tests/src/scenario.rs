@@ -548,7 +548,9 @@ fn scenario_inside(t: &Tools, name: &str, server: &str) -> Result<()> {
             let keep = if llama { KEPT_MIB_LLAMA } else { KEPT_MIB_VLLM };
             let load = format!("{KEPT_REQUESTS}x{KEPT_PROMPT}");
             let warmup = format!("{KEPT_WARMUP}x{KEPT_PROMPT}");
-            t.serve(server, port, &["--keep-mib-per-request", &keep.to_string()], &["--sequential", &warmup], &["--sequential", &load])
+            // Two tokens of decode each: what is kept is made in prefill, and the run stays short.
+            let (warmup, load) = (["--sequential", &warmup, "--max-tokens", "2"], ["--sequential", &load, "--max-tokens", "2"]);
+            t.serve(server, port, &["--keep-mib-per-request", &keep.to_string()], &warmup, &load)
         }
         "held-by-other-process" => {
             // The earlier server, not recorded: it is what the recorder finds already there.

@@ -7,7 +7,8 @@
 //! 2. does-not-fit-at-load: it failed before the service served a request;
 //! 3. kept-by-service: the service's level at rest rose request after request (see `kept`), the
 //!    load in flight was no larger than loads it served, and what it kept covers the shortfall;
-//! 4. long-request: one request in flight, or one far larger than the others;
+//! 4. long-request: one request in flight, or one far larger than the others, larger by a
+//!    quarter than every one served before it (or none was seen served);
 //! 5. concurrent-load: several in flight, each of which alone fits.
 //!
 //! Besides: host-oom (the kernel's OOM killer), none, and inconclusive (evidence missing or lost).
@@ -84,6 +85,9 @@ pub enum Undecided {
     RoomUnseen,
     /// No request was in flight.
     NoRequestInFlight,
+    /// One request failed alone, no larger than one served before it, and the service keeps no
+    /// memory request after request: neither a long request nor memory it keeps explains it.
+    NoLargerThanServed { failed_request_bytes: u64, largest_served_request_bytes: u64 },
 }
 
 /// held-by-other-process: stop the biggest holder outside the service.
@@ -270,6 +274,8 @@ struct Failing<'c> {
     engine: &'c [String],
     family: ServerFamily,
     in_flight: Vec<&'c Request>,
+    /// The largest request the service served (sent data) before the failure, since tracing began.
+    largest_served: Option<u64>,
     /// What the service kept, where it keeps memory.
     kept: Option<Kept>,
     evidence: Evidence,
@@ -453,7 +459,9 @@ fn case<'c>(accounts: &'c Accounts, failure: &'c Failure, service: &'c Service) 
     };
     let engine = accounts.engine(service);
     let kept = (evidence.phase != Phase::Load).then(|| kept::measure(accounts, service, gpu, before)).flatten().filter(Kept::keeps);
-    Failing { failure, service, engine, family: ServerFamily::of(engine), in_flight, kept, evidence }
+    let served_before = |r: &&Request| service.has(r.pid) && r.first_data_at.is_some_and(|d| d < ts);
+    let largest_served = accounts.model.requests.iter().filter(served_before).map(|r| r.bytes_in).max();
+    Failing { failure, service, engine, family: ServerFamily::of(engine), in_flight, largest_served, kept, evidence }
 }
 
 fn diagnose_one(accounts: &Accounts, lost: u64, f: &Failure) -> Diagnosis {
@@ -506,8 +514,14 @@ fn category(case: &Failing, lost: u64) -> Result<Category, Undecided> {
         Category::DoesNotFitAtLoad
     } else if kept_explains(case) {
         Category::KeptByService
-    } else if n == 1 || one_much_larger(&case.in_flight).is_some() {
-        Category::LongRequest
+    } else if let Some(culprit) = one_much_larger(&case.in_flight).or_else(|| case.in_flight.first().copied().filter(|_| n == 1)) {
+        // A long request is longer than those served: one no larger failed for another reason.
+        match case.largest_served.filter(|&served| culprit.bytes_in.saturating_mul(4) <= served.saturating_mul(5)) {
+            Some(served) => {
+                return Err(Undecided::NoLargerThanServed { failed_request_bytes: culprit.bytes_in, largest_served_request_bytes: served })
+            }
+            None => Category::LongRequest,
+        }
     } else if n > 1 {
         Category::ConcurrentLoad
     } else {
@@ -576,8 +590,7 @@ fn fix_load(case: &Failing) -> Fix {
 fn fix_long(accounts: &Accounts, case: &Failing) -> Fix {
     let culprit = one_much_larger(&case.in_flight).or_else(|| case.in_flight.first().copied());
     let failed_in = culprit.map(|r| r.bytes_in).unwrap_or(0);
-    let served_before = |r: &&Request| case.service.has(r.pid) && r.first_data_at.is_some_and(|d| d < case.failure.ts);
-    let served = accounts.model.requests.iter().filter(served_before).map(|r| r.bytes_in).max();
+    let served = case.largest_served;
     let room = room_for_requests(accounts, case);
     // Met serving, with no request measured since: the failing request, alone in flight, needed
     // at least what it grew the pool by and what it was refused: an estimate of its cost.

@@ -1270,3 +1270,32 @@ fn a_kept_request_on_a_live_connection_still_ends() {
     let again = Model::from_records(&rebuilt.snapshot());
     assert_eq!(in_flight(&again), 1, "a second compaction adds none");
 }
+
+/// One request fails alone, no larger than the three served before it, and the server keeps
+/// nothing request after request: no long request (a lower context would refuse what it served),
+/// and said so, with what would decide it.
+#[test]
+fn a_request_no_larger_than_those_served_is_no_long_request() {
+    let mut t = Trace::vllm(16 * GIB);
+    for (i, conn) in (7..10).enumerate() {
+        let at = 200 * MS + i as u64 * 100 * MS;
+        t.request(conn, at, 6_000, Some(at + 30 * MS));
+        if i == 0 {
+            t.alloc(at + 10 * MS, ENGINE, GIB, 0);
+        }
+        t.at(at + 60 * MS, API, Event::ConnClose { conn });
+    }
+    t.request(10, 600 * MS, 6_000, None);
+    t.alloc(610 * MS, ENGINE, 2 * GIB, 0x51);
+    let d = &t.diagnose(18 * GIB, &[], 0)[0];
+    assert_eq!(d.category, Category::Inconclusive, "{}", d.fix.text);
+    assert!(d.evidence.text.contains("no larger than the 5.9 KiB served before it"), "{}", d.evidence.text);
+    assert!(!d.fix.text.contains("--max-model-len") && d.fix.text.contains("gputrace_kept_bytes_per_request"), "{}", d.fix.text);
+    // A quarter larger than any served: a long request.
+    let mut t = Trace::vllm(16 * GIB);
+    t.request(7, 200 * MS, 6_000, Some(230 * MS));
+    t.at(260 * MS, API, Event::ConnClose { conn: 7 });
+    t.request(8, 300 * MS, 7_600, None);
+    t.alloc(310 * MS, ENGINE, 2 * GIB, 0x51);
+    assert_eq!(t.diagnose(18 * GIB, &[], 0)[0].category, Category::LongRequest);
+}

@@ -177,6 +177,9 @@ fn decides(why: &Undecided) -> &'static str {
         Undecided::NoRequestInFlight => {
             "Read the server's own log for what it was doing: no request was in flight, so neither a context nor a concurrency cap is the fix."
         }
+        Undecided::NoLargerThanServed { .. } => {
+            "Watch the server's memory at rest over its next requests (`gputrace watch`: gputrace_kept_bytes_per_request) and read its log (a fragmenting allocator, memory the trace cannot see): a lower context would refuse requests it served."
+        }
     }
 }
 
@@ -202,6 +205,11 @@ fn undecided(why: &Undecided, e: Option<&Evidence>) -> String {
             bytes(outside)
         ),
         Undecided::NoRequestInFlight => "no request was in flight, so neither one request nor concurrency explains it".into(),
+        Undecided::NoLargerThanServed { failed_request_bytes, largest_served_request_bytes } => format!(
+            "one request of {} failed alone, no larger than the {} served before it, and the service's memory at rest did not grow request after request: neither a long request nor memory it keeps explains it",
+            bytes(*failed_request_bytes),
+            bytes(*largest_served_request_bytes)
+        ),
     }
 }
 
