@@ -400,25 +400,55 @@ fn fold_workers(mut found: Vec<Proxy>, spawned: &[u32], parent: impl Fn(u32) -> 
     found
 }
 
+/// Proxies read a scan: root's, and every other user's together, each user at most
+/// [`PER_USER`] of them. One user's crowd of proxies never keeps root's (or another user's
+/// first ones) from being read.
+#[derive(Default)]
+struct Shares {
+    root: usize,
+    others: usize,
+    by_user: std::collections::HashMap<u32, usize>,
+}
+
+/// A user's share of the proxies read in a scan (root's own are [`MAX_PROXIES`]).
+const PER_USER: usize = 8;
+
+impl Shares {
+    /// Whether a proxy of `uid` is read, counting it if so.
+    fn admit(&mut self, uid: u32) -> bool {
+        if uid == 0 {
+            self.root += 1;
+            return self.root <= MAX_PROXIES;
+        }
+        let mine = self.by_user.entry(uid).or_default();
+        if *mine >= PER_USER || self.others >= MAX_PROXIES {
+            return false;
+        }
+        *mine += 1;
+        self.others += 1;
+        true
+    }
+}
+
 /// The LiteLLM proxies running now (those of `owner` only, where given), with the deployments
-/// their configs name; at most [`MAX_PROXIES`]. A config that cannot be read is said once on
-/// stderr per (pid, reason), through `said`.
+/// their configs name: root's up to [`MAX_PROXIES`], and as many of other users' together, each
+/// user's at most [`PER_USER`]. A config that cannot be read is said once on stderr per (pid,
+/// reason), through `said`.
 pub fn scan(owner: Option<u32>, said: &mut std::collections::HashSet<(u32, String)>) -> Vec<Proxy> {
     let (mut found, mut spawned) = (Vec::new(), Vec::new());
+    let mut shares = Shares::default();
     // Every namespace's addresses, read once a scan where a deployment names an address that is
     // not its proxy's.
     let mut host_wide: Option<Option<Vec<std::net::IpAddr>>> = None;
     for pid in procfs::all_pids() {
-        if found.len() >= MAX_PROXIES {
-            break;
-        }
         // comm needs no lock of the process's memory: only candidates' argv is read.
         let comm = procfs::read_bounded(&format!("/proc/{pid}/comm"), 64).unwrap_or_default();
         let comm = comm.trim();
         if comm != "litellm" && !comm.starts_with("python") {
             continue;
         }
-        if owner.is_some_and(|uid| procfs::place::owner(pid) != Some(uid)) {
+        let uid = procfs::place::owner(pid);
+        if owner.is_some_and(|o| uid != Some(o)) {
             continue;
         }
         let Some(command) = procfs::command::command(pid) else { continue };
@@ -429,6 +459,13 @@ pub fn scan(owner: Option<u32>, said: &mut std::collections::HashSet<(u32, Strin
             continue;
         }
         if !is_proxy(&command) {
+            continue;
+        }
+        // A worker forked from a proxy read (gunicorn's show their master's command line) counts
+        // with it, not against its user's share; at most as many as spawned workers.
+        let forked = procfs::parent(pid).is_some_and(|up| found.iter().any(|p: &Proxy| p.pid == up));
+        let admitted = if forked { found.len() < MAX_PROXIES * 64 } else { uid.is_some_and(|u| shares.admit(u)) };
+        if !admitted {
             continue;
         }
         let Some(config) = config_arg(&command).map(String::from) else { continue };

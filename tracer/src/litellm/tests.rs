@@ -224,3 +224,19 @@ fn workers_fold_into_the_proxy_they_work_for() {
     assert!(is_spawned_worker(&argv("python3 -c from multiprocessing.spawn import spawn_main --multiprocessing-fork")));
     assert!(!is_spawned_worker(&argv("python3 -c from multiprocessing.resource_tracker import main;main(5)")));
 }
+
+/// One user's 40 proxies take their share of a scan and no more: root's proxy, and another
+/// user's first, are still read.
+#[test]
+fn one_users_crowd_of_proxies_leaves_root_s_and_others_read() {
+    let mut shares = Shares::default();
+    let crowd = (0..40).filter(|_| shares.admit(60001)).count();
+    assert_eq!(crowd, PER_USER);
+    assert!(shares.admit(0), "root's proxy is read");
+    assert!(shares.admit(1000), "another user's first is read");
+    // Root's own crowd is bounded too, and every user's together.
+    let mut shares = Shares::default();
+    assert_eq!((0..100).filter(|_| shares.admit(0)).count(), MAX_PROXIES);
+    let users = (1..=100u32).filter(|&uid| shares.admit(uid)).count();
+    assert_eq!(users, MAX_PROXIES, "other users' proxies together");
+}
