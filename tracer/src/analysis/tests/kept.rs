@@ -302,3 +302,70 @@ fn whatif_of_memory_a_server_kept_says_no_setting_bounds_it() {
     let said = crate::report::whatif::why_not(&super::super::whatif::WhyNot::KeptByService);
     assert!(said.contains("no setting whatif replays bounds what it keeps"), "{said}");
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(300))]
+    /// Over generated serving traces (requests of a few sizes one at a time, a pool that grows with
+    /// the largest, a warm-up, memory kept per request or not, then a load that fails): no verdict
+    /// whose category's preconditions fail on its own figures, and no fix that contradicts them.
+    #[test]
+    fn no_verdict_contradicts_its_own_figures(
+        sizes in proptest::collection::vec(0usize..4, 1..24),
+        keep in 0usize..3,
+        warm_up in 0usize..5,
+        failing in 0usize..5,
+        burst in 1usize..4,
+        asked_mib in 16u64..4096,
+        free_mib in 0u64..4096,
+    ) {
+        const SIZES: [u64; 5] = [2_000, 4_000, 6_000, 8_000, 40_000];
+        let kept_each = [0, 64 * MIB, 256 * MIB][keep];
+        let mut t = Trace::vllm(16 * GIB);
+        let (mut ts, mut pool, mut held) = (200 * MS, 0u64, 16 * GIB);
+        for (i, &s) in sizes.iter().enumerate() {
+            let bytes = SIZES[s];
+            let conn = 10 + i as u64;
+            t.request(conn, ts, bytes, Some(ts + 30 * MS));
+            // The pool grows to the largest request (100 KiB a byte received, rounded to 2 MiB).
+            let need = (bytes * 100 * 1024).next_multiple_of(2 * MIB);
+            let grow = need.saturating_sub(pool) + if i < warm_up { 128 * MIB } else { 0 } + kept_each;
+            if grow > 0 {
+                t.alloc(ts + 10 * MS, ENGINE, grow, 0);
+            }
+            (pool, held) = (pool.max(need), held + grow);
+            t.at(ts + 60 * MS, API, Event::ConnClose { conn });
+            ts += 100 * MS;
+        }
+        for b in 0..burst {
+            t.request(900 + b as u64, ts, SIZES[failing], None);
+        }
+        t.alloc(ts + 10 * MS, ENGINE, asked_mib * MIB, 0x51);
+        let largest_served = sizes.iter().map(|&s| SIZES[s]).max().unwrap_or(0);
+        for d in t.diagnose(held + free_mib * MIB, &[], 0) {
+            let (e, f) = (&d.evidence.fields, &d.fix.fields);
+            match d.category {
+                Category::KeptByService => {
+                    let k = &e["kept"];
+                    let (kept, load) = (k["kept_bytes"].as_u64().unwrap(), k["failing_load_bytes"].as_u64().unwrap());
+                    let (free, asked) = (e["free_bytes"].as_u64().unwrap(), e["failed_bytes"].as_u64().unwrap());
+                    proptest::prop_assert!(kept > 0 && k["kept_per_request_bytes"].as_u64().unwrap() > 0, "{k:#}");
+                    proptest::prop_assert!(load * 8 <= k["largest_served_load_bytes"].as_u64().unwrap() * 9, "{k:#}");
+                    proptest::prop_assert!(free < asked && asked <= free + kept, "{e:#}");
+                    for cap in ["--max-model-len", "--max-num-seqs", "max_parallel_requests"] {
+                        proptest::prop_assert!(!d.fix.text.contains(cap), "{}", d.fix.text);
+                    }
+                }
+                Category::LongRequest => {
+                    let (failed, served) = (f["failed_request_bytes"].as_u64().unwrap(), f["largest_served_request_bytes"].as_u64().unwrap());
+                    proptest::prop_assert!(served == 0 || failed * 4 > served * 5, "{failed} failed against {served} served: {}", d.fix.text);
+                    proptest::prop_assert_eq!(served, largest_served);
+                }
+                Category::ConcurrentLoad => {
+                    let (cap, n) = (f["max_concurrency"].as_u64().unwrap(), f["in_flight"].as_u64().unwrap());
+                    proptest::prop_assert!(cap >= 1 && cap < n, "cap {cap} of {n} in flight: {}", d.fix.text);
+                }
+                _ => {}
+            }
+        }
+    }
+}
