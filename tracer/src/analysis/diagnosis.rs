@@ -88,6 +88,9 @@ pub enum Undecided {
     /// One request failed alone, no larger than one served before it, and the service keeps no
     /// memory request after request: neither a long request nor memory it keeps explains it.
     NoLargerThanServed { failed_request_bytes: u64, largest_served_request_bytes: u64 },
+    /// A request larger than those served failed alone, but the room left takes less than the
+    /// largest served: the room shrank since, and a context cap would refuse what was served.
+    RoomShrank { largest_served_request_bytes: u64, largest_fitting_request_bytes: u64 },
 }
 
 /// held-by-other-process: stop the biggest holder outside the service.
@@ -493,6 +496,19 @@ fn diagnose_one(accounts: &Accounts, lost: u64, f: &Failure) -> Diagnosis {
         (Category::ConcurrentLoad, _) => fix_concurrent(accounts, &case),
         _ => Fix::MoreHostMemory { killed_pid: f.pid, reserve: case.family.reserve().map(|(name, _)| name) },
     };
+    // A context to set admits the largest request served: where the room now takes less, it
+    // shrank since (something else grew), and a lower context is no fix.
+    if let Fix::ShorterContext(ShorterContext {
+        largest_served_request_bytes: Some(served),
+        largest_fitting_request_bytes: Some(fits),
+        ..
+    }) = fix
+    {
+        if fits < served {
+            let why = Undecided::RoomShrank { largest_served_request_bytes: served, largest_fitting_request_bytes: fits };
+            return Diagnosis { finding: Finding::Undecided { lost_records: lost, why, evidence: Some(case.evidence) }, ..judged };
+        }
+    }
     Diagnosis { category, gpu: case.evidence.gpu, finding: Finding::Judged { evidence: case.evidence, fix }, ..judged }
 }
 

@@ -177,6 +177,9 @@ fn decides(why: &Undecided) -> &'static str {
         Undecided::NoRequestInFlight => {
             "Read the server's own log for what it was doing: no request was in flight, so neither a context nor a concurrency cap is the fix."
         }
+        Undecided::RoomShrank { .. } => {
+            "Find what took the room since the larger requests were served (`gputrace doctor`, the report's holders and the server's memory at rest) before capping the context: a cap would refuse what it served."
+        }
         Undecided::NoLargerThanServed { .. } => {
             "Watch the server's memory at rest over its next requests (`gputrace watch`: gputrace_kept_bytes_per_request) and read its log (a fragmenting allocator, memory the trace cannot see): a lower context would refuse requests it served."
         }
@@ -205,6 +208,11 @@ fn undecided(why: &Undecided, e: Option<&Evidence>) -> String {
             bytes(outside)
         ),
         Undecided::NoRequestInFlight => "no request was in flight, so neither one request nor concurrency explains it".into(),
+        Undecided::RoomShrank { largest_served_request_bytes, largest_fitting_request_bytes } => format!(
+            "a request larger than those served failed alone, but the room left now takes one of {} at most, less than the {} served before: the room shrank since, so neither a long request nor a context cap explains it",
+            bytes(*largest_fitting_request_bytes),
+            bytes(*largest_served_request_bytes)
+        ),
         Undecided::NoLargerThanServed { failed_request_bytes, largest_served_request_bytes } => format!(
             "one request of {} failed alone, no larger than the {} served before it, and the service's memory at rest did not grow request after request: neither a long request nor memory it keeps explains it",
             bytes(*failed_request_bytes),

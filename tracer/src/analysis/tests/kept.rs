@@ -358,6 +358,9 @@ proptest::proptest! {
                 Category::LongRequest => {
                     let (failed, served) = (f["failed_request_bytes"].as_u64().unwrap(), f["largest_served_request_bytes"].as_u64().unwrap());
                     proptest::prop_assert!(served == 0 || failed * 4 > served * 5, "{failed} failed against {served} served: {}", d.fix.text);
+                    // The context it says to set admits the largest request served.
+                    let fits = f["largest_fitting_request_bytes"].as_u64();
+                    proptest::prop_assert!(fits.is_none_or(|fits| fits >= served), "{fits:?} fits, {served} served: {}", d.fix.text);
                     proptest::prop_assert_eq!(served, largest_served);
                 }
                 Category::ConcurrentLoad => {
