@@ -179,9 +179,11 @@ impl Watcher {
         for h in crate::analysis::headroom::headroom(&accounts).iter().filter(|h| fresh.contains(&(h.pid, h.gpu))) {
             if let Some(line) = crate::report::headroom::keeping(h) {
                 eprintln!("gputrace: warning: {line}");
-                self.kept_warned.insert((h.pid, h.gpu));
             }
         }
+        // Each judged once, said or not (a GPU of unknown size has no headroom to say it with):
+        // the measure and the headroom are not made again at every compaction.
+        self.kept_warned.extend(fresh);
     }
 }
 
