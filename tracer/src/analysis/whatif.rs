@@ -81,6 +81,11 @@ pub struct Outcome {
     pub kv_bytes: u64,
     pub weights_after_bytes: u64,
     pub kv_after_bytes: u64,
+    /// A context was tried, and the recorded command line does not say its own (these flags;
+    /// llama-server's default is the model's): the KV cache is replayed as recorded, which a
+    /// lower context only shrinks.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_unscaled: Option<&'static [&'static str]>,
     /// With `--search`: the largest concurrency, of the largest request served, and the
     /// context to set (in tokens, with the fix's margin) that fit under the settings.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -102,8 +107,6 @@ pub enum WhyNot {
     NothingToReplay,
     /// The GPU's size is not in the trace (no NVML) and was not given.
     CapacityUnknown,
-    /// A context was tried, and the recorded command line does not say its own (these flags).
-    ContextUnknown(&'static [&'static str]),
     /// The failure was memory the server kept request after request: a replay of the requests
     /// under other settings says nothing of what it keeps.
     KeptByService,
@@ -161,8 +164,8 @@ fn replay(accounts: &Accounts, service: &Service, gpu: Option<u32>, settings: &S
     let new_capacity = settings.capacity.unwrap_or(capacity);
     let weights_after = shard(settings.quantize.map_or(weights, |q| weights / 16 * u64::from(q.clamp(1, 16))));
     let recorded_util = family.reserve().map(|(name, default)| flag(engine, &[name]).and_then(|v| v.parse().ok()).unwrap_or(default));
-    let kv_after =
-        kv_after(engine, family, settings, recorded_util, Load { weights, kv, weights_after, failed }, (capacity, new_capacity))?;
+    let (kv_after, kv_unscaled) =
+        kv_after(engine, family, settings, recorded_util, Load { weights, kv, weights_after, failed }, (capacity, new_capacity));
     // A KV cache sized by the context is split over the shards too; a reserved one fills the
     // budget, which is each card's.
     let kv_after = if recorded_util.is_some() { kv_after } else { shard(kv_after) };
@@ -183,6 +186,7 @@ fn replay(accounts: &Accounts, service: &Service, gpu: Option<u32>, settings: &S
         kv_bytes: kv,
         weights_after_bytes: weights_after,
         kv_after_bytes: kv_after,
+        kv_unscaled,
         search: None,
     };
     // The load: what others held when it began, and the new load on the new card.
@@ -308,7 +312,8 @@ struct Load {
     failed: bool,
 }
 
-/// The KV cache under the changed settings, from the recorded one.
+/// The KV cache under the changed settings, from the recorded one; where a context was tried
+/// and the recorded one is not on the command line, as recorded, and the flags that say it.
 fn kv_after(
     engine: &[String],
     family: ServerFamily,
@@ -316,9 +321,9 @@ fn kv_after(
     recorded_util: Option<f64>,
     load: Load,
     (capacity, new_capacity): (u64, u64),
-) -> Result<u64, WhyNot> {
+) -> (u64, Option<&'static [&'static str]>) {
     let Load { weights, kv, weights_after, failed } = load;
-    Ok(match (recorded_util, family.context()) {
+    let kv_after = match (recorded_util, family.context()) {
         // An engine that reserves a fraction of the card fills it: the KV cache takes what the
         // weights leave of the new budget.
         (Some(util), _) => {
@@ -335,11 +340,12 @@ fn kv_after(
         // One sized by the context: in proportion to it.
         (None, Some((_, names))) => match (settings.max_context, flag(engine, names).and_then(|v| count(&v))) {
             (Some(new), Some(now)) if now > 0 => (kv as f64 * new as f64 / now as f64) as u64,
-            (Some(_), None) => return Err(WhyNot::ContextUnknown(names)),
+            (Some(_), _) => return (kv, Some(names)),
             _ => kv,
         },
         _ => kv,
-    })
+    };
+    (kv_after, None)
 }
 
 /// The admitted requests replayed from their starts against the room at each (starts never go

@@ -46,6 +46,12 @@ pub fn outcome(o: &Outcome) -> String {
             category.name()
         ),
     };
+    if let (Some(names), Some(c)) = (o.kv_unscaled, o.settings.max_context) {
+        out += &format!(
+            "\nNOTE: the recorded command line does not say its context ({}; llama-server's default is the model's own), so the KV cache is replayed as recorded: a context of {c} below the one it ran with only shrinks it, and leaves more room than replayed; above it, less.",
+            names.join(", ")
+        );
+    }
     if let Some(s) = &o.search {
         let shared = match s.context_slots {
             1 => String::new(),
@@ -91,9 +97,6 @@ pub fn why_not(why: &WhyNot) -> String {
             "no service served a request with its cost measured (what it allocated during a prefill), so there is nothing to replay".into()
         }
         WhyNot::CapacityUnknown => "the GPU's size is not in the trace: give it with --capacity".into(),
-        WhyNot::ContextUnknown(names) => {
-            format!("the recorded command line does not say its context ({}): the KV cache cannot be scaled", names.join(", "))
-        }
         WhyNot::KeptByService => "the failure was memory the server keeps request after request (kept-by-service): no setting whatif replays bounds what it keeps, so under any of them it fails again once it has served enough requests; the report's fix says how many a fresh start serves".into(),
     }
 }
