@@ -15,7 +15,8 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 
 use serde::Serialize;
 
-use crate::event::{Device, Event, Memory, Record, Seen, Via};
+use crate::event::{Device, Event, Memory, Place, Record, Seen, Via};
+use crate::procfs::command::MAX_COMMAND;
 use fds::FdRef;
 use handles::Client;
 
@@ -261,6 +262,14 @@ pub struct Model {
     pub foreign_client_calls: u64,
     pub first_ts: Option<u64>,
     pub last_ts: u64,
+    /// Exited processes forgotten to keep at most [`MAX_PROCESSES`] (see [`Model::room_for`]),
+    /// and the records of processes not kept for want of room.
+    pub processes_forgotten: u64,
+    pub records_not_kept: u64,
+    process_limit: usize,
+    /// Processes that exited 0 since spent ones were last forgotten: whether another pass over
+    /// them may free room.
+    exits_since_forgetting: usize,
     clients: HashMap<u32, Client>,
     /// Handles referring to each allocation; the memory is freed when it reaches zero.
     handle_refs: HashMap<AllocId, u32>,
@@ -304,6 +313,50 @@ pub struct Model {
 
 const ORPHAN_FILE_BASE: FileId = 1 << 62;
 
+/// Processes kept at once (about 2 KB each): past it, spent ones are forgotten, and where none
+/// is, the records of new ones are counted, not followed. A crafted trace of a million
+/// processes is read in bounded memory (SECURITY.md).
+pub const MAX_PROCESSES: usize = 1 << 16;
+
+/// Bytes of each field of a place kept (PATH_MAX): a crafted trace's longer ones are cut, as
+/// command lines are at what the recorder reads of one.
+const MAX_PLACE_FIELD: usize = 4096;
+
+/// `text` cut to at most `max` bytes, at a character's boundary.
+fn cut(text: &str, max: usize) -> String {
+    let end = (0..=max.min(text.len())).rev().find(|&i| text.is_char_boundary(i)).unwrap_or(0);
+    text[..end].to_string()
+}
+
+/// A command line of at most what the recorder reads of one ([`MAX_COMMAND`] bytes).
+pub(crate) fn bounded_command(command: &[String]) -> Vec<String> {
+    let mut left = MAX_COMMAND as usize;
+    let mut out = Vec::new();
+    for arg in command {
+        if left == 0 {
+            break;
+        }
+        let kept = cut(arg, left);
+        left = left.saturating_sub(kept.len().max(1));
+        out.push(kept);
+    }
+    out
+}
+
+/// A place with each field at most [`MAX_PLACE_FIELD`] bytes.
+fn bounded_place(place: &Place) -> Place {
+    let field = |f: &Option<String>| f.as_deref().map(|f| cut(f, MAX_PLACE_FIELD));
+    Place {
+        cgroup: cut(&place.cgroup, MAX_PLACE_FIELD),
+        container: field(&place.container),
+        pod: field(&place.pod),
+        namespace: field(&place.namespace),
+        pod_name: field(&place.pod_name),
+        ns_pid: place.ns_pid,
+        uid: place.uid,
+    }
+}
+
 /// How long after its last close seen a file met again is taken to have been in flight over a
 /// socket (a receiver takes it within milliseconds), not a new file at a released one's
 /// kernel address (an open unseen: io_uring's, or a record lost).
@@ -311,7 +364,59 @@ const IN_FLIGHT_NS: u64 = 10_000_000_000;
 
 impl Model {
     pub fn new() -> Self {
-        Model { next_orphan_file: ORPHAN_FILE_BASE, ..Default::default() }
+        Model {
+            next_orphan_file: ORPHAN_FILE_BASE,
+            process_limit: MAX_PROCESSES,
+            exits_since_forgetting: MAX_PROCESSES,
+            ..Default::default()
+        }
+    }
+
+    /// The same, keeping at most `limit` processes (tests).
+    #[cfg(test)]
+    pub(crate) fn with_process_limit(limit: usize) -> Self {
+        Model { process_limit: limit, exits_since_forgetting: limit, ..Model::new() }
+    }
+
+    /// Whether a record of `pid`, a process not kept yet, can be: under [`MAX_PROCESSES`], or once
+    /// spent processes are forgotten. A pass over them is made when a sixteenth of the limit
+    /// exited since the last (each costs the processes kept: a few per exit in all).
+    fn room_for(&mut self, pid: u32) -> bool {
+        if self.processes.len() < self.process_limit || self.processes.contains_key(&pid) {
+            return true;
+        }
+        if self.exits_since_forgetting >= (self.process_limit / 16).max(1) {
+            self.exits_since_forgetting = 0;
+            self.forget_spent();
+        }
+        self.processes.len() < self.process_limit
+    }
+
+    /// Forgets processes nothing the analyses read is theirs: exited 0, never allocated nor
+    /// failed to, never bound a port, not killed by the OOM killer, and no kept process's parent
+    /// (a service's tree runs through its parents); with the files they opened that are released,
+    /// held by no descriptor and referred to by nothing.
+    fn forget_spent(&mut self) {
+        let mut parents: HashSet<u32> = self.processes.values().map(|p| p.ppid).collect();
+        // Requests and marks name their process: its service reads them. A pass costs the
+        // processes, requests and marks kept, once per sixteenth of the limit's exits.
+        parents.extend(self.requests.iter().map(|r| r.pid).chain(self.marks.iter().map(|m| m.1)));
+        let spent = |p: &Process| {
+            p.exit_code == Some(0)
+                && p.usage.allocations == 0
+                && p.usage.failed == 0
+                && p.bound.is_empty()
+                && p.oom_killed.is_none()
+                && !parents.contains(&p.pid)
+        };
+        let forgotten: HashSet<u32> = self.processes.values().filter(|p| spent(p)).map(|p| p.pid).collect();
+        self.processes.retain(|pid, _| !forgotten.contains(pid));
+        add_saturating(&mut self.processes_forgotten, forgotten.len() as u64);
+        let mut in_use: HashSet<FileId> = self.allocations.iter().filter_map(|a| a.file).collect();
+        in_use.extend(self.clients.values().filter_map(|c| c.file));
+        in_use.extend(self.registered.iter().flat_map(|(a, b)| [*a, *b]));
+        in_use.extend(self.exports.keys().chain(self.parked_exports.keys()).copied());
+        self.files.retain(|id, f| !(forgotten.contains(&f.opened_by) && f.released.is_some() && f.refs == 0 && !in_use.contains(id)));
     }
 
     pub fn from_records<'a>(records: impl IntoIterator<Item = &'a Record>) -> Self {
@@ -493,10 +598,16 @@ impl Model {
             add_saturating(&mut self.foreign_client_calls, 1);
             return;
         }
+        // Host-wide records name no process the model keeps.
+        let host_wide = matches!(r.event, Event::Sample(_) | Event::Lost { .. } | Event::Mark { .. } | Event::Proxy { .. });
+        if !host_wide && !self.room_for(pid) {
+            add_saturating(&mut self.records_not_kept, 1);
+            return;
+        }
         match &r.event {
             Event::Process { ppid, seen, command } => self.on_process(pid, ts, *ppid, *seen, command),
             Event::Exec { command } => self.on_exec(pid, ts, command),
-            Event::Place(place) => self.process(pid, ts).place = Some(place.clone()),
+            Event::Place(place) => self.process(pid, ts).place = Some(bounded_place(place)),
             Event::Exit { code } => self.on_exit(pid, ts, *code),
             Event::Open { fd, file, device, cloexec } => self.on_open(pid, ts, *fd, *file, *device, *cloexec),
             Event::FdFound { fd, file, device } => self.on_fd_found(pid, ts, *fd, *file, *device),

@@ -5,7 +5,7 @@
 
 use serde::Serialize;
 
-use crate::analysis::accounts::Accounts;
+use crate::analysis::accounts::{Accounts, LoadedBefore};
 use crate::analysis::diagnosis::diagnose;
 use crate::analysis::headroom::{headroom, Headroom};
 pub use crate::analysis::holders::SuspectContext;
@@ -67,6 +67,13 @@ pub struct Loss {
     /// which the kernel side does not follow (counted since recording or watching began).
     #[serde(skip_serializing_if = "is_zero")]
     pub own_file_table: u64,
+    /// Processes past the model's bound ([`crate::model::MAX_PROCESSES`] at once): exited ones
+    /// that held nothing, forgotten (nothing judged was theirs), and the records of processes
+    /// not kept for want of room (what they did is not judged).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub processes_forgotten: u64,
+    #[serde(skip_serializing_if = "is_zero")]
+    pub records_of_processes_not_kept: u64,
     /// Why the recorder stopped writing the trace (a full disk), when it did.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub write_error: Option<String>,
@@ -76,7 +83,11 @@ impl Loss {
     /// The trace lacks part of what happened: records lost in the kernel, lines damaged or
     /// torn, or the recorder stopped writing. `report` exits 3 then.
     pub fn incomplete(&self) -> bool {
-        self.lost_records > 0 || self.damaged_lines > 0 || self.torn_tail || self.write_error.is_some()
+        self.lost_records > 0
+            || self.damaged_lines > 0
+            || self.torn_tail
+            || self.write_error.is_some()
+            || self.records_of_processes_not_kept > 0
     }
 
     /// What the model itself counted as missing or refused; the caller adds what it knows of
@@ -88,12 +99,15 @@ impl Loss {
             fds_not_followed: model.fd_refs_dropped,
             handles_not_followed: model.handles_not_followed,
             foreign_client_calls: model.foreign_client_calls,
+            processes_forgotten: model.processes_forgotten,
+            records_of_processes_not_kept: model.records_not_kept,
             ..Loss::default()
         }
     }
 
+    /// Nothing lost (processes forgotten are none of it).
     pub fn is_lossless(&self) -> bool {
-        *self == Loss::default()
+        Loss { processes_forgotten: 0, ..self.clone() } == Loss::default()
     }
 }
 
@@ -140,6 +154,9 @@ pub struct Report {
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub headroom: Vec<Headroom>,
     pub loss: Loss,
+    /// Services that had loaded before the trace began: their load is not in it.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub loaded_before: Vec<LoadedBefore>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fd_filter: Option<FdFilter>,
 }
@@ -214,6 +231,7 @@ impl Report {
             headroom: headroom(&accounts),
             processes,
             loss,
+            loaded_before: accounts.loaded_before(),
             fd_filter: None,
         }
     }
@@ -236,6 +254,49 @@ mod tests {
 
     fn header() -> Header {
         Header::default()
+    }
+
+    /// A server met running (`record --pid`): its load is not in the trace, and the report says
+    /// so first, with what NVML counted for it. A watch's dump: what its snapshot holds from
+    /// before the window. A server recorded from its start: nothing said.
+    #[test]
+    fn a_trace_that_began_after_a_server_loaded_says_so_first() {
+        use crate::trace::PriorUse;
+        const GIB: u64 = 1 << 30;
+        let rec = |ts: u64, pid: u32, event| Record::new(ts, pid, pid, event);
+        let server = |seen: Seen, alloc_ts: u64| {
+            vec![
+                rec(alloc_ts, 40, Event::Process { ppid: 1, seen, command: vec!["vllm".into(), "serve".into()] }),
+                rec(alloc_ts, 40, Event::Object { fd: 3, client: 40, parent: 40, object: 40, class: 0x41, status: 0, gpu: None }),
+                rec(alloc_ts + 1, 40, Event::Alloc(Alloc::video(40, 40, 0xa, GIB))),
+                rec(1000, 40, Event::Bind { fd: 5, port: 8000 }),
+            ]
+        };
+        let prior = vec![PriorUse { pid: 40, gpu: 0, used_bytes: Some(30 * GIB), command: vec![] }];
+        let at = |start: u64, prior: Vec<PriorUse>| Header { monotonic_start_ns: start, prior_use: prior, nvml: "ok".into(), ..header() };
+        // Met running, NVML's 30 GiB from before tracing.
+        let model = Model::from_records(&server(Seen::Running, 500));
+        let text = Report::new(&at(400, prior.clone()), &model, String::new(), 4, Loss::default(), u64::MAX).text();
+        let first = text.lines().next().unwrap();
+        assert!(
+            first.starts_with("PARTIAL: `vllm serve` (pid 40) was running when tracing began: its load and the requests it served before are not in the trace; NVML counted 30.0 GiB for it when tracing began"),
+            "{text}"
+        );
+        assert!(text.lines().nth(1).unwrap().starts_with("VERDICT: "), "{text}");
+        // A dump: its allocation from before the window (ts 100 < the window's 400) is the
+        // snapshot's.
+        let model = Model::from_records(&server(Seen::Launched, 100));
+        let report = Report::new(&at(400, vec![]), &model, String::new(), 4, Loss::default(), u64::MAX);
+        assert!(
+            report.text().starts_with("PARTIAL: `vllm serve` (pid 40) had loaded before this window began: the snapshot at its start holds its 1 allocation(s) of 1.0 GiB from before;"),
+            "{}",
+            report.text()
+        );
+        assert_eq!(serde_json::to_value(&report).unwrap()["loaded_before"][0]["snapshot_bytes"], GIB);
+        // Launched while recorded: nothing to say.
+        let model = Model::from_records(&server(Seen::Launched, 500));
+        let report = Report::new(&at(400, vec![]), &model, String::new(), 4, Loss::default(), u64::MAX);
+        assert!(report.text().starts_with("VERDICT: ") && report.loaded_before.is_empty(), "{}", report.text());
     }
 
     /// NVML's figure against the traced one, at every sample: a process whose managed memory

@@ -40,6 +40,22 @@ pub struct Held {
     pub own: u64,
 }
 
+/// A service that had loaded when the trace began: met running (`record --pid`, `--all`, a
+/// watch), or carried by the snapshot a watch's dump starts its window with. Its load, and the
+/// requests it served before, are not in the trace.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct LoadedBefore {
+    pub service: String,
+    pub pid: u32,
+    /// What NVML counted for its processes when tracing began; None where it said nothing of
+    /// them (unavailable, or they held nothing then).
+    pub nvml_bytes: Option<u64>,
+    /// Its video memory from before the window that a dump's snapshot carries, allocation by
+    /// allocation.
+    pub snapshot_allocations: u64,
+    pub snapshot_bytes: u64,
+}
+
 pub struct Accounts<'a> {
     pub header: &'a Header,
     pub model: &'a Model,
@@ -121,6 +137,37 @@ impl<'a> Accounts<'a> {
             .filter(|p| service.has(p.pid) && gpu.is_none_or(|g| p.gpu == g) && running(p.pid))
             .map(|p| p.used_bytes.unwrap_or(0))
             .fold(0, u64::saturating_add)
+    }
+
+    /// Services with GPU memory that had loaded before the trace began, in the order of the
+    /// services. One pass over the allocations.
+    pub fn loaded_before(&self) -> Vec<LoadedBefore> {
+        let window = self.header.monotonic_start_ns;
+        let n = self.services.list.len();
+        let mut snapshot = vec![(0u64, 0u64); n];
+        let before = self.model.allocations.iter().filter(|a| a.ts < window && a.memory == Memory::Video);
+        for a in before {
+            if let Some(i) = self.services.index_of(a.pid) {
+                snapshot[i] = (snapshot[i].0 + 1, snapshot[i].1.saturating_add(a.bytes));
+            }
+        }
+        let met = |pid: &u32| self.model.processes.get(pid).is_some_and(|p| p.seen == crate::event::Seen::Running);
+        let held_files = |s: &Service| self.header.holders_at_start.iter().any(|h| s.has(h.pid));
+        let mut out = Vec::new();
+        for (s, (allocations, bytes)) in self.services.list.iter().zip(snapshot) {
+            let nvml = self.header.prior_use.iter().filter(|p| s.has(p.pid)).map(|p| p.used_bytes.unwrap_or(0));
+            let nvml_bytes = Some(nvml.fold(0u64, u64::saturating_add)).filter(|&b| b > 0);
+            if allocations > 0 || (s.pids.iter().any(met) && (nvml_bytes.is_some() || held_files(s))) {
+                out.push(LoadedBefore {
+                    service: s.name.clone(),
+                    pid: s.root,
+                    nvml_bytes,
+                    snapshot_allocations: allocations,
+                    snapshot_bytes: bytes,
+                });
+            }
+        }
+        out
     }
 
     /// Memory held outside `service` at `ts` on `gpu`: other traced services, and what NVML said

@@ -34,7 +34,7 @@ impl Model {
         }
         p.ppid = ppid;
         p.seen = seen;
-        p.command = command.to_vec();
+        p.command = super::bounded_command(command);
         // What it had when met running comes after this (see Event::Attached); a new process
         // had nothing.
         p.attached = None;
@@ -68,7 +68,7 @@ impl Model {
 
     pub(super) fn on_exec(&mut self, pid: u32, ts: u64, command: &[String]) {
         let p = self.process(pid, ts);
-        p.command = command.to_vec();
+        p.command = super::bounded_command(command);
         let closed: Vec<i32> = p.fds.iter().filter(|(_, f)| f.cloexec).map(|(fd, _)| *fd).collect();
         for fd in closed {
             self.close_fd(pid, fd, ts);
@@ -84,6 +84,9 @@ impl Model {
         p.exited = Some(ts);
         if code.is_some() {
             p.exit_code = code;
+        }
+        if code == Some(0) {
+            self.exits_since_forgetting = self.exits_since_forgetting.saturating_add(1);
         }
     }
 

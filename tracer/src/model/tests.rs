@@ -1073,3 +1073,57 @@ fn a_handle_made_anew_takes_nothing_from_what_it_replaces() {
     assert_eq!(live_state(&rebuilt), live_state(&whole));
     assert_eq!(whole.allocations.iter().find(|a| a.object == 0xb).unwrap().gpu, None, "its parent went when the handle was made anew");
 }
+/// Past the processes it keeps at once, the model forgets the spent ones (exited 0, never
+/// allocated, nobody's parent) and the files they alone opened; a server with memory, its
+/// launcher and the forks it runs through stay. Where none can be forgotten, a new process's
+/// records are counted, not followed.
+#[test]
+fn past_its_bound_the_model_forgets_spent_processes_and_counts_the_rest() {
+    let rec = |ts: u64, pid: u32, event| Record::new(ts, pid, pid, event);
+    let mut m = Model::with_process_limit(64);
+    // A launcher (it exits 0 once it started the server, which it parented) and its server.
+    m.apply(&rec(1, 10, Event::Process { ppid: 1, seen: Seen::Launched, command: vec!["launch.sh".into()] }));
+    m.apply(&rec(2, 11, Event::Process { ppid: 10, seen: Seen::Forked, command: vec!["server".into()] }));
+    m.apply(&rec(3, 11, Event::Open { fd: 3, file: 1, device: Device::Ctl, cloexec: false }));
+    m.apply(&rec(4, 11, Event::Alloc(Alloc::video(1, 1, 0xa, 1 << 30))));
+    m.apply(&rec(5, 10, Event::Exit { code: Some(0) }));
+    // A thousand helpers, each opening nvidiactl, exiting 0; one fails (exit 1: kept).
+    for i in 0..1000u32 {
+        let (pid, ts) = (1000 + i, 10 + 3 * u64::from(i));
+        m.apply(&rec(ts, pid, Event::Process { ppid: 1, seen: Seen::Launched, command: vec!["nvidia-smi".into()] }));
+        m.apply(&rec(ts + 1, pid, Event::Open { fd: 3, file: 100 + u64::from(i), device: Device::Ctl, cloexec: false }));
+        m.apply(&rec(ts + 2, pid, Event::Exit { code: Some(if i == 500 { 1 } else { 0 }) }));
+    }
+    assert!(m.processes.len() <= 64, "{}", m.processes.len());
+    assert_eq!(m.records_not_kept, 0);
+    assert!(m.processes_forgotten >= 900, "{}", m.processes_forgotten);
+    assert!(
+        m.processes.contains_key(&10) && m.processes.contains_key(&11) && m.processes.contains_key(&1500),
+        "kept: the parent, the server, the failed"
+    );
+    assert!(m.files.len() < 100 && m.files.contains_key(&1), "{} files", m.files.len());
+    assert_eq!(m.check_books(), Ok(()));
+    // Alive at once past the bound: counted, and nothing of theirs followed.
+    for i in 0..100u32 {
+        m.apply(&rec(10_000, 5000 + i, Event::Process { ppid: 1, seen: Seen::Launched, command: vec!["sleep".into()] }));
+    }
+    m.apply(&rec(10_001, 5099, Event::Alloc(Alloc::video(9, 9, 0xb, 1 << 30))));
+    assert!(m.processes.len() <= 64 && !m.processes.contains_key(&5099));
+    assert!(m.records_not_kept >= 37, "{}", m.records_not_kept);
+    assert_eq!(m.live(Memory::Video), 1 << 30, "the refused process's allocation is not in the books");
+}
+
+/// A crafted trace's command lines and places are cut at what the recorder reads of them.
+#[test]
+fn command_lines_and_places_are_cut_at_what_the_recorder_reads() {
+    let long = "é".repeat(100_000);
+    let mut m = Model::new();
+    m.apply(&Record::new(1, 7, 7, Event::Process { ppid: 1, seen: Seen::Launched, command: vec![long.clone(), long.clone()] }));
+    let place = crate::event::Place { cgroup: long.clone(), container: Some(long.clone()), ..Default::default() };
+    m.apply(&Record::new(2, 7, 7, Event::Place(place)));
+    let p = &m.processes[&7];
+    let bytes: usize = p.command.iter().map(String::len).sum();
+    assert!(bytes <= crate::procfs::command::MAX_COMMAND as usize && p.command.len() == 1, "{bytes} bytes in {} args", p.command.len());
+    let place = p.place.as_ref().unwrap();
+    assert!(place.cgroup.len() <= 4096 && place.container.as_ref().unwrap().len() <= 4096 && place.cgroup.starts_with('é'));
+}

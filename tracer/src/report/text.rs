@@ -53,12 +53,54 @@ fn partial(report: &Report, out: &mut String) {
         };
         let _ = writeln!(out, "PARTIAL: the trace ends at {ends:.2} s and {how}: what is not in it is not judged{so}.");
     }
+    loaded_before(report, out);
+    if l.records_of_processes_not_kept > 0 {
+        let _ = writeln!(
+            out,
+            "PARTIAL: the trace has more than {} processes at once that cannot be forgotten: {} records of processes past them were not followed, and what they did is not judged{so}.",
+            crate::model::MAX_PROCESSES,
+            l.records_of_processes_not_kept
+        );
+    }
     if l.lost_records > 0 {
         let _ = writeln!(
             out,
             "PARTIAL: {} records were lost in the kernel (its ring buffer was full): what else held memory then is not known{so}.",
             l.lost_records
         );
+    }
+}
+
+/// Services that had loaded before the trace began, the first few of them: what the trace
+/// holds of them.
+fn loaded_before(report: &Report, out: &mut String) {
+    const SAID: usize = 4;
+    for b in report.loaded_before.iter().take(SAID) {
+        let nvml = b.nvml_bytes.map(|n| format!("NVML counted {} for it when tracing began", bytes(n)));
+        let text = if b.snapshot_allocations > 0 {
+            let nvml = nvml.map(|n| format!("; besides, {n}")).unwrap_or_default();
+            format!(
+                "`{}` (pid {}) had loaded before this window began: the snapshot at its start holds its {} allocation(s) of {} from before{nvml}; the requests it served before the window are not in it",
+                b.service,
+                b.pid,
+                b.snapshot_allocations,
+                bytes(b.snapshot_bytes)
+            )
+        } else {
+            let held = nvml.map_or_else(
+                || "how much it held then is unknown (NVML said nothing of it)".to_string(),
+                |n| format!("{n}, judged as held from before tracing, not allocation by allocation"),
+            );
+            format!(
+                "`{}` (pid {}) was running when tracing began: its load and the requests it served before are not in the trace; {held}",
+                b.service, b.pid
+            )
+        };
+        let _ = writeln!(out, "PARTIAL: {text}.");
+    }
+    let more = report.loaded_before.len().saturating_sub(SAID);
+    if more > 0 {
+        let _ = writeln!(out, "PARTIAL: and {more} more services had loaded before the trace began.");
     }
 }
 
@@ -233,6 +275,14 @@ fn loss(report: &Report, out: &mut String) {
     if let Some(why) = &l.write_error {
         let _ = writeln!(out, "TRACE CUT SHORT: {why}; the report above still covers the whole run, the trace file only up to the error.");
     }
+    if l.processes_forgotten > 0 {
+        let _ = writeln!(
+            out,
+            "{} exited processes that never allocated were forgotten as the trace went (more than {} at once): nothing judged was theirs.",
+            l.processes_forgotten,
+            crate::model::MAX_PROCESSES
+        );
+    }
     if l.is_lossless() {
         let _ = writeln!(out, "Lost events: 0.");
     } else {
@@ -247,6 +297,7 @@ fn loss(report: &Report, out: &mut String) {
                 l.own_file_table,
                 "fd events in threads with a file table of their own not followed (unshare(CLONE_FILES), close_range(CLOSE_RANGE_UNSHARE): their fd numbers are not their process's)",
             ),
+            (l.records_of_processes_not_kept, "records of processes past the bound on processes kept at once not followed"),
             (
                 l.foreign_client_calls,
                 "calls RM refuses ignored (on another file's client, or taking another process's memory it did not share: params or a fd changed by another thread while the call ran, records lost before, or an edited trace)",
