@@ -9,9 +9,12 @@
 //!    load in flight was no larger than loads it served, and what it kept covers the shortfall;
 //! 4. long-request: one request in flight, or one far larger than the others, larger by a
 //!    quarter than every one served before it (or none was seen served);
-//! 5. concurrent-load: several in flight, each of which alone fits.
+//! 5. concurrent-load: several in flight, one of which alone fits and not all together.
 //!
-//! Besides: host-oom (the kernel's OOM killer), none, and inconclusive (evidence missing or lost).
+//! Each category holds only where its preconditions hold on the figures its verdict prints
+//! (`preconditions`, which the tests check every verdict with); otherwise the verdict is
+//! inconclusive and names the one that failed. Besides: host-oom (the kernel's OOM killer),
+//! none, and inconclusive (evidence missing or lost).
 //! The evidence is typed ([`Evidence`]); each category's fix is its own function, which asks the
 //! server's family ([`ServerFamily`]) what its settings are called.
 
@@ -28,6 +31,9 @@ use super::{Category, Phase, Symptom};
 use crate::abi::status;
 use crate::event::Memory;
 use crate::model::Request;
+use preconditions::Unmet;
+
+pub mod preconditions;
 
 /// One failure judged: its category, where and when, what was seen and what to change.
 #[derive(Clone, Debug, PartialEq)]
@@ -81,16 +87,11 @@ pub enum Undecided {
     RecordsLost(u64),
     /// A start-up exit with nothing the driver saw pointing at memory.
     NotMemory,
-    /// Loading failed with room free by the trace's account: memory it cannot see was in use.
-    RoomUnseen,
     /// No request was in flight.
     NoRequestInFlight,
-    /// One request failed alone, no larger than one served before it, and the service keeps no
-    /// memory request after request: neither a long request nor memory it keeps explains it.
-    NoLargerThanServed { failed_request_bytes: u64, largest_served_request_bytes: u64 },
-    /// A request larger than those served failed alone, but the room left takes less than the
-    /// largest served: the room shrank since, and a context cap would refuse what was served.
-    RoomShrank { largest_served_request_bytes: u64, largest_fitting_request_bytes: u64 },
+    /// The category the failure's shape points at (its phase, the requests in flight) has a
+    /// precondition its figures do not meet.
+    Unmet { category: Category, unmet: Unmet },
 }
 
 /// held-by-other-process: stop the biggest holder outside the service.
@@ -496,18 +497,11 @@ fn diagnose_one(accounts: &Accounts, lost: u64, f: &Failure) -> Diagnosis {
         (Category::ConcurrentLoad, _) => fix_concurrent(accounts, &case),
         _ => Fix::MoreHostMemory { killed_pid: f.pid, reserve: case.family.reserve().map(|(name, _)| name) },
     };
-    // A context to set admits the largest request served: where the room now takes less, it
-    // shrank since (something else grew), and a lower context is no fix.
-    if let Fix::ShorterContext(ShorterContext {
-        largest_served_request_bytes: Some(served),
-        largest_fitting_request_bytes: Some(fits),
-        ..
-    }) = fix
-    {
-        if fits < served {
-            let why = Undecided::RoomShrank { largest_served_request_bytes: served, largest_fitting_request_bytes: fits };
-            return Diagnosis { finding: Finding::Undecided { lost_records: lost, why, evidence: Some(case.evidence) }, ..judged };
-        }
+    // The fix against its own figures: a context that would refuse what was served, a cap on a
+    // load that all fitted, a holder that holds nothing are no fix.
+    if let Err(unmet) = preconditions::fix_holds(&case.evidence, &fix) {
+        let why = Undecided::Unmet { category, unmet };
+        return Diagnosis { finding: Finding::Undecided { lost_records: lost, why, evidence: Some(case.evidence) }, ..judged };
     }
     Diagnosis { category, gpu: case.evidence.gpu, finding: Finding::Judged { evidence: case.evidence, fix }, ..judged }
 }
@@ -515,7 +509,8 @@ fn diagnose_one(accounts: &Accounts, lost: u64, f: &Failure) -> Diagnosis {
 /// The category, in the order the module's doc gives; why none can be told, otherwise.
 fn category(case: &Failing, lost: u64) -> Result<Category, Undecided> {
     let n = case.in_flight.len();
-    let phase = case.evidence.phase;
+    let (phase, asked, free) = (case.evidence.phase, case.failure.bytes, case.evidence.free_bytes);
+    let unmet = |category, unmet| Undecided::Unmet { category, unmet };
     Ok(if case.failure.symptom == Symptom::OomKill {
         Category::HostOom
     } else if lost > 0 {
@@ -524,20 +519,16 @@ fn category(case: &Failing, lost: u64) -> Result<Category, Undecided> {
         Category::HeldByOtherProcess
     } else if case.failure.symptom != Symptom::FailedAllocation && phase == Phase::Load && !memory_was_short(&case.evidence) {
         return Err(Undecided::NotMemory);
-    } else if phase == Phase::Load && room_unseen(case) {
-        return Err(Undecided::RoomUnseen);
     } else if phase == Phase::Load {
+        let fails = asked.filter(|_| case.failure.symptom == Symptom::FailedAllocation).map(|b| preconditions::load_exceeds(b, free));
+        fails.unwrap_or(Ok(())).map_err(|u| unmet(Category::DoesNotFitAtLoad, u))?;
         Category::DoesNotFitAtLoad
     } else if kept_explains(case) {
         Category::KeptByService
     } else if let Some(culprit) = one_much_larger(&case.in_flight).or_else(|| case.in_flight.first().copied().filter(|_| n == 1)) {
         // A long request is longer than those served: one no larger failed for another reason.
-        match case.largest_served.filter(|&served| culprit.bytes_in.saturating_mul(4) <= served.saturating_mul(5)) {
-            Some(served) => {
-                return Err(Undecided::NoLargerThanServed { failed_request_bytes: culprit.bytes_in, largest_served_request_bytes: served })
-            }
-            None => Category::LongRequest,
-        }
+        preconditions::larger_than_served(culprit.bytes_in, case.largest_served).map_err(|u| unmet(Category::LongRequest, u))?;
+        Category::LongRequest
     } else if n > 1 {
         Category::ConcurrentLoad
     } else {
@@ -557,12 +548,11 @@ fn held_by_other(case: &Failing) -> bool {
     if outside == 0 {
         return false;
     }
-    match (case.failure.symptom, case.failure.bytes, free) {
+    match (case.failure.symptom, case.failure.bytes) {
         // Freeing what is held outside would have made room.
-        (Symptom::FailedAllocation, Some(b), Some(free)) => free < b && free.saturating_add(outside) >= b,
-        (Symptom::FailedAllocation, Some(b), None) => outside >= b,
+        (Symptom::FailedAllocation, Some(b)) => preconditions::outside_covers(b, free, outside).is_ok(),
         // A refusal at start: what others held exceeds what the engine leaves unused.
-        (Symptom::StartupRefusal, _, _) => {
+        (Symptom::StartupRefusal, _) => {
             let reserve = reserve_of(case);
             case.evidence.capacity_bytes.is_none_or(|c| outside as f64 >= c as f64 * (1.0 - reserve))
         }
@@ -686,14 +676,6 @@ fn memory_was_short(e: &Evidence) -> bool {
     }
 }
 
-/// Whether a failed allocation asked for no more than the trace's account says was free: then
-/// it did not fail for want of room the service could see (something unseen held it), and
-/// "does not fit" would be a guess.
-fn room_unseen(case: &Failing) -> bool {
-    let e = &case.evidence;
-    case.failure.symptom == Symptom::FailedAllocation && e.free_bytes.zip(case.failure.bytes).is_some_and(|(free, asked)| asked <= free)
-}
-
 /// The fraction the engine reserves: its flag's value, or its default.
 fn reserve_of(case: &Failing) -> f64 {
     match case.family.reserve() {
@@ -724,14 +706,8 @@ fn failing_load(case: &Failing) -> u64 {
 /// allocation lacked.
 fn kept_explains(case: &Failing) -> bool {
     let Some(kept) = &case.kept else { return false };
-    let largest = kept.largest_load_bytes;
-    let no_larger = failing_load(case) <= largest.saturating_add(largest / 8);
-    let covers = match (case.failure.symptom, case.failure.bytes, case.evidence.free_bytes) {
-        (Symptom::FailedAllocation, Some(b), Some(free)) => free < b && free.saturating_add(kept.kept_bytes) >= b,
-        (Symptom::FailedAllocation, Some(b), None) => kept.kept_bytes >= b,
-        _ => false,
-    };
-    no_larger && covers
+    let asked = case.failure.bytes.filter(|_| case.failure.symptom == Symptom::FailedAllocation);
+    preconditions::kept_covers(failing_load(case), kept.largest_load_bytes, asked, case.evidence.free_bytes, kept.kept_bytes).is_ok()
 }
 
 /// What it kept, moved into the evidence; a restart's gain and what a fresh start serves.

@@ -80,9 +80,13 @@ impl Trace {
         self
     }
     fn diagnose(&mut self, capacity: u64, prior: &[(u32, u64)], lost: u64) -> Vec<Verdict> {
+        verdicts(&self.diagnoses(capacity, prior, lost))
+    }
+    /// The same, typed: what the preconditions are checked on.
+    fn diagnoses(&mut self, capacity: u64, prior: &[(u32, u64)], lost: u64) -> Vec<diagnosis::Diagnosis> {
         self.0.sort_by_key(|r| r.ts);
         let model = Model::from_records(&self.0);
-        diagnosed(&header(capacity, prior), &model, lost)
+        diagnose(&Accounts::new(&header(capacity, prior), &model), lost).list
     }
 }
 
@@ -188,15 +192,22 @@ fn a_long_request_among_small_ones_is_still_a_long_request() {
     assert_eq!(t.diagnose(80 * GIB, &[], 0)[0].category, Category::LongRequest);
 }
 
-#[test]
-fn several_alike_in_flight_is_concurrent_load() {
-    let mut t = Trace::vllm(60 * GIB);
+/// vLLM with `weights` loaded serves one request of 8,000 bytes, then `n` alike arrive together
+/// and an allocation of `failed` fails.
+fn burst(weights: u64, n: u64, failed: u64) -> Trace {
+    let mut t = Trace::vllm(weights);
     t.request(6, 150 * MS, 8_000, Some(180 * MS));
     t.at(190 * MS, API, Event::ConnClose { conn: 6 });
-    for conn in 7..15 {
+    for conn in 7..7 + n {
         t.request(conn, 200 * MS, 8_000, None);
     }
-    t.alloc(210 * MS, ENGINE, 24 * GIB, 0x51);
+    t.alloc(210 * MS, ENGINE, failed, 0x51);
+    t
+}
+
+#[test]
+fn several_alike_in_flight_is_concurrent_load() {
+    let mut t = burst(60 * GIB, 8, 24 * GIB);
     let d = &t.diagnose(80 * GIB, &[], 0)[0];
     assert_eq!(d.category, Category::ConcurrentLoad);
     assert_eq!(d.evidence.fields["requests_in_flight"], 8);
@@ -210,6 +221,28 @@ fn several_alike_in_flight_is_concurrent_load() {
     assert_eq!(d.category, Category::ConcurrentLoad);
     assert_eq!(d.fix.fields["cap_estimated"], true);
     assert!(d.fix.text.contains("This cap is an estimate"), "{}", d.fix.text);
+}
+
+/// Several in flight, but the allocation that failed asked less than was free by the trace's
+/// account: by the batch's own cost every request fitted, so a cap below them would contradict
+/// the figures it prints. Inconclusive, saying which precondition failed and on what.
+#[test]
+fn a_concurrent_load_that_all_fitted_by_its_own_figures_is_inconclusive() {
+    let mut t = burst(16 * GIB, 4, 4 * GIB);
+    let d = &t.diagnose(80 * GIB, &[], 0)[0];
+    assert_eq!(d.category, Category::Inconclusive, "{}", d.evidence.text);
+    assert!(
+        d.evidence.text.contains("concurrent-load needs more in flight than fit together") && d.evidence.text.contains("all 4 fit"),
+        "{}",
+        d.evidence.text
+    );
+    assert!(!d.fix.text.contains("--max-num-seqs") && !d.fix.text.contains("Record again"), "{}", d.fix.text);
+    let typed = &t.diagnoses(80 * GIB, &[], 0)[0];
+    let diagnosis::Finding::Undecided { why: diagnosis::Undecided::Unmet { category, unmet }, .. } = &typed.finding else {
+        panic!("{typed:?}")
+    };
+    assert_eq!(*category, Category::ConcurrentLoad);
+    assert!(matches!(unmet, diagnosis::preconditions::Unmet::AllFit { in_flight: 4, .. }), "{unmet:?}");
 }
 
 #[test]
@@ -799,14 +832,8 @@ fn a_litellm_limit_past_what_fits_is_named_where_the_server_sets_none_that_fits(
 
 #[test]
 fn a_concurrent_load_fix_names_the_litellm_deployment_in_front() {
-    let mut t = Trace::vllm(60 * GIB);
-    t.request(6, 150 * MS, 8_000, Some(180 * MS));
-    t.at(190 * MS, API, Event::ConnClose { conn: 6 });
-    for conn in 7..15 {
-        t.request(conn, 200 * MS, 8_000, None);
-    }
+    let mut t = burst(60 * GIB, 8, 24 * GIB);
     litellm(&mut t, 8000, Some(64));
-    t.alloc(210 * MS, ENGINE, 24 * GIB, 0x51);
     let d = &t.diagnose(80 * GIB, &[], 0)[0];
     assert_eq!(d.category, Category::ConcurrentLoad);
     let cap = d.fix.fields["max_concurrency"].as_u64().unwrap();
@@ -833,9 +860,15 @@ fn a_concurrent_load_fix_names_the_litellm_deployment_in_front() {
     // Two services listening on the port: no deployment is tied to either.
     t.at(1, 700, Event::Process { ppid: 1, seen: Seen::Running, command: vec!["other".into()] });
     t.at(2, 700, Event::Attached { listening: vec![8000], gpus: vec![] });
-    t.alloc(3, 700, GIB, 0);
+    // Its own RM client: a client handle is the host's, never two processes'.
+    t.alloc_in(3, 700, 2, GIB, 0);
     let d = &t.diagnose(80 * GIB, &[], 0)[0];
-    assert!(d.fix.text.contains("LiteLLM max_parallel_requests:") && d.fix.fields.get("litellm_deployments").is_none(), "{}", d.fix.text);
+    assert!(
+        d.fix.text.contains("LiteLLM max_parallel_requests:") && d.fix.fields.get("litellm_deployments").is_none(),
+        "{} {}",
+        d.evidence.text,
+        d.fix.text
+    );
 }
 
 /// One request's context and one batch's tokens against the prompt that fits in the room: 20 GiB

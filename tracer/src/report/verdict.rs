@@ -7,6 +7,7 @@ use serde_json::{json, Value};
 
 use super::headroom::{front_name, past_any_share};
 use crate::analysis::cost::BYTES_PER_TOKEN;
+use crate::analysis::diagnosis::preconditions::Unmet;
 use crate::analysis::diagnosis::{
     BoundKept, CapConcurrency, Diagnosis, Evidence, Finding, Fix, KeptEvidence, Reserve, ShorterContext, SmallerLoad, StopHolder, Undecided,
 };
@@ -171,25 +172,16 @@ fn decides(why: &Undecided) -> &'static str {
             "Record the server from its start (`gputrace record -- CMD`, or `--pid` of the server itself) to tell which of its requests or processes it was."
         }
         Undecided::NotMemory => "Read the server's own log for why it exited: nothing in the trace points at GPU memory.",
-        Undecided::RoomUnseen => {
-            "Run `gputrace doctor` (as root) to see who holds the GPU, and record with NVML available so that memory from before tracing is counted."
-        }
         Undecided::NoRequestInFlight => {
             "Read the server's own log for what it was doing: no request was in flight, so neither a context nor a concurrency cap is the fix."
         }
-        Undecided::RoomShrank { .. } => {
-            "Find what took the room since the larger requests were served (`gputrace doctor`, the report's holders and the server's memory at rest) before capping the context: a cap would refuse what it served."
-        }
-        Undecided::NoLargerThanServed { .. } => {
-            "Watch the server's memory at rest over its next requests (`gputrace watch`: gputrace_kept_bytes_per_request) and read its log (a fragmenting allocator, memory the trace cannot see): a lower context would refuse requests it served."
-        }
+        Undecided::Unmet { unmet, .. } => unmet_decides(unmet),
     }
 }
 
 /// Why no category could be told.
 fn undecided(why: &Undecided, e: Option<&Evidence>) -> String {
-    let (service, free, capacity, outside) =
-        e.map_or((0, None, None, 0), |e| (e.service_bytes, e.free_bytes, e.capacity_bytes, e.held_outside_bytes));
+    let (service, free) = e.map_or((0, None), |e| (e.service_bytes, e.free_bytes));
     match why {
         Undecided::NoService => "the failing process belongs to no traced service".into(),
         Undecided::RecordsLost(lost) => format!("{lost} kernel records were lost, so what else held memory is not known"),
@@ -200,23 +192,84 @@ fn undecided(why: &Undecided, e: Option<&Evidence>) -> String {
                 bytes(service)
             )
         }
-        Undecided::RoomUnseen => format!(
-            "loading failed with {} free by the trace's account (the card's {} less {} held by this service and {} outside it): memory the trace cannot see was in use; `gputrace doctor` shows who holds the GPU",
-            bytes(free.unwrap_or(0)),
+        Undecided::NoRequestInFlight => "no request was in flight, so neither one request nor concurrency explains it".into(),
+        Undecided::Unmet { category, unmet } => unmet_words(*category, unmet, e),
+    }
+}
+
+/// What would decide it, for each precondition a category's figures did not meet.
+fn unmet_decides(unmet: &Unmet) -> &'static str {
+    match unmet {
+        Unmet::LoadFitted { .. } | Unmet::OutsideShort { .. } | Unmet::HolderHoldsNothing { .. } | Unmet::Served => {
+            "Run `gputrace doctor` (as root) to see who holds the GPU, and record with NVML available so that memory from before tracing is counted."
+        }
+        Unmet::RoomShrank { .. } => {
+            "Find what took the room since the larger requests were served (`gputrace doctor`, the report's holders and the server's memory at rest) before capping the context: a cap would refuse what it served."
+        }
+        Unmet::NoLargerThanServed { .. } | Unmet::LargerThanServed { .. } | Unmet::KeptShort { .. } => {
+            "Watch the server's memory at rest over its next requests (`gputrace watch`: gputrace_kept_bytes_per_request) and read its log (a fragmenting allocator, memory the trace cannot see): a lower context would refuse requests it served."
+        }
+        Unmet::NoneFitsAlone { .. } | Unmet::AllFit { .. } | Unmet::NotConcurrent { .. } => {
+            "Run `gputrace doctor` (as root) for memory the trace cannot see, and record the server from its start so that what one request costs is measured: neither a context nor a concurrency cap follows from these figures."
+        }
+    }
+}
+
+/// Which precondition of the category the failure's shape points at failed, on its figures.
+fn unmet_words(category: Category, unmet: &Unmet, e: Option<&Evidence>) -> String {
+    let (service, free, capacity, outside) =
+        e.map_or((0, None, None, 0), |e| (e.service_bytes, e.free_bytes, e.capacity_bytes, e.held_outside_bytes));
+    let maybe = |b: Option<u64>| b.map_or_else(|| "an unknown amount".to_string(), bytes);
+    let name = category.name();
+    match unmet {
+        Unmet::LoadFitted { asked_bytes, free_bytes } => format!(
+            "loading failed with {} free by the trace's account (the card's {} less {} held by this service and {} outside it), and it asked {}: memory the trace cannot see was in use; `gputrace doctor` shows who holds the GPU",
+            bytes(*free_bytes),
             bytes(capacity.unwrap_or(0)),
             bytes(service),
-            bytes(outside)
+            bytes(outside),
+            bytes(*asked_bytes)
         ),
-        Undecided::NoRequestInFlight => "no request was in flight, so neither one request nor concurrency explains it".into(),
-        Undecided::RoomShrank { largest_served_request_bytes, largest_fitting_request_bytes } => format!(
+        Unmet::Served => format!("{name} needs a failure before the service served, and it had served"),
+        Unmet::OutsideShort { outside_bytes, free_bytes, asked_bytes } => format!(
+            "{name} needs what others hold to cover what the allocation lacked: {} held outside, {} free, {} asked",
+            bytes(*outside_bytes),
+            maybe(*free_bytes),
+            bytes(*asked_bytes)
+        ),
+        Unmet::HolderHoldsNothing { pid } => format!("{name} needs a holder that holds memory at the failure, and pid {pid} held none"),
+        Unmet::LargerThanServed { failing_load_bytes, largest_served_load_bytes } => format!(
+            "{name} needs a load no larger than those served, and the load in flight had received {}, over the {} served",
+            bytes(*failing_load_bytes),
+            bytes(*largest_served_load_bytes)
+        ),
+        Unmet::KeptShort { kept_bytes, free_bytes, asked_bytes } => format!(
+            "{name} needs what the service kept to cover what the allocation lacked: {} kept, {} free, {} asked",
+            bytes(*kept_bytes),
+            maybe(*free_bytes),
+            maybe(*asked_bytes)
+        ),
+        Unmet::NoLargerThanServed { failed_request_bytes, largest_served_request_bytes } => format!(
+            "one request of {} failed alone, no larger than the {} served before it, and the service's memory at rest did not grow request after request: neither a long request nor memory it keeps explains it",
+            bytes(*failed_request_bytes),
+            bytes(*largest_served_request_bytes)
+        ),
+        Unmet::RoomShrank { largest_served_request_bytes, largest_fitting_request_bytes } => format!(
             "a request larger than those served failed alone, but the room left now takes one of {} at most, less than the {} served before: the room shrank since, so neither a long request nor a context cap explains it",
             bytes(*largest_fitting_request_bytes),
             bytes(*largest_served_request_bytes)
         ),
-        Undecided::NoLargerThanServed { failed_request_bytes, largest_served_request_bytes } => format!(
-            "one request of {} failed alone, no larger than the {} served before it, and the service's memory at rest did not grow request after request: neither a long request nor memory it keeps explains it",
-            bytes(*failed_request_bytes),
-            bytes(*largest_served_request_bytes)
+        Unmet::NoneFitsAlone { bytes_per_request, room_bytes } => format!(
+            "{name} needs one request to fit alone, and by what a request costs ({}) not one fits in the room for requests ({}, {} free): memory the trace cannot see, or a cost mismeasured",
+            maybe(*bytes_per_request),
+            maybe(*room_bytes),
+            maybe(free)
+        ),
+        Unmet::NotConcurrent { in_flight } => format!("{name} needs several requests in flight, and {in_flight} was"),
+        Unmet::AllFit { in_flight, bytes_per_request, room_bytes } => format!(
+            "{name} needs more in flight than fit together, and by what a request costs ({}) all {in_flight} fit in the room for requests ({}): the failure is not the concurrency's",
+            bytes(*bytes_per_request),
+            bytes(*room_bytes)
         ),
     }
 }

@@ -1,6 +1,7 @@
 //! kept-by-service: memory a service keeps request after request, told apart from a pool that
 //! grows to the largest load and stays, and from a warm-up that stops.
 
+use super::super::diagnosis::preconditions;
 use super::super::kept::measure;
 use super::*;
 
@@ -341,6 +342,11 @@ proptest::proptest! {
         }
         t.alloc(ts + 10 * MS, ENGINE, asked_mib * MIB, 0x51);
         let largest_served = sizes.iter().map(|&s| SIZES[s]).max().unwrap_or(0);
+        // The preconditions the diagnosis checks, on each verdict's printed figures; and below,
+        // the same said again in the test's own words.
+        for d in t.diagnoses(held + free_mib * MIB, &[], 0) {
+            proptest::prop_assert_eq!(preconditions::check(&d), Ok(()), "{:?}", d);
+        }
         for d in t.diagnose(held + free_mib * MIB, &[], 0) {
             let (e, f) = (&d.evidence.fields, &d.fix.fields);
             match d.category {
@@ -366,6 +372,9 @@ proptest::proptest! {
                 Category::ConcurrentLoad => {
                     let (cap, n) = (f["max_concurrency"].as_u64().unwrap(), f["in_flight"].as_u64().unwrap());
                     proptest::prop_assert!(cap >= 1 && cap < n, "cap {cap} of {n} in flight: {}", d.fix.text);
+                    // One fits alone, and not all of them together.
+                    let (per, room) = (f["bytes_per_request"].as_u64().unwrap(), f["room_bytes"].as_u64().unwrap());
+                    proptest::prop_assert!(per <= room && room / per < n, "{per} a request in {room} of room, {n} in flight: {}", d.fix.text);
                 }
                 _ => {}
             }
