@@ -192,3 +192,53 @@ fn a_launchers_server_has_its_own_limits_checked() {
     assert_eq!((limit["setting"].as_str(), limit["value"].as_u64()), (Some("--max-num-seqs"), Some(256)), "{h:#}");
     assert!(limit["fits"].as_u64().unwrap() < 256, "{h:#}");
 }
+
+/// SECURITY.md's share: one user's 40 LiteLLM proxies (uid 60001, started first: the lowest pids)
+/// do not hide root's from a whole-host recording (`--all`). Before the shares, the scan stopped
+/// at 32 in pid order and root's server lost its limit check; now root's is read, and its
+/// `max_parallel_requests` past what fits is named with its pid.
+#[test]
+#[ignore = "needs root: `sudo cargo xtask test` runs it"]
+fn one_users_proxies_do_not_hide_roots() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    let _root = as_root();
+    let scratch = std::env::temp_dir().join(format!("gputrace-proxy-share-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch).unwrap();
+    std::fs::set_permissions(&scratch, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let config = scratch.join("crowd.yaml");
+    let yaml = "model_list:\n  - model_name: crowd\n    litellm_params:\n      model: hosted_vllm/x\n      api_base: http://localhost:9/v1\n      max_parallel_requests: 1\n";
+    std::fs::write(&config, yaml).unwrap();
+    std::fs::set_permissions(&config, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let crowd: Vec<std::process::Child> = (0..40u16)
+        .map(|i| {
+            std::process::Command::new(env!("CARGO_BIN_EXE_litellm"))
+                .arg("--config")
+                .arg(&config)
+                .args(["--port", &(21_000 + i).to_string()])
+                .uid(60001)
+                .gid(60001)
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let env = [("GPUTRACE_LOAD", format!("--sequential {WARMUP}")), ("GPUTRACE_LITELLM", "256".into()), ("GPUTRACE_ATTACH", "all".into())];
+    let dir = scenario("probe", "vllm", &env.iter().map(|(k, v)| (*k, v.as_str())).collect::<Vec<_>>());
+    let running = crowd.iter().filter(|c| std::path::Path::new(&format!("/proc/{}", c.id())).exists()).count();
+    for mut c in crowd {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    std::fs::remove_dir_all(&scratch).ok();
+    assert_eq!(running, 40, "the crowd ran through the recording");
+    let (base, proxy) = (summary(&dir), std::fs::read_to_string(dir.join("litellm.pid")).unwrap());
+    let h = &base["headroom"][0];
+    let limit = h["limits_exceeded"].as_array().into_iter().flatten().find(|l| l["setting"] == "LiteLLM max_parallel_requests");
+    let limit = limit.unwrap_or_else(|| panic!("root's proxy read and its limit checked: {h:#}"));
+    assert_eq!(limit["value"].as_u64(), Some(256), "{h:#}");
+    assert_eq!(limit["proxies"][0]["pid"].as_u64().unwrap().to_string(), proxy.trim(), "{h:#}");
+    assert_eq!(limit["proxies"][0]["uid"].as_u64(), Some(0), "{h:#}");
+}
