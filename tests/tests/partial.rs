@@ -46,7 +46,7 @@ fn a_cut_trace_says_so_before_its_verdict_and_exits_3() {
     let (whole, failure_at) = trace();
     let (code, text) = report(&whole, "whole");
     assert_eq!(code, Some(0), "{text}");
-    assert!(text.starts_with("VERDICT: ") && !text.contains("PARTIAL"), "{text}");
+    assert!(text.starts_with("OOM ") && !text.contains("PARTIAL"), "{text}");
     // Cut mid-line before the failure, at several points: none failed in the part recorded.
     for cut in [failure_at / 2, failure_at - 10, failure_at + 5] {
         let (code, text) = report(&whole[..cut], &format!("cut{cut}"));
@@ -54,13 +54,13 @@ fn a_cut_trace_says_so_before_its_verdict_and_exits_3() {
         let first = text.lines().next().unwrap_or_default();
         assert!(first.starts_with("PARTIAL: the trace ends at ") && first.contains("cut mid-line"), "cut at {cut}: {text}");
         assert!(first.contains("nothing failed in the part recorded"), "cut at {cut}: {text}");
-        assert!(text.lines().nth(1).is_some_and(|l| l.starts_with("VERDICT: none")), "cut at {cut}: {text}");
+        assert!(text.lines().nth(1).is_some_and(|l| l == "OK: nothing failed"), "cut at {cut}: {text}");
     }
     // Cut after the failure, in the last line: the verdict stands, said partial first.
     let (code, text) = report(&whole[..whole.len() - 3], "after");
     assert_eq!(code, Some(3), "{text}");
     assert!(text.starts_with("PARTIAL: ") && !text.lines().next().unwrap().contains("nothing failed"), "{text}");
-    assert!(text.lines().nth(1).is_some_and(|l| l.starts_with("VERDICT: ") && !l.starts_with("VERDICT: none")), "{text}");
+    assert!(text.lines().nth(1).is_some_and(|l| l.starts_with("OOM ")), "{text}");
 }
 
 /// `report` of a trace of `n` processes, each forked, opening nvidiactl and (with `exit`)

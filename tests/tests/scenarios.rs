@@ -14,7 +14,7 @@ use gputrace::model::Model;
 use gputrace::trace::{Header, Reader};
 use serde_json::Value;
 
-use common::{as_root, gputrace_bin};
+use common::{as_root, gputrace_bin, is_wall_clock};
 
 struct Outcome {
     /// How NVML answered the recorder: discrete, unified or none.
@@ -380,9 +380,51 @@ fn kept_right(o: &Outcome, d: &Value, what: &str) {
     assert_eq!(d["fix"]["fields"]["requests_from_fresh_start"].as_u64(), Some(truth.len() as u64), "{what}: {fix}");
 }
 
+/// The verdict read at a glance: a headline of at most 72 characters naming the category, the
+/// location with wall-clock time, one `help:` per setting with its value now, and the `check:`
+/// run (whatif agrees the fix fits); then the block against its snapshot
+/// (tests/snapshots/SERVER-NAME-NVML.block; `GPUTRACE_BLESS=1` writes them).
+fn block_reads_at_a_glance(o: &Outcome, name: &str, server: &str, what: &str) {
+    let b = &o.summary["block"];
+    let strings = |v: &Value| v.as_array().map_or(vec![], |a| a.iter().filter_map(|s| s.as_str().map(String::from)).collect::<Vec<_>>());
+    let (headline, help) = (b["headline"].as_str().unwrap_or_default(), strings(&b["help"]));
+    let category = o.summary["diagnosis"]["category"].as_str().unwrap_or_default();
+    assert!(headline.chars().count() <= 72, "{what}: {headline}");
+    if category == "none" {
+        assert_eq!(headline, "OK: nothing failed", "{what}");
+    } else {
+        assert!(headline.starts_with(&format!("OOM {category}: ")), "{what}: {headline}");
+        let location = b["location"].as_str().unwrap_or_default();
+        let when = location.rsplit(" · ").next().unwrap_or_default();
+        // Without NVML a refusal (a death names no GPU) is on no GPU known.
+        assert!(is_wall_clock(when) && (location.starts_with("GPU ") || o.nvml == "none"), "{what}: {location}");
+        assert!(!location.contains("--truth") && !location.contains("--port"), "{what}: no argument values but sizing flags: {location}");
+    }
+    let (concurrency, context) = if server == "llama" { ("-np ", "-c ") } else { ("--max-num-seqs ", "--max-model-len ") };
+    match category {
+        "long-request" => assert!(help.len() == 1 && help[0].starts_with(context) && help[0].contains("(now "), "{what}: {help:?}"),
+        "concurrent-load" => {
+            assert!(help[0].starts_with(concurrency) && help[0].contains("(now "), "{what}: {help:?}");
+            assert!(help[1].starts_with("or LiteLLM max_parallel_requests: "), "{what}: {help:?}");
+        }
+        "held-by-other-process" => assert!(help.len() == 1 && help[0].starts_with("kill "), "{what}: {help:?}"),
+        _ => {}
+    }
+    if let Some(check) = b["check"].as_str() {
+        let args: Vec<&str> = check.split(' ').collect();
+        assert_eq!(args[..2], ["gputrace", "whatif"], "{what}: {check}");
+        let out = Command::new(gputrace_bin()).args(&args[1..]).output().unwrap();
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success() && said.starts_with("FITS with "), "{what}: `{check}` says {said}");
+    }
+    let text = Command::new(gputrace_bin()).arg("report").arg(o.dir.join("run.trace")).output().unwrap().stdout;
+    common::matches_snapshot(&String::from_utf8_lossy(&text), &format!("{server}-{name}-{}", o.nvml), what);
+}
+
 fn check(name: &str, server: &str, nvml: &str) {
     let o = run(name, server, nvml);
     let what = format!("{server} {name} (NVML {nvml})");
+    block_reads_at_a_glance(&o, name, server, &what);
     agrees_with_ground_truth(&o, &what);
     requests_agree(&o, server, &what);
     phases_agree(&o, &what);

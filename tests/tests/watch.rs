@@ -99,6 +99,14 @@ fn a_served_limit_sample_fires_the_alert() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// The dump's report is beside it, its verdict block reads as the recording's, and against its
+/// snapshot.
+fn block_reads_as_the_recordings(whole: &Value, window: &Value, dump: &Path, name: &str) {
+    assert_eq!(window["block"]["headline"], whole["block"]["headline"], "{name}");
+    let dump_text = std::fs::read_to_string(dump.with_extension("report.txt")).unwrap_or_else(|e| panic!("its report is beside it: {e}"));
+    common::matches_snapshot(&dump_text, &format!("watch-vllm-{name}-dump"), name);
+}
+
 fn watched(name: &str) {
     let _root = as_root();
     let dir = std::env::temp_dir().join(format!("gputrace-watch-{name}-{}", std::process::id()));
@@ -123,10 +131,9 @@ fn watched(name: &str) {
     let (failed, asked) = (named("-failed-allocation-uid0."), named("-manual."));
     assert_eq!((failed.len(), asked.len()), (1, 1), "{traces:?}");
     let dump = failed[0];
-    assert!(dump.with_extension("report.txt").exists(), "its report is beside it");
     let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(dump).unwrap().permissions());
     assert_eq!(mode & 0o777, 0o600);
-    assert!(log.contains("gputrace: dump ") && log.contains("VERDICT"), "one line says where and what: {log}");
+    assert!(log.contains("gputrace: dump ") && log.contains("OOM ") && log.contains("  --> GPU "), "one line says where and what: {log}");
 
     let (whole, window) = (report(&dir.join("run.trace")), report(dump));
     // The window (200 ms) is a fraction of the run: the load before it is in the dump only
@@ -135,6 +142,7 @@ fn watched(name: &str) {
     assert!(span(&whole) > 0.4, "the run is longer than the window: {} s", span(&whole));
     let (w, d) = (&whole["diagnosis"], &window["diagnosis"]);
     assert_ne!(w["category"], "none");
+    block_reads_as_the_recordings(&whole, &window, dump, name);
     for field in ["category", "symptom", "gpu", "fix"] {
         assert_eq!(d[field], w[field], "{name}: the dump's {field} is the recording's\nwhole: {w:#}\ndump: {d:#}");
     }

@@ -17,7 +17,9 @@ pub use crate::analysis::usage::{GpuReport, KeptAlive, KindTotals, ProcessReport
 use crate::analysis::whatif::{whatif, Failed, Outcome, Settings, WhyNot};
 use crate::model::Model;
 use crate::trace::Header;
+use block::Block;
 
+pub mod block;
 pub mod headroom;
 pub mod reasons;
 pub mod status;
@@ -137,6 +139,8 @@ pub struct Report {
     pub events: u64,
     /// The first failure's diagnosis, or category `none`.
     pub diagnosis: Verdict,
+    /// The same laid out as a compiler's diagnostic: headline, where, evidence, help, check.
+    pub block: Block,
     /// Every failure, in time order (the first MAX_DIAGNOSED of them).
     pub diagnoses: Vec<Verdict>,
     /// Failures past those, counted.
@@ -216,12 +220,21 @@ impl Report {
             })
             .collect();
         let duration_ns = model.first_ts.map(|f| model.last_ts - f).unwrap_or(0);
+        let first = &diagnosed.list[0];
+        let engine = first.pid.and_then(|pid| services.of(pid)).map_or(&[][..], |s| accounts.engine(s));
+        // The wall clock at the trace's start (the earliest record, a dump's snapshot's too).
+        let wall_at_start = (header.wall_clock_start_ns > 0)
+            .then(|| (header.wall_clock_start_ns as i128 + accounts.start() as i128 - header.monotonic_start_ns as i128).max(0) as u64);
+        // A live watch's report ("live") has no file to replay.
+        let file = Some(trace.as_str()).filter(|t| !t.is_empty() && *t != "live");
+        let block = block::block(first, &block::Recorded { engine, wall_at_start, trace: file });
         Report {
             schema: SCHEMA,
             trace,
             duration_ns,
             events,
             diagnosis: diagnoses[0].clone(),
+            block,
             failures_not_diagnosed: diagnosed.not_diagnosed as u64,
             contexts_never_freed: suspects(header, model, services, idle_ns),
             diagnoses,
@@ -282,7 +295,7 @@ mod tests {
             first.starts_with("PARTIAL: `vllm serve` (pid 40) was running when tracing began: its load and the requests it served before are not in the trace; NVML counted 30.0 GiB for it when tracing began"),
             "{text}"
         );
-        assert!(text.lines().nth(1).unwrap().starts_with("VERDICT: "), "{text}");
+        assert_eq!(text.lines().nth(1), Some("OK: nothing failed"), "{text}");
         // A dump: its allocation from before the window (ts 100 < the window's 400) is the
         // snapshot's.
         let model = Model::from_records(&server(Seen::Launched, 100));
@@ -296,7 +309,7 @@ mod tests {
         // Launched while recorded: nothing to say.
         let model = Model::from_records(&server(Seen::Launched, 500));
         let report = Report::new(&at(400, vec![]), &model, String::new(), 4, Loss::default(), u64::MAX);
-        assert!(report.text().starts_with("VERDICT: ") && report.loaded_before.is_empty(), "{}", report.text());
+        assert!(report.text().starts_with("OK: nothing failed") && report.loaded_before.is_empty(), "{}", report.text());
     }
 
     /// NVML's figure against the traced one, at every sample: a process whose managed memory

@@ -17,6 +17,29 @@ pub fn bytes(n: u64) -> String {
     }
 }
 
+/// A moment as servers' logs write it, in local time to the hundredth of a second, with the
+/// offset from UTC: "2026-12-07 10:15:32.41 +0000".
+pub fn wall_clock(wall_ns: u64) -> String {
+    let secs = (wall_ns / 1_000_000_000) as libc::time_t;
+    // SAFETY: localtime_r fills a tm from a time_t.
+    let mut tm: libc::tm = unsafe { std::mem::zeroed() };
+    unsafe { libc::localtime_r(&secs, &mut tm) };
+    let offset = tm.tm_gmtoff / 60;
+    format!(
+        "{:04}-{:02}-{:02} {:02}:{:02}:{:02}.{:02} {}{:02}{:02}",
+        tm.tm_year + 1900,
+        tm.tm_mon + 1,
+        tm.tm_mday,
+        tm.tm_hour,
+        tm.tm_min,
+        tm.tm_sec,
+        wall_ns % 1_000_000_000 / 10_000_000,
+        if offset < 0 { '-' } else { '+' },
+        offset.abs() / 60,
+        offset.abs() % 60
+    )
+}
+
 /// Text that came from processes (command lines, request lines, GPU names), made safe for a
 /// terminal: control characters (an escape sequence could clear the screen, retitle the window,
 /// hide text or forge a line) are shown as `cat -v` shows them, `^[`, and C1 controls as `\u{9b}`.

@@ -180,8 +180,9 @@ pub struct CapConcurrency {
     pub cap_estimated: bool,
     pub room_bytes: u64,
     pub max_concurrency: u64,
-    /// The engine's concurrency setting, where it has one.
+    /// The engine's concurrency setting, where it has one, and its value on the command line.
     pub setting: Option<Setting>,
+    pub now: Option<String>,
     /// Each LiteLLM deployment's share of the cap, and the deployments in front.
     pub litellm_max_parallel_requests: u64,
     pub litellm_deployments: Vec<Front>,
@@ -660,6 +661,7 @@ fn fix_concurrent(accounts: &Accounts, case: &Failing) -> Fix {
         room_bytes: room.bytes,
         max_concurrency: cap,
         setting: case.family.concurrency().map(|(s, _)| s),
+        now: case.family.concurrency().and_then(|(_, names)| flag(case.engine, names)),
         // Deployments in front count together, each worker of a proxy on its own: each gets a share.
         litellm_max_parallel_requests: share(&fronts, cap),
         litellm_deployments: fronts,

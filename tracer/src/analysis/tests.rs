@@ -552,7 +552,7 @@ fn a_framework_s_retries_fold_into_one_failure() {
     let folded: Vec<_> = report.diagnoses.iter().map(|d| d.repeated.as_ref().map(|r| (r.times, r.last_ts))).collect();
     assert_eq!(folded, [Some((3, Some(313 * MS))), None]);
     let text = report.text();
-    assert_eq!(text.matches("The same failure 3 more time(s), the last at 0.31 s").count(), 1, "{text}");
+    assert_eq!(text.matches("= the same failure 3 more times, the last at +0.31 s (retries)").count(), 1, "{text}");
     assert_eq!(text.matches("then at").count(), 1, "{text}");
 }
 

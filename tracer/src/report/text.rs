@@ -25,16 +25,12 @@ pub fn text(report: &Report) -> String {
     out
 }
 
-/// The verdict's first line: "VERDICT: none. ..." or "VERDICT: category (symptom) in `service`
-/// at 1.20 s" (what a watch logs of each dump).
+/// The verdict in one line, where it happened after it (what a watch logs of each dump).
 pub fn headline(report: &Report) -> String {
-    let d = &report.diagnosis;
-    let when = d.ts.map(|t| format!(" at {:.2} s", t as f64 / 1e9)).unwrap_or_default();
-    let service = d.service.as_ref().map(|s| format!(" in `{s}`")).unwrap_or_default();
-    if d.category == Category::None {
-        format!("VERDICT: none. {}", d.evidence.text)
-    } else {
-        format!("VERDICT: {} ({}){service}{when}", d.category.name(), d.symptom.name())
+    let b = &report.block;
+    match &b.location {
+        Some(l) => format!("{}  --> {l}", b.headline),
+        None => b.headline.clone(),
     }
 }
 
@@ -107,10 +103,11 @@ fn loaded_before(report: &Report, out: &mut String) {
 /// The verdict, its evidence and fix, notes, the failures after it, the headroom.
 fn verdict(report: &Report, out: &mut String) {
     let d = &report.diagnosis;
-    let _ = writeln!(out, "{}", headline(report));
-    if d.category != Category::None {
-        let _ = writeln!(out, "  {}{}", d.evidence.text, d.repeats());
-        let _ = writeln!(out, "FIX: {}", d.fix.text);
+    out.push_str(&report.block.text());
+    if let Some(r) = &d.repeated {
+        let last = r.last_ts.map(|t| format!(", the last at +{:.2} s", t as f64 / 1e9)).unwrap_or_default();
+        let times = if r.times == 1 { "time" } else { "times" };
+        let _ = writeln!(out, "   = the same failure {} more {times}{last} (retries)", r.times);
     }
     for note in &report.notes {
         let _ = writeln!(out, "NOTE: {note}");

@@ -1,6 +1,6 @@
 //! A diagnosis in words: the fields a script reads and the same said for a person, for the
 //! evidence and for the fix (the `diagnosis` and `diagnoses` of the report's JSON; the text's
-//! VERDICT, FIX and `then` lines, the HTML's verdict box, Perfetto's verdict).
+//! `then` lines, the HTML's verdict box, Perfetto's verdict; the block (report/block.rs) is its glance).
 
 use serde::Serialize;
 use serde_json::{json, Value};
@@ -165,7 +165,7 @@ fn context(d: &Diagnosis, e: &Evidence) -> String {
 }
 
 /// What would decide it, for each reason none could be told.
-fn decides(why: &Undecided) -> &'static str {
+pub(super) fn decides(why: &Undecided) -> &'static str {
     match why {
         Undecided::RecordsLost(_) => "Record again with nothing lost (a larger ring buffer, fewer traced processes) to decide.",
         Undecided::NoService => {
@@ -180,7 +180,7 @@ fn decides(why: &Undecided) -> &'static str {
 }
 
 /// Why no category could be told.
-fn undecided(why: &Undecided, e: Option<&Evidence>) -> String {
+pub(super) fn undecided(why: &Undecided, e: Option<&Evidence>) -> String {
     let (service, free) = e.map_or((0, None), |e| (e.service_bytes, e.free_bytes));
     match why {
         Undecided::NoService => "the failing process belongs to no traced service".into(),
