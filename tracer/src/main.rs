@@ -304,7 +304,8 @@ fn print_report(path: PathBuf, json: bool, judging: Judging) -> anyhow::Result<E
     if json {
         println!("{}", serde_json::to_string_pretty(&summary)?);
     } else {
-        print!("{}", gputrace::units::for_terminal(&summary.text()));
+        use std::io::IsTerminal;
+        print!("{}", summary.for_terminal(report::colour_wanted(std::io::stdout().is_terminal())));
     }
     Ok(ExitCode::from(if summary.loss.incomplete() { 3 } else { 0 }))
 }

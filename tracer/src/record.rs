@@ -171,7 +171,7 @@ impl Sink for TraceFile {
                 done => Ok(done?),
             };
         }
-        eprint!("{}", crate::units::for_terminal(&summary.text()));
+        eprint!("{}", summary.for_terminal(crate::report::colour_wanted(std::io::stderr().is_terminal())));
         if filter.map_inserts_failed > 0 {
             eprintln!(
                 "gputrace: warning: the kernel refused {} map inserts (a map was full): some fds or processes may not have been followed",

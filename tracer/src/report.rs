@@ -27,6 +27,8 @@ mod text;
 pub mod verdict;
 pub mod whatif;
 
+pub use text::colour_wanted;
+
 use verdict::{verdicts, Verdict};
 
 pub const SCHEMA: &str = "gputrace-report/1";
@@ -254,6 +256,17 @@ impl Report {
         text::text(self)
     }
 
+    /// The text as a terminal shows it: made safe (see [`crate::units::for_terminal`]), and in
+    /// colour where `colour` (see [`colour_wanted`]).
+    pub fn for_terminal(&self, colour: bool) -> String {
+        let safe = crate::units::for_terminal(&self.text());
+        if colour {
+            text::painted(&safe)
+        } else {
+            safe
+        }
+    }
+
     /// The verdict in one line.
     pub fn headline(&self) -> String {
         text::headline(self)
@@ -267,6 +280,27 @@ mod tests {
 
     fn header() -> Header {
         Header::default()
+    }
+
+    /// On a terminal the headline and the `help:` labels are coloured, nothing else; a command
+    /// line's escape sequences were made harmless before (`^[`), so none can forge colour.
+    #[test]
+    fn the_verdicts_headline_and_help_are_coloured_on_a_terminal_only() {
+        let text = "PARTIAL: cut\nOOM long-request: a 1 KiB prompt\n  --> pid 1\n   = help: -c 10  (now 20)\nHEADROOM: OOM x\n";
+        let painted = text::painted(text);
+        assert_eq!(
+            painted,
+            "\x1b[1;33mPARTIAL: cut\x1b[0m\n\x1b[1;31mOOM long-request: a 1 KiB prompt\x1b[0m\n  --> pid 1\n   = \x1b[1;36mhelp:\x1b[0m -c 10  (now 20)\nHEADROOM: OOM x\n"
+        );
+        let model = Model::from_records(&[Record::new(
+            1,
+            9,
+            9,
+            Event::Process { ppid: 1, seen: Seen::Launched, command: vec!["\x1b[1;31mOOM".into()] },
+        )]);
+        let report = Report::new(&header(), &model, String::new(), 1, Loss::default(), u64::MAX);
+        assert!(report.for_terminal(true).starts_with("\x1b[1;32mOK: nothing failed\x1b[0m\n"));
+        assert!(!report.for_terminal(false).contains('\x1b') && !colour_wanted(false));
     }
 
     /// A server met running (`record --pid`): its load is not in the trace, and the report says

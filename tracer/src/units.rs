@@ -40,10 +40,17 @@ pub fn wall_clock(wall_ns: u64) -> String {
     )
 }
 
+/// Unicode's invisible format characters that reorder or hide text: bidirectional overrides,
+/// embeddings and isolates (U+202E shows `evil.exe` as `exe.live`), marks, and zero-width ones.
+fn is_format(c: char) -> bool {
+    matches!(c, '\u{061c}' | '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2060}'..='\u{2069}' | '\u{feff}')
+}
+
 /// Text that came from processes (command lines, request lines, GPU names), made safe for a
 /// terminal: control characters (an escape sequence could clear the screen, retitle the window,
-/// hide text or forge a line) are shown as `cat -v` shows them, `^[`, and C1 controls as `\u{9b}`.
-/// Newlines and tabs stay.
+/// hide text or forge a line) are shown as `cat -v` shows them, `^[`, and C1 controls and the
+/// invisible format characters (bidi overrides, zero-width) as `\u{9b}`, `\u{202e}`. Newlines
+/// and tabs stay.
 pub fn for_terminal(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     for c in text.chars() {
@@ -54,7 +61,7 @@ pub fn for_terminal(text: &str) -> String {
                 out.push('^');
                 out.push(char::from(c as u8 + 0x40));
             }
-            c if (0x80..0xa0).contains(&(c as u32)) => out.push_str(&c.escape_unicode().to_string()),
+            c if (0x80..0xa0).contains(&(c as u32)) || is_format(c) => out.push_str(&c.escape_unicode().to_string()),
             c => out.push(c),
         }
     }
@@ -72,7 +79,7 @@ pub fn one_line(text: &str) -> String {
             '\r' => out.push_str("\\r"),
             '\t' => out.push_str("\\t"),
             c if (c as u32) < 0x20 || c as u32 == 0x7f => out.push_str(&format!("\\x{:02x}", c as u32)),
-            c if (0x80..0xa0).contains(&(c as u32)) || matches!(c, '\u{2028}' | '\u{2029}') => {
+            c if (0x80..0xa0).contains(&(c as u32)) || matches!(c, '\u{2028}' | '\u{2029}') || is_format(c) => {
                 out.push_str(&c.escape_unicode().to_string())
             }
             c => out.push(c),
@@ -127,6 +134,11 @@ mod tests {
     fn control_characters_never_reach_the_terminal() {
         assert_eq!(for_terminal("a\x1b]0;owned\x07\x1b[2J b\n\tc\x7f\u{9b}31m"), "a^[]0;owned^G^[[2J b\n\tc^?\\u{9b}31m");
         assert_eq!(for_terminal("plain text, ünïcode"), "plain text, ünïcode");
+        // A bidi override would show `kill 1234` as `4321 llik`; zero-width ones hide text.
+        assert_eq!(
+            for_terminal("kill \u{202e}4321\u{202c} a\u{200b}b\u{2066}c\u{feff}"),
+            "kill \\u{202e}4321\\u{202c} a\\u{200b}b\\u{2066}c\\u{feff}"
+        );
     }
 
     #[test]

@@ -25,6 +25,41 @@ pub fn text(report: &Report) -> String {
     out
 }
 
+/// Whether to colour what goes to a stream: a terminal, and `NO_COLOR` not set (no-color.org).
+pub fn colour_wanted(terminal: bool) -> bool {
+    terminal && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
+}
+
+/// The report's text, already made safe for a terminal, with the verdict's headline and its
+/// `help:` labels in colour (ANSI SGR): red for an OOM, green for none, yellow for what the trace
+/// lacks and what cannot be told.
+pub fn painted(text: &str) -> String {
+    const RED: &str = "\x1b[1;31m";
+    const GREEN: &str = "\x1b[1;32m";
+    const YELLOW: &str = "\x1b[1;33m";
+    const CYAN: &str = "\x1b[1;36m";
+    const RESET: &str = "\x1b[0m";
+    let mut out = String::with_capacity(text.len() + 64);
+    for line in text.split_inclusive('\n') {
+        let (body, end) = line.strip_suffix('\n').map_or((line, ""), |b| (b, "\n"));
+        let colour = if body.starts_with("OOM inconclusive:") || body.starts_with("UNKNOWN:") || body.starts_with("PARTIAL:") {
+            Some(YELLOW)
+        } else if body.starts_with("OOM ") {
+            Some(RED)
+        } else if body.starts_with("OK:") {
+            Some(GREEN)
+        } else {
+            None
+        };
+        match (colour, body.strip_prefix("   = help:")) {
+            (Some(c), _) => out.push_str(&format!("{c}{body}{RESET}{end}")),
+            (None, Some(rest)) => out.push_str(&format!("   = {CYAN}help:{RESET}{rest}{end}")),
+            (None, None) => out.push_str(line),
+        }
+    }
+    out
+}
+
 /// The verdict in one line, where it happened after it (what a watch logs of each dump).
 pub fn headline(report: &Report) -> String {
     let b = &report.block;
