@@ -699,6 +699,13 @@ fn a_limit_above_what_memory_fits_is_named_with_the_cap() {
     };
     assert_eq!(h.limits_exceeded, [concurrency(256, 40)]);
     assert!(line(h).contains("`--max-num-seqs 256` lets 256 run at once; memory fits 40 of the largest served: cap at 40"), "{}", line(h));
+    // The terminal's table: a row of figures under its header, the limit under the row, the
+    // service by its program and sizing flags.
+    let table = crate::report::headroom::table(std::slice::from_ref(h));
+    let rows: Vec<&str> = table.lines().collect();
+    assert!(rows[0].starts_with("HEADROOM  GPU") && rows[0].ends_with("LARGEST ALONE  SERVICE"), "{table}");
+    assert!(rows[1].contains(" 40 at ") && rows[1].ends_with("vllm serve ... --max-num-seqs 256 --gpu-memory-utilization 0.9"), "{table}");
+    assert!(rows[2].starts_with("  limit: `--max-num-seqs 256` lets 256 run at once"), "{table}");
     let mut t = serving(&["--max-num-seqs", "32"]);
     assert!(headroom(&mut t, &[])[0].limits_exceeded.is_empty(), "32 fit");
 }

@@ -75,6 +75,41 @@ pub fn line(h: &Headroom) -> String {
     line
 }
 
+/// Headroom as a table for the terminal: per service and GPU, what the largest request served
+/// costs, how many fit now and at the tightest moment, and the largest request that fits alone;
+/// under each row, its limits past what fits and what it keeps, one line each.
+pub fn table(all: &[Headroom]) -> String {
+    let mut out = format!(
+        "{:<10}{:<5}{:>11}{:>19}{:>9}{:>18}{:>15}  SERVICE\n",
+        "HEADROOM", "GPU", "REQUEST", "COSTS", "FIT NOW", "AT TIGHTEST", "LARGEST ALONE"
+    );
+    for h in all {
+        let how = if h.measured_alone { "alone" } else { "batch" };
+        let now = h.now.as_ref().map_or_else(|| "-".to_string(), |n| n.fit_at_once.to_string());
+        let tightest = format!("{} at {:.2} s", h.tightest.fit_at_once, h.tightest.ts as f64 / 1e9);
+        // Its program and sizing flags, as the verdict's location names it.
+        let words: Vec<String> = h.service.split_whitespace().map(String::from).collect();
+        let service = super::block::short_command(&words);
+        out += &format!(
+            "{:<10}{:<5}{:>11}{:>19}{:>9}{:>18}{:>15}  {service}\n",
+            "",
+            h.gpu.map_or_else(|| "?".to_string(), |g| g.to_string()),
+            bytes(h.largest_request_bytes),
+            format!("{} ({how})", bytes(h.request_cost_bytes)),
+            now,
+            tightest,
+            bytes(h.tightest.largest_fitting_request_bytes)
+        );
+        for l in &h.limits_exceeded {
+            out += &format!("  limit: {}\n", limit(l));
+        }
+        if let Some(k) = h.kept.filter(|k| k.bytes_per_request > 0) {
+            out += &format!("  keeps: it {}\n", kept(&k));
+        }
+    }
+    out
+}
+
 /// The watch's warning that a service keeps memory: "`vllm serve m` on GPU 0 keeps ...".
 pub fn keeping(h: &Headroom) -> Option<String> {
     let k = h.kept.filter(|k| k.bytes_per_request > 0)?;

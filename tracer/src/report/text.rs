@@ -4,7 +4,7 @@
 
 use std::fmt::Write as _;
 
-use super::headroom::line;
+use super::headroom::table;
 use super::reasons::gpu_label;
 use super::{GpuReport, ProcessReport, Report};
 use crate::analysis::Category;
@@ -160,8 +160,8 @@ fn verdict(report: &Report, out: &mut String) {
     if report.failures_not_diagnosed > 0 {
         let _ = writeln!(out, "and {} more failures, not diagnosed one by one", report.failures_not_diagnosed);
     }
-    for h in &report.headroom {
-        let _ = writeln!(out, "HEADROOM: {}.", line(h));
+    if !report.headroom.is_empty() {
+        out.push_str(&table(&report.headroom));
     }
 }
 
