@@ -19,8 +19,77 @@ struct Cli {
     command: Command,
 }
 
+// Each subcommand's examples (a test parses every one) and exit statuses, in `--help` and the
+// man pages. A usage error exits 2 everywhere, as does an error gputrace says on stderr.
+const DOCTOR_HELP: &str = "\
+Examples:
+  sudo gputrace doctor                       # who holds each GPU, what is stale, what to kill
+  sudo gputrace doctor --json                # the same for a script (docs/doctor-schema.md)
+  sudo gputrace doctor --idle-minutes 30
+
+Exit status: 0 nothing stale; 1 a stale holder found; 2 an error.";
+
+const RECORD_HELP: &str = "\
+Examples:
+  sudo gputrace record -- vllm serve meta-llama/Llama-3.1-8B --max-num-seqs 64
+  sudo gputrace record -o run.trace -- llama-server -m model.gguf -c 16384
+  sudo gputrace record --pid 4242 -o late.trace   # a server already serving
+  sudo gputrace record --all --json -- ./repro.sh # every process on the host
+
+Exit status: the traced command's own (0 when attached with --pid or --all alone);
+2 an error.";
+
+const WATCH_HELP: &str = "\
+Examples:
+  sudo gputrace watch                               # every process; dumps in /var/lib/gputrace/dumps
+  sudo gputrace watch --cgroup /sys/fs/cgroup/system.slice/vllm.service
+  sudo gputrace watch --window 5m --budget 4GiB --listen 0.0.0.0:9431
+
+Exit status: 0 when stopped (SIGINT, SIGTERM); 2 an error.";
+
+const DUMP_HELP: &str = "\
+Examples:
+  sudo gputrace dump                          # every watch running here writes its window
+  sudo gputrace dump --pid 1234
+
+Exit status: 0 asked; 2 no watch running, or it refused.";
+
+const MARK_HELP: &str = "\
+Examples:
+  gputrace mark load                          # from a server's start script, before loading
+  gputrace mark idle --pid 4242
+
+Exit status: 0 marked; 2 no recording to mark, or it refused.";
+
+const EXPORT_HELP: &str = "\
+Examples:
+  gputrace export run.trace --format html -o run.html
+  gputrace export run.trace --format perfetto -o run.json   # open in ui.perfetto.dev
+  gputrace export run.trace --format csv --redact -o run.csv
+
+Exit status: 0 written; 2 an error.";
+
+const REPORT_HELP: &str = "\
+Examples:
+  gputrace report run.trace                   # the verdict first, then the evidence
+  gputrace report --json run.trace           # docs/report-schema.md
+  gputrace report --redact gputrace-dump-20261203-101532-1-failed-allocation-uid1001.trace
+
+Exit status: 0 read whole; 3 the trace is incomplete (records lost, lines damaged or torn,
+the recorder stopped writing, processes past the bound): what it lacks is said first; 2 an error.";
+
+const WHATIF_HELP: &str = "\
+Examples:
+  gputrace whatif run.trace --max-num-seqs 17 # the concurrency cap the report names
+  gputrace whatif run.trace -c 14928          # llama-server's context
+  gputrace whatif run.trace -np 5 --search    # and the largest concurrency and context that fit
+  gputrace whatif run.trace --quantize 8 --capacity 80GiB
+
+Exit status: 0 it fits; 1 it would fail; 2 no replay can be made, or an error.";
+
 #[derive(Subcommand)]
 enum Command {
+    #[command(after_help = DOCTOR_HELP)]
     /// Who holds each GPU now, which holder is stale and why, and what to kill: no tracing, about
     /// a second. Exits 1 when something stale was found.
     Doctor {
@@ -31,6 +100,7 @@ enum Command {
         #[arg(long, value_name = "MINUTES", default_value_t = 10)]
         idle_minutes: u64,
     },
+    #[command(after_help = RECORD_HELP)]
     /// Run a command (or attach to running processes) and record every GPU memory allocation and free.
     Record {
         /// Where to write the trace [default: gputrace-YYYYmmdd-HHMMSS.trace]
@@ -51,6 +121,7 @@ enum Command {
         #[arg(last = true, value_name = "CMD")]
         command: Vec<String>,
     },
+    #[command(after_help = WATCH_HELP)]
     /// Trace every process indefinitely in bounded memory; when an allocation fails, the OOM
     /// killer strikes or `gputrace dump` asks, write the window around it and its report.
     Watch {
@@ -82,12 +153,14 @@ enum Command {
         #[arg(long, value_name = "DIR")]
         cgroup: Option<PathBuf>,
     },
+    #[command(after_help = DUMP_HELP)]
     /// Ask the running `gputrace watch` for a dump now, through its socket (SIGUSR1 does it too).
     Dump {
         /// The watch's pid [default: every watch running here]
         #[arg(long)]
         pid: Option<u32>,
     },
+    #[command(after_help = MARK_HELP)]
     /// Mark the phase of a traced process's service in every running recording (overrides inference).
     Mark {
         #[arg(value_enum)]
@@ -96,8 +169,10 @@ enum Command {
         #[arg(long)]
         pid: Option<u32>,
     },
+    #[command(after_help = EXPORT_HELP)]
     /// Export a trace: Perfetto (Chrome Trace Event JSON) or a self-contained HTML page to look at, or CSV for scripts.
     Export {
+        /// The trace file: from `record`, or a watch's dump
         trace: PathBuf,
         #[arg(long, value_enum)]
         format: Format,
@@ -107,10 +182,12 @@ enum Command {
         #[command(flatten)]
         judging: Judging,
     },
+    #[command(after_help = REPORT_HELP)]
     /// Which "CUDA out of memory" a recorded trace shows, the evidence and the fix; per process
     /// and per phase what was allocated; the contexts nobody freed. Exits 3 when the trace is
     /// incomplete (records lost, lines damaged or torn, the recorder stopped writing).
     Report {
+        /// The trace file: from `record`, or a watch's dump
         trace: PathBuf,
         /// Print the report as JSON (schema in docs/report-schema.md)
         #[arg(long)]
@@ -118,11 +195,13 @@ enum Command {
         #[command(flatten)]
         judging: Judging,
     },
+    #[command(after_help = WHATIF_HELP)]
     /// The recorded load and requests replayed under changed settings, from the trace's own
     /// measures: would the OOM have happened, at which request, with what margin, and what it
     /// becomes. Several settings at once; `--search` adds the largest concurrency and context that
     /// fit. Exits 1 when it would fail.
     Whatif {
+        /// The trace file: from `record`, or a watch's dump
         trace: PathBuf,
         /// Requests served at once; later ones wait (vLLM --max-num-seqs, llama-server -np or
         /// --parallel, SGLang --max-running-requests, TGI --max-concurrent-requests)
@@ -310,6 +389,17 @@ fn print_report(path: PathBuf, json: bool, judging: Judging) -> anyhow::Result<E
     Ok(ExitCode::from(if summary.loss.incomplete() { 3 } else { 0 }))
 }
 
+/// llama-server's `-np` is two letters after one dash, which no parser of options takes: the
+/// same as `--parallel` to `whatif` (and nothing to any other command: `record -- mpirun -np`).
+fn llama_spellings(mut args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+    if args.get(1).is_some_and(|a| a == "whatif") {
+        for a in args.iter_mut().skip(2).filter(|a| *a == "-np") {
+            *a = "--parallel".into();
+        }
+    }
+    args
+}
+
 /// A fraction of the card: above 0, at most 1.
 fn fraction(text: &str) -> Result<f64, String> {
     let value: f64 = text.parse().map_err(|_| format!("{text:?} is not a number"))?;
@@ -402,15 +492,7 @@ fn end_quietly_on_a_closed_pipe() {
 }
 
 fn main() -> ExitCode {
-    // llama-server's `-np` is two letters after one dash, which no parser of options takes: the
-    // same as `--parallel` to `whatif` (and nothing to any other command: `record -- mpirun -np`).
-    let mut args: Vec<std::ffi::OsString> = std::env::args_os().collect();
-    if args.get(1).is_some_and(|a| a == "whatif") {
-        for a in args.iter_mut().skip(2).filter(|a| *a == "-np") {
-            *a = "--parallel".into();
-        }
-    }
-    let cli = Cli::parse_from(args);
+    let cli = Cli::parse_from(llama_spellings(std::env::args_os().collect()));
     if matches!(
         cli.command,
         Command::Doctor { .. } | Command::Export { .. } | Command::Report { .. } | Command::Whatif { .. } | Command::Generate { .. }
@@ -475,6 +557,39 @@ fn main() -> ExitCode {
         Err(e) => {
             eprintln!("gputrace: error: {e:#}");
             ExitCode::from(2)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every subcommand's `--help` (and man page) ends with examples and its exit statuses, and
+    /// every example parses as written (less `sudo` and its comment).
+    #[test]
+    fn every_example_in_the_help_parses() {
+        let cli = Cli::command();
+        for sub in cli.get_subcommands().filter(|c| !c.is_hide_set()) {
+            let name = sub.get_name();
+            let help = sub.get_after_help().map(ToString::to_string).unwrap_or_default();
+            assert!(help.starts_with("Examples:\n") && help.contains("\n\nExit status: "), "{name}: {help}");
+            let examples: Vec<&str> = help.lines().skip(1).take_while(|l| !l.is_empty()).collect();
+            assert!(examples.len() >= 2, "{name}: {help}");
+            for line in examples {
+                let command = line.split(" # ").next().unwrap_or_default();
+                let words: Vec<std::ffi::OsString> = command.split_whitespace().skip_while(|w| *w == "sudo").map(Into::into).collect();
+                assert_eq!(words.get(1).and_then(|w| w.to_str()), Some(name), "{line}");
+                if let Err(e) = Cli::try_parse_from(llama_spellings(words)) {
+                    panic!("{name}: `{line}` does not parse: {e}");
+                }
+            }
+        }
+        // A positional trace says what it is.
+        for sub in ["report", "export", "whatif"] {
+            let cmd = cli.find_subcommand(sub).unwrap();
+            let trace = cmd.get_positionals().find(|a| a.get_id() == "trace").unwrap();
+            assert!(trace.get_help().is_some(), "{sub}");
         }
     }
 }
