@@ -267,9 +267,11 @@ pub struct Model {
     pub processes_forgotten: u64,
     pub records_not_kept: u64,
     process_limit: usize,
-    /// Processes that exited 0 since spent ones were last forgotten: whether another pass over
-    /// them may free room.
+    /// Processes that exited 0 since spent ones were last forgotten, and how many must have
+    /// before the next pass: 1, doubled after each pass that freed little (a crafted trace whose
+    /// passes free one process each would otherwise make every new pid cost a pass).
     exits_since_forgetting: usize,
+    forget_after: usize,
     clients: HashMap<u32, Client>,
     /// Handles referring to each allocation; the memory is freed when it reaches zero.
     handle_refs: HashMap<AllocId, u32>,
@@ -364,30 +366,29 @@ const IN_FLIGHT_NS: u64 = 10_000_000_000;
 
 impl Model {
     pub fn new() -> Self {
-        Model {
-            next_orphan_file: ORPHAN_FILE_BASE,
-            process_limit: MAX_PROCESSES,
-            exits_since_forgetting: MAX_PROCESSES,
-            ..Default::default()
-        }
+        Model { next_orphan_file: ORPHAN_FILE_BASE, process_limit: MAX_PROCESSES, forget_after: 1, ..Default::default() }
     }
 
     /// The same, keeping at most `limit` processes (tests).
     #[cfg(test)]
     pub(crate) fn with_process_limit(limit: usize) -> Self {
-        Model { process_limit: limit, exits_since_forgetting: limit, ..Model::new() }
+        Model { process_limit: limit, ..Model::new() }
     }
 
     /// Whether a record of `pid`, a process not kept yet, can be: under [`MAX_PROCESSES`], or once
-    /// spent processes are forgotten. A pass over them is made when a sixteenth of the limit
-    /// exited since the last (each costs the processes kept: a few per exit in all).
+    /// spent processes are forgotten. A pass over them is made once enough exited since the last
+    /// (see `forget_after`): each costs what is kept, a pass that frees a sixteenth of the limit
+    /// pays for itself, and one that frees less doubles the wait for the next.
     fn room_for(&mut self, pid: u32) -> bool {
         if self.processes.len() < self.process_limit || self.processes.contains_key(&pid) {
             return true;
         }
-        if self.exits_since_forgetting >= (self.process_limit / 16).max(1) {
+        if self.exits_since_forgetting >= self.forget_after {
             self.exits_since_forgetting = 0;
+            let before = self.processes.len();
             self.forget_spent();
+            let freed = before - self.processes.len();
+            self.forget_after = if freed >= self.process_limit / 16 { 1 } else { self.forget_after.saturating_mul(2) };
         }
         self.processes.len() < self.process_limit
     }

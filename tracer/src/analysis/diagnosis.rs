@@ -103,6 +103,9 @@ pub struct StopHolder {
     pub held: Option<u64>,
     /// It is the MPS server, which holds its clients' memory: killing it takes every client down.
     pub mps_server: bool,
+    /// The next biggest holders that must go too, with what each holds, where it alone does not
+    /// cover what the allocation lacked.
+    pub also: Vec<(u32, u64)>,
 }
 
 /// does-not-fit-at-load: a smaller or quantized model, or a smaller reserve.
@@ -149,6 +152,9 @@ pub struct ShorterContext {
     /// No request was measured since tracing began: an estimate from what the failing one
     /// needed at least.
     pub estimate: Option<Cost>,
+    /// By what smaller requests cost the failing one fits alone, yet it failed: its cost grows
+    /// faster than its length, and no context is computed from that cost.
+    pub grows_faster: bool,
 }
 
 /// kept-by-service: bound what the server keeps, or fix the leak; never a context or a
@@ -269,6 +275,8 @@ struct Failure {
     bytes: Option<u64>,
     /// The GPU the failed allocation was asked of; None for a death, which names no GPU.
     gpu: Option<u32>,
+    /// A death's exit status.
+    exit_code: Option<i32>,
 }
 
 /// One failure with everything a fix needs.
@@ -379,11 +387,12 @@ fn failures(accounts: &Accounts) -> Vec<Failure> {
             symptom: Symptom::FailedAllocation,
             bytes: Some(f.bytes),
             gpu: model.gpu_for(f.pid, f.gpu),
+            exit_code: None,
         })
         .collect();
     for p in model.processes.values() {
         if let Some(ts) = p.oom_killed {
-            failures.push(Failure { ts, pid: p.pid, symptom: Symptom::OomKill, bytes: None, gpu: None });
+            failures.push(Failure { ts, pid: p.pid, symptom: Symptom::OomKill, bytes: None, gpu: None, exit_code: None });
         }
     }
     // A server that exited badly with no failure above: a refusal during load, or a crash. Only
@@ -418,7 +427,7 @@ fn failures(accounts: &Accounts) -> Vec<Failure> {
         } else {
             continue;
         };
-        failures.push(Failure { ts, pid: s.root, symptom, bytes: None, gpu: None });
+        failures.push(Failure { ts, pid: s.root, symptom, bytes: None, gpu: None, exit_code: Some(code) });
     }
     failures.sort_by_key(|f| f.ts);
     failures
@@ -518,7 +527,12 @@ fn category(case: &Failing, lost: u64) -> Result<Category, Undecided> {
         return Err(Undecided::RecordsLost(lost));
     } else if held_by_other(case) {
         Category::HeldByOtherProcess
-    } else if case.failure.symptom != Symptom::FailedAllocation && phase == Phase::Load && !memory_was_short(&case.evidence) {
+    } else if case.failure.symptom != Symptom::FailedAllocation
+        && (phase == Phase::Load || faulted(case.failure.exit_code))
+        && !memory_was_short(&case.evidence)
+    {
+        // A death with room free is no OOM: while loading (a refusal for another reason), or a
+        // fault at any time (a segfault while serving; an abort may be an allocator's OOM).
         return Err(Undecided::NotMemory);
     } else if phase == Phase::Load {
         let fails = asked.filter(|_| case.failure.symptom == Symptom::FailedAllocation).map(|b| preconditions::load_exceeds(b, free));
@@ -573,7 +587,9 @@ fn fix_load(case: &Failing) -> Fix {
         // (its budget exceeds what is free).
         (Some((flag, _)), _) if case.failure.symptom == Symptom::StartupRefusal => {
             let fits = e.capacity_bytes.zip(e.free_bytes).map(|(c, free)| (free as f64 / c as f64 * 100.0).floor() / 100.0);
-            fits.map_or(Reserve::None, |to| Reserve::Fraction { flag, now: reserve_of(case), to })
+            // Lower than now and above nothing, or no fraction helps (the service itself filled it).
+            let now = reserve_of(case);
+            fits.filter(|&to| to > 0.0 && to < now).map_or(Reserve::None, |to| Reserve::Fraction { flag, now, to })
         }
         // Or a failure after the weights were loaded: the context reserve is what did not fit.
         (None, Some((setting, names))) if case.failure.bytes.is_some_and(|b| e.service_bytes > b) => {
@@ -608,17 +624,23 @@ fn fix_long(accounts: &Accounts, case: &Failing) -> Fix {
         _ => None,
     };
     let cost = room.cost.or(least);
+    // By what smaller requests cost, this one fits, yet alone it failed: its cost grows faster
+    // than its length (attention at long context), and that cost's figures are no guide. The
+    // context to set is then below the failing prompt's, and no figure from the cost is given.
+    let fits = cost.map(|c| c.fits(room.bytes)).filter(|&fits| fits < failed_in);
+    let cost = cost.filter(|_| fits.is_some());
     let (prompt_tokens, context_tokens) = cost.map(|c| c.context(room.bytes)).unzip();
     let setting = case.family.context().map(|(setting, names)| (setting, flag(case.engine, names).unwrap_or_else(|| "its default".into())));
     Fix::ShorterContext(ShorterContext {
         failed_request_bytes: failed_in,
         largest_served_request_bytes: served,
-        largest_fitting_request_bytes: cost.map(|c| c.fits(room.bytes)),
+        largest_fitting_request_bytes: fits,
         prompt_tokens,
         context_tokens,
         context_slots: case.family.context_slots(case.engine, None),
         setting,
-        estimate: least,
+        estimate: least.filter(|_| fits.is_some()),
+        grows_faster: room.cost.or(least).is_some() && fits.is_none(),
     })
 }
 
@@ -666,6 +688,11 @@ fn fix_concurrent(accounts: &Accounts, case: &Failing) -> Fix {
         litellm_max_parallel_requests: share(&fronts, cap),
         litellm_deployments: fronts,
     })
+}
+
+/// A death by a fault, never an allocator's way to give up: SIGSEGV, SIGBUS, SIGILL, SIGFPE.
+fn faulted(code: Option<i32>) -> bool {
+    matches!(code, Some(139 | 135 | 132 | 136))
 }
 
 /// Whether a death while loading (no failed allocation) came with memory running short: a start-up
@@ -750,11 +777,38 @@ fn fix_kept(accounts: &Accounts, case: &mut Failing, k: Kept) -> Fix {
     })
 }
 
-/// Stop the biggest holder outside the service.
+/// Stop the holders outside the service that make room: the biggest known one where it alone
+/// covers what the allocation lacked, else as many of the biggest as cover it together; a holder
+/// of unknown size (no NVML) where the known ones cannot.
 fn fix_held(case: &Failing) -> Fix {
     let e = &case.evidence;
-    // The biggest known holder; else one whose size is unknown.
-    let biggest = e.holders_outside.iter().max_by_key(|h| (h.bytes.is_some(), h.bytes.unwrap_or(0)));
-    let (kill, command, held) = biggest.map_or((0, "?", Some(e.held_outside_bytes)), |h| (h.pid, h.command.as_str(), h.bytes));
-    Fix::StopHolder(StopHolder { kill, command: command.to_string(), held, mps_server: is_mps_server(command) })
+    let short = e.failed_bytes.map(|asked| asked.saturating_sub(e.free_bytes.unwrap_or(0)));
+    let mut known: Vec<&Holder> = e.holders_outside.iter().filter(|h| h.bytes.is_some_and(|b| b > 0)).collect();
+    // Of holders as big, the last found.
+    known.reverse();
+    known.sort_by_key(|h| std::cmp::Reverse(h.bytes));
+    let unknown = e.holders_outside.iter().find(|h| h.bytes.is_none());
+    let all_known = known.iter().map(|h| h.bytes.unwrap_or(0)).fold(0, u64::saturating_add);
+    let chosen: Vec<&Holder> = match (short, unknown) {
+        // What it lacked is not in the trace's account (it asked no more than was free by it), or
+        // more than the known holders hold: the holder of unknown size is the one.
+        (Some(short), Some(u)) if short == 0 || all_known < short => vec![u],
+        (Some(short), _) if short > 0 => {
+            let mut sum = 0u64;
+            known
+                .iter()
+                .take_while(|h| {
+                    let before = sum;
+                    sum = sum.saturating_add(h.bytes.unwrap_or(0));
+                    before < short
+                })
+                .copied()
+                .collect()
+        }
+        _ => known.first().copied().or(unknown).into_iter().collect(),
+    };
+    let first = chosen.first();
+    let (kill, command, held) = first.map_or((0, "?", Some(e.held_outside_bytes)), |h| (h.pid, h.command.as_str(), h.bytes));
+    let also = chosen.iter().skip(1).map(|h| (h.pid, h.bytes.unwrap_or(0))).collect();
+    Fix::StopHolder(StopHolder { kill, command: command.to_string(), held, mps_server: is_mps_server(command), also })
 }

@@ -408,6 +408,13 @@ fn a_crash_without_a_failed_allocation() {
     t.at(220 * MS, API, Event::Exit { code: Some(134) });
     let d = &t.diagnose(80 * GIB, &[], 0)[0];
     assert_eq!((d.symptom, d.category, d.pid), (Symptom::Crash, Category::LongRequest, Some(API)));
+    // A segfault with most of the card free is no OOM of any kind: inconclusive, its log decides.
+    let mut t = Trace::vllm(16 * GIB);
+    t.request(7, 200 * MS, 200_000, None);
+    t.at(220 * MS, API, Event::Exit { code: Some(139) });
+    let d = &t.diagnose(80 * GIB, &[], 0)[0];
+    assert_eq!((d.symptom, d.category), (Symptom::Crash, Category::Inconclusive), "{}", d.evidence.text);
+    assert!(d.fix.text.contains("server's own log"), "{}", d.fix.text);
     // Stopped by Ctrl-C, SIGTERM or kill -9 is no failure at all (the OOM killer's SIGKILL comes
     // with its own record).
     for code in [130, 137, 143] {

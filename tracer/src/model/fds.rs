@@ -81,11 +81,13 @@ impl Model {
             self.close_fd(pid, fd, ts);
         }
         let p = self.process(pid, ts);
+        // Each process's exit counts once towards the next pass (a trace may repeat it).
+        let first = p.exited.is_none();
         p.exited = Some(ts);
         if code.is_some() {
             p.exit_code = code;
         }
-        if code == Some(0) {
+        if code == Some(0) && first {
             self.exits_since_forgetting = self.exits_since_forgetting.saturating_add(1);
         }
     }

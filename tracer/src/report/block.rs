@@ -6,15 +6,16 @@
 
 use serde::Serialize;
 
+use super::reasons::{is_figure, short_command};
 use super::verdict::{decides, undecided};
 use crate::analysis::cost::BYTES_PER_TOKEN;
 use crate::analysis::diagnosis::{
     BoundKept, CapConcurrency, Diagnosis, Evidence, Finding, Fix, Reserve, ShorterContext, SmallerLoad, StopHolder, Undecided,
 };
 use crate::analysis::proxy::share;
-use crate::analysis::server::{flag, ServerFamily, Setting};
+use crate::analysis::server::Setting;
 use crate::analysis::Category;
-use crate::units::{bytes, wall_clock};
+use crate::units::{bytes, one_line, wall_clock};
 
 /// A headline longer than this is cut: it is read at a glance.
 pub const HEADLINE: usize = 72;
@@ -74,23 +75,37 @@ pub fn block(d: &Diagnosis, at: &Recorded) -> Block {
         Finding::Undecided { why, evidence, .. } => {
             let mut lines: Vec<String> = evidence.iter().flat_map(memory).collect();
             lines.push(undecided(why, evidence.as_ref()));
-            (format!("OOM inconclusive: {}", short_reason(why)), lines, vec![decides(why).to_string()], None)
+            (format!("UNDECIDED: {}", short_reason(why)), lines, vec![decides(why).to_string()], None)
         }
         Finding::Judged { evidence: e, fix } => judged(d.category, e, fix, at),
     };
-    let check = at.trace.and(check);
-    Block { headline: cut(&headline), location: location(d, at), evidence, help, check }
+    let check = at.trace.and(check).filter(|_| trace(at).is_some());
+    // Every line one line: a command line, a flag's value or a proxy's config holds what its
+    // process wrote, which may hold a newline and a forged `= help:` after it.
+    let lines = |v: Vec<String>| v.iter().map(|l| one_line(l)).collect();
+    Block {
+        headline: cut(&one_line(&headline)),
+        location: location(d, at).map(|l| one_line(&l)),
+        evidence: lines(evidence),
+        help: lines(help),
+        check: check.map(|c| one_line(&c)),
+    }
 }
 
-/// The trace's path as one shell word (quoted where it needs to be).
-fn trace(at: &Recorded) -> String {
-    let path = at.trace.unwrap_or_default();
-    let plain = !path.is_empty() && path.chars().all(|c| c.is_ascii_alphanumeric() || "_./:@%+=,-".contains(c));
-    if plain {
-        path.to_string()
+/// The trace's path as one shell word: quoted where it needs to be, `./` before one that would
+/// read as an option; None where it holds what a terminal would not show as typed (a control or
+/// format character): a check the reader cannot paste is none.
+fn trace(at: &Recorded) -> Option<String> {
+    let path = at.trace?;
+    if path.is_empty() || path.chars().any(|c| c.is_control() || crate::units::for_terminal(&c.to_string()) != c.to_string()) {
+        return None;
+    }
+    let path = if path.starts_with('-') { format!("./{path}") } else { path.to_string() };
+    Some(if path.chars().all(|c| c.is_ascii_alphanumeric() || "_./:@%+=,-".contains(c)) {
+        path
     } else {
         format!("'{}'", path.replace('\'', "'\\''"))
-    }
+    })
 }
 
 /// One line: at most [`HEADLINE`] characters.
@@ -127,36 +142,14 @@ fn location(d: &Diagnosis, at: &Recorded) -> Option<String> {
     Some(parts.join(" · "))
 }
 
-/// The program and the sizing flags with their values; never other arguments (paths, keys,
-/// tokens): `vllm serve ... --max-num-seqs 256`.
-pub fn short_command(command: &[String]) -> String {
-    let family = ServerFamily::of(command);
-    let program = command.first().map(|a| a.rsplit('/').next().unwrap_or(a)).unwrap_or_default();
-    let mut out = program.to_string();
-    // The subcommand (`vllm serve`, `ollama serve`) or the module a Python runs
-    // (`python3 -m sglang.launch_server`): what names the server, never a value such as a model's
-    // path (llama-server's `-m`).
-    match (command.get(1).map(String::as_str), command.get(2)) {
-        (Some("serve"), _) => out += " serve",
-        (Some("-m"), Some(module)) if program.starts_with("python") => {
-            out += &format!(" -m {}", module.chars().take(48).collect::<String>())
-        }
-        _ => {}
+/// A setting's value now as the block shows it: a figure, or its default; what else follows a
+/// flag of that name on the command line is no engine's setting, and may be a secret.
+fn shown(value: &str) -> &str {
+    if is_figure(value) || value == "its default" {
+        value
+    } else {
+        "not a number"
     }
-    let sizing =
-        [family.context(), family.concurrency(), family.sharding()].into_iter().flatten().flat_map(|(_, names)| names.iter().copied());
-    let reserve = family.reserve().map(|(name, _)| name);
-    let flags: Vec<String> = sizing
-        .chain(reserve)
-        .filter_map(|name| flag(command, &[name]).map(|v| format!("{name} {}", v.chars().take(24).collect::<String>())))
-        .collect();
-    if command.len() > 1 {
-        out += " ...";
-    }
-    for f in flags {
-        out += &format!(" {f}");
-    }
-    out
 }
 
 /// The memory on the failing GPU, one line.
@@ -188,7 +181,7 @@ fn short_reason(why: &Undecided) -> String {
     match why {
         Undecided::NoService => "the failing process is in no traced service".into(),
         Undecided::RecordsLost(n) => format!("{n} kernel records were lost"),
-        Undecided::NotMemory => "it exited while loading; nothing points at memory".into(),
+        Undecided::NotMemory => "it died with nothing pointing at GPU memory".into(),
         Undecided::NoRequestInFlight => "no request was in flight".into(),
         Undecided::Unmet { category, .. } => format!("{} does not hold on its figures", category.name()),
     }
@@ -229,7 +222,12 @@ fn judged(category: Category, e: &Evidence, fix: &Fix, at: &Recorded) -> Lines {
 
 fn held(f: &StopHolder, e: &Evidence) -> Lines {
     let headline = match f.held {
-        Some(held) => format!("pid {} holds {} outside the server", f.kill, bytes(held)),
+        Some(held) if !f.also.is_empty() => format!(
+            "{} holders hold {} outside it",
+            f.also.len() + 1,
+            bytes(f.also.iter().map(|(_, b)| *b).fold(held, u64::saturating_add))
+        ),
+        Some(held) => format!("pid {} holds {} outside it", f.kill, bytes(held)),
         None => format!("pid {} holds an unknown amount", f.kill),
     };
     let listed: Vec<String> = e
@@ -241,7 +239,8 @@ fn held(f: &StopHolder, e: &Evidence) -> Lines {
     let help = if f.mps_server {
         "stop the MPS clients other than this server, or restart MPS: `echo quit | nvidia-cuda-mps-control`".to_string()
     } else {
-        format!("kill {}  (then start the server again)", f.kill)
+        let also: String = f.also.iter().map(|(pid, _)| format!(" {pid}")).collect();
+        format!("kill {}{also}  (then start the server again)", f.kill)
     };
     let mut evidence = vec![format!("held outside: {}", listed.join("; "))];
     if f.held.is_none() {
@@ -254,13 +253,13 @@ fn load(f: &SmallerLoad, e: &Evidence, at: &Recorded) -> Lines {
     let card = e.capacity_bytes.map_or_else(|| "?".to_string(), bytes);
     let mut help =
         vec![format!("a smaller model, or quantized: about {} at 8-bit, {} at 4-bit", bytes(f.load_bytes / 2), bytes(f.load_bytes / 4))];
-    let mut check = Some(format!("gputrace whatif {} --quantize 8", trace(at)));
+    let mut check = Some(format!("gputrace whatif {} --quantize 8", trace(at).unwrap_or_default()));
     match &f.reserve {
         Reserve::Fraction { flag, now, to } => {
-            help.push(format!("{flag} {to}  (now {now})"));
-            check = Some(format!("gputrace whatif {} --gpu-memory-utilization {to}", trace(at)));
+            help.push(format!("{flag} {to}  (now {})", shown(&now.to_string())));
+            check = Some(format!("gputrace whatif {} --gpu-memory-utilization {to}", trace(at).unwrap_or_default()));
         }
-        Reserve::Context { setting, now } => help.push(format!("lower {}  (now {now})", setting.name())),
+        Reserve::Context { setting, now } => help.push(format!("lower {}  (now {})", setting.name(), shown(now))),
         Reserve::None => {}
     }
     if let (Some((setting, now)), 2.., Some(capacity)) = (&f.sharding, f.gpus, e.capacity_bytes) {
@@ -271,11 +270,11 @@ fn load(f: &SmallerLoad, e: &Evidence, at: &Recorded) -> Lines {
             Setting::Flag("--tensor-split") => vec!["1"; needed.min(64) as usize].join(","),
             _ => needed.next_power_of_two().to_string(),
         };
-        help.push(format!("or shard it over more GPUs: {}  (now {now})", setting.with(value)));
+        help.push(format!("or shard it over more GPUs: {}  (now {})", setting.with(value), shown(now)));
     }
     let over = if f.gpus == 1 { "1 GPU".to_string() } else { format!("{} GPUs", f.gpus) };
     let params = format!("about {:.1}B parameters at FP16 over {over}", f.parameters_fp16);
-    (format!("loading needs {}, the card has {card}", bytes(f.load_bytes)), vec![params], help, check)
+    (format!("needs {} to load; card: {card}", bytes(f.load_bytes)), vec![params], help, check)
 }
 
 /// The flag whatif takes for a setting: the engine's own where whatif knows it.
@@ -302,7 +301,7 @@ fn long(f: &ShorterContext, at: &Recorded) -> Lines {
     let served = f.largest_served_request_bytes.map_or_else(|| "none seen served".to_string(), |s| format!("{} served", bytes(s)));
     let headline = match f.largest_fitting_request_bytes {
         Some(fits) => format!("a {} prompt, {} fits, {served}", bytes(f.failed_request_bytes), bytes(fits)),
-        None => format!("a {} prompt alone, {served}", bytes(f.failed_request_bytes)),
+        None => format!("a {} prompt failed alone, {served}", bytes(f.failed_request_bytes)),
     };
     let mut evidence = vec![format!(
         "the request that failed had received {} (about {} tokens); the largest served {}",
@@ -316,15 +315,26 @@ fn long(f: &ShorterContext, at: &Recorded) -> Lines {
     if f.estimate.is_some() {
         evidence.push("no request was measured since tracing began: the figures are an estimate".to_string());
     }
+    if f.grows_faster {
+        evidence.push(
+            "by what smaller requests cost it fits alone, yet alone it failed: its cost grows faster than its length (attention at long context)".to_string(),
+        );
+    }
     let (mut help, mut check) = (vec![], None);
     match (f.setting.as_ref(), f.context_tokens) {
         (Some((setting, now)), Some(tokens)) => {
             let value = tokens.saturating_mul(f.context_slots);
             let shared = if f.context_slots > 1 { format!(", shared by {} slots", f.context_slots) } else { String::new() };
-            help.push(format!("{}  (now {now}{shared})", setting.with(value)));
-            check = Some(format!("gputrace whatif {} {} {value}", trace(at), whatif_flag(*setting, "--max-model-len")));
+            help.push(format!("{}  (now {}{shared})", setting.with(value), shown(now)));
+            check = Some(format!("gputrace whatif {} {} {value}", trace(at).unwrap_or_default(), whatif_flag(*setting, "--max-model-len")));
         }
-        (Some((setting, now)), None) => help.push(format!("lower {}  (now {now})", setting.name())),
+        (Some((setting, now)), None) if f.grows_faster => {
+            help.push(format!("{} below {}  (now {})", setting.name(), tokens(f.failed_request_bytes), shown(now)))
+        }
+        (Some((setting, now)), None) => help.push(format!("lower {}  (now {})", setting.name(), shown(now))),
+        (None, _) if f.grows_faster => {
+            help.push(format!("lower the server's maximum context below {} tokens", tokens(f.failed_request_bytes)))
+        }
         (None, _) => help.push("lower the server's maximum context".to_string()),
     }
     (headline, evidence, help, check)
@@ -342,9 +352,9 @@ fn concurrent(f: &CapConcurrency, at: &Recorded) -> Lines {
     let mut check = None;
     match f.setting {
         Some(setting) => {
-            let now = f.now.as_deref().map(|n| format!("  (now {n})")).unwrap_or_else(|| "  (now its default)".to_string());
+            let now = format!("  (now {})", shown(f.now.as_deref().unwrap_or("its default")));
             help.push(format!("{}{now}", setting.with(cap)));
-            check = Some(format!("gputrace whatif {} {} {cap}", trace(at), whatif_flag(setting, "--max-num-seqs")));
+            check = Some(format!("gputrace whatif {} {} {cap}", trace(at).unwrap_or_default(), whatif_flag(setting, "--max-num-seqs")));
         }
         None => help.push(format!("cap the server's concurrency at {cap}")),
     }
@@ -399,5 +409,9 @@ mod tests {
         assert_eq!(short_command(&sglang), "python3 -m sglang.launch_server ... --context-length 8192");
         let llama = argv(&["llama-server", "-m", "/models/x.gguf", "-c", "16384", "-np", "4", "--api-key", "k"]);
         assert_eq!(short_command(&llama), "llama-server ... -c 16384 -np 4");
+        // A word `llama` makes the family llama.cpp's; a value after its `-c` that is no figure is
+        // no context, and may be a password.
+        let leak = argv(&["python3", "serve.py", "--arch", "llama", "-c", "postgres://svc:Pa55w0rd@db/x"]);
+        assert_eq!(short_command(&leak), "python3 ...");
     }
 }

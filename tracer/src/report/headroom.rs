@@ -89,7 +89,7 @@ pub fn table(all: &[Headroom]) -> String {
         let tightest = format!("{} at {:.2} s", h.tightest.fit_at_once, h.tightest.ts as f64 / 1e9);
         // Its program and sizing flags, as the verdict's location names it.
         let words: Vec<String> = h.service.split_whitespace().map(String::from).collect();
-        let service = super::block::short_command(&words);
+        let service = super::reasons::short_command(&words);
         out += &format!(
             "{:<10}{:<5}{:>11}{:>19}{:>9}{:>18}{:>15}  {service}\n",
             "",

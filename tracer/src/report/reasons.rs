@@ -8,6 +8,7 @@ use serde::{Serialize, Serializer};
 
 use crate::analysis::holders::Suspicion;
 use crate::analysis::nvml::{Gap, Unaccounted};
+use crate::analysis::server::{flag, ServerFamily};
 use crate::analysis::usage::GpuReport;
 use crate::units::bytes;
 
@@ -70,4 +71,43 @@ pub fn gpu_label(g: &GpuReport) -> String {
         (None, []) => "?".into(),
         (None, some) => format!("one of {}", some.iter().map(u32::to_string).collect::<Vec<_>>().join(", ")),
     }
+}
+
+/// The program and the sizing flags with their values; never other arguments (paths, keys,
+/// tokens): `vllm serve ... --max-num-seqs 256`.
+pub fn short_command(command: &[String]) -> String {
+    let family = ServerFamily::of(command);
+    let program = command.first().map(|a| a.rsplit('/').next().unwrap_or(a)).unwrap_or_default();
+    let mut out = program.to_string();
+    // The subcommand (`vllm serve`, `ollama serve`) or the module a Python runs
+    // (`python3 -m sglang.launch_server`): what names the server, never a value such as a model's
+    // path (llama-server's `-m`).
+    match (command.get(1).map(String::as_str), command.get(2)) {
+        (Some("serve"), _) => out += " serve",
+        (Some("-m"), Some(module)) if program.starts_with("python") => {
+            out += &format!(" -m {}", module.chars().take(48).collect::<String>())
+        }
+        _ => {}
+    }
+    let sizing =
+        [family.context(), family.concurrency(), family.sharding()].into_iter().flatten().flat_map(|(_, names)| names.iter().copied());
+    let reserve = family.reserve().map(|(name, _)| name);
+    let flags: Vec<String> = sizing
+        .chain(reserve)
+        // A sizing value is a number (or llama's split, `1,1`): anything else after a flag of
+        // that name is no setting of an engine's (`-c postgres://...`), and may be a secret.
+        .filter_map(|name| flag(command, &[name]).filter(|v| is_figure(v)).map(|v| format!("{name} {v}")))
+        .collect();
+    if command.len() > 1 {
+        out += " ...";
+    }
+    for f in flags {
+        out += &format!(" {f}");
+    }
+    out
+}
+
+/// A setting's value as engines take them: digits, a point, commas, a size's letter.
+pub fn is_figure(value: &str) -> bool {
+    !value.is_empty() && value.len() <= 24 && value.chars().all(|c| c.is_ascii_digit() || ".,kKmMgG".contains(c))
 }

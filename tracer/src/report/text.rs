@@ -42,7 +42,7 @@ pub fn painted(text: &str) -> String {
     let mut out = String::with_capacity(text.len() + 64);
     for line in text.split_inclusive('\n') {
         let (body, end) = line.strip_suffix('\n').map_or((line, ""), |b| (b, "\n"));
-        let colour = if body.starts_with("OOM inconclusive:") || body.starts_with("UNKNOWN:") || body.starts_with("PARTIAL:") {
+        let colour = if body.starts_with("UNDECIDED:") || body.starts_with("UNKNOWN:") || body.starts_with("PARTIAL:") {
             Some(YELLOW)
         } else if body.starts_with("OOM ") {
             Some(RED)

@@ -200,7 +200,7 @@ pub(super) fn undecided(why: &Undecided, e: Option<&Evidence>) -> String {
 /// What would decide it, for each precondition a category's figures did not meet.
 fn unmet_decides(unmet: &Unmet) -> &'static str {
     match unmet {
-        Unmet::LoadFitted { .. } | Unmet::OutsideShort { .. } | Unmet::HolderHoldsNothing { .. } | Unmet::Served => {
+        Unmet::LoadFitted { .. } | Unmet::OutsideShort { .. } | Unmet::HolderHoldsNothing { .. } | Unmet::HoldersShort { .. } | Unmet::Served => {
             "Run `gputrace doctor` (as root) to see who holds the GPU, and record with NVML available so that memory from before tracing is counted."
         }
         Unmet::RoomShrank { .. } => {
@@ -238,6 +238,11 @@ fn unmet_words(category: Category, unmet: &Unmet, e: Option<&Evidence>) -> Strin
             bytes(*asked_bytes)
         ),
         Unmet::HolderHoldsNothing { pid } => format!("{name} needs a holder that holds memory at the failure, and pid {pid} held none"),
+        Unmet::HoldersShort { holders_bytes, short_bytes } => format!(
+            "{name} needs holders to stop that free what the allocation lacked, and the 16 biggest hold {} against {} lacking",
+            bytes(*holders_bytes),
+            bytes(*short_bytes)
+        ),
         Unmet::LargerThanServed { failing_load_bytes, largest_served_load_bytes } => format!(
             "{name} needs a load no larger than those served, and the load in flight had received {}, over the {} served",
             bytes(*failing_load_bytes),
@@ -369,6 +374,17 @@ fn stop_holder(f: &StopHolder, e: &Evidence) -> Worded {
             "pid {pid} is the MPS server, which holds {} for MPS clients other than this server: stop those clients (`nvidia-smi` lists each with its memory), or, if none should be running, restart MPS: `echo quit | nvidia-cuda-mps-control`. Then start the server again.",
             bytes(held)
         ),
+        Some(held) if !f.also.is_empty() => {
+            let pids: Vec<String> = f.also.iter().map(|(p, _)| p.to_string()).collect();
+            let together = f.also.iter().map(|(_, b)| *b).fold(held, u64::saturating_add);
+            format!(
+                "Stop pid {pid} (`{command}`), which holds {} outside this server, and pids {} after it, which together hold {}: no one of them frees what the allocation lacked. `kill {pid} {}`. Then start the server again.",
+                bytes(held),
+                pids.join(", "),
+                bytes(together),
+                pids.join(" ")
+            )
+        }
         Some(held) => format!(
             "Stop pid {pid} (`{command}`), which holds {} outside this server: `kill {pid}`. Then start the server again.",
             bytes(held)
@@ -465,6 +481,14 @@ fn shorter_context(f: &ShorterContext) -> Worded {
             bytes(fits)
         ),
         _ => String::new(),
+    };
+    let why = if f.grows_faster {
+        format!(
+            ": below about {} tokens, the failing prompt's; by what smaller requests cost it fits alone, yet alone it failed: its cost grows faster than its length (attention at long context), so no larger context is computed from that cost",
+            f.failed_request_bytes / BYTES_PER_TOKEN
+        )
+    } else {
+        why
     };
     let why = match &f.estimate {
         Some(c) => format!(

@@ -48,8 +48,8 @@ pub fn outcome(o: &Outcome) -> String {
     };
     if let (Some(names), Some(c)) = (o.kv_unscaled, o.settings.max_context) {
         out += &format!(
-            "\nNOTE: the recorded command line does not say its context ({}; llama-server's default is the model's own), so the KV cache is replayed as recorded: a context of {c} below the one it ran with only shrinks it, and leaves more room than replayed; above it, less.",
-            names.join(", ")
+            "\nNOTE: the recorded command line does not say its context ({}), so the KV cache is replayed as recorded: a context of {c} below the one it ran with only shrinks it, and leaves more room than replayed; above it, less.",
+            if names.is_empty() { "its server takes it from the environment".to_string() } else { format!("{}; llama-server's default is the model's own", names.join(", ")) }
         );
     }
     if let Some(s) = &o.search {

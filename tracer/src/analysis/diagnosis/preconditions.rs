@@ -20,6 +20,11 @@ pub enum Unmet {
     HolderHoldsNothing {
         pid: u32,
     },
+    /// held-by-other-process: the holders the fix stops hold less than the allocation lacked.
+    HoldersShort {
+        holders_bytes: u64,
+        short_bytes: u64,
+    },
     /// does-not-fit-at-load: the service had served; or its allocation asked no more than
     /// was free by the trace's account (memory the trace cannot see was in use).
     Served,
@@ -106,20 +111,31 @@ pub fn kept_covers(load: u64, largest_load: u64, asked: Option<u64>, free: Optio
     covers.then_some(()).ok_or(Unmet::KeptShort { kept_bytes: kept, free_bytes: free, asked_bytes: asked })
 }
 
-/// What a fix claims, against its own figures: the holder it stops holds memory at the
-/// failure; the context it sets admits the largest request served (and one request at least);
+/// What a fix claims, against its own figures: the holders it stops hold memory at the failure,
+/// what the allocation lacked together; the context it sets admits the largest request served (and one request at least);
 /// the concurrency it caps is below what was in flight, which did not all fit, and one fits.
 pub fn fix_holds(e: &Evidence, fix: &Fix) -> Result<(), Unmet> {
     match fix {
         Fix::StopHolder(f) => {
             let holds = e.holders_outside.iter().any(|h| h.pid == f.kill && h.bytes != Some(0));
-            holds.then_some(()).ok_or(Unmet::HolderHoldsNothing { pid: f.kill })
+            if !holds {
+                return Err(Unmet::HolderHoldsNothing { pid: f.kill });
+            }
+            // Those it stops free what the allocation lacked (where their sizes are known).
+            let together = f.also.iter().map(|(_, b)| *b).fold(f.held.unwrap_or(u64::MAX), u64::saturating_add);
+            let short = e.failed_bytes.map_or(0, |asked| asked.saturating_sub(e.free_bytes.unwrap_or(0)));
+            if together < short {
+                return Err(Unmet::HoldersShort { holders_bytes: together, short_bytes: short });
+            }
+            Ok(())
         }
         Fix::ShorterContext(f) => match (f.largest_fitting_request_bytes, f.largest_served_request_bytes) {
             (Some(fits), Some(served)) if fits < served => {
                 Err(Unmet::RoomShrank { largest_served_request_bytes: served, largest_fitting_request_bytes: fits })
             }
             (Some(0), None) => Err(Unmet::NoneFitsAlone { bytes_per_request: None, room_bytes: None }),
+            // The request that failed alone is larger than the largest that fits.
+            (Some(fits), _) if fits >= f.failed_request_bytes => Err(Unmet::NoneFitsAlone { bytes_per_request: None, room_bytes: None }),
             _ => larger_than_served(f.failed_request_bytes, f.largest_served_request_bytes),
         },
         Fix::CapConcurrency(f) => {
