@@ -17,13 +17,19 @@ pub fn bytes(n: u64) -> String {
     }
 }
 
-/// A moment as servers' logs write it, in local time to the hundredth of a second, with the
-/// offset from UTC: "2026-12-07 10:15:32.41 +0000".
-pub fn wall_clock(wall_ns: u64) -> String {
+/// A moment (ns since the epoch) in local time, to the second.
+pub fn local_time(wall_ns: u64) -> libc::tm {
     let secs = (wall_ns / 1_000_000_000) as libc::time_t;
     // SAFETY: localtime_r fills a tm from a time_t.
     let mut tm: libc::tm = unsafe { std::mem::zeroed() };
     unsafe { libc::localtime_r(&secs, &mut tm) };
+    tm
+}
+
+/// A moment as servers' logs write it, in local time to the hundredth of a second, with the
+/// offset from UTC: "2026-12-07 10:15:32.41 +0000".
+pub fn wall_clock(wall_ns: u64) -> String {
+    let tm = local_time(wall_ns);
     let offset = tm.tm_gmtoff / 60;
     format!(
         "{:04}-{:02}-{:02} {:02}:{:02}:{:02}.{:02} {}{:02}{:02}",

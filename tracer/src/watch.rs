@@ -573,10 +573,7 @@ fn over_budget(mut dumps: Vec<StoredDump>, newest: &str, budget: u64) -> Vec<Str
 
 /// Local time as YYYYmmdd-HHMMSS.
 fn stamp(wall_ns: u64) -> String {
-    let secs = (wall_ns / 1_000_000_000) as libc::time_t;
-    // SAFETY: localtime_r fills a tm from a time_t.
-    let mut tm: libc::tm = unsafe { std::mem::zeroed() };
-    unsafe { libc::localtime_r(&secs, &mut tm) };
+    let tm = crate::units::local_time(wall_ns);
     format!("{:04}{:02}{:02}-{:02}{:02}{:02}", tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec)
 }
 

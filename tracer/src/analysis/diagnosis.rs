@@ -108,6 +108,13 @@ pub struct StopHolder {
     pub also: Vec<(u32, u64)>,
 }
 
+impl StopHolder {
+    /// What the holders it stops hold together; None where the first's size is unknown.
+    pub fn together(&self) -> Option<u64> {
+        self.held.map(|held| self.also.iter().map(|(_, b)| *b).fold(held, u64::saturating_add))
+    }
+}
+
 /// does-not-fit-at-load: a smaller or quantized model, or a smaller reserve.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SmallerLoad {
@@ -553,11 +560,7 @@ fn category(case: &Failing, lost: u64) -> Result<Category, Undecided> {
 
 fn held_by_other(case: &Failing) -> bool {
     let (outside, free) = (case.evidence.held_outside_bytes, case.evidence.free_bytes);
-    // A holder of unknown size (no NVML) is the suspect of a failure while loading: never a
-    // confident does-not-fit-at-load while it may be what filled the GPU. Once the service
-    // served, it fitted beside that holder: the holder is no explanation then.
-    let unknown = case.evidence.holders_outside.iter().any(|h| h.bytes.is_none());
-    if unknown && (case.evidence.phase == Phase::Load || case.failure.symptom == Symptom::StartupRefusal) {
+    if preconditions::unknown_suspect(case.failure.symptom, &case.evidence) {
         return true;
     }
     if outside == 0 {

@@ -79,7 +79,6 @@ pub fn block(d: &Diagnosis, at: &Recorded) -> Block {
         }
         Finding::Judged { evidence: e, fix } => judged(d.category, e, fix, at),
     };
-    let check = at.trace.and(check).filter(|_| trace(at).is_some());
     // Every line one line: a command line, a flag's value or a proxy's config holds what its
     // process wrote, which may hold a newline and a forged `= help:` after it.
     let lines = |v: Vec<String>| v.iter().map(|l| one_line(l)).collect();
@@ -106,6 +105,11 @@ fn trace(at: &Recorded) -> Option<String> {
     } else {
         format!("'{}'", path.replace('\'', "'\\''"))
     })
+}
+
+/// The `check:` that replays `settings` on the trace; none where there is no trace to name.
+fn whatif(at: &Recorded, settings: &str) -> Option<String> {
+    trace(at).map(|path| format!("gputrace whatif {path} {settings}"))
 }
 
 /// One line: at most [`HEADLINE`] characters.
@@ -222,11 +226,7 @@ fn judged(category: Category, e: &Evidence, fix: &Fix, at: &Recorded) -> Lines {
 
 fn held(f: &StopHolder, e: &Evidence) -> Lines {
     let headline = match f.held {
-        Some(held) if !f.also.is_empty() => format!(
-            "{} holders hold {} outside it",
-            f.also.len() + 1,
-            bytes(f.also.iter().map(|(_, b)| *b).fold(held, u64::saturating_add))
-        ),
+        Some(held) if !f.also.is_empty() => format!("{} holders hold {} outside it", f.also.len() + 1, bytes(f.together().unwrap_or(held))),
         Some(held) => format!("pid {} holds {} outside it", f.kill, bytes(held)),
         None => format!("pid {} holds an unknown amount", f.kill),
     };
@@ -253,11 +253,11 @@ fn load(f: &SmallerLoad, e: &Evidence, at: &Recorded) -> Lines {
     let card = e.capacity_bytes.map_or_else(|| "?".to_string(), bytes);
     let mut help =
         vec![format!("a smaller model, or quantized: about {} at 8-bit, {} at 4-bit", bytes(f.load_bytes / 2), bytes(f.load_bytes / 4))];
-    let mut check = Some(format!("gputrace whatif {} --quantize 8", trace(at).unwrap_or_default()));
+    let mut check = whatif(at, "--quantize 8");
     match &f.reserve {
         Reserve::Fraction { flag, now, to } => {
             help.push(format!("{flag} {to}  (now {})", shown(&now.to_string())));
-            check = Some(format!("gputrace whatif {} --gpu-memory-utilization {to}", trace(at).unwrap_or_default()));
+            check = whatif(at, &format!("--gpu-memory-utilization {to}"));
         }
         Reserve::Context { setting, now } => help.push(format!("lower {}  (now {})", setting.name(), shown(now))),
         Reserve::None => {}
@@ -326,7 +326,7 @@ fn long(f: &ShorterContext, at: &Recorded) -> Lines {
             let value = tokens.saturating_mul(f.context_slots);
             let shared = if f.context_slots > 1 { format!(", shared by {} slots", f.context_slots) } else { String::new() };
             help.push(format!("{}  (now {}{shared})", setting.with(value), shown(now)));
-            check = Some(format!("gputrace whatif {} {} {value}", trace(at).unwrap_or_default(), whatif_flag(*setting, "--max-model-len")));
+            check = whatif(at, &format!("{} {value}", whatif_flag(*setting, "--max-model-len")));
         }
         (Some((setting, now)), None) if f.grows_faster => {
             help.push(format!("{} below {}  (now {})", setting.name(), tokens(f.failed_request_bytes), shown(now)))
@@ -354,7 +354,7 @@ fn concurrent(f: &CapConcurrency, at: &Recorded) -> Lines {
         Some(setting) => {
             let now = format!("  (now {})", shown(f.now.as_deref().unwrap_or("its default")));
             help.push(format!("{}{now}", setting.with(cap)));
-            check = Some(format!("gputrace whatif {} {} {cap}", trace(at).unwrap_or_default(), whatif_flag(setting, "--max-num-seqs")));
+            check = whatif(at, &format!("{} {cap}", whatif_flag(setting, "--max-num-seqs")));
         }
         None => help.push(format!("cap the server's concurrency at {cap}")),
     }

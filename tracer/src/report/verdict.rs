@@ -209,7 +209,7 @@ fn unmet_decides(unmet: &Unmet) -> &'static str {
         Unmet::NoLargerThanServed { .. } | Unmet::LargerThanServed { .. } | Unmet::KeptShort { .. } => {
             "Watch the server's memory at rest over its next requests (`gputrace watch`: gputrace_kept_bytes_per_request) and read its log (a fragmenting allocator, memory the trace cannot see): a lower context would refuse requests it served."
         }
-        Unmet::NoneFitsAlone { .. } | Unmet::AllFit { .. } | Unmet::NotConcurrent { .. } => {
+        Unmet::NoneFitsAlone { .. } | Unmet::AllFit { .. } | Unmet::NotConcurrent { .. } | Unmet::FailedFits { .. } => {
             "Run `gputrace doctor` (as root) for memory the trace cannot see, and record the server from its start so that what one request costs is measured: neither a context nor a concurrency cap follows from these figures."
         }
     }
@@ -239,7 +239,7 @@ fn unmet_words(category: Category, unmet: &Unmet, e: Option<&Evidence>) -> Strin
         ),
         Unmet::HolderHoldsNothing { pid } => format!("{name} needs a holder that holds memory at the failure, and pid {pid} held none"),
         Unmet::HoldersShort { holders_bytes, short_bytes } => format!(
-            "{name} needs holders to stop that free what the allocation lacked, and the 16 biggest hold {} against {} lacking",
+            "{name} needs holders to stop that free what the allocation lacked, and those it would stop hold {} against {} lacking",
             bytes(*holders_bytes),
             bytes(*short_bytes)
         ),
@@ -269,6 +269,11 @@ fn unmet_words(category: Category, unmet: &Unmet, e: Option<&Evidence>) -> Strin
             maybe(*bytes_per_request),
             maybe(*room_bytes),
             maybe(free)
+        ),
+        Unmet::FailedFits { failed_request_bytes, largest_fitting_request_bytes } => format!(
+            "{name} needs the request that failed to be past what fits alone, and by what a request costs one of {} fits, larger than its {}",
+            bytes(*largest_fitting_request_bytes),
+            bytes(*failed_request_bytes)
         ),
         Unmet::NotConcurrent { in_flight } => format!("{name} needs several requests in flight, and {in_flight} was"),
         Unmet::AllFit { in_flight, bytes_per_request, room_bytes } => format!(
@@ -376,7 +381,7 @@ fn stop_holder(f: &StopHolder, e: &Evidence) -> Worded {
         ),
         Some(held) if !f.also.is_empty() => {
             let pids: Vec<String> = f.also.iter().map(|(p, _)| p.to_string()).collect();
-            let together = f.also.iter().map(|(_, b)| *b).fold(held, u64::saturating_add);
+            let together = f.together().unwrap_or(held);
             format!(
                 "Stop pid {pid} (`{command}`), which holds {} outside this server, and pids {} after it, which together hold {}: no one of them frees what the allocation lacked. `kill {pid} {}`. Then start the server again.",
                 bytes(held),

@@ -53,6 +53,11 @@ pub enum Unmet {
         largest_served_request_bytes: u64,
         largest_fitting_request_bytes: u64,
     },
+    /// long-request: by what a request costs, the one that failed fits alone.
+    FailedFits {
+        failed_request_bytes: u64,
+        largest_fitting_request_bytes: u64,
+    },
     /// long-request, concurrent-load: not one request fits alone in the room for requests.
     NoneFitsAlone {
         bytes_per_request: Option<u64>,
@@ -78,6 +83,13 @@ pub fn larger_than_served(failed: u64, served: Option<u64>) -> Result<(), Unmet>
         }
         _ => Ok(()),
     }
+}
+
+/// held-by-other-process, with NVML unavailable: a holder of unknown size is the suspect of a
+/// failure while loading, never a confident does-not-fit-at-load while it may be what filled the
+/// GPU. Once the service served, it fitted beside that holder: no explanation then.
+pub fn unknown_suspect(symptom: Symptom, e: &Evidence) -> bool {
+    e.holders_outside.iter().any(|h| h.bytes.is_none()) && (e.phase == Phase::Load || symptom == Symptom::StartupRefusal)
 }
 
 /// held-by-other-process, for a failed allocation: freeing what others hold makes room for it.
@@ -122,7 +134,7 @@ pub fn fix_holds(e: &Evidence, fix: &Fix) -> Result<(), Unmet> {
                 return Err(Unmet::HolderHoldsNothing { pid: f.kill });
             }
             // Those it stops free what the allocation lacked (where their sizes are known).
-            let together = f.also.iter().map(|(_, b)| *b).fold(f.held.unwrap_or(u64::MAX), u64::saturating_add);
+            let together = f.together().unwrap_or(u64::MAX);
             let short = e.failed_bytes.map_or(0, |asked| asked.saturating_sub(e.free_bytes.unwrap_or(0)));
             if together < short {
                 return Err(Unmet::HoldersShort { holders_bytes: together, short_bytes: short });
@@ -135,7 +147,9 @@ pub fn fix_holds(e: &Evidence, fix: &Fix) -> Result<(), Unmet> {
             }
             (Some(0), None) => Err(Unmet::NoneFitsAlone { bytes_per_request: None, room_bytes: None }),
             // The request that failed alone is larger than the largest that fits.
-            (Some(fits), _) if fits >= f.failed_request_bytes => Err(Unmet::NoneFitsAlone { bytes_per_request: None, room_bytes: None }),
+            (Some(fits), _) if fits >= f.failed_request_bytes => {
+                Err(Unmet::FailedFits { failed_request_bytes: f.failed_request_bytes, largest_fitting_request_bytes: fits })
+            }
             _ => larger_than_served(f.failed_request_bytes, f.largest_served_request_bytes),
         },
         Fix::CapConcurrency(f) => {
@@ -159,10 +173,9 @@ pub fn fix_holds(e: &Evidence, fix: &Fix) -> Result<(), Unmet> {
 /// refusal's check here is that others held memory (or a holder of unknown size).
 pub fn check(d: &Diagnosis) -> Result<(), Unmet> {
     let Finding::Judged { evidence: e, fix } = &d.finding else { return Ok(()) };
-    let unknown_holder = e.holders_outside.iter().any(|h| h.bytes.is_none());
     match d.category {
         Category::HeldByOtherProcess => match (d.symptom, e.failed_bytes) {
-            _ if unknown_holder && (e.phase == Phase::Load || d.symptom == Symptom::StartupRefusal) => Ok(()),
+            _ if unknown_suspect(d.symptom, e) => Ok(()),
             (Symptom::FailedAllocation, Some(asked)) => outside_covers(asked, e.free_bytes, e.held_outside_bytes),
             _ if e.held_outside_bytes == 0 => {
                 Err(Unmet::OutsideShort { outside_bytes: 0, free_bytes: e.free_bytes, asked_bytes: e.failed_bytes.unwrap_or(0) })
